@@ -1,0 +1,56 @@
+"""Run one lowering directly on JAX arrays and compare it with PyTorch on CPU.
+
+This checks the aten → jax table in isolation (no tpu tensors involved): arguments are CPU
+tensors, converted to JAX arrays for the lowering; the result is converted back, cast to the
+dtype torch predicts, and compared with the op run by torch itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map
+
+from tpu_train.ops import registry
+from tpu_train.ops.dtypes import numpy_dtype, storage_dtype
+
+
+def to_jax(value):
+    if isinstance(value, torch.Tensor):
+        host = value.detach().cpu()
+        if host.dtype == torch.bfloat16:
+            return jnp.asarray(host.float().numpy(), dtype=jnp.bfloat16)
+        return jnp.asarray(host.numpy(), dtype=storage_dtype(host.dtype))
+    return value
+
+
+def to_torch(array, dtype: torch.dtype) -> torch.Tensor:
+    host = np.asarray(jax.device_get(array))
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(host.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(host.astype(numpy_dtype(dtype)))
+
+
+def run_lowering(op: torch._ops.OpOverload, *args, rng_key=None, **kwargs):
+    lowering = registry.get_lowering(op)
+    assert lowering is not None, f"no lowering registered for {op}"
+    expected = op(*args, **kwargs)
+    jargs, jkwargs = tree_map(to_jax, (args, kwargs))
+    if lowering.random:
+        jkwargs["rng_key"] = rng_key if rng_key is not None else jax.random.key(0)
+    got = lowering.fn(*jargs, **jkwargs)
+    if isinstance(expected, torch.Tensor):
+        return to_torch(got, expected.dtype), expected
+    return [to_torch(g, e.dtype) for g, e in zip(got, expected)], list(expected)
+
+
+def assert_lowering_matches(op, *args, atol=1e-5, rtol=1e-5, **kwargs):
+    got, expected = run_lowering(op, *args, **kwargs)
+    if isinstance(expected, torch.Tensor):
+        got, expected = [got], [expected]
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape, f"{op}: shape {tuple(g.shape)} != torch's {tuple(e.shape)}"
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m: f"{op}: {m}")

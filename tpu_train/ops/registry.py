@@ -1,0 +1,99 @@
+"""The aten → JAX lowering table shared by eager execution and the compiled step.
+
+A *lowering* is a plain function that computes one aten op on JAX arrays. It mirrors the
+aten schema of the op it lowers:
+
+* every ``Tensor`` argument arrives as a ``jax.Array`` (``Tensor?`` may be ``None``,
+  ``Tensor[]`` is a list of arrays);
+* ``ScalarType`` / ``Layout`` / ``Device`` / ``MemoryFormat`` arguments stay torch objects
+  (see :mod:`tpu_train.ops.dtypes` for the dtype mapping);
+* ``int`` / ``int[]`` / ``bool`` / ``str`` arguments are Python values (static);
+* ``float`` and ``Scalar`` arguments holding a Python ``float`` may be JAX tracers in eager
+  mode (so that a learning rate that changes every step does not recompile), so a lowering
+  must never branch in Python on a float's value;
+* it returns a ``jax.Array`` or a tuple of them, in the order of the schema's returns.
+
+The caller casts each result to the dtype PyTorch's own meta kernels predict, so a lowering
+may compute in a wider type; it must get the *shape* right.
+
+Lowerings are registered for functional (non-mutating) overloads only. In-place and ``out=``
+variants are derived by the device layer: it runs the functional overload and writes the
+result into the mutated tensor (that is what keeps PyTorch's aliasing semantics).
+View ops are lowered with value semantics (a view is a reshape / slice / transpose of the
+value); eager mode handles their aliasing through storage geometry, the compiled step uses
+these lowerings directly.
+
+Random ops take the PRNG key as a keyword argument ``rng_key`` (a ``jax.random`` key) and are
+registered with ``random=True``; the caller supplies a fresh key per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Union
+
+import torch
+
+aten = torch.ops.aten
+
+OpLike = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    op: torch._ops.OpOverload
+    fn: Callable
+    random: bool = False
+
+
+_TABLE: dict[torch._ops.OpOverload, Lowering] = {}
+
+
+def _overloads(op: OpLike) -> Iterable[torch._ops.OpOverload]:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        for name in op.overloads():
+            yield getattr(op, name)
+    else:
+        yield op
+
+
+def lowers(*ops: OpLike, random: bool = False, override: bool = False):
+    """Register the decorated function as the lowering of ``ops``.
+
+    Passing a packet (``aten.add``) registers every overload of it; pass overloads
+    (``aten.add.Tensor``) to be specific. Registering an overload twice is an error unless
+    ``override=True``: two files silently fighting over one op is a bug.
+    """
+
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            for overload in _overloads(op):
+                if _is_mutating(overload) and isinstance(op, torch._ops.OpOverloadPacket):
+                    # A packet such as aten.add also holds add.out / add_.Tensor-like overloads:
+                    # those are derived by the device layer, never lowered directly.
+                    continue
+                if overload in _TABLE and not override:
+                    raise ValueError(
+                        f"{overload} already lowered by {_TABLE[overload].fn.__module__}."
+                        f"{_TABLE[overload].fn.__name__}; pass override=True to replace it")
+                _TABLE[overload] = Lowering(overload, fn, random)
+        return fn
+
+    return register
+
+
+def get_lowering(op: torch._ops.OpOverload) -> Lowering | None:
+    return _TABLE.get(op)
+
+
+def lowered_ops() -> list[torch._ops.OpOverload]:
+    return sorted(_TABLE, key=str)
+
+
+def _is_mutating(op: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def is_mutating(op: torch._ops.OpOverload) -> bool:
+    """True for in-place and ``out=`` overloads (any argument the schema marks as written)."""
+    return _is_mutating(op)
