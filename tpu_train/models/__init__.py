@@ -1,0 +1,80 @@
+"""Llama models in plain PyTorch, with Hugging Face interop and KV-cache generation.
+
+The model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
+module runs eagerly on the CPU or the ``tpu`` device and traces with ``make_fx`` for compiled
+training steps.
+
+Configurations::
+
+    from tpu_train.models import get_config, CONFIGS, num_params, flops_per_token
+    cfg = get_config("llama3_1_8b", max_seq_len=8192)   # named config + field overrides
+    sorted(CONFIGS)    # debug_tiny, llama2_7b, llama3_1_70b, llama3_1_8b, llama3_2_1b, llama3_2_3b
+    num_params(cfg)                # 8_030_261_248
+    flops_per_token(cfg, 8192)     # 6 * matmul params + 12 * n_layers * dim * seq_len
+
+Building and initializing (cheap on the meta device, then materialized once)::
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.init_weights(seed=0, device="cpu")   # or init_weights(model, seed, device)
+
+``model(tokens, start_pos=0, cache=None)`` maps ``[batch, seq]`` token ids to
+``[batch, seq, vocab]`` logits in the parameters' dtype. Attention is plain causal
+(``scaled_dot_product_attention(is_causal=True)``); grouped-query heads are expanded before it.
+RoPE follows Hugging Face's rotate-half layout (with Llama-3.1 frequency scaling), so HF
+weights load without permutation. Module names: ``tok_embeddings``,
+``layers.N.attention.{wq,wk,wv,wo}``, ``layers.N.feed_forward.{w1,w2,w3}`` (gate, down, up),
+``layers.N.{attention_norm,ffn_norm}``, ``norm``, ``output`` (absent when embeddings are tied).
+
+Hugging Face checkpoints (safetensors, single file or sharded with an index)::
+
+    model = from_pretrained("/ckpt/Llama-3.2-1B", dtype=torch.bfloat16, device="cpu")
+    save_pretrained(model, "/out/finetuned", max_shard_bytes=5 * 10**9, eos_token_id=128001)
+
+``from_pretrained`` allocates the model once and copies tensors in one at a time; errors name
+the file and tensor at fault. ``save_pretrained`` output loads with
+``transformers.LlamaForCausalLM.from_pretrained``. ``config_from_hf`` / ``config_to_hf``
+translate config dicts.
+
+Generation::
+
+    out = generate(model, prompt_tokens, max_new_tokens=64)               # greedy
+    out = generate(model, prompt_tokens, 64, temperature=0.8, top_p=0.95,
+                   eos_token_id=[128001, 128009], generator=torch.Generator().manual_seed(0))
+
+``out`` is ``[batch, prompt_len + new]`` on the model's device. Incremental decoding uses a
+:class:`KVCache`, which can also be passed to the forward directly.
+"""
+
+from .config import CONFIGS, LlamaConfig, RopeScaling, flops_per_token, get_config, num_params
+from .generation import generate, sample_next_token
+from .hf import config_from_hf, config_to_hf, from_pretrained, hf_name, save_pretrained
+from .kv_cache import KVCache
+from .llama import Attention, FeedForward, Llama, RMSNorm, TransformerBlock, init_weights
+from .rope import apply_rotary, inverse_frequencies, rope_tables
+
+__all__ = [
+    "CONFIGS",
+    "Attention",
+    "FeedForward",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "RMSNorm",
+    "RopeScaling",
+    "TransformerBlock",
+    "apply_rotary",
+    "config_from_hf",
+    "config_to_hf",
+    "flops_per_token",
+    "from_pretrained",
+    "generate",
+    "get_config",
+    "hf_name",
+    "init_weights",
+    "inverse_frequencies",
+    "num_params",
+    "rope_tables",
+    "sample_next_token",
+    "save_pretrained",
+]

@@ -1,0 +1,377 @@
+"""Hugging Face Llama checkpoints: config translation, loading and saving safetensors.
+
+Loading builds the model on the meta device, allocates it once on the target device and dtype,
+then copies the checkpoint in tensor by tensor, so at most one checkpoint tensor is held on
+the CPU besides the model. Saving goes shard by shard for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import LlamaConfig, RopeScaling
+from .llama import Llama
+
+__all__ = [
+    "config_from_hf",
+    "config_to_hf",
+    "from_pretrained",
+    "hf_name",
+    "save_pretrained",
+]
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Hugging Face's default shard size ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+# Our name -> HF name, per layer.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+# Present in some older exports; derived from the config, so safe to skip.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face ``LlamaForCausalLM`` name of one of our parameter names."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def _our_name(hf: str) -> str | None:
+    if hf in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[hf]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    if match and match.group(2) in _HF_LAYER_NAMES:
+        return f"layers.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Config translation
+
+
+def _rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes "rope_parameters" (theta included); older files write
+    # "rope_theta" plus an optional "rope_scaling" whose type key is "rope_type" or "type".
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"{source}: unsupported RoPE scaling type {rope_type!r}; only 'default' and "
+            "'llama3' are implemented"
+        )
+    try:
+        return float(theta), RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_seq_len=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as missing:
+        raise ValueError(f"{source}: llama3 rope scaling lacks the field {missing}") from None
+
+
+def config_from_hf(hf: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
+    """Translate a Hugging Face ``LlamaConfig`` dict (the contents of config.json).
+
+    ``source`` names the file in error messages. Raises ``ValueError`` for architectures or
+    options this model does not implement (biases, a non-SiLU activation, a head_dim other
+    than hidden_size / num_attention_heads, RoPE scaling other than llama3).
+    """
+    model_type = hf.get("model_type")
+    architectures = hf.get("architectures") or []
+    if model_type != "llama" or (architectures and "LlamaForCausalLM" not in architectures):
+        raise ValueError(
+            f"{source}: unsupported architecture (model_type={model_type!r}, "
+            f"architectures={architectures}); only Llama checkpoints (model_type 'llama', "
+            "LlamaForCausalLM) can be loaded"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; expected 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag, False):
+            raise ValueError(f"{source}: {flag}=true is not supported by this Llama")
+    try:
+        dim = int(hf["hidden_size"])
+        n_heads = int(hf["num_attention_heads"])
+        fields = dict(
+            dim=dim,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            vocab_size=int(hf["vocab_size"]),
+            ffn_hidden_dim=int(hf["intermediate_size"]),
+        )
+    except KeyError as missing:
+        raise ValueError(f"{source}: required field {missing} is missing") from None
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * n_heads != dim:
+        raise ValueError(
+            f"{source}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
+            f"{dim // n_heads}; decoupled head sizes are not supported"
+        )
+    theta, scaling = _rope_from_hf(hf, source)
+    return LlamaConfig(
+        **fields,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_to_hf(cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32,
+                 bos_token_id: int | None = None,
+                 eos_token_id: int | list[int] | None = None) -> dict:
+    """A Hugging Face config.json dict for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    rope_scaling = None
+    if cfg.rope_scaling is not None:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling.factor,
+            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_seq_len,
+        }
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
+    }
+    if bos_token_id is not None:
+        hf["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        hf["eos_token_id"] = eos_token_id
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _weight_locations(directory: Path) -> tuple[dict[str, Path] | None, list[Path], Path]:
+    """``(hf name -> file or None if unknown, files to read, file to blame for a missing name)``."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
+        files = sorted({directory / f for f in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} lists shard {file.name}, but {file} is missing")
+        return {name: directory / f for name, f in weight_map.items()}, files, index
+    single = directory / SINGLE_WEIGHTS_FILE
+    if single.is_file():
+        return None, [single], single
+    legacy = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+        p.name for p in directory.glob("*.pth"))
+    hint = (f" (found {', '.join(legacy)}: re-save it with safe_serialization=True)"
+            if legacy else "")
+    raise FileNotFoundError(
+        f"no safetensors weights in {directory}: expected {SINGLE_WEIGHTS_FILE} or "
+        f"{INDEX_FILE} with its shards{hint}"
+    )
+
+
+def _dtype_from_hf(hf: dict) -> torch.dtype:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{CONFIG_FILE}: unrecognised dtype {name!r}; pass dtype= explicitly")
+    return dtype
+
+
+@torch.no_grad()
+def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> Llama:
+    """Load a Hugging Face Llama directory (config.json + safetensors, single or sharded).
+
+    ``dtype`` defaults to the dtype recorded in config.json (float32 if absent); ``device``
+    defaults to the CPU. Raises ``FileNotFoundError``/``ValueError`` naming the file (and
+    tensor) at fault for a missing config or weights, a missing or unexpected tensor, a shape
+    mismatch, or an unsupported architecture.
+    """
+    directory = Path(path)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{config_path} not found: from_pretrained expects a Hugging Face Llama directory "
+            "containing config.json and safetensors weights"
+        )
+    hf = json.loads(config_path.read_text())
+    cfg = config_from_hf(hf, source=str(config_path))
+    dtype = dtype if dtype is not None else _dtype_from_hf(hf)
+    weight_map, files, blame = _weight_locations(directory)
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to(dtype=dtype).to_empty(device=device if device is not None else "cpu")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for hf_key in reader.keys():
+                ours = _our_name(hf_key)
+                if ours is None:
+                    if hf_key.endswith(_IGNORED_HF_SUFFIXES):
+                        continue
+                    raise ValueError(
+                        f"{file}: unexpected tensor {hf_key!r}, not part of a Llama model with "
+                        f"this config.json"
+                    )
+                if ours == "output.weight" and cfg.tie_embeddings:
+                    continue  # some tied exports store the shared matrix twice
+                if ours not in params:
+                    raise ValueError(
+                        f"{file}: tensor {hf_key!r} does not fit the config in {config_path} "
+                        f"(num_hidden_layers={cfg.n_layers}, "
+                        f"tie_word_embeddings={cfg.tie_embeddings})"
+                    )
+                param = params[ours]
+                shape = tuple(reader.get_slice(hf_key).get_shape())
+                if shape != tuple(param.shape):
+                    raise ValueError(
+                        f"{file}: tensor {hf_key!r} has shape {list(shape)} but the config in "
+                        f"{config_path} requires {list(param.shape)}"
+                    )
+                param.copy_(reader.get_tensor(hf_key))
+                loaded.add(ours)
+    missing = [hf_name(n) for n in params if n not in loaded]
+    if missing:
+        where = blame
+        if weight_map is not None and missing[0] in weight_map:
+            where = weight_map[missing[0]]
+        raise ValueError(
+            f"{where}: missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    model.reset_rope_tables()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes:
+        if shards[-1] and filled + size > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size
+    return shards
+
+
+@torch.no_grad()
+def save_pretrained(model: Llama, path: str | Path,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *,
+                    bos_token_id: int | None = None,
+                    eos_token_id: int | list[int] | None = None) -> None:
+    """Write ``model`` as a Hugging Face Llama directory loadable by
+    ``transformers.LlamaForCausalLM.from_pretrained`` (and by :func:`from_pretrained`).
+
+    Writes config.json, generation_config.json and ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the
+    weights exceed ``max_shard_bytes``. Weight files left by an earlier save in ``path`` are
+    removed first so that a stale index or shard cannot shadow the new one. Parameters may
+    live on any device; each shard is gathered to the CPU in turn.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.iterdir():
+        if stale.name in (SINGLE_WEIGHTS_FILE, INDEX_FILE) or _SHARD_PATTERN.fullmatch(stale.name):
+            stale.unlink()
+
+    params = dict(model.named_parameters())
+    dtype = model.tok_embeddings.weight.dtype
+    hf_config = config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
+                             eos_token_id=eos_token_id)
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {"_from_model_config": True}
+    if bos_token_id is not None:
+        generation["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        generation["eos_token_id"] = eos_token_id
+    (directory / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+
+    sizes = [(name, p.numel() * p.element_size()) for name, p in params.items()]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        tensors = {hf_name(n): params[n].detach().to("cpu").contiguous() for n in shards[0]}
+        save_file(tensors, str(directory / SINGLE_WEIGHTS_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {hf_name(n): params[n].detach().to("cpu").contiguous() for n in names}
+        save_file(tensors, str(directory / file_name), metadata=metadata)
+        weight_map.update({key: file_name for key in tensors})
+        del tensors
+    index = {"metadata": {"total_size": sum(size for _, size in sizes)}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

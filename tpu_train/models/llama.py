@@ -1,0 +1,235 @@
+"""The Llama decoder in plain PyTorch.
+
+Every op in the training forward is static in shape and free of data-dependent Python
+control flow, so the same module runs eagerly on any device and traces with ``make_fx``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .rope import apply_rotary, rope_tables
+
+__all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "init_weights"]
+
+# Hugging Face's initializer_range for Llama.
+_INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The statistics are taken in float32 even for bf16 activations (as in the reference
+        # implementation): the mean of squares loses too much precision in bf16.
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, kv, T, D] -> [B, kv * rep, T, D], query head h reading kv head h // rep. An explicit
+        # expand keeps SDPA on its plain path (enable_gqa is not lowered everywhere).
+        rep = self.n_heads // self.n_kv_heads
+        if rep == 1:
+            return x
+        b, kv, t, d = x.shape
+        return x[:, :, None].expand(b, kv, rep, t, d).reshape(b, kv * rep, t, d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_id, start_pos, k, v)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        total = k.shape[2]
+        if total == seq:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif seq == 1:
+            # A single new query may see every cached position.
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            # A block of queries after a cached prefix: is_causal would align the triangle to
+            # the top-left corner, so build the bottom-right aligned mask explicitly.
+            mask = torch.ones(seq, total, dtype=torch.bool, device=q.device).tril(total - seq)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention + pre-norm MLP, each with a residual connection."""
+
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama 2 / 3 / 3.1 / 3.2 decoder-only language model.
+
+    Build cheaply on the meta device and materialize afterwards::
+
+        with torch.device("meta"):
+            model = Llama(get_config("llama3_1_8b"))
+        model.init_weights(seed=0, device="cpu")
+
+    With ``tie_embeddings`` there is no ``output`` module: the logits reuse
+    ``tok_embeddings.weight``, so the model holds a single parameter for both.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = (None if config.tie_embeddings
+                       else nn.Linear(config.dim, config.vocab_size, bias=False))
+        # Non-persistent: derived from the config, never stored in checkpoints.
+        cos, sin = _empty_or_computed_rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, *, start_pos: int = 0,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` at positions
+        ``start_pos ... start_pos + seq - 1``; with ``cache``, attention also covers the
+        cached positions before ``start_pos``."""
+        if tokens.dim() != 2:
+            raise ValueError(
+                f"tokens must be a [batch, seq] tensor of token ids, got shape {tuple(tokens.shape)}"
+            )
+        seq = tokens.shape[1]
+        if start_pos < 0 or start_pos + seq > self.config.max_seq_len:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + seq - 1} exceed the model's max_seq_len "
+                f"{self.config.max_seq_len}; shorten the input or raise config.max_seq_len"
+            )
+        cos = self.rope_cos[start_pos:start_pos + seq]
+        sin = self.rope_sin[start_pos:start_pos + seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, start_pos, cache)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def reset_rope_tables(self) -> None:
+        """Recompute the RoPE buffers in place (after ``to_empty`` or a config change)."""
+        cos, sin = rope_tables(self.config)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def init_weights(self, seed: int = 0, device: torch.device | str | None = None) -> "Llama":
+        """See :func:`init_weights`."""
+        return init_weights(self, seed, device)
+
+
+def _empty_or_computed_rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (cfg.max_seq_len, cfg.head_dim // 2)
+    if torch.empty(0).device.type == "meta":
+        return torch.empty(shape), torch.empty(shape)
+    cos, sin = rope_tables(cfg)
+    default_device = torch.empty(0).device
+    return cos.to(default_device), sin.to(default_device)
+
+
+def _init_std(name: str, cfg: LlamaConfig) -> float | None:
+    """Standard deviation for a parameter, or ``None`` for norm scales (initialized to one)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        # Residual-branch outputs shrink with depth so the residual stream's variance stays
+        # roughly constant at initialization (GPT-2 style).
+        return _INIT_STD / math.sqrt(2 * cfg.n_layers)
+    return _INIT_STD
+
+
+def init_weights(model: Llama, seed: int = 0,
+                 device: torch.device | str | None = None) -> Llama:
+    """Materialize (if on the meta device) and initialize ``model`` deterministically.
+
+    Values are drawn in float32 on the CPU from a generator seeded with ``seed``, one
+    parameter at a time in ``named_parameters`` order, then copied to the parameter's device
+    and dtype: the same seed gives the same weights on every device and in every dtype.
+    Linear and embedding weights are N(0, 0.02), the residual output projections (``wo``,
+    ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one. A model on the meta device is
+    first moved with ``to_empty(device=device or "cpu")``; otherwise ``device`` must be None
+    or the model's device.
+    """
+    tensors = list(model.parameters()) + list(model.buffers())
+    if any(t.is_meta for t in tensors):
+        model.to_empty(device=device if device is not None else "cpu")
+    elif device is not None and torch.device(device) != model.tok_embeddings.weight.device:
+        raise ValueError(
+            f"init_weights(device={device!r}) on a model already on "
+            f"{model.tok_embeddings.weight.device}; move it with model.to(...) instead"
+        )
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = _init_std(name, model.config)
+            if std is None:
+                param.fill_(1.0)
+                continue
+            value = torch.empty(param.shape, dtype=torch.float32)
+            value.normal_(mean=0.0, std=std, generator=generator)
+            param.copy_(value)
+    model.reset_rope_tables()
+    return model
