@@ -1,0 +1,199 @@
+"""Typed configuration schema of ``tpu-train``, registered in Hydra's ConfigStore.
+
+Every section is a dataclass, so Hydra runs in struct mode: a misspelt key or a value of the
+wrong type fails at composition time instead of being silently ignored.  ``configs/config.yaml``
+lists ``schema`` first in its defaults, which merges these dataclasses under the YAML files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class StepMode(Enum):
+    """How a training step runs: op by op in PyTorch, or as one compiled program."""
+
+    eager = "eager"
+    compiled = "compiled"
+
+
+class Precision(Enum):
+    """``bf16`` runs forward and loss under ``torch.autocast`` in bfloat16; weights stay fp32."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class OnNonFinite(Enum):
+    """What a non-finite loss does: stop the run, or drop that update and continue."""
+
+    stop = "stop"
+    skip = "skip"
+
+
+class ScheduleName(Enum):
+    """Learning-rate schedule: warmup then cosine decay, or warmup-stable-decay, or constant."""
+
+    warmup_cosine = "warmup_cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class DataKind(Enum):
+    """Source of training examples."""
+
+    synthetic = "synthetic"  # generated instruction task with exact-match answers
+    text = "text"  # JSONL {"text": ...}, packed
+    instruction = "instruction"  # JSONL {"instruction", "input"?, "output"}, prompt masked
+    chat = "chat"  # JSONL {"messages": [{"role", "content"}, ...]}, prompt masked
+
+
+@dataclass
+class ModelConfig:
+    """Which Llama to build, and optionally a Hugging Face directory to load weights from."""
+
+    name: str = "debug_tiny"
+    checkpoint: Optional[str] = None  # HF directory; parameters only (no optimizer state)
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.synthetic
+    path: Optional[str] = None  # training JSONL (not used by kind=synthetic)
+    val_path: Optional[str] = None  # validation JSONL; None: no validation for JSONL data
+    tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token one
+    seq_len: int = 128
+    batch_size: int = 8
+    num_examples: int = 2048  # synthetic task: training examples generated
+    num_val_examples: int = 64  # synthetic task: held-out examples (loss and exact match)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class SchedulerConfig:
+    name: ScheduleName = ScheduleName.warmup_cosine
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # final lr as a fraction of optim.lr
+    decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying at the end
+
+
+@dataclass
+class ParallelConfig:
+    """Mesh degrees; -1 means infer from the number of devices (checked by the parallel layer)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 50
+    keep_last: int = 2
+    async_save: bool = False  # copy to CPU, then write on a background thread
+    export_hf: bool = True  # write a Hugging Face directory at the end of training
+
+
+@dataclass
+class LoggingConfig:
+    every_n_steps: int = 10
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    seed: int = 0
+    mode: StepMode = StepMode.eager
+    device: str = "cpu"  # "cpu" or "tpu"
+    precision: Precision = Precision.fp32
+    grad_accum_steps: int = 1
+    max_grad_norm: Optional[float] = 1.0  # null disables clipping
+    activation_checkpointing: bool = False
+    val_every_n_steps: int = 50  # 0 disables periodic validation
+    val_batches: int = 4
+    on_nan: OnNonFinite = OnNonFinite.stop
+
+
+@dataclass
+class RunConfig:
+    # A directory that already holds a checkpoint is resumed.  In a multirun each job gets
+    # <dir>/<job number>.
+    dir: str = "runs/${recipe.name}/${now:%Y-%m-%d_%H-%M-%S}"
+
+
+@dataclass
+class PlanConfig:
+    chip: Optional[str] = None  # target chip for ahead-of-time planning, e.g. "v5e"
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: List[str] = field(
+        default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    )
+
+
+@dataclass
+class GenerateConfig:
+    prompts: List[str] = field(default_factory=lambda: ["Hello"])
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+
+
+@dataclass
+class EvalConfig:
+    batches: int = 8
+    exact_match_examples: int = 32
+    max_new_tokens: int = 16
+
+
+@dataclass
+class RecipeConfig:
+    name: str = "llama_finetune"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class Config:
+    """The whole composed configuration of one ``tpu-train`` job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+SCHEMA_NAME = "schema"
+
+
+def register_schema() -> None:
+    """Register :class:`Config` as ``schema`` in Hydra's ConfigStore (idempotent)."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
