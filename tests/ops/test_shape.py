@@ -1,0 +1,304 @@
+"""View, split, join and tiling lowerings against PyTorch on CPU, eagerly and under jax.jit."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import tpu_train.ops.shape  # noqa: F401  (registers the lowerings)
+from tests.ops.lowering_check import assert_lowering_matches, to_jax, to_torch
+from tpu_train.ops import registry
+
+aten = torch.ops.aten
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+def make(shape, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-50, 50, shape, generator=generator).to(dtype)
+
+
+def assert_jitted_matches(op, *args, **kwargs):
+    """The lowering traced once by ``jax.jit`` (tensors as traced arguments) matches torch.
+
+    This is how the compiled step runs it: any branch on array values fails here.
+    """
+    expected = op(*args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    fn = registry.get_lowering(op).fn
+
+    def traced(*arrays):
+        filled = list(leaves)
+        for slot, array in zip(tensor_slots, arrays):
+            filled[slot] = array
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return fn(*call_args, **call_kwargs)
+
+    got = jax.jit(traced)(*[to_jax(leaves[i]) for i in tensor_slots])
+    expected_list = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+    got_list = [got] if isinstance(expected, torch.Tensor) else list(got)
+    assert len(got_list) == len(expected_list)
+    for g, e in zip(got_list, expected_list):
+        g = to_torch(g, e.dtype)
+        assert g.shape == e.shape, f"{op}: shape {tuple(g.shape)} != torch's {tuple(e.shape)}"
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def check(op, *args, **kwargs):
+    assert_lowering_matches(op, *args, **kwargs)
+    assert_jitted_matches(op, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- reshapes / aliases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [aten.view.default, aten._unsafe_view.default,
+                                aten.reshape.default, aten.view_copy.default])
+def test_view_reshapes(op, dtype):
+    x = make((2, 3, 4), dtype)
+    check(op, x, [6, 4])
+    check(op, x, [-1, 2])
+    check(op, x, [24])
+    check(op, make((), dtype), [1, 1])
+    check(op, make((0, 3), dtype), [3, 0, 5])
+    check(op, make((0, 3), dtype), [-1, 3])
+
+
+def test_reshape_alias_ignores_strides():
+    x = make((2, 6))
+    check(aten._reshape_alias.default, x, [3, 4], [4, 1])
+    check(aten._reshape_alias_copy.default, x, [12], [1])
+
+
+@pytest.mark.parametrize("source,target", [(torch.float32, torch.int32),
+                                           (torch.int32, torch.float32),
+                                           (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32),
+                                           (torch.float16, torch.bfloat16)])
+def test_view_dtype_reinterprets_bits(source, target):
+    check(aten.view.dtype, make((3, 4), source), target)
+
+
+@pytest.mark.parametrize("op", [aten.alias.default, aten.detach.default, aten.lift_fresh.default,
+                                aten.lift_fresh_copy.default, aten.alias_copy.default,
+                                aten.detach_copy.default])
+def test_aliases_keep_the_value(op):
+    check(op, make((3, 2)))
+    check(op, make((), torch.int64))
+
+
+@pytest.mark.parametrize("op", [aten.expand.default, aten.expand_copy.default])
+def test_expand(op):
+    check(op, make((3, 1)), [2, 3, 4])
+    check(op, make((3, 1)), [-1, 5])
+    check(op, make((1,), torch.bool), [0])
+    check(op, make(()), [2, 2])
+    check(op, make((2, 1, 3)), [4, -1, -1, 3])
+
+
+# --------------------------------------------------------------------------- permutations
+
+
+@pytest.mark.parametrize("op", [aten.permute.default, aten.permute_copy.default])
+def test_permute(op):
+    x = make((2, 3, 4), torch.int64)
+    check(op, x, [2, 0, 1])
+    check(op, x, [-1, -3, 1])
+    check(op, make(()), [])
+
+
+@pytest.mark.parametrize("op", [aten.transpose.int, aten.transpose_copy.int,
+                                aten.swapaxes.default])
+def test_transpose(op):
+    check(op, make((2, 3, 4)), 0, 2)
+    check(op, make((2, 3, 4)), -1, 1)
+    check(op, make((5,)), 0, -1)
+    check(op, make(()), 0, -1)
+
+
+@pytest.mark.parametrize("op", [aten.t.default, aten.t_copy.default])
+@pytest.mark.parametrize("shape", [(), (4,), (2, 3), (0, 3)])
+def test_t(op, shape):
+    check(op, make(shape), )
+
+
+@pytest.mark.parametrize("source,destination", [(0, 2), (-1, 0), ([0, 1], [2, 0]),
+                                                ([2, 0], [0, 1]), ([], [])])
+def test_movedim(source, destination):
+    op = aten.movedim.int if isinstance(source, int) else aten.movedim.intlist
+    check(op, make((2, 3, 4)), source, destination)
+
+
+# --------------------------------------------------------------------------- squeeze
+
+
+@pytest.mark.parametrize("op", [aten.squeeze.default, aten.squeeze_copy.default])
+@pytest.mark.parametrize("shape", [(1, 3, 1, 2), (), (1,), (0, 1)])
+def test_squeeze_all(op, shape):
+    check(op, make(shape))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1, -2])
+def test_squeeze_dim(dim):
+    check(aten.squeeze.dim, make((1, 3, 1, 2)), dim)
+    check(aten.squeeze_copy.dim, make((2, 1)), dim)
+
+
+def test_squeeze_edge_dims():
+    check(aten.squeeze.dim, make(()), 0)
+    check(aten.squeeze.dim, make(()), -1)
+    check(aten.squeeze.dims, make((1, 3, 1, 2)), [0, -2, 1])
+    check(aten.squeeze.dims, make((1, 3, 1)), [])
+    check(aten.squeeze_copy.dims, make(()), [0])
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -3])
+def test_unsqueeze(dim):
+    check(aten.unsqueeze.default, make((2, 3), torch.bool), dim)
+    check(aten.unsqueeze_copy.default, make((2, 3)), dim)
+
+
+def test_unsqueeze_scalar():
+    check(aten.unsqueeze.default, make(()), 0)
+    check(aten.unsqueeze.default, make(()), -1)
+
+
+# --------------------------------------------------------------------------- slicing
+
+
+@pytest.mark.parametrize("op", [aten.slice.Tensor, aten.slice_copy.Tensor])
+@pytest.mark.parametrize("bounds", [(None, None, 1), (1, 4, 1), (-3, None, 1), (None, -1, 2),
+                                    (2, 100, 3), (-100, 3, 1), (5, 2, 1), (7, 9, 1),
+                                    (0, 9223372036854775807, 1), (3, 3, 2)])
+def test_slice(op, bounds):
+    start, end, step = bounds
+    x = make((4, 7), torch.int64)
+    check(op, x, 1, start, end, step)
+    check(op, x, -2, start, end, step)
+
+
+def test_slice_defaults_and_empty():
+    check(aten.slice.Tensor, make((5, 2)))
+    check(aten.slice.Tensor, make((0, 2)), 0, 1, 3)
+
+
+@pytest.mark.parametrize("op", [aten.narrow.default, aten.narrow_copy.default])
+def test_narrow(op):
+    x = make((5, 6))
+    check(op, x, 1, 2, 3)
+    check(op, x, 0, -2, 2)
+    check(op, x, -1, 6, 0)
+
+
+@pytest.mark.parametrize("op", [aten.select.int, aten.select_copy.int])
+@pytest.mark.parametrize("dim,index", [(0, 0), (1, 2), (-1, -1), (2, 3), (-3, -2)])
+def test_select(op, dim, index):
+    check(op, make((3, 4, 5), torch.bfloat16), dim, index)
+
+
+def test_select_rejects_out_of_range():
+    with pytest.raises(IndexError):
+        registry.get_lowering(aten.select.int).fn(to_jax(make((3,))), 0, 3)
+
+
+@pytest.mark.parametrize("op", [aten.diagonal.default, aten.diagonal_copy.default])
+@pytest.mark.parametrize("shape,offset,dim1,dim2", [
+    ((4, 4), 0, 0, 1), ((3, 5), 1, 0, 1), ((3, 5), -2, 0, 1), ((5, 3), 2, 1, 0),
+    ((2, 3, 4), 0, 1, 2), ((2, 3, 4), -1, 2, 0), ((2, 3, 4, 5), 1, -1, 1),
+    ((3, 3), 3, 0, 1), ((3, 3), -5, 0, 1), ((0, 4), 0, 0, 1), ((1, 1), 0, 0, 1)])
+def test_diagonal(op, shape, offset, dim1, dim2):
+    check(op, make(shape), offset, dim1, dim2)
+
+
+@pytest.mark.parametrize("op", [aten.unfold.default, aten.unfold_copy.default])
+@pytest.mark.parametrize("shape,dim,size,step", [
+    ((10,), 0, 3, 1), ((10,), 0, 3, 3), ((10,), 0, 4, 3), ((2, 9, 3), 1, 2, 4),
+    ((2, 9, 3), -1, 3, 1), ((8, 2), 0, 8, 1), ((6,), 0, 0, 1), ((2, 40), 1, 35, 2),
+    ((), 0, 1, 1), ((), -1, 0, 2), ((0, 3), 1, 2, 1)])
+def test_unfold(op, shape, dim, size, step):
+    check(op, make(shape), dim, size, step)
+
+
+# --------------------------------------------------------------------------- as_strided
+
+
+@pytest.mark.parametrize("op", [aten.as_strided.default, aten.as_strided_copy.default])
+@pytest.mark.parametrize("source,size,stride,offset", [
+    ((4, 6), (4, 6), (6, 1), 0),          # identity
+    ((4, 6), (6, 4), (1, 6), 0),          # transpose
+    ((4, 6), (2, 3), (6, 1), 7),          # window with offset
+    ((4, 6), (2, 3), (12, 2), 1),         # strided rows and columns
+    ((24,), (2, 3, 4), (12, 4, 1), 0),    # contiguous reshape
+    ((24,), (3, 2, 2), (1, 12, 4), 0),    # permuted dims
+    ((4, 6), (3, 4), (0, 1), 2),          # broadcast dim
+    ((4, 6), (2, 1, 3), (6, 100, 2), 3),  # size-1 dim with any stride
+    ((4, 6), (4,), (7, ), 0),             # diagonal, via the segment reshape
+    ((10,), (4, 3), (2, 1), 0),           # overlapping windows: gather
+    ((12,), (3, 3), (3, 2), 0),           # strides that do not divide: gather
+    ((10,), (2, 0), (1, 1), 4),           # empty view
+    ((3, 3), (), (), 4),                  # 0-dim view
+    ((5,), (5,), (1,), None),             # default offset
+    ((2, 3), (3,), (2,), 0),              # reaches the last element
+])
+def test_as_strided(op, source, size, stride, offset):
+    x = make(source, torch.int64)
+    check(op, x, list(size), list(stride), offset)
+
+
+def test_as_strided_rejects_out_of_bounds():
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        registry.get_lowering(aten.as_strided.default).fn(to_jax(make((5,))), [3], [3], 0)
+
+
+# --------------------------------------------------------------------------- splits
+
+
+@pytest.mark.parametrize("op", [aten.split.Tensor, aten.split_copy.Tensor,
+                                aten.unsafe_split.Tensor])
+@pytest.mark.parametrize("shape,split_size,dim", [((7, 3), 2, 0), ((7, 3), 3, -1),
+                                                  ((7, 3), 10, 0), ((0, 3), 0, 0),
+                                                  ((0, 3), 2, 0), ((4,), 1, 0)])
+def test_split(op, shape, split_size, dim):
+    check(op, make(shape), split_size, dim)
+
+
+@pytest.mark.parametrize("op", [aten.split_with_sizes.default, aten.split_with_sizes_copy.default,
+                                aten.split.sizes, aten.unsafe_split_with_sizes.default])
+def test_split_with_sizes(op):
+    x = make((3, 9), torch.int64)
+    check(op, x, [2, 0, 7], 1)
+    check(op, x, [1, 2], 0)
+    check(op, x, [9], -1)
+
+
+@pytest.mark.parametrize("op", [aten.chunk.default, aten.unsafe_chunk.default])
+@pytest.mark.parametrize("length,chunks", [(10, 3), (10, 4), (3, 5), (6, 6), (0, 2), (1, 1)])
+def test_chunk(op, length, chunks):
+    check(op, make((2, length)), chunks, 1)
+
+
+@pytest.mark.parametrize("op", [aten.unbind.int, aten.unbind_copy.int])
+def test_unbind(op):
+    check(op, make((3, 4)), 0)
+    check(op, make((3, 4)), -1)
+    check(op, make((0, 4)), 0)
+
+
+# --------------------------------------------------------------------------- complex views
+
+
+def test_view_as_real_and_complex():
+    z = torch.complex(make((3, 2)), make((3, 2), seed=1))
+    check(aten.view_as_real.default, z)
+    check(aten.view_as_real_copy.default, z)
+    check(aten.view_as_complex.default, make((4, 2)))
+    check(aten.view_as_complex_copy.default, make((2,)))
