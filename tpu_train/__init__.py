@@ -1,0 +1,37 @@
+"""tpu_train: PyTorch-native training on TPUs (and any PJRT device) through JAX.
+
+``import tpu_train`` makes ``tpu`` a PyTorch device backed by the PJRT devices JAX sees
+(libtpu on a TPU VM, the CUDA plugin on a GPU host, the CPU client elsewhere; choose with
+``TPU_TRAIN_PLATFORM=tpu|cuda|cpu``)::
+
+    import torch, tpu_train
+    x = torch.randn(32, 4096, device=tpu_train.device(0))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpu_train import ops  # noqa: F401  (fills the lowering table)
+from tpu_train.device import registration as _registration
+from tpu_train.device import runtime as _runtime
+from tpu_train.device.runtime import runtime_info
+from tpu_train.device.tensor import TpuTensor
+
+__version__ = "0.1.0"
+
+_registration.register()
+
+
+def device(index: int | None = None) -> torch.device:
+    """``torch.device("tpu:index")``; raises IndexError naming the valid range."""
+    index = 0 if index is None else int(index)
+    _runtime.jax_device(index)
+    return torch.device("tpu", index)
+
+
+def device_count() -> int:
+    return _runtime.device_count()
+
+
+__all__ = ["TpuTensor", "device", "device_count", "runtime_info", "__version__"]

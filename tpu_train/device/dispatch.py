@@ -1,0 +1,304 @@
+"""Eager execution of ATen ops on tpu tensors.
+
+Every op reaching :meth:`TpuTensor.__torch_dispatch__` is routed here:
+
+1. a few ops with device semantics of their own (``copy_``, ``_to_copy``, ``.item()``, ...)
+   are handled in :mod:`tpu_train.device.special_ops`;
+2. *view* ops only compute geometry (torch's meta kernels do it) and return a tensor sharing
+   the base's storage — so writes through views are seen everywhere, as on a real device;
+3. *mutating* ops (in-place, ``out=``) run their functional counterpart and write the result
+   through the mutated tensors' geometry (:mod:`tpu_train.device.mutation`);
+4. functional ops run their lowering from :mod:`tpu_train.ops`, each wrapped in a cached
+   ``jax.jit``; output shapes and dtypes come from torch's meta kernels, so torch's type
+   promotion and shape errors hold exactly;
+5. ops without a lowering use torch's decompositions, then the CPU fallback when
+   ``TPU_TRAIN_CPU_FALLBACK=1``, else raise ``NotImplementedError`` naming the op.
+
+Dispatch is asynchronous (JAX's own): nothing waits for the device unless a value is read.
+``TPU_TRAIN_SYNC=1`` waits after every op so that an error points at the op that caused it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from tpu_train.device import rng
+from tpu_train.device.tensor import TpuTensor, wrap
+from tpu_train.device.tensor import host_array
+from tpu_train.ops import registry
+from tpu_train.ops.dtypes import storage_dtype
+
+aten = torch.ops.aten
+
+SYNC_ENV = "TPU_TRAIN_SYNC"
+_sync = os.environ.get(SYNC_ENV, "") not in ("", "0")
+
+
+def set_sync(enabled: bool) -> None:
+    """Wait for every op to finish before returning (what ``TPU_TRAIN_SYNC=1`` sets)."""
+    global _sync
+    _sync = bool(enabled)
+
+
+def dispatch(func, args, kwargs):
+    from tpu_train.device import fallback, mutation, special_ops
+
+    handler = special_ops.HANDLERS.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    if func.is_view:
+        return run_view(func, args, kwargs)
+    if registry.is_mutating(func):
+        return mutation.run_mutating(func, args, kwargs)
+    lowering = registry.get_lowering(func)
+    if lowering is None:
+        return fallback.run_without_lowering(func, args, kwargs)
+    return run_lowering(lowering, func, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------------------------
+
+
+def device_index_of(func, args, kwargs) -> int:
+    """The one tpu device the op runs on; CUDA's error when tensors sit on several devices.
+
+    0-dim CPU tensors are allowed beside tpu tensors (as CUDA allows them), nothing else is.
+    """
+    indices, foreign = set(), None
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, TpuTensor):
+            indices.add(leaf.device.index)
+        elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and foreign is None:
+            foreign = leaf.device
+    if len(indices) > 1:
+        a, b = sorted(indices)[:2]
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"tpu:{a} and tpu:{b}! (when checking arguments for {func})")
+    if not indices:
+        raise RuntimeError(f"{func} reached the tpu device without a tpu tensor argument")
+    index = indices.pop()
+    if foreign is not None:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, "
+            f"tpu:{index} and {foreign}! (when checking arguments for {func})")
+    return index
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta: torch's own shape, dtype and error semantics
+# ---------------------------------------------------------------------------------------------
+
+_META_CACHE: dict = {}
+_UNKNOWN = object()
+
+
+def to_meta(value):
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, TpuTensor):
+            base = torch.empty(value._storage.numel, dtype=value.dtype, device="meta")
+            return base.as_strided(value.shape, value.stride(), value.storage_offset())
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+def _meta_key(func, leaves):
+    parts = [func]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, leaf.dim() == 0 and not isinstance(leaf, TpuTensor)))
+        elif isinstance(leaf, (list, dict)):
+            return None
+        else:
+            parts.append((type(leaf), leaf))
+    return tuple(parts)
+
+
+def meta_outputs(func, args, kwargs):
+    """torch's meta result of ``func`` for these arguments (shapes, dtypes), or None when the
+    op has no meta kernel (data-dependent shapes). Real errors (bad shapes, bad dtypes) raise,
+    with torch's own message."""
+    leaves, _ = tree_flatten((args, kwargs))
+    try:
+        key = _meta_key(func, leaves)
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _META_CACHE:
+        return _META_CACHE[key]
+    try:
+        result = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException,
+            torch._subclasses.fake_tensor.DynamicOutputShapeException):
+        result = None
+    except RuntimeError as error:
+        if "meta" in str(error).lower() and ("not implemented" in str(error).lower()
+                                             or "tensor.item()" in str(error)):
+            result = None
+        else:
+            raise
+    if key is not None:
+        if len(_META_CACHE) > 50_000:
+            _META_CACHE.clear()
+        _META_CACHE[key] = result
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Views
+# ---------------------------------------------------------------------------------------------
+
+
+def run_view(func, args, kwargs):
+    """A view shares its base's storage; torch's meta kernel computes the geometry."""
+    base = args[0]
+    if not isinstance(base, TpuTensor):
+        raise RuntimeError(f"view op {func} on a non-tpu base reached the tpu device")
+    result = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+
+    def as_view(meta):
+        if not isinstance(meta, torch.Tensor):
+            return meta
+        if meta.dtype != base.dtype:
+            raise NotImplementedError(
+                f"{func} reinterprets {base.dtype} storage as {meta.dtype}: dtype-changing "
+                f"views are not supported on the tpu device; use .to(dtype) (a copy) instead")
+        return TpuTensor(base._storage, meta.shape, meta.stride(), meta.storage_offset())
+
+    return tree_map(as_view, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowered ops
+# ---------------------------------------------------------------------------------------------
+
+_JIT_CACHE: dict = {}
+_DYNAMIC = object()
+# Ops whose float arguments decide output shapes: those floats must be compile-time constants.
+_STATIC_FLOAT_OPS: set = set()
+
+
+def _device_value(leaf, index):
+    if isinstance(leaf, TpuTensor):
+        value = leaf.jax_value()
+        return value
+    # A 0-dim CPU tensor beside tpu tensors (allowed, as on CUDA).
+    from tpu_train.device import runtime
+
+    return jax.device_put(host_array(leaf), runtime.jax_device(index))
+
+
+def _split_leaves(func, leaves, index):
+    """(dynamic values, static key) of flattened arguments: tensors are dynamic, Python floats
+    are dynamic too (a learning rate that changes each step must not recompile)."""
+    dynamic, static = [], []
+    floats_static = func in _STATIC_FLOAT_OPS
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            dynamic.append(_device_value(leaf, index))
+            static.append(_DYNAMIC)
+        elif type(leaf) is float and not floats_static:
+            dynamic.append(leaf)
+            static.append(_DYNAMIC)
+        else:
+            static.append(leaf)
+    return dynamic, tuple(static)
+
+
+def _compiled(lowering, func, treedef, static, out_dtypes, random):
+    key = (func, treedef, static, out_dtypes, random)
+    fn = _JIT_CACHE.get(key)
+    if fn is not None:
+        return fn
+
+    def run(*dynamic_and_key):
+        dynamic = dynamic_and_key[:-1] if random else dynamic_and_key
+        values = iter(dynamic)
+        leaves = [next(values) if s is _DYNAMIC else s for s in static]
+        call_args, call_kwargs = tree_unflatten(leaves, treedef)
+        if random:
+            call_kwargs = dict(call_kwargs, rng_key=dynamic_and_key[-1])
+        outputs = lowering.fn(*call_args, **call_kwargs)
+        flat, out_tree = jax.tree_util.tree_flatten(outputs)
+        if out_dtypes is not None:
+            if len(out_dtypes) != len(flat):
+                raise RuntimeError(
+                    f"lowering of {func} returned {len(flat)} arrays, torch expects "
+                    f"{len(out_dtypes)}")
+            flat = [a.astype(storage_dtype(d)) if d is not None and a.dtype != storage_dtype(d)
+                    else a for a, d in zip(flat, out_dtypes)]
+        return flat
+
+    fn = jax.jit(run)
+    _JIT_CACHE[key] = fn
+    return fn
+
+
+def run_lowering(lowering, func, args, kwargs):
+    index = device_index_of(func, args, kwargs)
+    meta = meta_outputs(func, args, kwargs)
+    meta_leaves, meta_tree = tree_flatten(meta) if meta is not None else (None, None)
+    out_dtypes = None
+    if meta_leaves is not None:
+        out_dtypes = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in meta_leaves)
+    leaves, treedef = tree_flatten((args, kwargs))
+    dynamic, static = _split_leaves(func, leaves, index)
+    fn = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
+    if lowering.random:
+        dynamic.append(rng.next_key(index))
+    try:
+        flat = fn(*dynamic)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+            jax.errors.TracerIntegerConversionError):
+        if func in _STATIC_FLOAT_OPS:
+            raise
+        _STATIC_FLOAT_OPS.add(func)
+        return run_lowering(lowering, func, args, kwargs)
+    if _sync:
+        _wait(flat, func)
+    if meta_leaves is None:
+        return _wrap_unknown(func, flat, index)
+    results = []
+    values = iter(flat)
+    for m in meta_leaves:
+        if isinstance(m, torch.Tensor):
+            results.append(wrap(next(values), m.dtype, index, m.shape))
+        else:
+            results.append(_python_scalar(next(values)))
+    return tree_unflatten(results, meta_tree)
+
+
+def _python_scalar(value):
+    return jax.device_get(value).item()
+
+
+def _wrap_unknown(func, flat, index):
+    """Outputs of ops without a meta kernel: trust the lowering's shapes and map dtypes back
+    (int32 is how int64 is stored, so integer results are reported as int64, torch's index type)."""
+    from tpu_train.ops.dtypes import torch_dtype
+
+    returns = func._schema.returns
+    wrapped = []
+    for value in flat:
+        dtype = torch_dtype(value.dtype)
+        if dtype == torch.int32:
+            dtype = torch.int64
+        wrapped.append(wrap(value, dtype, index))
+    if len(returns) == 1 and str(returns[0].type) == "Tensor":
+        return wrapped[0]
+    if len(returns) == 1:
+        return wrapped
+    return tuple(wrapped)
+
+
+def _wait(values, func):
+    try:
+        jax.block_until_ready(values)
+    except Exception as error:  # noqa: BLE001 - re-raised with the op that failed
+        raise RuntimeError(f"tpu op {func} failed on the device: {error}") from error

@@ -1,0 +1,283 @@
+"""``torch.tpu``: the device module PyTorch looks up for the ``tpu`` device type.
+
+Mirrors the parts of ``torch.cuda`` that PyTorch itself and common training code call:
+availability and device selection, synchronization, RNG, memory statistics, and
+Stream/Event objects. PJRT orders work per device by itself, so a stream here is an ordering
+token: ``synchronize`` on it waits for the device's outstanding work; that is what FSDP2 and
+DDP need from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import jax
+import torch
+
+from tpu_train.device import rng as _rng
+from tpu_train.device import runtime
+from tpu_train.device import storage as _storage
+
+_local = threading.local()
+
+
+def is_available() -> bool:
+    try:
+        return runtime.device_count() > 0
+    except runtime.PlatformError:
+        return False
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _lazy_init() -> None:
+    pass
+
+
+def device_count() -> int:
+    return runtime.device_count()
+
+
+def current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+def _index(device=None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "tpu":
+        raise ValueError(f"expected a tpu device, got {device}")
+    return current_device() if device.index is None else device.index
+
+
+def set_device(device) -> None:
+    index = _index(device)
+    runtime.jax_device(index)  # range check
+    _local.device = index
+
+
+class device:  # noqa: N801 - torch.cuda.device's name
+    """Context manager that changes the current tpu device."""
+
+    def __init__(self, device):
+        self.index = _index(device)
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = current_device()
+        set_device(self.index)
+
+    def __exit__(self, *exc):
+        set_device(self.previous)
+        return False
+
+
+def get_device_name(device=None) -> str:
+    return runtime.device_kind(_index(device))
+
+
+def get_device_properties(device=None):
+    jax_device = runtime.jax_device(_index(device))
+    stats = jax_device.memory_stats() or {}
+    return _DeviceProperties(jax_device.device_kind, stats.get("bytes_limit", 0), runtime.platform())
+
+
+class _DeviceProperties:
+    def __init__(self, name, total_memory, platform):
+        self.name, self.total_memory, self.platform = name, total_memory, platform
+
+    def __repr__(self):
+        return f"_TpuDeviceProperties(name={self.name!r}, total_memory={self.total_memory}, platform={self.platform!r})"
+
+
+def synchronize(device=None) -> None:
+    """Wait for all work queued on the device (a small computation forces the queue)."""
+    jax_device = runtime.jax_device(_index(device))
+    jax.device_put(0, jax_device).block_until_ready()
+    jax.effects_barrier()
+
+
+# -- RNG -----------------------------------------------------------------------------------------
+
+
+def manual_seed(seed: int) -> None:
+    _rng.manual_seed(int(seed), current_device())
+
+
+def manual_seed_all(seed: int) -> None:
+    for index in range(device_count()):
+        _rng.manual_seed(int(seed), index)
+
+
+def seed() -> None:
+    manual_seed(int(time.time_ns()) & 0xFFFFFFFF)
+
+
+def seed_all() -> None:
+    manual_seed_all(int(time.time_ns()) & 0xFFFFFFFF)
+
+
+def initial_seed() -> int:
+    return _rng.initial_seed(current_device())
+
+
+def get_rng_state(device="tpu") -> torch.Tensor:
+    return _rng.get_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
+    _rng.set_state(new_state, _index(device))
+
+
+def get_rng_state_all() -> list:
+    return [_rng.get_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states) -> None:
+    for index, state in enumerate(new_states):
+        _rng.set_state(state, index)
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def memory_stats(device=None) -> dict:
+    """PJRT's allocator statistics where the backend reports them (TPU, GPU), else the live
+    and peak bytes of tpu_train's own storages (``source`` says which)."""
+    index = _index(device)
+    stats = runtime.jax_device(index).memory_stats()
+    if stats:
+        return {"source": "pjrt", "allocated_bytes.all.current": stats.get("bytes_in_use", 0),
+                "allocated_bytes.all.peak": stats.get("peak_bytes_in_use", 0),
+                "bytes_limit": stats.get("bytes_limit", 0), **stats}
+    return {"source": "tpu_train",
+            "allocated_bytes.all.current": _storage.allocated_bytes(index),
+            "allocated_bytes.all.peak": _storage.peak_allocated_bytes(index)}
+
+
+def memory_allocated(device=None) -> int:
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device=None) -> int:
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _storage.reset_peak(_index(device))
+
+
+def empty_cache() -> None:
+    pass
+
+
+# -- streams and events --------------------------------------------------------------------------
+
+
+class Stream:
+    """An ordering token on a device (PJRT orders a device's work itself)."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device_index = _index(device)
+        self.device = torch.device("tpu", self.device_index)
+        self.priority = priority
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        synchronize(self.device_index)
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.device_index == self.device_index
+
+    def __hash__(self):
+        return hash(("tpu-stream", self.device_index))
+
+
+class Event:
+    """Marks a point in a device's queue; ``synchronize`` waits for the work before it."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self.device_index = None
+        self.time = None
+
+    def record(self, stream=None) -> None:
+        self.device_index = (stream or current_stream()).device_index
+        self.time = time.perf_counter()
+
+    def wait(self, stream=None) -> None:
+        self.synchronize()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        if self.device_index is not None:
+            synchronize(self.device_index)
+
+    def elapsed_time(self, end_event) -> float:
+        self.synchronize()
+        end_event.synchronize()
+        return (end_event.time - self.time) * 1000.0
+
+
+_streams: dict = {}
+
+
+def default_stream(device=None) -> Stream:
+    index = _index(device)
+    if index not in _streams:
+        _streams[index] = Stream(index)
+    return _streams[index]
+
+
+def current_stream(device=None) -> Stream:
+    return getattr(_local, "stream", None) or default_stream(device)
+
+
+def set_stream(stream: Stream) -> None:
+    _local.stream = stream
+
+
+@contextlib.contextmanager
+def stream(stream_: Stream | None):
+    previous = getattr(_local, "stream", None)
+    if stream_ is not None:
+        _local.stream = stream_
+    try:
+        yield stream_
+    finally:
+        _local.stream = previous
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def get_amp_supported_dtype() -> list:
+    return [torch.bfloat16, torch.float16]
+
+
+def _is_in_bad_fork() -> bool:
+    return False

@@ -1,0 +1,116 @@
+"""The PJRT client, reached through JAX: platform choice and device enumeration.
+
+``TPU_TRAIN_PLATFORM`` picks the PJRT platform (``tpu``, ``cuda`` or ``cpu``); unset, the best
+one present wins (tpu, then cuda, then cpu). Every other module asks this one for devices, so
+the choice is made once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform as _platform
+
+PLATFORM_ENV = "TPU_TRAIN_PLATFORM"
+_PREFERENCE = ("tpu", "cuda", "cpu")
+# JAX names the CUDA plugin's platform "gpu" in some places and "cuda" in others.
+_JAX_ALIASES = {"cuda": ("cuda", "gpu"), "tpu": ("tpu",), "cpu": ("cpu",)}
+
+
+class PlatformError(RuntimeError):
+    pass
+
+
+def _jax():
+    import jax
+
+    # The torch dtype is authoritative and int64 is stored as int32 (see ops.dtypes); a
+    # 64-bit JAX would silently change every integer and index type in compiled programs.
+    jax.config.update("jax_enable_x64", False)
+    return jax
+
+
+def _available(jax, name: str) -> bool:
+    for alias in _JAX_ALIASES[name]:
+        try:
+            if jax.devices(alias):
+                return True
+        except RuntimeError:
+            continue
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def platform() -> str:
+    """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"``."""
+    jax = _jax()
+    requested = os.environ.get(PLATFORM_ENV, "").strip().lower()
+    if requested:
+        if requested not in _PREFERENCE:
+            raise PlatformError(
+                f"{PLATFORM_ENV}={requested!r} is not a known platform; use one of "
+                f"{', '.join(_PREFERENCE)} (or unset it to pick the best one present)")
+        if not _available(jax, requested):
+            raise PlatformError(
+                f"{PLATFORM_ENV}={requested} but JAX finds no {requested} devices "
+                f"(installed jax {jax.__version__}); install the matching jax plugin "
+                f"or unset {PLATFORM_ENV}")
+        return requested
+    for name in _PREFERENCE:
+        if _available(jax, name):
+            return name
+    raise PlatformError("JAX reports no devices at all")
+
+
+@functools.lru_cache(maxsize=None)
+def devices() -> tuple:
+    """The local JAX devices of the chosen platform; ``tpu:i`` is ``devices()[i]``."""
+    jax = _jax()
+    for alias in _JAX_ALIASES[platform()]:
+        try:
+            found = jax.local_devices(backend=alias)
+        except RuntimeError:
+            continue
+        if found:
+            return tuple(found)
+    raise PlatformError(f"no local {platform()} devices")
+
+
+def device_count() -> int:
+    return len(devices())
+
+
+def jax_device(index: int | None):
+    """The JAX device behind ``tpu:index``; a clear error when the index is out of range."""
+    found = devices()
+    index = 0 if index is None else index
+    if not 0 <= index < len(found):
+        raise IndexError(
+            f"tpu device index {index} is out of range: this process has {len(found)} "
+            f"{platform()} device(s), tpu:0..tpu:{len(found) - 1}")
+    return found[index]
+
+
+def device_kind(index: int = 0) -> str:
+    return jax_device(index).device_kind
+
+
+def runtime_info() -> dict:
+    """What this process runs on: platform, devices and versions (for logs and bug reports)."""
+    import jax
+    import jaxlib
+    import torch
+
+    found = devices()
+    return {
+        "platform": platform(),
+        "device_count": len(found),
+        "device_kind": found[0].device_kind if found else None,
+        "devices": [str(d) for d in found],
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "torch": torch.__version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": _platform.python_version(),
+    }

@@ -1,0 +1,110 @@
+"""Ops whose meaning involves devices or the host, handled before the lowering table."""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+from tpu_train.device import runtime
+from tpu_train.device.mutation import assign
+from tpu_train.device.tensor import TpuTensor, from_host, to_host, wrap
+from tpu_train.ops.dtypes import storage_dtype
+
+aten = torch.ops.aten
+
+# SDPA backend index torch asks a custom device to choose (torch.nn.attention.SDPBackend).
+_SDP_MATH, _SDP_OVERRIDEABLE = 0, 4
+_sdp_backend = {"choice": _SDP_MATH}
+
+
+def use_fused_attention(enabled: bool) -> None:
+    """Route ``scaled_dot_product_attention`` to the fused op lowered for this device."""
+    _sdp_backend["choice"] = _SDP_OVERRIDEABLE if enabled else _SDP_MATH
+
+
+def _to_copy(func, args, kwargs):
+    source = args[0]
+    dtype = kwargs.get("dtype") or source.dtype
+    device = kwargs.get("device")
+    device = torch.device(device) if device is not None else source.device
+    if device.type == "cpu":
+        host = to_host(source)
+        return host.to(dtype) if host.dtype != dtype else host
+    if device.type != "tpu":
+        raise RuntimeError(f"cannot copy a tpu tensor to device {device} directly; go through .cpu()")
+    index = source.device.index if device.index is None else device.index
+    array = source.jax_value()
+    if index != source.device.index:
+        array = jax.device_put(array, runtime.jax_device(index))
+    if array.dtype != storage_dtype(dtype):
+        array = array.astype(storage_dtype(dtype))
+    return wrap(array, dtype, index, source.shape)
+
+
+def _copy_(func, args, kwargs):
+    destination, source = args[0], args[1]
+    if isinstance(destination, TpuTensor) and not isinstance(source, TpuTensor) \
+            and source.device.type != "cpu":
+        raise RuntimeError(f"cannot copy from {source.device} into a tpu tensor; go through .cpu()")
+    assign(destination, source, func)
+    return destination
+
+
+def _local_scalar_dense(func, args, kwargs):
+    return to_host(args[0]).item()
+
+
+def _fused_sdp_choice(func, args, kwargs):
+    return _sdp_backend["choice"]
+
+
+def _is_pinned(func, args, kwargs):
+    return False
+
+
+def _compatible_shallow_copy(func, args, kwargs):
+    return all(isinstance(a, TpuTensor) for a in args[:2])
+
+
+def _resize_(func, args, kwargs):
+    tensor, size = args[0], tuple(args[1])
+    if tuple(tensor.shape) == size:
+        return tensor
+    raise NotImplementedError(
+        f"resize_ of a tpu tensor from {tuple(tensor.shape)} to {size} is not supported; "
+        "allocate a new tensor (torch.empty(..., device='tpu')) instead")
+
+
+def _record_stream(func, args, kwargs):
+    return None
+
+
+def _set_source_tensor(func, args, kwargs):
+    destination, source = args[0], args[1]
+    if tuple(destination.shape) == tuple(source.shape) and destination.dtype == source.dtype \
+            and destination.stride() == source.stride():
+        destination._storage = source._storage
+        return destination
+    raise NotImplementedError(
+        "set_ between tpu tensors of different geometry is not supported")
+
+
+def _lift_fresh_copy(func, args, kwargs):
+    source = args[0]
+    if isinstance(source, TpuTensor):
+        return wrap(source.jax_value(), source.dtype, source.device.index, source.shape)
+    return from_host(source, 0)
+
+
+HANDLERS = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten._fused_sdp_choice.default: _fused_sdp_choice,
+    aten.is_pinned.default: _is_pinned,
+    aten._has_compatible_shallow_copy_type.default: _compatible_shallow_copy,
+    aten.resize_.default: _resize_,
+    aten.record_stream.default: _record_stream,
+    aten.set_.source_Tensor: _set_source_tensor,
+    aten.lift_fresh_copy.default: _lift_fresh_copy,
+}

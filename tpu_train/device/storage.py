@@ -1,0 +1,225 @@
+"""Emulated strided memory: one flat JAX buffer per storage, shared by all its views.
+
+JAX arrays are immutable, so a PyTorch storage is modelled as a mutable holder of a flat
+buffer. A tensor is (storage, size, stride, offset), exactly as on a real device:
+
+* reading a tensor gathers its elements from the buffer. The geometry is decomposed into a
+  contiguous range + reshape + static slices + transpose + broadcast whenever possible (the
+  common views: transpose, narrow, select, step slices, diagonal, expand), so XLA sees cheap
+  slicing, never a generic gather; only truly irregular geometries (overlapping unfold windows,
+  odd ``as_strided``) fall back to an index gather;
+* writing a tensor scatters the new values into the buffer and swaps the storage's buffer, so
+  the base and every sibling view see the write. A write covering the whole storage
+  contiguously just replaces the buffer.
+
+Readers and writers are jitted per geometry and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpu_train.ops.dtypes import storage_dtype
+
+Geometry = tuple  # (size tuple, stride tuple, offset int)
+
+
+class Storage:
+    """A flat device buffer holding ``numel`` elements of a torch dtype on one device."""
+
+    __slots__ = ("buffer", "dtype", "device_index", "__weakref__")
+
+    def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int):
+        assert buffer.ndim == 1, buffer.shape
+        self.buffer = buffer
+        self.dtype = dtype
+        self.device_index = device_index
+        _accounting.track(self)
+
+    @property
+    def numel(self) -> int:
+        return int(self.buffer.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _Accounting:
+    """Live and peak bytes of device storages per device, for ``torch.tpu.memory_*``.
+
+    Used where the PJRT backend reports no memory statistics (the CPU client)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+
+    def track(self, storage: Storage):
+        nbytes, index = storage.nbytes, storage.device_index
+        with self.lock:
+            self.live[index] = self.live.get(index, 0) + nbytes
+            self.peak[index] = max(self.peak.get(index, 0), self.live[index])
+        weakref.finalize(storage, self._release, index, nbytes)
+
+    def _release(self, index: int, nbytes: int):
+        with self.lock:
+            self.live[index] = self.live.get(index, 0) - nbytes
+
+    def reset_peak(self, index: int):
+        with self.lock:
+            self.peak[index] = self.live.get(index, 0)
+
+
+_accounting = _Accounting()
+
+
+def allocated_bytes(index: int) -> int:
+    return _accounting.live.get(index, 0)
+
+
+def peak_allocated_bytes(index: int) -> int:
+    return _accounting.peak.get(index, 0)
+
+
+def reset_peak(index: int) -> None:
+    _accounting.reset_peak(index)
+
+
+def is_contiguous(size, stride) -> bool:
+    expected = 1
+    for n, s in zip(reversed(size), reversed(stride)):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def contiguous_strides(size) -> tuple:
+    strides, running = [], 1
+    for n in reversed(size):
+        strides.append(running)
+        running *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry → slicing plan
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _box_plan(size: tuple, stride: tuple, offset: int, storage_numel: int):
+    """Express a strided view as: a contiguous range of the buffer, reshaped to a dense box,
+    sliced to the view's extents, transposed to the view's dim order and broadcast over its
+    stride-0 dims. Returns None when the geometry does not fit that form (overlapping or
+    irregular strides), in which case callers gather by index.
+    """
+    dims = [d for d in range(len(size)) if size[d] != 1 and stride[d] != 0]
+    dims.sort(key=lambda d: -stride[d])
+    if not dims:
+        return ("scalar_like", offset)
+    strides = [stride[d] for d in dims]
+    sizes = [size[d] for d in dims]
+    if any(s <= 0 for s in strides):
+        return None
+    box = [sizes[0]]
+    for outer, inner, n in zip(strides, strides[1:], sizes[1:]):
+        if outer % inner != 0 or outer // inner < n:
+            return None  # strides that do not nest, or windows that overlap
+        box.append(outer // inner)
+    box.append(strides[-1])
+    length = math.prod(box)
+    return ("box", offset, length, tuple(box), tuple(sizes), tuple(dims))
+
+
+def _read_impl(buffer, size, stride, offset):
+    storage_numel = buffer.shape[0]
+    numel = math.prod(size)
+    if numel == 0:
+        return jnp.zeros(size, buffer.dtype)
+    if is_contiguous(size, stride):
+        return jax.lax.slice(buffer, (offset,), (offset + numel,)).reshape(size)
+    plan = _box_plan(tuple(size), tuple(stride), offset, storage_numel)
+    if plan is None:
+        return buffer[_index_array(size, stride, offset)]
+    if plan[0] == "scalar_like":
+        value = buffer[plan[1]]
+        return jnp.broadcast_to(value, size)
+    _, start, length, box, sizes, dims = plan
+    end = min(start + length, storage_numel)
+    flat = jax.lax.slice(buffer, (start,), (end,))
+    if end - start < length:  # the box's last row runs past the buffer; padding is never read
+        flat = jnp.pad(flat, (0, length - (end - start)))
+    dense = flat.reshape(box)[tuple(slice(0, n) for n in sizes) + (0,)]
+    # dense has the view's non-trivial dims in stride order; put them in the view's order.
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    dense = jnp.transpose(dense, order)
+    kept = sorted(dims)
+    shape_with_ones = [size[d] if d in kept else 1 for d in range(len(size))]
+    return jnp.broadcast_to(dense.reshape(shape_with_ones), size)
+
+
+def _index_array(size, stride, offset):
+    index = jnp.full(size, offset, dtype=jnp.int32)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        index = index + (jnp.arange(n, dtype=jnp.int32) * s).reshape(shape)
+    return index
+
+
+def _write_impl(buffer, value, size, stride, offset):
+    numel = math.prod(size)
+    if numel == 0:
+        return buffer
+    value = jnp.broadcast_to(value.astype(buffer.dtype), size)
+    if is_contiguous(size, stride):
+        return jax.lax.dynamic_update_slice(buffer, value.reshape(-1), (offset,))
+    index = _index_array(size, stride, offset)
+    return buffer.at[index.reshape(-1)].set(value.reshape(-1))
+
+
+@functools.lru_cache(maxsize=8192)
+def _reader(size: tuple, stride: tuple, offset: int):
+    return jax.jit(functools.partial(_read_impl, size=size, stride=stride, offset=offset))
+
+
+@functools.lru_cache(maxsize=8192)
+def _writer(size: tuple, stride: tuple, offset: int):
+    return jax.jit(functools.partial(_write_impl, size=size, stride=stride, offset=offset))
+
+
+def read(storage: Storage, size: tuple, stride: tuple, offset: int) -> jax.Array:
+    """The value of the view ``(size, stride, offset)`` of ``storage`` as a dense array."""
+    buffer = storage.buffer
+    if offset == 0 and math.prod(size) == buffer.shape[0] and is_contiguous(size, stride):
+        return buffer.reshape(size)
+    return _reader(tuple(size), tuple(stride), int(offset))(buffer)
+
+
+def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.Array) -> None:
+    """Write ``value`` (broadcast and cast as needed) through the view into ``storage``."""
+    buffer = storage.buffer
+    target = storage_dtype(storage.dtype)
+    if (offset == 0 and math.prod(size) == buffer.shape[0] and is_contiguous(size, stride)
+            and tuple(value.shape) == tuple(size)):
+        new = value.reshape(-1)
+        if new.dtype != target:
+            new = new.astype(target)
+        storage.buffer = new
+        return
+    storage.buffer = _writer(tuple(size), tuple(stride), int(offset))(buffer, value)
+
+
+def allocate(numel: int, dtype: torch.dtype, device, fill=0) -> jax.Array:
+    """A fresh flat buffer on ``device`` (a jax Device)."""
+    return jnp.full((numel,), fill, dtype=storage_dtype(dtype), device=device)

@@ -1,0 +1,103 @@
+"""The ``tpu`` tensor: a torch wrapper subclass over a :class:`Storage` and a strided geometry.
+
+PyTorch sees an ordinary tensor of device ``tpu:i`` with real sizes, strides and storage
+offset; its data live in a flat JAX buffer on PJRT device ``i``. All ATen ops on it go through
+:mod:`tpu_train.device.dispatch`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpu_train.device import runtime, storage as storage_mod
+from tpu_train.device.storage import Storage, contiguous_strides
+from tpu_train.ops.dtypes import numpy_dtype, storage_dtype
+
+DEVICE_TYPE = "tpu"
+
+
+class TpuTensor(torch.Tensor):
+    """A tensor on a ``tpu`` device; see the module docstring."""
+
+    _storage: Storage
+    __slots__ = ("_storage",)
+
+    @staticmethod
+    def __new__(cls, storage: Storage, size, stride, offset: int = 0, requires_grad: bool = False):
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(size), strides=tuple(stride), storage_offset=int(offset),
+            dtype=storage.dtype, device=torch.device(DEVICE_TYPE, storage.device_index),
+            requires_grad=requires_grad)
+        tensor._storage = storage
+        return tensor
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    # Python-level torch functions go straight to dispatch: nothing to intercept there.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from tpu_train.device.dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # -- value access -------------------------------------------------------------------------
+
+    def jax_value(self) -> jax.Array:
+        """This tensor's elements as a dense ``jax.Array`` (in the storage dtype)."""
+        return storage_mod.read(self._storage, tuple(self.shape), tuple(self.stride()),
+                                self.storage_offset())
+
+    def __repr__(self, *, tensor_contents=None):
+        body = repr(to_host(self))
+        suffix = f", device='{self.device}'"
+        if self.requires_grad:
+            suffix += ", requires_grad=True"
+        elif self.grad_fn is not None:
+            suffix += f", grad_fn=<{type(self.grad_fn).__name__}>"
+        return body[:-1] + suffix + ")" if body.endswith(")") else body + suffix
+
+    def __reduce_ex__(self, protocol):
+        # Torch's own rebuild path for storage-less device tensors: honours map_location and
+        # is allowed under torch.load(weights_only=True).
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (to_host(self), self.dtype, str(self.device), self.requires_grad))
+
+
+def wrap(value: jax.Array, dtype: torch.dtype, device_index: int, shape=None) -> TpuTensor:
+    """A fresh contiguous tensor holding ``value`` (cast to the storage dtype of ``dtype``)."""
+    shape = tuple(value.shape) if shape is None else tuple(shape)
+    target = storage_dtype(dtype)
+    if value.dtype != target:
+        value = value.astype(target)
+    buffer = value.reshape(-1)
+    return TpuTensor(Storage(buffer, dtype, device_index), shape, contiguous_strides(shape), 0)
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array in the device storage dtype."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+    array = tensor.contiguous().numpy()
+    target = storage_dtype(tensor.dtype)
+    return array.astype(target) if array.dtype != target else array
+
+
+def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
+    """Copy a CPU tensor onto ``tpu:device_index``."""
+    array = jax.device_put(host_array(tensor), runtime.jax_device(device_index))
+    return wrap(array, tensor.dtype, device_index, tensor.shape)
+
+
+def to_host(tensor: TpuTensor) -> torch.Tensor:
+    """A CPU copy of a tpu tensor, in its torch dtype (int64 and float64 restored)."""
+    array = np.asarray(jax.device_get(tensor.jax_value()))
+    if tensor.dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, dtype=numpy_dtype(tensor.dtype), copy=True))
