@@ -1,0 +1,79 @@
+"""Data pipeline: tokenizers, datasets, packing, a synthetic task and device prefetching.
+
+Pure PyTorch/Python; nothing here touches JAX or a device other than through ``Tensor.to``.
+
+Tokenizers
+    ``load_tokenizer(path=None)`` loads a Hugging Face ``tokenizer.json`` or a SentencePiece
+    ``tokenizer.model`` (a file, or a directory holding one; ``None`` = the bundled 512-token
+    byte-level BPE). Every ``Tokenizer`` has ``encode(text, bos, eos)``, ``encode_batch``,
+    ``decode(ids)``, ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id`` and ``special_ids``.
+    ``format_chat(tokenizer, messages, add_generation_prompt=False)`` renders the Llama 3 chat
+    format and returns ``FormattedChat(ids, target_mask)`` (assistant content + ``<|eot_id|>``).
+
+Training batches
+    ``PackedLoader(paths, tokenizer, seq_len, batch_size, format="auto", mask_prompt=True,
+    shuffle_buffer=0, seed=0, num_epochs=None)`` streams text / instruction / chat JSONL (or
+    ``.txt``) files, packs samples (``<bos> ... <eos>``) into rows and yields
+    ``{"tokens": [B, S], "labels": [B, S]}`` int64 CPU tensors; ``labels[:, i]`` is the target
+    of ``tokens[:, i]`` (already shifted), ``-100`` = ignored. ``state_dict()`` /
+    ``load_state_dict()`` resume exactly.
+
+Evaluation batches
+    ``PaddedInstructionLoader(path, tokenizer, batch_size)`` yields whole, padded
+    instruction/chat samples with ``prompt_tokens`` (left-padded), ``prompts`` and ``references``.
+
+Device prefetching
+    ``DevicePrefetcher(batches, device, depth=2)`` moves the next batches to the device on a
+    background thread; resumable through the source's state, closable, a context manager.
+
+Synthetic task and bundled corpus
+    ``generate_examples(n, split, seed)``, ``write_jsonl``, ``extract_response``,
+    ``exact_match``; ``default_corpus_dir()`` (``pretrain.jsonl``, ``tasks_train.jsonl``,
+    ``tasks_heldout.jsonl``) and ``default_tokenizer_path()``.
+
+Errors
+    Bad data raises ``DataError`` (a ``ValueError``) naming the file and, for a bad record, the
+    line number.
+"""
+
+from tpu_train.data.chat import FormattedChat, format_chat
+from tpu_train.data.corpus import default_corpus_dir
+from tpu_train.data.datasets import Example, Sample, encode_examples, read_records
+from tpu_train.data.errors import DataError
+from tpu_train.data.packing import IGNORE_INDEX, PackedLoader
+from tpu_train.data.padded import PaddedInstructionLoader
+from tpu_train.data.prefetch import DevicePrefetcher, move_batch
+from tpu_train.data.synthetic import exact_match, extract_response, generate_examples, iter_examples, write_jsonl
+from tpu_train.data.tokenizer import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    default_tokenizer_path,
+    load_tokenizer,
+)
+
+__all__ = [
+    "DataError",
+    "DevicePrefetcher",
+    "Example",
+    "FormattedChat",
+    "HFTokenizer",
+    "IGNORE_INDEX",
+    "PackedLoader",
+    "PaddedInstructionLoader",
+    "Sample",
+    "SentencePieceTokenizer",
+    "Tokenizer",
+    "default_corpus_dir",
+    "default_tokenizer_path",
+    "encode_examples",
+    "exact_match",
+    "extract_response",
+    "format_chat",
+    "generate_examples",
+    "iter_examples",
+    "load_tokenizer",
+    "move_batch",
+    "read_records",
+    "write_jsonl",
+]

@@ -1,0 +1,234 @@
+"""Streaming packing of samples into fixed-length training sequences, resumable exactly.
+
+Samples (``<bos> ... <eos>``) are concatenated into one token stream which is cut into rows of
+``seq_len + 1`` tokens; consecutive rows overlap by one token so no next-token transition is
+lost. A row gives ``tokens = row[:-1]`` and ``labels = row[1:]`` with ``-100`` wherever the
+predicted token is not a target (prompt tokens, ``<bos>``, padding).
+
+Memory is bounded by the packing buffer (about one row plus one sample), the optional shuffle
+buffer (``shuffle_buffer`` samples) and one chunk of read-ahead records; files are streamed.
+
+The loader's ``state_dict()`` holds everything the future depends on: the file position just
+after the last sample taken, the epoch, the packing buffer, the shuffle buffer and the shuffle
+RNG. A new loader given that state yields exactly the batches the old one would have.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from tpu_train.data.datasets import Sample, check_data_file, check_format, encode_examples, read_records
+from tpu_train.data.errors import DataError
+from tpu_train.data.tokenizer import Tokenizer, load_tokenizer
+
+IGNORE_INDEX = -100
+STATE_VERSION = 1
+
+
+def resolve_tokenizer(tokenizer: Tokenizer | str | Path | None) -> Tokenizer:
+    """A ``Tokenizer`` as is, or loaded from a path; ``None`` is an error (say which to use)."""
+    if tokenizer is None:
+        raise DataError(
+            "no tokenizer given; pass a Tokenizer or a tokenizer path (load_tokenizer() loads the "
+            "bundled default)"
+        )
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    return load_tokenizer(tokenizer)
+
+
+def rows_to_batch(rows: Sequence[tuple[list[int], list[bool]]]) -> dict[str, torch.Tensor]:
+    """``{"tokens", "labels"}`` LongTensors from rows of ``seq_len + 1`` ids and target flags."""
+    ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+    targets = torch.tensor([r[1] for r in rows], dtype=torch.bool)
+    labels = torch.where(targets[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE_INDEX))
+    return {"tokens": ids[:, :-1].contiguous(), "labels": labels}
+
+
+class PackedLoader:
+    """Iterator of packed batches ``{"tokens": [B, S], "labels": [B, S]}`` (CPU int64).
+
+    Args:
+        paths: one data file or several (read in order, every epoch).
+        tokenizer: a :class:`Tokenizer` or a path for :func:`load_tokenizer`.
+        seq_len: tokens per row (``S``).
+        batch_size: rows per batch (``B``).
+        format: ``"auto"`` (per record), ``"text"``, ``"instruction"`` or ``"chat"``.
+        mask_prompt: exclude prompt tokens from the loss (``labels == -100``).
+        shuffle_buffer: 0 for file order, else sample from a buffer of this many samples.
+        seed: seeds the shuffle buffer.
+        num_epochs: ``None`` to cycle forever; else stop after this many passes.
+        drop_last: at the end of the last epoch, drop the partial row and partial batch
+            (otherwise the row is padded and the short batch is yielded).
+        read_chunk: records parsed and tokenized per read-ahead (speed only; not in the state).
+    """
+
+    def __init__(
+        self,
+        paths: str | Path | Sequence[str | Path],
+        tokenizer: Tokenizer | str | Path | None,
+        seq_len: int,
+        batch_size: int,
+        *,
+        format: str = "auto",
+        mask_prompt: bool = True,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        num_epochs: int | None = None,
+        drop_last: bool = True,
+        read_chunk: int = 256,
+    ):
+        self.paths = [check_data_file(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+        if not self.paths:
+            raise ValueError("PackedLoader needs at least one data file")
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}")
+        if num_epochs is not None and num_epochs < 1:
+            raise ValueError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}")
+        self.tokenizer = resolve_tokenizer(tokenizer)
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.format = check_format(format)
+        self.mask_prompt, self.shuffle_size, self.seed = mask_prompt, shuffle_buffer, seed
+        self.num_epochs, self.drop_last, self.read_chunk = num_epochs, drop_last, read_chunk
+        self._reset(position=(0, 0, 0, 0), pack_ids=[], pack_targets=[], shuffle=[], rng=random.Random(seed))
+
+    def _reset(self, position, pack_ids, pack_targets, shuffle, rng) -> None:
+        # position = (epoch, file index, byte offset, lines read) just after the last sample taken.
+        self._position = position
+        self._read_pos = position  # where read-ahead continues (>= _position)
+        self._pack_ids, self._pack_targets = pack_ids, pack_targets
+        self._shuffle, self._rng = shuffle, rng
+        self._ahead: deque[tuple[Sample, tuple[int, int, int, int]]] = deque()
+        self._reader: Iterator | None = None
+        self._exhausted = False
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _read_ahead(self) -> bool:
+        """Tokenize the next chunk of records into ``_ahead``; False once all epochs are read."""
+        while not self._ahead:
+            epoch, file_index, offset, line = self._read_pos
+            if self.num_epochs is not None and epoch >= self.num_epochs:
+                return False
+            if self._reader is None:
+                self._reader = read_records(self.paths[file_index], self.format, offset, line, self.read_chunk)
+            chunk = next(self._reader, None)
+            if chunk is None:
+                self._reader = None
+                last_file = file_index + 1 == len(self.paths)
+                self._read_pos = (epoch + 1, 0, 0, 0) if last_file else (epoch, file_index + 1, 0, 0)
+                # Nothing is pending, so the taken position moves too: a saved state skips the
+                # finished file instead of re-opening it.
+                self._position = self._read_pos
+                continue
+            samples = encode_examples(self.tokenizer, [loc.example for loc in chunk], self.mask_prompt)
+            for sample, loc in zip(samples, chunk):
+                self._ahead.append((sample, (epoch, file_index, loc.end_offset, loc.line)))
+            self._read_pos = self._ahead[-1][1]
+        return True
+
+    def _take_sample(self) -> Sample | None:
+        if not self._ahead and not self._read_ahead():
+            return None
+        sample, self._position = self._ahead.popleft()
+        return sample
+
+    def _next_sample(self) -> Sample | None:
+        if self.shuffle_size <= 1:
+            return self._take_sample()
+        while len(self._shuffle) < self.shuffle_size:
+            sample = self._take_sample()
+            if sample is None:
+                break
+            self._shuffle.append(sample)
+        if not self._shuffle:
+            return None
+        index = self._rng.randrange(len(self._shuffle))
+        self._shuffle[index], self._shuffle[-1] = self._shuffle[-1], self._shuffle[index]
+        return self._shuffle.pop()
+
+    # -- packing ---------------------------------------------------------------------------
+
+    def _next_row(self) -> tuple[list[int], list[bool]] | None:
+        width = self.seq_len + 1
+        while len(self._pack_ids) < width and not self._exhausted:
+            sample = self._next_sample()
+            if sample is None:
+                self._exhausted = True
+                break
+            self._pack_ids += sample.ids
+            self._pack_targets += sample.targets
+        if len(self._pack_ids) >= width:
+            row = (self._pack_ids[:width], self._pack_targets[:width])
+            del self._pack_ids[: self.seq_len]
+            del self._pack_targets[: self.seq_len]
+            return row
+        if self.drop_last or len(self._pack_ids) < 2:
+            self._pack_ids, self._pack_targets = [], []
+            return None
+        missing = width - len(self._pack_ids)
+        row = (self._pack_ids + [self.tokenizer.pad_id] * missing, self._pack_targets + [False] * missing)
+        self._pack_ids, self._pack_targets = [], []
+        return row
+
+    def __iter__(self) -> "PackedLoader":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        rows = []
+        while len(rows) < self.batch_size:
+            row = self._next_row()
+            if row is None:
+                break
+            rows.append(row)
+        if not rows or (self.drop_last and len(rows) < self.batch_size):
+            raise StopIteration
+        return rows_to_batch(rows)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly after the last batch returned."""
+        version, internal, gauss = self._rng.getstate()
+        epoch, file_index, offset, line = self._position
+        return {
+            "version": STATE_VERSION,
+            "files": [p.name for p in self.paths],
+            "seq_len": self.seq_len,
+            "epoch": epoch,
+            "file_index": file_index,
+            "offset": offset,
+            "line": line,
+            "pack_ids": list(self._pack_ids),
+            "pack_targets": list(self._pack_targets),
+            "shuffle_buffer": [(s.ids, s.targets) for s in self._shuffle],
+            "rng": [version, list(internal), gauss],
+            "exhausted": self._exhausted,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` of a loader over the same files and ``seq_len``."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported loader state version {state.get('version')!r} (expected {STATE_VERSION})")
+        files = [p.name for p in self.paths]
+        if state["files"] != files or state["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"loader state is for files {state['files']} with seq_len={state['seq_len']}, but this loader "
+                f"reads {files} with seq_len={self.seq_len}; build the loader with the same data and seq_len"
+            )
+        rng = random.Random()
+        version, internal, gauss = state["rng"]
+        rng.setstate((version, tuple(internal), gauss))
+        self._reset(
+            position=(state["epoch"], state["file_index"], state["offset"], state["line"]),
+            pack_ids=list(state["pack_ids"]),
+            pack_targets=list(state["pack_targets"]),
+            shuffle=[Sample(tuple(ids), tuple(t)) for ids, t in state["shuffle_buffer"]],
+            rng=rng,
+        )
+        self._exhausted = state["exhausted"]
