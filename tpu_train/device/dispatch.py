@@ -203,6 +203,9 @@ def _split_leaves(func, leaves, index):
         if isinstance(leaf, torch.Tensor):
             dynamic.append(_device_value(leaf, index))
             static.append(_DYNAMIC)
+        elif isinstance(leaf, jax.Array):
+            dynamic.append(leaf)
+            static.append(_DYNAMIC)
         elif type(leaf) is float and not floats_static:
             dynamic.append(leaf)
             static.append(_DYNAMIC)
@@ -247,7 +250,7 @@ def run_lowering(lowering, func, args, kwargs):
     out_dtypes = None
     if meta_leaves is not None:
         out_dtypes = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in meta_leaves)
-    leaves, treedef = tree_flatten((args, kwargs))
+    leaves, treedef = tree_flatten(registry.scalars_as_arrays(func, args, kwargs))
     dynamic, static = _split_leaves(func, leaves, index)
     fn = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
     if lowering.random:

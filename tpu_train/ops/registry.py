@@ -4,7 +4,10 @@ A *lowering* is a plain function that computes one aten op on JAX arrays. It mir
 aten schema of the op it lowers:
 
 * every ``Tensor`` argument arrives as a ``jax.Array`` (``Tensor?`` may be ``None``,
-  ``Tensor[]`` is a list of arrays);
+  ``Tensor[]`` is a list of arrays). PyTorch passes Python numbers in Tensor slots
+  (``x + 2`` reaches ``add.Tensor(x, 2)``); callers turn those into weakly typed 0-dim
+  arrays with :func:`scalars_as_arrays`, so the lowering sees arrays and JAX's weak typing
+  matches torch's treatment of such "wrapped numbers";
 * ``ScalarType`` / ``Layout`` / ``Device`` / ``MemoryFormat`` arguments stay torch objects
   (see :mod:`tpu_train.ops.dtypes` for the dtype mapping);
 * ``int`` / ``int[]`` / ``bool`` / ``str`` arguments are Python values (static);
@@ -92,6 +95,31 @@ def lowered_ops() -> list[torch._ops.OpOverload]:
 
 def _is_mutating(op: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def _is_tensor_slot(argument) -> bool:
+    return str(argument.type) in ("Tensor", "Optional[Tensor]")
+
+
+def scalars_as_arrays(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """Replace Python numbers passed in ``Tensor`` slots of ``op`` by weak 0-dim arrays."""
+    import jax.numpy as jnp
+
+    def convert(value):
+        if isinstance(value, (bool, int, float, complex)):
+            return jnp.asarray(value)
+        return value
+
+    arguments = op._schema.arguments
+    new_args = list(args)
+    for i, (argument, value) in enumerate(zip(arguments, args)):
+        if _is_tensor_slot(argument):
+            new_args[i] = convert(value)
+    new_kwargs = dict(kwargs)
+    for argument in arguments:
+        if argument.name in new_kwargs and _is_tensor_slot(argument):
+            new_kwargs[argument.name] = convert(new_kwargs[argument.name])
+    return tuple(new_args), new_kwargs
 
 
 def is_mutating(op: torch._ops.OpOverload) -> bool:
