@@ -80,17 +80,19 @@ class PaddedInstructionLoader:
                     self.path,
                     loc.line,
                 )
-        if any(e.kind == "chat" for e in examples):
-            # Score only the final assistant turn: the rest of the chat is prompt.
-            examples = [
-                Example("chat", messages=e.messages[: self._last_assistant(e) + 1]) if e.kind == "chat" else e
-                for e in examples
-            ]
+        # A chat ends at its last assistant turn, and only that turn is scored: the rest is prompt.
+        examples = [
+            Example("chat", messages=e.messages[: self._last_assistant(e) + 1]) if e.kind == "chat" else e
+            for e in examples
+        ]
         samples = encode_examples(self.tokenizer, examples, self.mask_prompt)
         prompts = [self._prompt_ids(e) for e in examples]
         pad = self.tokenizer.pad_id
         full = [list(s.ids) for s in samples]
         targets = [list(s.targets) for s in samples]
+        for prompt, sample_targets in zip(prompts, targets):
+            if self.mask_prompt:  # the prompt ids are a prefix of the sample ids
+                sample_targets[: len(prompt)] = [False] * len(prompt)
         if self.max_length is not None:
             full = [ids[: self.max_length + 1] for ids in full]
             targets = [t[: self.max_length + 1] for t in targets]
