@@ -5,7 +5,7 @@ Usage::
     tpu-train                                   # recipe=llama_finetune on a tiny Llama, bundled data, CPU
     tpu-train recipe=llama_pretrain trainer.max_steps=500 scheduler=wsd
     tpu-train recipe=llama_lora model=llama3_2_1b model.checkpoint=/ckpt/Llama-3.2-1B \\
-              data=jsonl_instruction data.path=train.jsonl data.val_path=val.jsonl
+              data=jsonl data.path=train.jsonl data.val_path=val.jsonl
     tpu-train recipe=eval run.dir=runs/llama_finetune/2025-01-01_00-00-00
     tpu-train recipe=generate model.checkpoint=runs/llama_finetune/<stamp>/hf \\
               'recipe.generate.prompts=["add 12+30\\n"]'
@@ -21,10 +21,10 @@ Recipes (``recipe=NAME``; each ``configs/recipe/NAME.yaml`` starts with the comm
 * ``llama_lora``: the base model is frozen and ``recipe.lora.{rank,alpha,dropout,targets}``
   adapters wrap the attention and MLP projections; the exported model has them merged.
 * ``generate``: greedy or sampled continuations of ``recipe.generate.prompts``.
-* ``eval``: validation loss, perplexity and exact match on the synthetic task.
+* ``eval``: validation loss, perplexity and exact match on instruction/chat validation data.
 
-Config groups: ``model`` (debug_tiny, llama3_2_1b, llama3_1_8b, ...), ``data`` (synthetic,
-jsonl_text, jsonl_instruction, jsonl_chat), ``optim`` (adamw, adamw_finetune, adamw_lora),
+Config groups: ``model`` (debug_tiny, llama3_2_1b, llama3_1_8b, ...), ``data`` (bundled,
+jsonl), ``optim`` (adamw, adamw_finetune, adamw_lora),
 ``scheduler`` (warmup_cosine, wsd, constant), ``parallel``, ``checkpoint``, ``logging``,
 ``recipe``; plain sections ``trainer`` (max_steps, seed, mode=eager|compiled, device=cpu|tpu,
 precision=fp32|bf16, grad_accum_steps, max_grad_norm, activation_checkpointing,

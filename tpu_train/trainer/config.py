@@ -43,15 +43,6 @@ class ScheduleName(Enum):
     constant = "constant"
 
 
-class DataKind(Enum):
-    """Source of training examples."""
-
-    synthetic = "synthetic"  # generated instruction task with exact-match answers
-    text = "text"  # JSONL {"text": ...}, packed
-    instruction = "instruction"  # JSONL {"instruction", "input"?, "output"}, prompt masked
-    chat = "chat"  # JSONL {"messages": [{"role", "content"}, ...]}, prompt masked
-
-
 @dataclass
 class ModelConfig:
     """Which Llama to build, and optionally a Hugging Face directory to load weights from."""
@@ -62,14 +53,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: DataKind = DataKind.synthetic
-    path: Optional[str] = None  # training JSONL (not used by kind=synthetic)
-    val_path: Optional[str] = None  # validation JSONL; None: no validation for JSONL data
-    tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token one
+    """Training (and validation) JSONL files; ``path: null`` selects the bundled corpus.
+
+    The bundled corpus is ``pretrain.jsonl`` for ``llama_pretrain`` and the synthetic
+    instruction task (``tasks_train.jsonl``, validated on ``tasks_heldout.jsonl``) otherwise.
+    """
+
+    path: Optional[str] = None
+    val_path: Optional[str] = None  # None with path None: the bundled held-out task set
+    format: str = "auto"  # auto (per record), text, instruction or chat
+    tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token BPE
     seq_len: int = 128
     batch_size: int = 8
-    num_examples: int = 2048  # synthetic task: training examples generated
-    num_val_examples: int = 64  # synthetic task: held-out examples (loss and exact match)
+    shuffle_buffer: int = 0  # 0: file order
+    mask_prompt: bool = True  # no loss on prompt tokens of instruction/chat records
 
 
 @dataclass
@@ -156,7 +153,7 @@ class GenerateConfig:
     prompts: List[str] = field(default_factory=lambda: ["Hello"])
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
-    top_k: Optional[int] = None
+    top_p: float = 1.0
 
 
 @dataclass

@@ -51,10 +51,13 @@ def describe_composition_error(exc: BaseException) -> str:
     cause = _omegaconf_cause(exc)
     unknown = re.search(r"Could not override '([^'@]+)'", str(exc))
     full_key = str(cause.full_key) if isinstance(cause, ConfigKeyError) else ""
-    if isinstance(cause, ConfigKeyError) and (full_key or unknown):
-        full_key = full_key or unknown.group(1)
+    if unknown or (isinstance(cause, ConfigKeyError) and full_key):
+        full_key = unknown.group(1) if unknown else full_key
         parent, _, key = full_key.rpartition(".")
         valid = _valid_keys(parent)
+        while valid is None and parent:
+            parent = parent.rpartition(".")[0]
+            valid = _valid_keys(parent)
         where = f"section '{parent}'" if parent else "the top level"
         if valid is not None:
             return f"unknown key '{full_key}': {where} has keys {', '.join(valid)}"

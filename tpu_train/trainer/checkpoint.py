@@ -1,0 +1,209 @@
+"""Atomic, resumable training checkpoints.
+
+Layout of one checkpoint, ``<run.dir>/checkpoints/step_00000050/``:
+
+* ``model.safetensors``: the model's state dict (tensors only; loading runs no code);
+* ``training_state.pt``: optimizer, scheduler, data-loader position and RNG states, read back
+  with ``torch.load(weights_only=True)``;
+* ``meta.json``: the step and format version.
+
+A checkpoint is written into a hidden temporary directory, every file and the directory are
+fsynced, and only then is it renamed to ``step_N``.  A crash at any point leaves either the
+complete checkpoint or a temporary directory that :meth:`CheckpointManager.latest` ignores and
+the next writer deletes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+MODEL_FILE = "model.safetensors"
+TRAINING_STATE_FILE = "training_state.pt"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TEMP_PREFIX = ".tmp-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def to_cpu(value: Any) -> Any:
+    """A deep copy of ``value`` with every tensor cloned to the CPU (the async-save snapshot)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True).contiguous()
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(to_cpu(item) for item in value)
+    return value
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """True when ``path`` is a complete checkpoint directory of this format."""
+    return (path / META_FILE).is_file() and (path / MODEL_FILE).is_file()
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``run_dir``, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS_SUBDIR
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and is_checkpoint(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``run_dir``, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Tensor],
+                     training_state: dict) -> Path:
+    """Write one checkpoint atomically into ``directory/step_N`` and return its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / step_dir_name(step)
+    if final.exists():
+        # The same step was already saved (e.g. a signal right after a periodic save).
+        return final
+    temporary = directory / f"{_TEMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    temporary.mkdir()
+    try:
+        save_file(model_state, str(temporary / MODEL_FILE))
+        torch.save(training_state, temporary / TRAINING_STATE_FILE)
+        meta = {"format": FORMAT_VERSION, "step": step, "torch": torch.__version__}
+        (temporary / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        for name in (MODEL_FILE, TRAINING_STATE_FILE, META_FILE):
+            _fsync_file(temporary / name)
+        _fsync_dir(temporary)
+        os.rename(temporary, final)
+        _fsync_dir(directory)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return final
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(model state, training state, meta) of a checkpoint; executes no code from the files."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (expected {META_FILE} and {MODEL_FILE})"
+        )
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format')!r} is not supported "
+            f"(this version reads format {FORMAT_VERSION})"
+        )
+    model_state = load_file(str(path / MODEL_FILE))
+    training_state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+    return model_state, training_state, meta
+
+
+def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Parameters only (for fine-tuning from a training checkpoint)."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META_FILE})")
+    return load_file(str(path / MODEL_FILE))
+
+
+class CheckpointManager:
+    """Saves checkpoints of one run, keeps the last ``keep_last`` and optionally writes in the
+    background.
+
+    Only the writer process (rank 0) touches the disk; others call :meth:`save` as a no-op so
+    that every process runs the same code path.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_last: int, async_save: bool = False,
+                 is_writer: bool = True):
+        self.directory = Path(run_dir) / CHECKPOINTS_SUBDIR
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.is_writer = is_writer
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved: Path | None = None
+
+    def remove_stale_temporaries(self) -> None:
+        """Delete the leftovers of saves that were interrupted by a crash."""
+        if not self.is_writer or not self.directory.is_dir():
+            return
+        for entry in self.directory.iterdir():
+            if entry.name.startswith(_TEMP_PREFIX):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def save(self, step: int, model_state: dict[str, torch.Tensor], training_state: dict) -> None:
+        """Snapshot to CPU now, then write (on a background thread when ``async_save``)."""
+        if not self.is_writer:
+            return
+        self.wait()
+        model_snapshot = to_cpu(model_state)
+        state_snapshot = to_cpu(training_state)
+        if not self.async_save:
+            self._write(step, model_snapshot, state_snapshot)
+            return
+        self._thread = threading.Thread(
+            target=self._write_in_background, args=(step, model_snapshot, state_snapshot),
+            name=f"checkpoint-step-{step}", daemon=False,
+        )
+        self._thread.start()
+
+    def _write_in_background(self, step: int, model_state: dict, training_state: dict) -> None:
+        try:
+            self._write(step, model_state, training_state)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the main thread
+            self._error = exc
+
+    def _write(self, step: int, model_state: dict, training_state: dict) -> None:
+        self.last_saved = write_checkpoint(self.directory, step, model_state, training_state)
+        self._prune()
+
+    def _prune(self) -> None:
+        found = list_checkpoints(self.directory.parent)
+        for _, path in found[: max(0, len(found) - self.keep_last)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until a background save has finished; re-raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"saving a checkpoint failed: {error}") from error

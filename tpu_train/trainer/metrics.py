@@ -1,0 +1,171 @@
+"""Training metrics: TensorBoard scalars, a compact log line, a progress bar and MFU.
+
+MFU needs the chip's peak bf16 throughput.  The table below is explicit; a chip that is not in
+it (the CPU, an unlisted accelerator) gets no MFU at all rather than a guessed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+# Peak dense bf16 TFLOP/s per chip, from the vendors' published specifications.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "tpu v4": 275.0,
+    "tpu v5e": 197.0,
+    "tpu v5p": 459.0,
+    "tpu v6e": 918.0,
+    "tpu v7": 2307.0,
+    "h100 sxm": 989.0,
+    "h200 sxm": 989.0,
+}
+
+# How PJRT / JAX spell ``device_kind`` for the chips above.
+_DEVICE_KIND_ALIASES: dict[str, str] = {
+    "tpu v4": "tpu v4",
+    "tpu v5 lite": "tpu v5e",
+    "tpu v5e": "tpu v5e",
+    "tpu v5": "tpu v5p",
+    "tpu v5p": "tpu v5p",
+    "tpu v6 lite": "tpu v6e",
+    "tpu v6e": "tpu v6e",
+    "tpu7x": "tpu v7",
+    "tpu v7": "tpu v7",
+    "tpu v7x": "tpu v7",
+    "nvidia h100 80gb hbm3": "h100 sxm",
+    "nvidia h100 sxm": "h100 sxm",
+    "nvidia h200": "h200 sxm",
+    "nvidia h200 sxm": "h200 sxm",
+}
+
+
+def chip_name(device_kind: str | None) -> str | None:
+    """The key of :data:`PEAK_BF16_TFLOPS` for a PJRT ``device_kind`` string, or None."""
+    if not device_kind:
+        return None
+    return _DEVICE_KIND_ALIASES.get(device_kind.strip().lower())
+
+
+def peak_bf16_tflops(device_kind: str | None) -> float | None:
+    """Peak bf16 TFLOP/s of one chip, or None when the chip is not in the table."""
+    name = chip_name(device_kind)
+    return None if name is None else PEAK_BF16_TFLOPS[name]
+
+
+def detect_device_kind(device: torch.device) -> str | None:
+    """PJRT's name of the chip behind ``device``; None for the CPU or when unknown."""
+    if device.type == "cpu":
+        return None
+    try:
+        import jax
+
+        return str(jax.devices()[0].device_kind)
+    except Exception:  # noqa: BLE001 - any failure means "unknown", which disables MFU
+        return None
+
+
+def process_rank() -> int:
+    """torch.distributed rank when initialized, else the launcher's ``RANK`` (0 by default)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main_process() -> bool:
+    return process_rank() == 0
+
+
+def format_log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
+    """``step 10/100 | loss 5.2311 | lr 3.00e-04 | ...``: one line a human can scan."""
+    parts = [f"step {step}/{max_steps}"]
+    formats = {
+        "loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}",
+        "tokens_per_s": "{:,.0f} tok/s", "step_time_s": "{:.3f} s/step",
+    }
+    for key, template in formats.items():
+        if key in scalars:
+            parts.append(template.format(scalars[key]))
+    parts.append(f"mfu {scalars['mfu']:.1%}" if "mfu" in scalars else "mfu unknown")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """Writes scalars to TensorBoard and lines to stdout and ``<run.dir>/train.log``.
+
+    Every method is a no-op on processes other than rank 0.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool,
+                 progress_bar: bool, total_steps: int, initial_step: int):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._writer = None
+        self._log_file: TextIO | None = None
+        self._bar = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.run_dir / "train.log", "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        if progress_bar and total_steps > initial_step:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step",
+                             dynamic_ncols=True, file=sys.stderr, leave=False)
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.run_dir / "tensorboard"
+
+    def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+        """TensorBoard scalars ``prefix/key``, and one exact JSON line in ``metrics.jsonl``."""
+        if not self.enabled:
+            return
+        record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}}
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            # json writes floats with repr(): they read back bit for bit.
+            handle.write(json.dumps(record) + "\n")
+        if self._writer is None:
+            return
+        for key, value in values.items():
+            self._writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+        if self._log_file is not None:
+            self._log_file.write(text + "\n")
+            self._log_file.flush()
+
+    def advance(self, steps: int = 1, loss: float | None = None) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(steps)
+        if loss is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

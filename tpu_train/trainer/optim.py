@@ -1,0 +1,41 @@
+"""AdamW with weight decay on matrices only."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import OptimConfig
+from .errors import ConfigError
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: 2-D+ weights (decayed) and vectors such as norm scales and biases (not).
+
+    Embedding tables are matrices but are not decayed: decay pulls rare tokens' rows to zero.
+    """
+    embedding_ids = {
+        id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)
+    }
+    decayed, plain = [], []
+    seen: set[int] = set()
+    for parameter in model.parameters():
+        if not parameter.requires_grad or id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        if parameter.ndim >= 2 and id(parameter) not in embedding_ids:
+            decayed.append(parameter)
+        else:
+            plain.append(parameter)
+    groups = [{"params": decayed, "weight_decay": weight_decay},
+              {"params": plain, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters of ``model``."""
+    if cfg.name != "adamw":
+        raise ConfigError(f"optim.name={cfg.name!r} is not supported; valid names: adamw")
+    groups = parameter_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ConfigError("the model has no trainable parameters; nothing to optimize")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

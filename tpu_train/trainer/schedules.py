@@ -1,0 +1,79 @@
+"""Learning-rate schedules as picklable multipliers of the base learning rate.
+
+They are callable objects rather than closures so that ``LambdaLR.state_dict()`` records their
+parameters and a resumed run checks it rebuilt the same schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ScheduleName, SchedulerConfig
+
+
+class WarmupCosine:
+    """Linear warmup from 0 to 1 over ``warmup_steps``, then cosine decay to ``min_ratio``."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float):
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_ratio = min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WarmupStableDecay:
+    """Linear warmup, a constant plateau, then linear decay to ``min_ratio`` over the last
+    ``decay_fraction`` of ``total_steps`` (the WSD schedule)."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float,
+                 decay_fraction: float):
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_ratio = min_ratio
+        self.decay_steps = max(1, round(total_steps * decay_fraction))
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_start = max(self.warmup_steps, self.total_steps - self.decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start + 1) / self.decay_steps)
+        return 1.0 - (1.0 - self.min_ratio) * progress
+
+
+class WarmupConstant:
+    """Linear warmup, then a constant multiplier of 1."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        return 1.0
+
+
+def lr_multiplier(cfg: SchedulerConfig, max_steps: int):
+    """The schedule named by ``cfg`` for a run of ``max_steps`` optimizer steps."""
+    name = ScheduleName(cfg.name) if not isinstance(cfg.name, ScheduleName) else cfg.name
+    if name is ScheduleName.warmup_cosine:
+        return WarmupCosine(cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+    if name is ScheduleName.wsd:
+        return WarmupStableDecay(cfg.warmup_steps, max_steps, cfg.min_lr_ratio,
+                                 cfg.decay_fraction)
+    return WarmupConstant(cfg.warmup_steps)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig,
+                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` applying :func:`lr_multiplier`; call ``step()`` once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, max_steps))

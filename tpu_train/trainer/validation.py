@@ -1,0 +1,98 @@
+"""Checks of the composed configuration that the schema's types cannot express.
+
+They run before anything is built or written, and each failure names the key, the value and
+what would be accepted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from .config import ScheduleName
+from .errors import ConfigError
+
+DEVICES = ("cpu", "tpu")
+DATA_FORMATS = ("auto", "text", "instruction", "chat")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(cfg: DictConfig, key: str) -> None:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, key)
+    _require(value is not None and value >= 1, f"{key} must be >= 1, got {value}")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
+    from tpu_train.models import CONFIGS
+
+    trainer, optim, sched = cfg.trainer, cfg.optim, cfg.scheduler
+    for key in ("trainer.max_steps", "trainer.grad_accum_steps", "trainer.val_batches",
+                "checkpoint.every_n_steps", "checkpoint.keep_last", "logging.every_n_steps",
+                "data.batch_size"):
+        _positive(cfg, key)
+    _require(trainer.seed >= 0, f"trainer.seed must be >= 0, got {trainer.seed}")
+    _require(trainer.device in DEVICES,
+             f"trainer.device={trainer.device!r} is not a device; valid devices: {', '.join(DEVICES)}")
+    _require(trainer.val_every_n_steps >= 0,
+             f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
+    _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
+             f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
+    _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
+    _require(0 <= optim.beta1 < 1 and 0 <= optim.beta2 < 1,
+             f"optim.beta1 and optim.beta2 must be in [0, 1), got {optim.beta1} and {optim.beta2}")
+    _require(optim.eps > 0, f"optim.eps must be > 0, got {optim.eps}")
+    _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    _require(optim.name == "adamw", f"optim.name={optim.name!r} is not supported; valid names: adamw")
+    _require(0 <= sched.warmup_steps <= trainer.max_steps,
+             f"scheduler.warmup_steps must be in [0, trainer.max_steps={trainer.max_steps}], "
+             f"got {sched.warmup_steps}")
+    _require(0 <= sched.min_lr_ratio <= 1,
+             f"scheduler.min_lr_ratio must be in [0, 1], got {sched.min_lr_ratio}")
+    if ScheduleName(sched.name) is ScheduleName.wsd:
+        _require(0 < sched.decay_fraction <= 1,
+                 f"scheduler.decay_fraction must be in (0, 1], got {sched.decay_fraction}")
+    for axis in ("data", "fsdp", "tensor"):
+        degree = cfg.parallel[axis]
+        _require(degree == -1 or degree >= 1,
+                 f"parallel.{axis} must be -1 (infer) or >= 1, got {degree}")
+    _require(list(cfg.parallel.values()).count(-1) <= 1,
+             "at most one of parallel.data, parallel.fsdp, parallel.tensor may be -1 (infer)")
+    _require(cfg.model.name in CONFIGS,
+             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
+    if cfg.model.checkpoint is not None:
+        _require(Path(cfg.model.checkpoint).is_dir(),
+                 f"model.checkpoint={cfg.model.checkpoint!r} is not a directory; point it at a "
+                 "Hugging Face model directory (config.json + *.safetensors) or a checkpoint step_N")
+    data = cfg.data
+    _require(data.format in DATA_FORMATS,
+             f"data.format={data.format!r} is not a format; valid formats: {', '.join(DATA_FORMATS)}")
+    _require(data.seq_len >= 2, f"data.seq_len must be >= 2, got {data.seq_len}")
+    model_max = CONFIGS[cfg.model.name].max_seq_len
+    _require(data.seq_len <= model_max,
+             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({cfg.model.name})")
+    _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
+    for key in ("path", "val_path", "tokenizer"):
+        value = data[key]
+        _require(value is None or Path(value).exists(),
+                 f"data.{key}={value!r} does not exist; give an existing path or null for the bundled one")
+    lora = cfg.recipe.lora
+    _require(lora.rank >= 1, f"recipe.lora.rank must be >= 1, got {lora.rank}")
+    _require(lora.alpha > 0, f"recipe.lora.alpha must be > 0, got {lora.alpha}")
+    _require(0 <= lora.dropout < 1, f"recipe.lora.dropout must be in [0, 1), got {lora.dropout}")
+    _require(len(lora.targets) > 0, "recipe.lora.targets must name at least one projection")
+    gen = cfg.recipe.generate
+    _require(gen.max_new_tokens >= 1, f"recipe.generate.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
+    _require(gen.temperature >= 0, f"recipe.generate.temperature must be >= 0, got {gen.temperature}")
+    _require(0 < gen.top_p <= 1, f"recipe.generate.top_p must be in (0, 1], got {gen.top_p}")
+    _require(len(gen.prompts) > 0, "recipe.generate.prompts must hold at least one prompt")
+    ev = cfg.recipe.eval
+    _require(ev.batches >= 1 and ev.exact_match_examples >= 0 and ev.max_new_tokens >= 1,
+             "recipe.eval needs batches >= 1, exact_match_examples >= 0 and max_new_tokens >= 1")
