@@ -19,7 +19,10 @@ _warned: set = set()
 def _decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, decomposition_table
 
-    table = dict(decomposition_table)
+    # Decompositions written with torch._refs produce prims ops, which have no lowering:
+    # keep only those written in aten ops.
+    table = {op: fn for op, fn in decomposition_table.items()
+             if not getattr(fn, "__module__", "").startswith("torch._refs")}
     table.update(core_aten_decompositions())
     return table
 

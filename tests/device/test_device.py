@@ -1,0 +1,156 @@
+"""Runtime, registration and device placement: torch.tpu behaves like torch.cuda."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+import torch
+
+import tpu_train
+
+
+def test_device_count_is_eight_virtual_devices():
+    assert torch.tpu.device_count() == 8
+    assert tpu_train.runtime_info()["device_count"] == 8
+    assert torch.tpu.is_available()
+
+
+@pytest.mark.parametrize("index", [0, 3, 7])
+def test_tensors_land_on_the_device_asked_for(index):
+    x = torch.arange(6.0).to(f"tpu:{index}")
+    assert x.device == torch.device("tpu", index)
+    assert x._storage.buffer.devices() == {jax.devices("cpu")[index]}
+    y = (x * 2).sum()
+    assert y.device == torch.device("tpu", index)
+    z = torch.zeros(3, device=tpu_train.device(index))
+    assert z.device.index == index
+
+
+def test_move_between_devices():
+    x = torch.arange(4.0, device="tpu:1")
+    y = x.to("tpu:5")
+    assert y.device.index == 5
+    assert torch.equal(y.cpu(), torch.arange(4.0))
+
+
+def test_device_index_out_of_range_is_a_clear_error():
+    with pytest.raises(IndexError, match=r"tpu device index 8 is out of range.*tpu:0\.\.tpu:7"):
+        tpu_train.device(8)
+    with pytest.raises(IndexError, match="out of range"):
+        torch.empty(2, device="tpu:12")
+
+
+def test_mixing_tpu_and_cpu_tensors_names_both_devices():
+    with pytest.raises(RuntimeError, match=r"tpu:0 and cpu"):
+        torch.ones(2, 2, device="tpu") + torch.ones(2, 2)
+
+
+def test_mixing_two_tpu_devices_names_both():
+    with pytest.raises(RuntimeError, match=r"tpu:0 and tpu:2"):
+        torch.ones(2, device="tpu:0") + torch.ones(2, device="tpu:2")
+
+
+def test_zero_dim_cpu_tensor_is_allowed_like_on_cuda():
+    x = torch.ones(3, device="tpu") * torch.tensor(2.0)
+    assert x.device.type == "tpu" and torch.equal(x.cpu(), torch.full((3,), 2.0))
+
+
+def test_unknown_platform_is_a_clear_error():
+    env = dict(os.environ, TPU_TRAIN_PLATFORM="abacus")
+    result = subprocess.run([sys.executable, "-c", "import tpu_train"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "TPU_TRAIN_PLATFORM='abacus' is not a known platform" in result.stderr
+    assert "tpu, cuda, cpu" in result.stderr
+
+
+def test_unavailable_platform_is_a_clear_error():
+    env = dict(os.environ, TPU_TRAIN_PLATFORM="tpu")
+    result = subprocess.run([sys.executable, "-c", "import torch, tpu_train; torch.zeros(1, device='tpu')"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "JAX finds no tpu devices" in result.stderr
+
+
+def test_tensor_methods_and_module_methods():
+    x = torch.ones(2).tpu()
+    assert x.is_tpu and x.device.type == "tpu"
+    module = torch.nn.Linear(2, 2).tpu()
+    assert module.weight.device.type == "tpu"
+    assert isinstance(module.weight, torch.nn.Parameter)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.int8, torch.int16, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool])
+def test_dtype_round_trip(dtype):
+    source = (torch.arange(-6, 6) % 5).to(dtype)
+    x = source.to("tpu")
+    assert x.dtype == dtype
+    back = x.cpu()
+    assert back.dtype == dtype and torch.equal(back, source)
+
+
+def test_int64_stays_int64_as_torch_sees_it():
+    x = torch.arange(5, device="tpu")
+    assert x.dtype == torch.int64
+    assert (x + 1).dtype == torch.int64
+    assert x.sum().dtype == torch.int64
+    assert x.sum().item() == 10
+
+
+def test_save_load_round_trip(tmp_path):
+    x = torch.randn(3, 4).to("tpu:2")
+    path = tmp_path / "t.pt"
+    torch.save({"x": x, "v": x[1:]}, path)
+    loaded = torch.load(path)
+    assert loaded["x"].device == torch.device("tpu", 2)
+    assert torch.equal(loaded["x"].cpu(), x.cpu())
+    on_cpu = torch.load(path, map_location="cpu")
+    assert on_cpu["x"].device.type == "cpu" and torch.equal(on_cpu["x"], x.cpu())
+    on_tpu1 = torch.load(path, map_location="tpu:1")
+    assert on_tpu1["x"].device == torch.device("tpu", 1)
+
+
+def test_printing_shows_values_and_device():
+    text = repr(torch.tensor([1.5, 2.5]).to("tpu:3"))
+    assert "1.5000" in text and "device='tpu:3'" in text
+
+
+def test_rng_is_reproducible_and_state_round_trips():
+    torch.tpu.manual_seed(123)
+    a = torch.randn(5, device="tpu").cpu()
+    state = torch.tpu.get_rng_state()
+    b = torch.randn(5, device="tpu").cpu()
+    torch.tpu.manual_seed(123)
+    assert torch.equal(torch.randn(5, device="tpu").cpu(), a)
+    torch.tpu.set_rng_state(state)
+    assert torch.equal(torch.randn(5, device="tpu").cpu(), b)
+    assert not torch.equal(a, b)
+
+
+def test_memory_stats_track_allocations():
+    torch.tpu.reset_peak_memory_stats(4)
+    before = torch.tpu.memory_allocated(4)
+    x = torch.empty(1024, 1024, device="tpu:4")
+    assert torch.tpu.memory_allocated(4) >= before + 4 * 1024 * 1024
+    assert torch.tpu.max_memory_allocated(4) >= before + 4 * 1024 * 1024
+    del x
+
+
+def test_device_module_api():
+    torch.tpu.set_device(2)
+    try:
+        assert torch.tpu.current_device() == 2
+        assert torch.empty(1, device="tpu").device.index == 2
+    finally:
+        torch.tpu.set_device(0)
+    assert torch.tpu.get_device_name(0)
+    torch.tpu.synchronize()
+    stream = torch.tpu.current_stream()
+    event = stream.record_event()
+    event.synchronize()
+    with torch.tpu.stream(torch.tpu.Stream()):
+        pass
