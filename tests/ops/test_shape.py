@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-import tpu_train.ops.shape  # noqa: F401  (registers the lowerings)
+import tpu_train.ops.scatter  # noqa: F401  (registers the lowerings)
+import tpu_train.ops.shape  # noqa: F401
 from tests.ops.lowering_check import assert_lowering_matches, to_jax, to_torch
 from tpu_train.ops import registry
 
@@ -241,9 +242,11 @@ def test_unfold(op, shape, dim, size, step):
     ((24,), (3, 2, 2), (1, 12, 4), 0),    # permuted dims
     ((4, 6), (3, 4), (0, 1), 2),          # broadcast dim
     ((4, 6), (2, 1, 3), (6, 100, 2), 3),  # size-1 dim with any stride
-    ((4, 6), (4,), (7, ), 0),             # diagonal, via the segment reshape
+    ((4, 6), (4,), (7, ), 0),             # diagonal
+    ((2, 4, 6), (2, 4), (24, 7), 1),      # batched diagonal
+    ((16,), (3, 3), (4, 3), 0),           # strides that do not divide
     ((10,), (4, 3), (2, 1), 0),           # overlapping windows: gather
-    ((12,), (3, 3), (3, 2), 0),           # strides that do not divide: gather
+    ((12,), (3, 3), (3, 2), 0),           # overlapping, irregular: gather
     ((10,), (2, 0), (1, 1), 4),           # empty view
     ((3, 3), (), (), 4),                  # 0-dim view
     ((5,), (5,), (1,), None),             # default offset
@@ -302,3 +305,181 @@ def test_view_as_real_and_complex():
     check(aten.view_as_real_copy.default, z)
     check(aten.view_as_complex.default, make((4, 2)))
     check(aten.view_as_complex_copy.default, make((2,)))
+
+
+# --------------------------------------------------------------------------- joins and tiling
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat(dim):
+    parts = [make((2, 3), torch.float32), make((2, 3), torch.float32, seed=1)]
+    check(aten.cat.default, parts, dim)
+    check(aten.concat.default, parts, dim)
+
+
+def test_cat_skips_legacy_empty_and_promotes():
+    check(aten.cat.default, [make((0,)), make((2, 3)), make((0,)), make((1, 3))], 0)
+    check(aten.cat.default, [make((0,)), make((0,))], 0)
+    check(aten.cat.default, [make((2,), torch.int64), make((3,), torch.float32)], 0)
+    check(aten.cat.default, [make((2,), torch.bool), make((1,), torch.int64)], -1)
+    check(aten.cat.default, [make((2, 0)), make((2, 3))], 1)
+    check(aten.cat.default, [make((4,))], 0)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_stack(dim):
+    check(aten.stack.default, [make((2, 3)), make((2, 3), seed=1), make((2, 3), seed=2)], dim)
+
+
+def test_stack_scalars_and_mixed_dtypes():
+    check(aten.stack.default, [make(()), make((), seed=1)], 0)
+    check(aten.stack.default, [make((2,), torch.int64), make((2,), torch.bfloat16)], -1)
+
+
+@pytest.mark.parametrize("dims", [[0], [1, 2], [-1], [0, 1, 2], []])
+def test_flip(dims):
+    check(aten.flip.default, make((2, 3, 4), torch.int64), dims)
+
+
+def test_flip_scalar():
+    check(aten.flip.default, make(()), [0])
+
+
+@pytest.mark.parametrize("shifts,dims", [([1], [0]), ([-2], [1]), ([7], [-1]), ([2, -1], [0, 1]),
+                                         ([3], []), ([-11], []), ([0], [0]), ([1, 1], [1, 1])])
+def test_roll(shifts, dims):
+    check(aten.roll.default, make((3, 4)), shifts, dims)
+
+
+def test_roll_empty():
+    check(aten.roll.default, make((0, 4)), [2], [0])
+
+
+@pytest.mark.parametrize("shape,repeats", [((2, 3), [2, 1]), ((2, 3), [1, 2, 3]), ((3,), [0, 2]),
+                                           ((), [2, 3]), ((), []), ((2, 1), [1, 4])])
+def test_repeat(shape, repeats):
+    check(aten.repeat.default, make(shape, torch.int64), repeats)
+
+
+@pytest.mark.parametrize("shape,dims", [((2, 3), [2]), ((2, 3), [2, 2]), ((3,), [2, 1, 2])])
+def test_tile(shape, dims):
+    check(aten.tile.default, make(shape), dims)
+
+
+@pytest.mark.parametrize("op", [aten.tril.default, aten.triu.default])
+@pytest.mark.parametrize("diagonal", [0, 1, -1, 5, -5])
+def test_triangles(op, diagonal):
+    check(op, make((4, 5)), diagonal)
+    check(op, make((2, 3, 3), torch.int64), diagonal)
+    check(op, make((3, 2), torch.bool), diagonal)
+
+
+# --------------------------------------------------------------------------- XLA-friendly forms
+
+
+def _stablehlo(op, *args):
+    fn = registry.get_lowering(op).fn
+    return jax.jit(lambda x: fn(x, *args)).lower(to_jax(make((4, 6, 8)))).as_text()
+
+
+@pytest.mark.parametrize("op,args", [
+    (aten.as_strided.default, ([8, 6, 4], [1, 8, 48], 0)),   # a permutation
+    (aten.as_strided.default, ([2, 3, 4], [48, 8, 2], 9)),    # a strided window
+    (aten.as_strided.default, ([4, 4], [48, 9], 0)),          # a batch of diagonals
+    (aten.as_strided.default, ([3, 5], [16, 3], 2)),          # strides that do not divide
+    (aten.as_strided.default, ([4, 3, 8], [48, 0, 1], 0)),    # a broadcast
+    (aten.diagonal.default, (1, 1, 2)),
+    (aten.slice.Tensor, (2, 1, 7, 3)),
+    (aten.select.int, (1, -1)),
+    (aten.unfold.default, (2, 3, 2)),
+    (aten.split_with_sizes.default, ([1, 3], 0)),
+    (aten.roll.default, ([3], [2])),
+    (aten.repeat.default, ([2, 1, 1, 3],)),
+])
+def test_views_never_gather(op, args):
+    """Views whose geometry is a slice, transpose or broadcast must not become gathers."""
+    program = _stablehlo(op, *args)
+    assert "gather" not in program and "dynamic_slice" not in program
+
+
+def test_overlapping_as_strided_gathers():
+    assert "gather" in _stablehlo(aten.as_strided.default, [5, 4], [2, 1], 0)
+
+
+# --------------------------------------------------------------------------- view scatters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+@pytest.mark.parametrize("dim,start,end,step", [
+    (0, None, None, 1), (1, 1, 4, 1), (1, -3, None, 1), (1, None, -1, 2), (0, 1, 100, 3),
+    (1, 2, 2, 1), (-1, 0, 7, 4), (1, 6, None, 5)])
+def test_slice_scatter(dtype, dim, start, end, step):
+    base = make((5, 7), dtype)
+    view = aten.slice.Tensor(base, dim, start, end, step)
+    check(aten.slice_scatter.default, base, make(tuple(view.shape), dtype, seed=1), dim, start,
+          end, step)
+
+
+def test_slice_scatter_casts_src_to_base_dtype():
+    check(aten.slice_scatter.default, make((4, 3)), make((2, 3), torch.int64), 0, 1, 3)
+
+
+@pytest.mark.parametrize("dim,index", [(0, 0), (1, -1), (-1, 2), (2, 0)])
+def test_select_scatter(dim, index):
+    base = make((3, 4, 5))
+    view = aten.select.int(base, dim, index)
+    check(aten.select_scatter.default, base, make(tuple(view.shape), seed=1), dim, index)
+
+
+def test_select_scatter_1d():
+    check(aten.select_scatter.default, make((4,), torch.int64), make((), torch.int64, seed=3),
+          0, -2)
+
+
+@pytest.mark.parametrize("shape,offset,dim1,dim2", [
+    ((4, 4), 0, 0, 1), ((3, 5), 2, 0, 1), ((3, 5), -1, 0, 1), ((5, 3), 1, 1, 0),
+    ((2, 3, 4), 0, 1, 2), ((2, 3, 4), -1, 2, 0), ((3, 3), 4, 0, 1), ((2, 3, 4, 5), 1, -1, 1)])
+def test_diagonal_scatter(shape, offset, dim1, dim2):
+    base = make(shape, torch.int64)
+    view = aten.diagonal.default(base, offset, dim1, dim2)
+    check(aten.diagonal_scatter.default, base, make(tuple(view.shape), torch.int64, seed=1),
+          offset, dim1, dim2)
+
+
+@pytest.mark.parametrize("source,size,stride,offset", [
+    ((4, 6), (4, 6), (6, 1), 0),
+    ((4, 6), (6, 4), (1, 6), 0),
+    ((4, 6), (2, 3), (12, 2), 1),
+    ((4, 6), (4,), (7,), 0),
+    ((2, 4, 6), (2, 4), (24, 7), 1),
+    ((16,), (3, 3), (4, 3), 0),
+    ((4, 6), (2, 1, 3), (6, 100, 2), 3),
+    ((2, 3), (3,), (2,), 0),
+    ((3, 3), (), (), 4),
+    ((10,), (2, 0), (1, 1), 4),
+    ((10,), (4, 2), (2, 1), 0),            # overlapping: the later write wins in both
+])
+def test_as_strided_scatter(source, size, stride, offset):
+    base = make(source, torch.int64)
+    src = make(size, torch.int64, seed=1)
+    if size == (4, 2):
+        # Overlapping writes must agree for the result to be defined.
+        src = torch.arange(10)[torch.arange(4)[:, None] * 2 + torch.arange(2)]
+    check(aten.as_strided_scatter.default, base, src, list(size), list(stride), offset)
+
+
+@pytest.mark.parametrize("op,args", [
+    (aten.slice_scatter.default, ((4, 3, 8), 1, 1, 4, 1)),
+    (aten.slice_scatter.default, ((4, 3, 8), 1, 1, None, 2)),
+    (aten.select_scatter.default, ((4, 8), 1, 2)),
+    (aten.diagonal_scatter.default, ((4, 6), 1, 1, 2)),
+    (aten.as_strided_scatter.default, ((3, 4, 2), [3, 4, 2], [16, 2, 1], 5)),
+    (aten.as_strided_scatter.default, ((4, 6), [4, 6], [1, 4], 0)),
+])
+def test_view_scatters_never_scatter(op, args):
+    """Writes through regular views are slices, pads and selects, not generic scatters."""
+    src_shape, *rest = args
+    fn = registry.get_lowering(op).fn
+    program = jax.jit(lambda x, src: fn(x, src, *rest)).lower(
+        to_jax(make((4, 6, 8))), to_jax(make(src_shape))).as_text()
+    assert "scatter" not in program and "gather" not in program

@@ -6,13 +6,12 @@ uses these functions where a value is needed; the compiled step uses them direct
 one keeps an XLA-friendly form (slices stay slices, never gathers). The ``*_copy`` variants
 that functionalization emits share the functions of their view ops.
 
-The inverse writes that functionalization emits for writes through views (``slice_scatter``,
-``as_strided_scatter``...) live in :mod:`tpu_train.ops.scatter`.
+``as_strided`` and the inverse writes that functionalization emits for writes through views
+(``slice_scatter``, ``as_strided_scatter``...) live in :mod:`tpu_train.ops.scatter`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 
@@ -374,99 +373,6 @@ def view_as_complex(self):
     real = lax.index_in_dim(self, 0, axis=self.ndim - 1, keepdims=False)
     imag = lax.index_in_dim(self, 1, axis=self.ndim - 1, keepdims=False)
     return lax.complex(real.astype(jnp.float32), imag.astype(jnp.float32))
-
-
-# --------------------------------------------------------------------------- as_strided
-
-
-@dataclasses.dataclass(frozen=True)
-class NestedStrides:
-    """A strided view whose strides nest, so that it is a slice of a reshaped flat segment.
-
-    ``dims`` are the view's dims of size > 1 and nonzero stride, outermost (largest stride)
-    first. Reshaping ``span`` flat elements to ``grid`` and slicing every axis to ``window``
-    yields those dims in that order, followed by one axis of size 1 to drop.
-    """
-
-    dims: tuple[int, ...]
-    grid: tuple[int, ...]
-    window: tuple[int, ...]
-
-    @property
-    def span(self) -> int:
-        return math.prod(self.grid)
-
-
-def nested_strides(size: Sequence[int], stride: Sequence[int]) -> NestedStrides | None:
-    """The slice-of-a-reshape form of a strided view, or None when its elements overlap or its
-    strides do not divide one another (such views need an index gather)."""
-    dims = sorted((d for d in range(len(size)) if size[d] > 1 and stride[d] != 0),
-                  key=lambda d: -stride[d])
-    if any(stride[d] < 0 for d in dims):
-        return None
-    for outer, inner in zip(dims, dims[1:]):
-        if stride[outer] % stride[inner] or stride[outer] < size[inner] * stride[inner]:
-            return None
-    if not dims:
-        return NestedStrides((), (1,), (1,))
-    strides = [stride[d] for d in dims]
-    grid = ([size[dims[0]]] + [a // b for a, b in zip(strides, strides[1:])] + [strides[-1]])
-    window = [size[d] for d in dims] + [1]
-    return NestedStrides(tuple(dims), tuple(grid), tuple(window))
-
-
-def strided_flat_index(size: Sequence[int], stride: Sequence[int], offset: int):
-    """The flat position of every element of a strided view, as an int32 array of ``size``."""
-    index = jnp.full(tuple(size), offset, jnp.int32)
-    for d, (n, s) in enumerate(zip(size, stride)):
-        if n > 1 and s:
-            index = index + lax.broadcasted_iota(jnp.int32, tuple(size), d) * s
-    return index
-
-
-def check_strided_bounds(numel: int, size, stride, offset: int) -> None:
-    if any(n == 0 for n in size):
-        return
-    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-    if offset < 0 or last >= numel:
-        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage "
-                           f"offset {offset} are out of bounds for storage of {numel} elements")
-
-
-def pad_flat(flat, length: int):
-    """``flat`` extended with zeros to at least ``length`` elements."""
-    return jnp.pad(flat, (0, length - flat.size)) if length > flat.size else flat
-
-
-@lowers(aten.as_strided.default, aten.as_strided_copy.default)
-def as_strided(self, size, stride, storage_offset=None):
-    """A strided read of the contiguous value of ``self`` starting at ``storage_offset``.
-
-    Views whose strides nest (every view torch's own view ops make of a contiguous tensor)
-    become a reshape of a flat segment plus a static slice, transpose and broadcast; only
-    overlapping or irregular geometries gather.
-    """
-    size, stride = tuple(int(n) for n in size), tuple(int(s) for s in stride)
-    offset = int(storage_offset or 0)
-    if len(size) != len(stride):
-        raise RuntimeError("mismatch in length of strides and shape")
-    if any(n == 0 for n in size):
-        return jnp.zeros(size, self.dtype)
-    flat = jnp.reshape(self, (-1,))
-    check_strided_bounds(flat.size, size, stride, offset)
-    layout = nested_strides(size, stride)
-    if layout is None:
-        return jnp.take(flat, strided_flat_index(size, stride, offset))
-    segment = lax.slice_in_dim(pad_flat(flat, offset + layout.span), offset,
-                               offset + layout.span)
-    grid = lax.slice(jnp.reshape(segment, layout.grid), (0,) * len(layout.grid), layout.window)
-    picked = jnp.reshape(grid, layout.window[:-1])
-    # Put the picked dims back in view order, then restore size-1 and broadcast (stride 0) dims.
-    ordered = sorted(range(len(layout.dims)), key=lambda i: layout.dims[i])
-    picked = jnp.transpose(picked, ordered) if len(ordered) > 1 else picked
-    kept = set(layout.dims)
-    unit = tuple(n if d in kept else 1 for d, n in enumerate(size))
-    return jnp.broadcast_to(jnp.reshape(picked, unit), size)
 
 
 # --------------------------------------------------------------------------- joins and tiling
