@@ -66,7 +66,12 @@ EXIT_STOPPED = 1
 def _run_job(cfg: DictConfig) -> None:
     from tpu_train.recipes import run_recipe
 
-    run_recipe(cfg)
+    # Errors are reported here rather than after Hydra's job wrapper, which would print an
+    # extra "Error executing job" line first.
+    try:
+        run_recipe(cfg)
+    except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
+        _exit_for(exc)
 
 
 def _is_bad_input(exc: BaseException) -> bool:
@@ -90,18 +95,20 @@ def main() -> None:
     app = hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")(_run_job)
     try:
         app()
-    except TrainingStopped as exc:
+    except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
+        _exit_for(exc)
+
+
+def _exit_for(exc: Exception) -> None:
+    """Print a one-line report and exit for bad input or a stopped run; re-raise anything else."""
+    if isinstance(exc, TrainingStopped):
         print(f"tpu-train: stopped: {exc}", file=sys.stderr)
         sys.exit(EXIT_STOPPED)
-    except Exception as exc:  # noqa: BLE001 - sorted into bad input vs. a real crash below
-        if not _is_bad_input(exc):
-            raise
-        if isinstance(exc, ConfigError):
-            message = str(exc)
-        else:
-            message = describe_composition_error(exc)
-        print(f"tpu-train: error: {' '.join(message.split())}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+    if not _is_bad_input(exc):
+        raise exc
+    message = str(exc) if isinstance(exc, ConfigError) else describe_composition_error(exc)
+    print(f"tpu-train: error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":
