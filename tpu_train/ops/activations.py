@@ -187,7 +187,7 @@ def hardswish(self):
 def hardswish_backward(grad_output, self):
     dtype, _, (g, x) = _opmath(grad_output, self)
     middle = g * ((x / 3) + 0.5)
-    return jnp.where(x < -3, 0, jnp.where(x <= 3, middle, g)).astype(dtype)
+    return jnp.where(x <= -3, 0, jnp.where(x < 3, middle, g)).astype(dtype)
 
 
 def _softplus_default(x):

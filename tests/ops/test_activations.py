@@ -1,0 +1,93 @@
+"""Activation lowerings and their backward ops against PyTorch on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.lowering_check import assert_lowering_matches
+from tests.ops.test_pointwise import assert_matches_jitted, make, tolerance
+from tpu_train.ops import activations  # noqa: F401  (registers the lowerings)
+from tpu_train.ops.registry import aten
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def inputs(dtype, shape=(6, 8)):
+    """Random values plus the kinks and thresholds where activations are piecewise."""
+    x = make(shape, dtype, -5, 5).flatten()
+    edges = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 20.0, 25.0, -25.0, 0.5]).to(dtype)
+    return torch.cat([x, edges])
+
+
+FORWARD = [
+    (aten.relu.default, ()), (aten.gelu.default, ()), (aten.silu.default, ()),
+    (aten.threshold.default, (0.5, -2.0)), (aten.elu.default, (1.5, 1.2, 0.7)),
+    (aten.leaky_relu.default, (0.2,)), (aten.hardtanh.default, (-1.0, 3.0)),
+    (aten.softplus.default, (2.0, 10.0)), (aten.hardsigmoid.default, ()),
+    (aten.hardswish.default, ()), (aten.mish.default, ()), (aten.hardshrink.default, (0.5,)),
+    (aten.softshrink.default, (0.5,)), (aten.log_sigmoid_forward.default, ()),
+]
+
+
+@pytest.mark.parametrize("op, args", FORWARD, ids=lambda v: str(v) if not isinstance(v, tuple)
+                         else "")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward(op, args, dtype):
+    tol = tolerance(dtype)
+    assert_lowering_matches(op, inputs(dtype), *args, atol=tol, rtol=tol)
+
+
+def test_gelu_tanh_and_relu_integers():
+    x = inputs(torch.float32)
+    assert_lowering_matches(aten.gelu.default, x, approximate="tanh")
+    assert_lowering_matches(aten.relu.default, make((5,), torch.int64))
+    assert_matches_jitted(aten.leaky_relu.default, x, 0.1)
+    assert_matches_jitted(aten.elu.default, x, 0.9, 1.1, 1.0)
+
+
+BACKWARD = [
+    (aten.gelu_backward.default, (), {"approximate": "none"}),
+    (aten.gelu_backward.default, (), {"approximate": "tanh"}),
+    (aten.silu_backward.default, (), {}),
+    (aten.threshold_backward.default, (0.0,), {}),
+    (aten.leaky_relu_backward.default, (0.2, False), {}),
+    (aten.hardtanh_backward.default, (-1.0, 1.0), {}),
+    (aten.softplus_backward.default, (1.0, 20.0), {}),
+    (aten.hardsigmoid_backward.default, (), {}),
+    (aten.hardswish_backward.default, (), {}),
+    (aten.mish_backward.default, (), {}),
+]
+
+
+@pytest.mark.parametrize("op, args, kwargs", BACKWARD, ids=[str(b[0]) for b in BACKWARD])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward(op, args, kwargs, dtype):
+    x = inputs(dtype)
+    grad = make(x.shape, dtype, seed=4)
+    tol = tolerance(dtype)
+    assert_lowering_matches(op, grad, x, *args, atol=tol, rtol=tol, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_from_outputs(dtype):
+    x = inputs(dtype)
+    grad = make(x.shape, dtype, seed=5)
+    tol = tolerance(dtype)
+    assert_lowering_matches(aten.sigmoid_backward.default, grad, torch.sigmoid(x),
+                            atol=tol, rtol=tol)
+    assert_lowering_matches(aten.tanh_backward.default, grad, torch.tanh(x), atol=tol, rtol=tol)
+    for is_result in (False, True):
+        source = torch.ops.aten.elu(x, 1.5, 1.2, 0.7) if is_result else x
+        assert_lowering_matches(aten.elu_backward.default, grad, 1.5, 1.2, 0.7, is_result, source,
+                                atol=tol, rtol=tol)
+    out, buffer = torch.ops.aten.log_sigmoid_forward(x)
+    assert_lowering_matches(aten.log_sigmoid_backward.default, grad, x, buffer, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_glu(dim):
+    x = make((4, 6, 2), torch.float32)
+    assert_lowering_matches(aten.glu.default, x, dim)
+    grad = make(torch.ops.aten.glu(x, dim).shape, torch.float32, seed=3)
+    assert_lowering_matches(aten.glu_backward.default, grad, x, dim)
