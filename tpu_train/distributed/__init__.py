@@ -1,0 +1,14 @@
+"""Per-device distributed training: ``dist.init_process_group("tpu")`` over JAX collectives.
+
+``import tpu_train.distributed`` registers the ``tpu`` backend with torch.distributed. Start-up
+(``jax.distributed``) happens inside ``init_process_group``; see :mod:`.init`. Launch with
+``torchrun``, ``torch.multiprocessing.spawn`` or ``python -m tpu_train.launch``.
+"""
+
+from tpu_train.distributed.health import CollectiveTimeoutError
+from tpu_train.distributed.init import initialize
+from tpu_train.distributed.process_group import BACKEND, TpuProcessGroup, register
+
+register()
+
+__all__ = ["BACKEND", "CollectiveTimeoutError", "TpuProcessGroup", "initialize", "register"]

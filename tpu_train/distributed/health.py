@@ -1,0 +1,152 @@
+"""Liveness of the ranks and completion of collectives, with a timeout that names lost ranks.
+
+A JAX collective whose peer died or hung blocks inside XLA with no timeout of its own. So
+every collective is completed off the caller's thread: a completion thread waits for the
+result arrays and fulfils the collective's torch Future, and a monitor fails the Future when
+the deadline passes. The error names the ranks at fault, found from two pieces of state every
+rank publishes in torch's store (the TCPStore of ``init_process_group``):
+
+* a heartbeat counter, bumped every ``HEARTBEAT_S`` by a daemon thread: a rank whose counter
+  stops moving is dead (or its process is frozen);
+* how many collectives it has launched in each group: a live rank that launched fewer than
+  this one never reached the collective (hung, or on another code path).
+
+If the store itself is unreachable, its host is gone: that is rank 0 unless the launcher
+hosts the store (torchrun's agent), which is said in the message.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import jax
+
+HEARTBEAT_S = 1.0
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete: some peer rank died or hung."""
+
+
+class Health:
+    """Per-process heartbeat publisher and lost-rank diagnosis over a torch Store."""
+
+    def __init__(self, store, rank: int):
+        self.store = store
+        self.rank = rank
+        self.launched: dict[str, int] = {}  # group name -> collectives launched
+        self._beats = 0
+        self._stop = threading.Event()
+        self._publish()
+        threading.Thread(target=self._beat, name="tpu-heartbeat", daemon=True).start()
+
+    def _publish(self):
+        state = ";".join(f"{g}={n}" for g, n in self.launched.items())
+        self.store.set(f"hb/{self.rank}", f"{self._beats}|{state}")
+
+    def _beat(self):
+        while not self._stop.wait(HEARTBEAT_S):
+            self._beats += 1
+            try:
+                self._publish()
+            except Exception:  # the store host is gone; diagnosis reports it when needed
+                return
+
+    def stop(self):
+        self._stop.set()
+
+    def _read(self, ranks):
+        seen = {}
+        for r in ranks:
+            if not self.store.check([f"hb/{r}"]):
+                seen[r] = None  # never published: it did not even start
+                continue
+            beats, _, state = self.store.get(f"hb/{r}").decode().partition("|")
+            groups = dict(item.split("=") for item in state.split(";") if item)
+            seen[r] = (int(beats), {g: int(n) for g, n in groups.items()})
+        return seen
+
+    def diagnose(self, group: str, ranks, what: str) -> str:
+        """One sentence naming the ranks (global numbering) that made ``what`` fail."""
+        others = [r for r in ranks if r != self.rank]
+        mine = self.launched.get(group, 0)
+        try:
+            first = self._read(others)
+            time.sleep(2.5 * HEARTBEAT_S)
+            second = self._read(others)
+        except Exception as error:
+            host = "the launcher's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") \
+                == "True" else "rank 0"
+            return (f"{what} failed on rank {self.rank}: the rendezvous store hosted by {host} "
+                    f"is unreachable ({type(error).__name__}); rank 0 is lost")
+        dead = [r for r in others if first[r] is None or second[r] is None
+                or second[r][0] == first[r][0]]
+        if dead:
+            return (f"{what} failed on rank {self.rank}: lost rank(s) {dead} (no heartbeat "
+                    f"for {2.5 * HEARTBEAT_S:.1f} s: the process died or froze)")
+        behind = [r for r in others if second[r][1].get(group, 0) < mine]
+        if behind:
+            return (f"{what} failed on rank {self.rank}: rank(s) {behind} are alive but did "
+                    f"not reach collective #{mine} of group {group} (hung or on another code "
+                    f"path)")
+        return (f"{what} failed on rank {self.rank}: every peer is alive and reached it; the "
+                f"transport failed or the job is too slow for the timeout "
+                f"(set TPU_TRAIN_COLLECTIVE_TIMEOUT)")
+
+
+class Completer:
+    """Fulfils collectives' Futures when their arrays are ready, or fails them at a deadline."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+        self._ids = 0
+        threading.Thread(target=self._complete, name="tpu-collectives", daemon=True).start()
+        threading.Thread(target=self._monitor, name="tpu-collective-monitor", daemon=True).start()
+
+    def submit(self, future, arrays, result, deadline_s: float, on_timeout, finish=None):
+        """Set ``future``'s result to ``result`` (after ``finish()``) once ``arrays`` are
+        ready; after ``deadline_s`` set the error ``on_timeout()`` returns instead."""
+        with self._lock:
+            self._ids += 1
+            ident = self._ids
+            self._pending[ident] = (future, time.monotonic() + deadline_s, on_timeout)
+        self._queue.put((ident, arrays, result, finish, on_timeout))
+
+    def _settle(self, ident):
+        with self._lock:
+            return self._pending.pop(ident, None)
+
+    def _complete(self):
+        while True:
+            ident, arrays, result, finish, on_timeout = self._queue.get()
+            error = None
+            try:
+                jax.block_until_ready(arrays)
+                if finish is not None:
+                    finish()
+            except Exception as exc:  # a peer vanished under the transport
+                error = exc
+            entry = self._settle(ident)
+            if entry is None:
+                continue  # the monitor already failed it
+            if error is None:
+                entry[0].set_result(result)
+            else:
+                entry[0].set_exception(CollectiveTimeoutError(
+                    f"{on_timeout()} [transport error: {error}]"))
+
+    def _monitor(self):
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            with self._lock:
+                late = [i for i, (_, deadline, _) in self._pending.items() if deadline < now]
+            for ident in late:
+                entry = self._settle(ident)
+                if entry is not None:
+                    entry[0].set_exception(CollectiveTimeoutError(entry[2]()))

@@ -1,0 +1,352 @@
+"""The ``tpu`` ProcessGroup: torch.distributed collectives as JAX collectives.
+
+``dist.init_process_group("tpu")`` (or ``"cpu:gloo,tpu:tpu"``-style configs) creates one
+:class:`TpuProcessGroup` per group. It serves ``tpu`` tensors and CPU tensors (these are copied
+to this rank's device, reduced there and copied back). Every method takes the group-local ranks
+torch passes, runs one jitted program over the group's mesh (see :mod:`.collectives`), writes
+the results into the given tensors through their views (so DDP's bucket views and FSDP's
+all-gather outputs see them) and returns a Work fulfilled when the result arrays are ready.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from tpu_train.distributed import init as init_mod
+from tpu_train.distributed.collectives import GroupMesh, all_to_all_uneven
+from tpu_train.distributed.health import Completer, Health
+
+BACKEND = "tpu"
+_RED = dist.ReduceOp.RedOpType
+_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.PRODUCT: "product", _RED.MIN: "min",
+        _RED.MAX: "max", _RED.BAND: "band", _RED.BOR: "bor", _RED.BXOR: "bxor"}
+# bool tensors reduce as int32 0/1: SUM/MAX/BOR are "any", PRODUCT/MIN/BAND are "all".
+_BOOL_OPS = {"sum": "max", "max": "max", "bor": "max", "product": "min", "min": "min",
+             "band": "min", "bxor": "bxor"}
+
+_process: dict = {}  # per-process singletons: the Health publisher and the Completer
+
+
+def _op_name(reduce_op) -> str:
+    kind = getattr(reduce_op, "op", reduce_op)
+    try:
+        return _OPS[kind]
+    except KeyError:
+        raise ValueError(f"the tpu backend does not support ReduceOp {reduce_op}") from None
+
+
+class TpuProcessGroup(dist.ProcessGroup):
+    """A torch ProcessGroup whose collectives are JAX programs over the group's devices."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
+                 group_id: str, global_ranks):
+        super().__init__(rank, size)
+        from tpu_train.device import module, runtime
+
+        self._group_id = group_id
+        self._global_ranks = list(global_ranks) or list(range(size))
+        self._timeout_s = init_mod.collective_timeout(timeout)
+        self._device_index = module.current_device()
+        device = runtime.jax_device(self._device_index)
+        # Which JAX device each group rank owns: published through the store, because the
+        # torch rank and JAX's process index need not agree (auto-detected TPU pods).
+        store.set(f"jax_device/{rank}", str(device.id))
+        by_id = {d.id: d for d in jax.devices()}
+        ids = [int(store.get(f"jax_device/{r}")) for r in range(size)]
+        self._mesh = GroupMesh([by_id[i] for i in ids], rank)
+        self._pairs: dict = {}
+        if "health" not in _process:
+            _process["health"] = Health(store, self._global_ranks[rank])
+            _process["completer"] = Completer()
+        self._health = _process["health"]
+        self._completer = _process["completer"]
+
+    # -- identity --------------------------------------------------------------------------------
+
+    @property
+    def group_name(self):  # functional collectives look the group up by this name
+        return self._group_id
+
+    def getBackendName(self):
+        return BACKEND
+
+    @property
+    def name(self):
+        return BACKEND
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _array(self, tensor: torch.Tensor) -> jax.Array:
+        from tpu_train.device.tensor import TpuTensor, host_array
+
+        if isinstance(tensor, TpuTensor):
+            return tensor.jax_value().reshape(-1)
+        return jax.device_put(host_array(tensor).reshape(-1), self._mesh.device)
+
+    def _launch(self, what: str, writes, group=None, ranks=None):
+        """Write ``(tensor, array)`` results and return a Work done when they are ready."""
+        from tpu_train.device.mutation import assign
+        from tpu_train.device.tensor import TpuTensor, to_host, wrap
+
+        group = group or self._group_id
+        ranks = ranks or self._global_ranks
+        host_writes = []
+        for tensor, array in writes:
+            if isinstance(tensor, TpuTensor):
+                assign(tensor, wrap(array.reshape(tuple(tensor.shape)), tensor.dtype,
+                                    self._device_index))
+            else:
+                host_writes.append((tensor, array))
+
+        def finish():
+            for tensor, array in host_writes:
+                value = to_host(wrap(array, tensor.dtype, self._device_index))
+                with torch.no_grad():
+                    tensor.copy_(value.reshape(tensor.shape))
+
+        future = torch.futures.Future()
+        health = self._health
+        self._completer.submit(
+            future, [a for _, a in writes], [t for t, _ in writes], self._timeout_s,
+            on_timeout=lambda: health.diagnose(group, ranks, what), finish=finish)
+        return _create_work_from_future(future)
+
+    def _count(self, group=None):
+        group = group or self._group_id
+        launched = self._health.launched
+        launched[group] = launched.get(group, 0) + 1
+        return launched[group]
+
+    def _reduce(self, blocks, reduce_op, kind="all_reduce"):
+        """Run a reduction on flat blocks; AVG and bool handled here. Returns output blocks."""
+        op = _op_name(reduce_op)
+        average = op == "avg"
+        if average:
+            op = "sum"
+            if any(not jnp.issubdtype(b.dtype, jnp.inexact) for b in blocks):
+                raise TypeError("ReduceOp.AVG needs floating-point tensors on the tpu backend")
+        outputs = []
+        for block in blocks:  # bool and bitwise ops need per-dtype handling; group by dtype
+            is_bool = block.dtype == jnp.bool_
+            if op in ("band", "bor", "bxor") and jnp.issubdtype(block.dtype, jnp.inexact):
+                raise TypeError(f"ReduceOp.{op.upper()} needs integer or bool tensors")
+            this_op = _BOOL_OPS[op] if is_bool else op
+            outputs.append((block.astype(jnp.int32) if is_bool else block, this_op, is_bool))
+        results = [None] * len(outputs)
+        for this_op in {o for _, o, _ in outputs}:
+            chosen = [i for i, (_, o, _) in enumerate(outputs) if o == this_op]
+            ran = self._mesh.run(kind, [outputs[i][0] for i in chosen], op=this_op,
+                                 average=average)
+            for i, value in zip(chosen, ran):
+                results[i] = value > 0 if outputs[i][2] else value
+        return results
+
+    # -- all-reduce ------------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        return self.allreduce_coalesced(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        self._count()
+        outputs = self._reduce([self._array(t) for t in tensors], reduce_op)
+        return self._launch("all_reduce", list(zip(tensors, outputs)))
+
+    # -- all-gather ------------------------------------------------------------------------------
+
+    def allgather(self, output_lists, inputs, opts=None):
+        self._count()
+        gathered = self._mesh.run("all_gather", [self._array(t) for t in inputs])
+        writes = []
+        for outputs, array in zip(output_lists, gathered):
+            chunk = array.shape[0] // self.size()
+            writes += [(out, array[i * chunk:(i + 1) * chunk]) for i, out in enumerate(outputs)]
+        return self._launch("all_gather", writes)
+
+    def _allgather_base(self, output, input, opts=None):
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._count()
+        gathered = self._mesh.run("all_gather", [self._array(t) for t in inputs])
+        return self._launch("all_gather_into_tensor", list(zip(outputs, gathered)))
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.allgather(output_lists, inputs, opts)
+
+    # -- reduce-scatter --------------------------------------------------------------------------
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        self._count()
+        blocks = [jnp.concatenate([self._array(t) for t in inputs]) for inputs in input_lists]
+        results = self._reduce(blocks, opts.reduceOp, kind="reduce_scatter")
+        return self._launch("reduce_scatter", list(zip(outputs, results)))
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._count()
+        results = self._reduce([self._array(t) for t in inputs], opts.reduceOp,
+                               kind="reduce_scatter")
+        return self._launch("reduce_scatter_tensor", list(zip(outputs, results)))
+
+    # -- rooted collectives ----------------------------------------------------------------------
+
+    def broadcast(self, tensors, opts):
+        self._count()
+        results = self._mesh.run("broadcast", [self._array(t) for t in tensors],
+                                 src=opts.rootRank)
+        return self._launch("broadcast", list(zip(tensors, results)))
+
+    def reduce(self, tensors, opts):
+        self._count()
+        results = self._reduce([self._array(t) for t in tensors], opts.reduceOp)
+        if self.rank() != opts.rootRank:
+            return self._done(results, "reduce")
+        return self._launch("reduce", list(zip(tensors, results)))
+
+    def gather(self, output_lists, inputs, opts):
+        self._count()
+        gathered = self._mesh.run("all_gather", [self._array(t) for t in inputs])
+        if self.rank() != opts.rootRank:
+            return self._done(gathered, "gather")
+        writes = []
+        for outputs, array in zip(output_lists, gathered):
+            chunk = array.shape[0] // self.size()
+            writes += [(out, array[i * chunk:(i + 1) * chunk]) for i, out in enumerate(outputs)]
+        return self._launch("gather", writes)
+
+    def scatter(self, outputs, input_lists, opts):
+        self._count()
+        blocks = []
+        for out, inputs in zip(outputs, input_lists):
+            if self.rank() == opts.rootRank:
+                blocks.append(jnp.concatenate([self._array(t) for t in inputs]))
+            else:  # non-roots send zeros of the same size (see collectives._scatter)
+                blocks.append(jnp.zeros(out.numel() * self.size(), self._array(out).dtype,
+                                        device=self._mesh.device))
+        results = self._mesh.run("scatter", blocks, src=opts.rootRank)
+        return self._launch("scatter", list(zip(outputs, results)))
+
+    def _done(self, arrays, what):
+        """A Work for a rank that takes part in a collective but receives nothing."""
+        future = torch.futures.Future()
+        health, group, ranks = self._health, self._group_id, self._global_ranks
+        self._completer.submit(future, list(arrays), [], self._timeout_s,
+                               on_timeout=lambda: health.diagnose(group, ranks, what))
+        return _create_work_from_future(future)
+
+    # -- all-to-all ------------------------------------------------------------------------------
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._count()
+        n = self.size()
+        rows_in = input.shape[0] if input.dim() else 0
+        row = int(np.prod(input.shape[1:])) if input.dim() > 1 else 1
+        send = list(input_split_sizes) or [rows_in // n] * n
+        flat = self._array(input).reshape((rows_in, row))
+        if not input_split_sizes and not output_split_sizes:
+            (received,) = self._mesh.run("all_to_all", [flat.reshape(-1)])
+            return self._launch("all_to_all_single", [(output, received)])
+        # Uneven: learn every rank's splits (one small all-gather) to pad to a common width.
+        splits = self._mesh.run("all_gather", [jnp.asarray(send, jnp.int32)])[0]
+        matrix = np.asarray(splits).reshape(n, n)  # matrix[j][k]: rows rank j sends rank k
+        recv = list(output_split_sizes) or [int(matrix[j][self.rank()]) for j in range(n)]
+        width = max(int(matrix.max()), 1)
+        received = all_to_all_uneven(self._mesh, flat, send, recv, width)
+        return self._launch("all_to_all_single", [(output, received.reshape(-1))])
+
+    def alltoall(self, outputs, inputs, opts=None):
+        self._count()
+        n = self.size()
+        flat = jnp.concatenate([self._array(t) for t in inputs]).reshape(-1, 1)
+        send = [t.numel() for t in inputs]
+        recv = [t.numel() for t in outputs]
+        splits = self._mesh.run("all_gather", [jnp.asarray(send, jnp.int32)])[0]
+        width = max(int(np.asarray(splits).max()), 1)
+        received = all_to_all_uneven(self._mesh, flat, send, recv, width).reshape(-1)
+        offsets = np.cumsum([0] + recv)
+        writes = [(t, received[offsets[i]:offsets[i + 1]]) for i, t in enumerate(outputs)]
+        return self._launch("all_to_all", writes)
+
+    # -- point to point --------------------------------------------------------------------------
+
+    def _pair(self, peer: int):
+        """A 2-device mesh (lower group rank first) for send/recv with ``peer``."""
+        mesh = self._pairs.get(peer)
+        if mesh is None:
+            low, high = sorted((self.rank(), peer))
+            devices = [self._mesh.devices[low], self._mesh.devices[high]]
+            mesh = GroupMesh(devices, 0 if self.rank() == low else 1)
+            self._pairs[peer] = mesh
+        return mesh
+
+    def _p2p(self, tensor, src, dst, what):
+        peer = dst if src == self.rank() else src
+        mesh = self._pair(peer)
+        pair_name = f"{self._group_id}:p2p:{min(src, dst)}-{max(src, dst)}"
+        self._count(pair_name)
+        me = mesh.index
+        block = self._array(tensor) if src == self.rank() else \
+            jnp.zeros(tensor.numel(), self._array(tensor).dtype, device=mesh.device)
+        source_index = me if src == self.rank() else 1 - me
+        (result,) = mesh.run("permute", [block], pairs=((source_index, 1 - source_index),))
+        ranks = [self._global_ranks[src], self._global_ranks[dst]]
+        if dst == self.rank():
+            return self._launch(what, [(tensor, result)], group=pair_name, ranks=ranks)
+        future = torch.futures.Future()
+        health = self._health
+        self._completer.submit(future, [result], [], self._timeout_s,
+                               on_timeout=lambda: health.diagnose(pair_name, ranks, what))
+        return _create_work_from_future(future)
+
+    def send(self, tensors, dst, tag=0):
+        works = [self._p2p(t, self.rank(), dst, "send") for t in tensors]
+        return works[-1]
+
+    def recv(self, tensors, src, tag=0):
+        works = [self._p2p(t, src, self.rank(), "recv") for t in tensors]
+        return works[-1]
+
+    # -- barrier ---------------------------------------------------------------------------------
+
+    def barrier(self, opts=None):
+        self._count()
+        token = jnp.ones((1,), jnp.int32, device=self._mesh.device)
+        (result,) = self._mesh.run("all_reduce", [token], op="sum", average=False)
+        return self._done([result], "barrier")
+
+
+def _create(dist_backend_opts, backend_options=None):
+    """The creator torch calls for every ``tpu`` group (the world group first)."""
+    timeout = dist_backend_opts.timeout
+    global_ranks = list(dist_backend_opts.global_ranks_in_group)
+    if not init_mod.is_initialized():
+        # The world group: start jax.distributed before anything asks JAX for devices.
+        init_mod.initialize(rank=dist_backend_opts.group_rank,
+                            world_size=dist_backend_opts.group_size,
+                            timeout_s=init_mod.collective_timeout(timeout))
+    return TpuProcessGroup(dist_backend_opts.store, dist_backend_opts.group_rank,
+                           dist_backend_opts.group_size, timeout,
+                           dist_backend_opts.group_id, global_ranks)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the ``tpu`` backend with torch.distributed (idempotent)."""
+    global _registered
+    if _registered or BACKEND.upper() in dist.Backend._plugins:
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["tpu", "cpu"])
+    _registered = True
