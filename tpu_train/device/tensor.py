@@ -44,7 +44,13 @@ class TpuTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from tpu_train.device.dispatch import dispatch
 
-        return dispatch(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        try:
+            return dispatch(func, args, kwargs)
+        except Exception as error:
+            if torch._C._current_graph_task_id() == -1:
+                raise
+            return _defer_backward_error(func, args, kwargs, error)
 
     # -- value access -------------------------------------------------------------------------
 
@@ -67,6 +73,45 @@ class TpuTensor(torch.Tensor):
         # is allowed under torch.load(weights_only=True).
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (to_host(self), self.dtype, str(self.device), self.requires_grad))
+
+
+_deferred_graph_tasks: set = set()
+
+
+def _defer_backward_error(func, args, kwargs, error):
+    """Report an op's error at the end of the backward pass instead of inside it.
+
+    An exception raised from ``__torch_dispatch__`` inside the autograd engine unwinds through
+    the engine's stream guard, whose destructor calls back into Python while the error is still
+    pending: the process aborts ("terminate called without an active exception"). So inside a
+    backward pass the error is queued as an engine callback, which raises it cleanly once the
+    pass ends, and the failing op returns zeros of the right shape meanwhile (they are never
+    seen: backward() raises).
+    """
+    from tpu_train.device.dispatch import meta_outputs
+
+    task = torch._C._current_graph_task_id()
+    if task not in _deferred_graph_tasks:
+        _deferred_graph_tasks.add(task)
+
+        def raise_deferred():
+            _deferred_graph_tasks.discard(task)
+            raise error
+
+        torch.autograd.Variable._execution_engine.queue_callback(raise_deferred)
+    meta = meta_outputs(func, args, kwargs)
+    if meta is None:
+        raise error
+
+    def placeholder(value):
+        if isinstance(value, torch.Tensor):
+            index = next(a.device.index for a in torch.utils._pytree.tree_flatten((args, kwargs))[0]
+                         if isinstance(a, TpuTensor))
+            return wrap(jnp.zeros(tuple(value.shape), storage_dtype(value.dtype)), value.dtype,
+                        index)
+        return value
+
+    return torch.utils._pytree.tree_map(placeholder, meta)
 
 
 def wrap(value: jax.Array, dtype: torch.dtype, device_index: int, shape=None) -> TpuTensor:

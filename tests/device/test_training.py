@@ -1,0 +1,149 @@
+"""Eager training on tpu matches PyTorch on CPU: 20 steps, SGD and AdamW on every optimizer path."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpu_train  # noqa: F401
+
+STEPS = 20
+
+
+class Block(nn.Module):
+    """A small pre-norm transformer block with a token embedding and an LM head."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm1 = nn.RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.norm2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        b, s = tokens.shape
+        x = self.embed(tokens)
+        h = self.norm1(x)
+        q = self.wq(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(h).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, s, -1))
+        gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
+        x = x + self.down(F.silu(gate) * F.gelu(up))
+        return self.head(x)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _mlp_batches(device):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 16, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device))
+            for _ in range(STEPS)]
+
+
+def _block_batches(device):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 64, (2, 12), generator=g).to(device) for _ in range(STEPS)]
+
+
+def _mlp_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _block_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+OPTIMIZERS = {
+    "sgd": lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01, **kw),
+    "adamw": lambda p, **kw: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1, **kw),
+}
+PATHS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+MODELS = {"mlp": (_mlp, _mlp_batches, _mlp_loss), "block": (Block, _block_batches, _block_loss)}
+
+
+def _train(model, make_optimizer, batches, loss_fn):
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_losses_match_cpu(model_name, optimizer, path):
+    make_model, make_batches, loss_fn = MODELS[model_name]
+    torch.manual_seed(0)
+    cpu_model = make_model()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    make_optimizer = lambda params: OPTIMIZERS[optimizer](params, **PATHS[path])  # noqa: E731
+    expected = _train(cpu_model, make_optimizer, make_batches("cpu"), loss_fn)
+    got = _train(tpu_model, make_optimizer, make_batches("tpu"), loss_fn)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for (name, p_cpu), p_tpu in zip(cpu_model.named_parameters(), tpu_model.parameters()):
+        assert p_tpu.device.type == "tpu", name
+        torch.testing.assert_close(p_tpu.detach().cpu(), p_cpu.detach(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+class _ScaledSquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return x * x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * x * ctx.scale, None
+
+
+def test_custom_autograd_function():
+    x_cpu = torch.randn(5, requires_grad=True)
+    x_tpu = x_cpu.detach().to("tpu").requires_grad_()
+    _ScaledSquare.apply(x_cpu, 3.0).sum().backward()
+    _ScaledSquare.apply(x_tpu, 3.0).sum().backward()
+    assert x_tpu.grad.device.type == "tpu"
+    torch.testing.assert_close(x_tpu.grad.cpu(), x_cpu.grad)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing(use_reentrant):
+    torch.manual_seed(0)
+    cpu_model = _mlp()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    x = torch.randn(4, 16, requires_grad=use_reentrant)
+    out_cpu = torch.utils.checkpoint.checkpoint(cpu_model, x, use_reentrant=use_reentrant)
+    out_tpu = torch.utils.checkpoint.checkpoint(tpu_model, x.detach().to("tpu").requires_grad_(use_reentrant),
+                                                use_reentrant=use_reentrant)
+    out_cpu.square().sum().backward()
+    out_tpu.square().sum().backward()
+    for p_cpu, p_tpu in zip(cpu_model.parameters(), tpu_model.parameters()):
+        torch.testing.assert_close(p_tpu.grad.cpu(), p_cpu.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_seed_snippet_shape():
+    d = tpu_train.device(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(d)
+    out = m(torch.randn(32, 256, device=d))
+    assert out.shape == torch.Size([32, 256]) and out.device == d
