@@ -49,7 +49,13 @@ def get_matmul_precision() -> str:
     return _matmul_precision
 
 
-def _accumulator_dtype(*arrays):
+def lax_precision() -> lax.Precision:
+    """The ``lax.Precision`` of the current matmul precision, for dots and convolutions elsewhere."""
+    return _PRECISIONS[_matmul_precision]
+
+
+def accumulator_dtype(*arrays):
+    """The dtype torch accumulates a product of ``arrays`` in: f32 for bf16/f16, else their own."""
     dtype = jnp.result_type(*arrays)
     if dtype in (jnp.bfloat16, jnp.float16):
         return jnp.float32
@@ -62,8 +68,8 @@ def _dot_general(a, b, contracting, batch=((), ())):
     a, b = a.astype(dtype), b.astype(dtype)
     return lax.dot_general(
         a, b, (contracting, batch),
-        precision=_PRECISIONS[_matmul_precision],
-        preferred_element_type=_accumulator_dtype(a, b))
+        precision=lax_precision(),
+        preferred_element_type=accumulator_dtype(a, b))
 
 
 def _scale(x, factor):
