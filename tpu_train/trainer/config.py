@@ -12,6 +12,7 @@ from enum import Enum
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 
 class StepMode(Enum):
@@ -59,7 +60,8 @@ class DataConfig:
     instruction task (``tasks_train.jsonl``, validated on ``tasks_heldout.jsonl``) otherwise.
     """
 
-    path: Optional[str] = None
+    # No default: every data option states it (the jsonl option leaves it for the command line).
+    path: Optional[str] = MISSING
     val_path: Optional[str] = None  # None with path None: the bundled held-out task set
     format: str = "auto"  # auto (per record), text, instruction or chat
     tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token BPE

@@ -39,7 +39,11 @@ def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
 
 def describe_composition_error(exc: BaseException) -> str:
     """One line (no newline) explaining why the configuration could not be composed."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    if isinstance(exc, OverrideParseException):
+        first = str(exc).splitlines()[0].strip()
+        return f"cannot parse the override '{exc.override}': {first} (see 'tpu-train --help')"
 
     if isinstance(exc, MissingConfigException) and getattr(exc, "options", None):
         group = str(getattr(exc, "missing_cfg_file", "") or "")

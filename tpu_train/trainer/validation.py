@@ -31,8 +31,13 @@ def _positive(cfg: DictConfig, key: str) -> None:
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
+    from omegaconf import OmegaConf
+
     from tpu_train.models import CONFIGS
 
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    _require(not missing, f"{', '.join(missing)} must be set (e.g. data.path=/data/train.jsonl "
+                          "for data=jsonl)")
     trainer, optim, sched = cfg.trainer, cfg.optim, cfg.scheduler
     for key in ("trainer.max_steps", "trainer.grad_accum_steps", "trainer.val_batches",
                 "checkpoint.every_n_steps", "checkpoint.keep_last", "logging.every_n_steps",

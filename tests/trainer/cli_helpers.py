@@ -1,0 +1,63 @@
+"""Run ``tpu-train`` in-process or as a subprocess with tiny, fast settings."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tpu_train import cli
+
+# A debug_tiny Llama on 2 x 32-token batches: a step takes well under a second on one core.
+TINY = [
+    "data.batch_size=2", "data.seq_len=32", "trainer.val_every_n_steps=0",
+    "logging.progress_bar=false", "logging.every_n_steps=1", "checkpoint.export_hf=false",
+    "scheduler.warmup_steps=1",
+]
+
+
+def run_in_process(*overrides: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``tpu-train overrides...`` run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv = sys.argv
+    sys.argv = ["tpu-train", *overrides]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = saved_argv
+    return code, out.getvalue(), err.getvalue()
+
+
+def start_subprocess(*overrides: str) -> subprocess.Popen:
+    """``tpu-train`` in a child process (for signals), output captured."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Last record per step of ``metrics.jsonl`` (a resumed run re-logs the replayed steps)."""
+    records: dict[int, dict] = {}
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "train/loss" in record:
+                records[record["step"]] = record
+    return records
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file under ``directory``: to prove nothing was written."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*"))}
