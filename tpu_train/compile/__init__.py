@@ -1,0 +1,24 @@
+"""Whole-step compilation: a PyTorch training step (forward, backward, clipping, optimizer)
+as one XLA program, with a compile cache and recompilation diagnostics.
+
+    step = compile_train_step(model, optimizer, loss_fn, scheduler=sched, max_grad_norm=1.0)
+    metrics = step({"tokens": tokens, "labels": labels})   # {"loss", "grad_norm", "lr"}
+
+See ``docs/compile.md``.
+"""
+
+from tpu_train.compile.cache import CompileRecord, Signature, describe_changes
+from tpu_train.compile.functional_optim import UnsupportedOptimizerError
+from tpu_train.compile.interpreter import MissingLoweringError, run_graph
+from tpu_train.compile.train_step import CompiledTrainStep, compile_train_step
+
+__all__ = [
+    "CompileRecord",
+    "CompiledTrainStep",
+    "MissingLoweringError",
+    "Signature",
+    "UnsupportedOptimizerError",
+    "compile_train_step",
+    "describe_changes",
+    "run_graph",
+]

@@ -1,0 +1,157 @@
+"""Compiled-program cache with recompilation diagnostics.
+
+A compiled step is specialised to its *signature*: the shape, dtype and placement of every
+input (named like ``batch["tokens"]``, ``param "layers.0.wq.weight"``,
+``optimizer state "exp_avg" of "..."``) and the static settings baked into the program
+(optimizer hyper-parameters, ``max_grad_norm``, train/eval mode...). Every compilation is
+logged on the ``tpu_train.compile`` logger with its cause — the first call, or exactly which
+inputs or settings differ from the previous call, from what to what — and how long tracing,
+lowering and XLA compilation took. A step function compiled more than ``warn_after`` times
+logs a warning: recompiling every few steps usually means a shape that should be fixed
+(pad or bucket sequence lengths) or a setting changed in a loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+logger = logging.getLogger("tpu_train.compile")
+
+DEFAULT_WARN_AFTER = 8
+_MAX_LISTED = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """One program input as the cache sees it."""
+
+    name: str
+    shape: tuple
+    dtype: Any
+    placement: Any = None  # sharding / device, when it matters
+
+    def describe(self) -> str:
+        text = f"shape {self.shape} dtype {self.dtype}"
+        return text if self.placement is None else f"{text} on {self.placement}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """Everything a compiled program is specialised to (hashable)."""
+
+    inputs: tuple  # of InputSpec
+    settings: tuple  # of (name, value)
+
+
+def describe_changes(old: Signature, new: Signature) -> list[str]:
+    """Human-readable differences between two signatures, inputs first."""
+    changes: list[str] = []
+    old_inputs = {spec.name: spec for spec in old.inputs}
+    new_inputs = {spec.name: spec for spec in new.inputs}
+    for name, spec in new_inputs.items():
+        before = old_inputs.get(name)
+        if before is None:
+            changes.append(f"{name} is new ({spec.describe()})")
+            continue
+        if before.shape != spec.shape:
+            changes.append(f"{name} changed shape from {before.shape} to {spec.shape}")
+        if before.dtype != spec.dtype:
+            changes.append(f"{name} changed dtype from {before.dtype} to {spec.dtype}")
+        if before.placement != spec.placement:
+            changes.append(f"{name} moved from {before.placement} to {spec.placement}")
+    for name in old_inputs:
+        if name not in new_inputs:
+            changes.append(f"{name} is gone (was {old_inputs[name].describe()})")
+    old_settings, new_settings = dict(old.settings), dict(new.settings)
+    for name, value in new_settings.items():
+        if name not in old_settings:
+            changes.append(f"setting {name} is new ({value!r})")
+        elif old_settings[name] != value:
+            changes.append(f"setting {name} changed from {old_settings[name]!r} to {value!r}")
+    for name in old_settings:
+        if name not in new_settings:
+            changes.append(f"setting {name} is gone (was {old_settings[name]!r})")
+    return changes or ["signature differs in input order"]
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    """One compilation: why it happened and what it cost."""
+
+    cause: str
+    trace_s: float
+    lower_s: float
+    compile_s: float
+    graph_nodes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.trace_s + self.lower_s + self.compile_s
+
+
+class TimedStages:
+    """Collects the duration of the trace / lower / compile stages of one build."""
+
+    def __init__(self):
+        self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
+        self.graph_nodes = 0
+
+    def time(self, stage: str, fn: Callable, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
+
+
+class CompileCache:
+    """Programs keyed by :class:`Signature`, with logged and counted compilations."""
+
+    def __init__(self, name: str, warn_after: int = DEFAULT_WARN_AFTER):
+        self.name = name
+        self.warn_after = int(warn_after)
+        self.entries: dict[Signature, Any] = {}
+        self.records: list[CompileRecord] = []
+        self._last: Signature | None = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get_or_build(self, signature: Signature, build: Callable[[TimedStages], Any]):
+        """The program for ``signature``; ``build(stages)`` makes it on a miss (timed, logged)."""
+        entry = self.entries.get(signature)
+        if entry is None:
+            cause = self._cause(signature)
+            stages = TimedStages()
+            entry = build(stages)
+            self.entries[signature] = entry
+            self._record(cause, stages)
+        self._last = signature
+        return entry
+
+    def _cause(self, signature: Signature) -> str:
+        if self._last is None:
+            return "first call"
+        changes = describe_changes(self._last, signature)
+        listed = "; ".join(changes[:_MAX_LISTED])
+        if len(changes) > _MAX_LISTED:
+            listed += f"; and {len(changes) - _MAX_LISTED} more"
+        return listed
+
+    def _record(self, cause: str, stages: TimedStages) -> None:
+        s = stages.seconds
+        record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes)
+        self.records.append(record)
+        count = len(self.records)
+        logger.info(
+            "%s: compilation #%d (%s): trace %.2fs, lower %.2fs, XLA compile %.2fs, "
+            "%d graph nodes", self.name, count, cause, record.trace_s, record.lower_s,
+            record.compile_s, record.graph_nodes)
+        if count > self.warn_after:
+            logger.warning(
+                "%s has compiled %d times (more than %d): the latest because %s. Each "
+                "recompilation costs %.1fs; keep input shapes and settings fixed (pad or bucket "
+                "variable lengths)", self.name, count, self.warn_after, cause, record.total_s)

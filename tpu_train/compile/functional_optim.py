@@ -1,0 +1,252 @@
+"""``torch.optim`` optimizers as pure update functions written in torch ops, for tracing.
+
+The compiled step reads the user's optimizer (its ``param_groups`` hyper-parameters and its
+``state``) and re-expresses one ``optimizer.step()`` as a function
+``(params, grads, states, scalars) -> (new_params, new_states)`` that ``make_fx`` traces.
+
+Per-step scalars that depend on the step count or the learning rate (Adam's bias corrections,
+``1 - lr * weight_decay``, SGD's first-step momentum switch) are computed **once per step on the
+host**, in double precision exactly as ``torch.optim``'s non-capturable path does, and fed to
+the program as one small ``float32`` array. So the learning rate and the step count never
+recompile, and the program has no per-parameter scalar ``pow``/``sqrt`` work (torch's
+capturable path computes those per tensor on the device, which shows up as many tiny fusions).
+Constant hyper-parameters (betas, eps, weight decay, momentum...) are baked into the program:
+changing one recompiles, and the recompilation log names it.
+
+Supported: ``Adam``, ``AdamW`` (incl. ``amsgrad``, ``maximize``, coupled or decoupled weight
+decay) and ``SGD`` (momentum, dampening, nesterov, weight decay, maximize). Torch semantics are
+kept where they are observable: Adam's ``step`` counters live in ``optimizer.state`` as in eager
+mode, SGD's momentum buffer equals the gradient on the first step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["OptimizerAdapter", "adapter_for", "UnsupportedOptimizerError"]
+
+
+class UnsupportedOptimizerError(NotImplementedError):
+    pass
+
+
+def _scalar(value) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class OptimizerAdapter:
+    """How one optimizer class maps to a traced update (subclasses per family)."""
+
+    #: names of the per-parameter device state tensors, in program order
+    state_keys: tuple[str, ...] = ()
+    #: number of host scalars per parameter group (column 0 is always the lr)
+    num_scalars: int = 1
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    # -- host side ----------------------------------------------------------------------------
+
+    def state_keys_for(self, group: dict) -> tuple[str, ...]:
+        return self.state_keys
+
+    def static_settings(self, group: dict) -> tuple:
+        """Hyper-parameters baked into the program, as ``(name, value)`` pairs."""
+        raise NotImplementedError
+
+    def ensure_state(self, param: torch.Tensor, group: dict) -> None:
+        """Create ``optimizer.state[param]`` as ``torch.optim`` would on its first step."""
+
+    def host_scalars(self, group: dict, step: int) -> list[float]:
+        """The per-group scalars for the update that makes ``step`` the new step count."""
+        raise NotImplementedError
+
+    def step_count(self, group: dict) -> int:
+        """Updates applied so far to the group (0 for fresh state)."""
+        return 0
+
+    def set_step_count(self, group: dict, step: int) -> None:
+        """Record the new step count in ``optimizer.state`` (where eager torch keeps it)."""
+
+    # -- traced side --------------------------------------------------------------------------
+
+    def update(self, settings: dict, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               states: Sequence[Sequence[torch.Tensor]], scalars: torch.Tensor):
+        """One update of a group in torch ops. ``states[i]`` holds param i's state tensors in
+        ``state_keys`` order; ``scalars`` is the group's row of host scalars (0-dim slices keep
+        low-precision parameters in their dtype, as Python floats do in eager torch)."""
+        raise NotImplementedError
+
+
+class AdamAdapter(OptimizerAdapter):
+    """``torch.optim.Adam`` / ``AdamW``; scalars: lr, 1 - lr*wd, -lr/bc1, sqrt(bc2)."""
+
+    num_scalars = 4
+
+    def state_keys_for(self, group):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _decoupled(self, group) -> bool:
+        if "decoupled_weight_decay" in group:
+            return bool(group["decoupled_weight_decay"])
+        return isinstance(self.optimizer, torch.optim.AdamW)
+
+    def static_settings(self, group):
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        return (("betas", (beta1, beta2)), ("eps", _scalar(group["eps"])),
+                ("weight_decay", _scalar(group["weight_decay"])),
+                ("amsgrad", bool(group["amsgrad"])), ("maximize", bool(group["maximize"])),
+                ("decoupled_weight_decay", self._decoupled(group)))
+
+    def ensure_state(self, param, group):
+        state = self.optimizer.state[param]
+        if state:
+            return
+        on_device = group.get("capturable") or group.get("fused")
+        state["step"] = torch.tensor(0.0, dtype=torch.float32,
+                                     device=param.device if on_device else "cpu")
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def step_count(self, group):
+        counts = {int(_scalar(self.optimizer.state[p]["step"])) for p in group["params"]
+                  if p in self.optimizer.state and "step" in self.optimizer.state[p]}
+        if len(counts) > 1:
+            raise UnsupportedOptimizerError(
+                f"parameters of one param group are at different Adam step counts {sorted(counts)}"
+                "; the compiled step updates a group together")
+        return counts.pop() if counts else 0
+
+    def set_step_count(self, group, step):
+        value = float(step)
+        shared_device_value = None
+        for p in group["params"]:
+            step_t = self.optimizer.state[p]["step"]
+            if step_t.device.type == "cpu":
+                step_t.fill_(value)
+            else:
+                # A device-resident counter (capturable/fused): swap in a new buffer, shared by
+                # the group (JAX arrays are immutable, so sharing is safe).
+                if shared_device_value is None:
+                    shared_device_value = torch.tensor(value, dtype=step_t.dtype).to(step_t.device)
+                step_t._storage.buffer = shared_device_value._storage.buffer
+
+    def host_scalars(self, group, step):
+        lr = _scalar(group["lr"])
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        wd = _scalar(group["weight_decay"])
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        return [lr, 1 - lr * wd, -lr / bias_correction1, math.sqrt(bias_correction2)]
+
+    def update(self, settings, params, grads, states, scalars):
+        beta1, beta2 = settings["betas"]
+        eps, wd = settings["eps"], settings["weight_decay"]
+        decay, neg_step_size, bias_correction2_sqrt = scalars[1], scalars[2], scalars[3]
+        new_params, new_states = [], []
+        for param, grad, state in zip(params, grads, states):
+            exp_avg, exp_avg_sq = state[0], state[1]
+            if settings["maximize"]:
+                grad = -grad
+            if wd != 0:
+                if settings["decoupled_weight_decay"]:
+                    param = param * decay
+                else:
+                    grad = grad.add(param, alpha=wd)
+            exp_avg = exp_avg.lerp(grad, 1 - beta1)
+            exp_avg_sq = exp_avg_sq.mul(beta2).addcmul(grad, grad, value=1 - beta2)
+            if settings["amsgrad"]:
+                max_exp_avg_sq = torch.maximum(state[2], exp_avg_sq)
+                denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
+                new_states.append([exp_avg, exp_avg_sq, max_exp_avg_sq])
+            else:
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
+                new_states.append([exp_avg, exp_avg_sq])
+            new_params.append(param + (exp_avg / denom) * neg_step_size)
+        return new_params, new_states
+
+
+class SGDAdapter(OptimizerAdapter):
+    """``torch.optim.SGD``; scalars: lr, momentum this step, gradient weight this step.
+
+    torch's momentum buffer starts as a copy of the first gradient and then follows
+    ``buf = momentum * buf + (1 - dampening) * grad``. With the buffer created as zeros, the
+    host feeds ``(0, 1)`` on the first step and ``(momentum, 1 - dampening)`` afterwards: the
+    same values from one program.
+    """
+
+    num_scalars = 3
+
+    def state_keys_for(self, group):
+        return ("momentum_buffer",) if _scalar(group["momentum"]) != 0 else ()
+
+    def static_settings(self, group):
+        return (("momentum", _scalar(group["momentum"])),
+                ("dampening", _scalar(group["dampening"])),
+                ("weight_decay", _scalar(group["weight_decay"])),
+                ("nesterov", bool(group["nesterov"])), ("maximize", bool(group["maximize"])))
+
+    def ensure_state(self, param, group):
+        if _scalar(group["momentum"]) == 0:
+            return
+        state = self.optimizer.state[param]
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            # Marks a buffer the first compiled update will overwrite with the gradient.
+            self._fresh.add(param)
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self._fresh: set = set()
+
+    def step_count(self, group):
+        fresh = [p in self._fresh for p in group["params"]]
+        if any(fresh) and not all(fresh):
+            raise UnsupportedOptimizerError(
+                "some parameters of an SGD param group have a momentum buffer and some do not; "
+                "the compiled step updates a group together")
+        return 0 if (fresh and fresh[0]) else 1
+
+    def set_step_count(self, group, step):
+        for p in group["params"]:
+            self._fresh.discard(p)
+
+    def host_scalars(self, group, step):
+        lr = _scalar(group["lr"])
+        momentum, dampening = _scalar(group["momentum"]), _scalar(group["dampening"])
+        if step <= 1:
+            return [lr, 0.0, 1.0]
+        return [lr, momentum, 1 - dampening]
+
+    def update(self, settings, params, grads, states, scalars):
+        lr, momentum_now, grad_weight = scalars[0], scalars[1], scalars[2]
+        new_params, new_states = [], []
+        for param, grad, state in zip(params, grads, states):
+            if settings["maximize"]:
+                grad = -grad
+            if settings["weight_decay"] != 0:
+                grad = grad.add(param, alpha=settings["weight_decay"])
+            if settings["momentum"] != 0:
+                buf = state[0] * momentum_now + grad * grad_weight
+                new_states.append([buf])
+                grad = grad.add(buf, alpha=settings["momentum"]) if settings["nesterov"] else buf
+            else:
+                new_states.append([])
+            new_params.append(param - grad * lr)
+        return new_params, new_states
+
+
+def adapter_for(optimizer: torch.optim.Optimizer) -> OptimizerAdapter:
+    """The adapter for ``optimizer``'s class, or a clear error for unsupported ones."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return AdamAdapter(optimizer)
+    if isinstance(optimizer, torch.optim.SGD):
+        return SGDAdapter(optimizer)
+    raise UnsupportedOptimizerError(
+        f"compile_train_step supports torch.optim.Adam, AdamW and SGD; got "
+        f"{type(optimizer).__name__}. Use the eager step for other optimizers.")

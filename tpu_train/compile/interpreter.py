@@ -1,0 +1,164 @@
+"""Run a traced (functional, decomposed) FX graph on JAX values with the shared lowering table.
+
+The graphs come from ``make_fx(functionalize(...))`` over fake tensors, so every node is an
+``aten`` op overload on values: there is no aliasing left to emulate. Each node is lowered
+with :func:`tpu_train.ops.registry.get_lowering` — the same functions eager mode uses — and
+view ops therefore become reshapes, transposes, static slices and broadcasts of values (the
+lowerings in :mod:`tpu_train.ops.shape`), never gathers from an emulated storage.
+
+The interpreter is meant to run *inside* ``jax.jit`` tracing: it is plain Python over the
+graph, producing one XLA program for the whole graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from tpu_train.ops import registry
+from tpu_train.ops.dtypes import storage_dtype
+
+aten = torch.ops.aten
+
+
+class MissingLoweringError(NotImplementedError):
+    """The traced step uses aten ops that have no lowering (listed all at once)."""
+
+
+def check_lowerings(graph: torch.fx.Graph) -> None:
+    """Raise :class:`MissingLoweringError` naming every op of ``graph`` without a lowering,
+    before any JAX tracing starts (one clear error instead of the first one hit)."""
+    missing = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if node.target is aten.copy_.default:
+            continue  # input mutation, handled by the interpreter
+        if not isinstance(node.target, torch._ops.OpOverload) or \
+                registry.get_lowering(node.target) is None:
+            missing.add(str(node.target))
+    if missing:
+        raise MissingLoweringError(
+            "the traced training step uses ops with no lowering in tpu_train.ops: "
+            + ", ".join(sorted(missing))
+            + ". Add a lowering (see tpu_train/ops/registry.py) for each of them.")
+
+
+def _constant_value(value: Any, device) -> Any:
+    """A graph constant (``get_attr``) as a JAX value."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor):
+        raise RuntimeError(
+            "the traced step captured a fake tensor as a constant; pass every tensor the step "
+            "reads as a module parameter, buffer or batch entry")
+    if isinstance(value, torch.Tensor):
+        from tpu_train.device.tensor import TpuTensor, host_array
+
+        if isinstance(value, TpuTensor):
+            return value.jax_value()
+        return jnp.asarray(host_array(value))
+    return value
+
+
+def _node_dtypes(node: torch.fx.Node):
+    """The torch dtypes of a node's tensor outputs as its fake values record them (flat)."""
+    val = node.meta.get("val")
+    if val is None:
+        return None
+    leaves, _ = tree_flatten(val)
+    return [leaf.dtype if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+
+
+def _cast_to_torch_dtypes(result, dtypes):
+    """Cast a lowering's outputs to the storage dtypes of torch's predicted dtypes (torch's
+    type promotion stays authoritative; a lowering may compute wider)."""
+    if dtypes is None:
+        return result
+    leaves, spec = tree_flatten(result)
+    if len(leaves) != len(dtypes):
+        return result
+    cast = []
+    for leaf, dtype in zip(leaves, dtypes):
+        if dtype is not None and hasattr(leaf, "astype"):
+            target = storage_dtype(dtype)
+            if leaf.dtype != target:
+                leaf = leaf.astype(target)
+        cast.append(leaf)
+    return tree_unflatten(cast, spec)
+
+
+def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
+    """Evaluate ``gm`` on JAX ``inputs`` (one per placeholder, in order).
+
+    Returns ``(outputs, mutations)``: the graph's output structure with JAX values, and a dict
+    ``placeholder index -> new value`` for inputs the graph overwrote (functionalization
+    turns writes into graph inputs — e.g. a BatchNorm running statistic — into trailing
+    ``copy_`` nodes).
+    Random ops receive ``rng_key`` folded with a per-node counter, so each random node draws
+    an independent stream and the whole step is reproducible from one key.
+    """
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"graph has {len(placeholders)} inputs, got {len(inputs)} values")
+    index_of = {}
+    for i, (node, value) in enumerate(zip(placeholders, inputs)):
+        env[node] = value
+        index_of[node] = i
+    mutations: dict[int, Any] = {}
+    random_counter = 0
+
+    def load(arg):
+        return env[arg] if isinstance(arg, torch.fx.Node) else arg
+
+    outputs = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "get_attr":
+            env[node] = _constant_value(getattr(gm, node.target), None)
+            continue
+        if node.op == "output":
+            outputs = tree_map(load, node.args[0])
+            break
+        if node.op != "call_function":
+            raise NotImplementedError(f"unexpected FX node kind {node.op} ({node.format_node()})")
+        args = tree_map(load, node.args)
+        kwargs = tree_map(load, node.kwargs)
+        target = node.target
+        if target is operator.getitem:
+            env[node] = args[0][args[1]]
+            continue
+        if target is aten.copy_.default:
+            destination = node.args[0]
+            if destination not in index_of:
+                raise NotImplementedError(
+                    f"copy_ into an intermediate value in a functional graph ({node.format_node()})")
+            value = jnp.broadcast_to(args[1], args[0].shape).astype(args[0].dtype)
+            mutations[index_of[destination]] = value
+            env[node] = value
+            continue
+        lowering = registry.get_lowering(target)
+        if lowering is None:
+            raise MissingLoweringError(f"no lowering for {target} ({node.format_node()})")
+        args, kwargs = registry.scalars_as_arrays(target, args, kwargs)
+        if lowering.random:
+            if rng_key is None:
+                raise ValueError(f"{target} is random but the graph was run without an rng_key")
+            kwargs = dict(kwargs, rng_key=jax.random.fold_in(rng_key, random_counter))
+            random_counter += 1
+        result = lowering.fn(*args, **kwargs)
+        env[node] = _cast_to_torch_dtypes(result, _node_dtypes(node))
+    return outputs, mutations
+
+
+def count_ops(gm: torch.fx.GraphModule) -> int:
+    """Number of op nodes in a graph (a size figure for logs)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")

@@ -1,0 +1,153 @@
+"""Trace the pieces of a training step into functional, decomposed aten FX graphs.
+
+Two graphs make one step:
+
+* the **gradient graph** ``(params, constants, batch) -> (grads, loss)``: the user's
+  ``loss_fn(model, batch)`` under ``torch.func.grad_and_value`` with the module's tensors
+  swapped for graph inputs by ``torch.func.functional_call``;
+* the **update graph** ``(params, grads, states, scalars) -> (new params, new states,
+  grad norm)``: global-norm clipping and the optimizer update (:mod:`.functional_optim`).
+
+They are separate so that gradient accumulation can loop over the gradient graph inside the
+program (``lax.scan``) while the optimizer runs once; XLA still sees one program.
+
+Tracing runs ``make_fx(functionalize(fn, remove="mutations"))`` under a ``FakeTensorMode``
+whose fake tensors carry the real ``tpu`` device, so device-dependent model code (factories
+with ``device=x.device``) traces as it runs. Nothing touches device memory during tracing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_unflatten
+
+from tpu_train.ops import registry
+
+# Decompositions are skipped for ops the lowering table covers directly: a lowered
+# ``native_layer_norm_backward`` or ``addmm`` is one node (and one XLA-friendly expression)
+# where the decomposition would be several.
+_KEEP_DECOMPOSED: frozenset = frozenset()
+
+
+def decomposition_table() -> dict:
+    """``core_aten_decompositions()`` minus the ops that have a lowering of their own.
+
+    Evaluated per trace (cheap), because lowerings may be registered after import."""
+    from torch._decomp import core_aten_decompositions
+
+    table = core_aten_decompositions()
+    return {op: fn for op, fn in table.items()
+            if op in _KEEP_DECOMPOSED or registry.get_lowering(op) is None}
+
+
+class FakeFactory:
+    """Makes fake tensors with given shapes, dtypes and devices in one ``FakeTensorMode``."""
+
+    def __init__(self):
+        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def like(self, shape, dtype: torch.dtype, device: torch.device) -> FakeTensor:
+        meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        return FakeTensor(self.mode, meta, torch.device(device))
+
+
+def _trace(fn: Callable, fake_args: Sequence) -> torch.fx.GraphModule:
+    functional = torch.func.functionalize(fn, remove="mutations")
+    return make_fx(functional, decomposition_table=decomposition_table(),
+                   tracing_mode="real")(*fake_args)
+
+
+class _LossModule(torch.nn.Module):
+    """``loss_fn(model, batch)`` as a module, so ``functional_call`` can swap its tensors."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)
+
+
+def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequence[str],
+                     const_names: Sequence[str], batch_spec, fakes: FakeFactory,
+                     diff_fakes: list, const_fakes: list, batch_fakes: list
+                     ) -> torch.fx.GraphModule:
+    """The gradient graph; its placeholders are ``diff_fakes + const_fakes + batch_fakes``
+    and it returns ``[grads..., loss]`` (loss as float32)."""
+    wrapper = _LossModule(model, loss_fn)
+    diff_keys = ["model." + n for n in diff_names]
+    const_keys = ["model." + n for n in const_names]
+    n_diff, n_const = len(diff_fakes), len(const_fakes)
+
+    def grad_step(*flat):
+        diff = list(flat[:n_diff])
+        const = list(flat[n_diff:n_diff + n_const])
+        batch = tree_unflatten(list(flat[n_diff + n_const:]), batch_spec)
+
+        def loss_of(diff_values):
+            mapping = dict(zip(diff_keys, diff_values))
+            mapping.update(zip(const_keys, const))
+            loss = torch.func.functional_call(wrapper, mapping, (batch,))
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 \
+                    or not loss.dtype.is_floating_point:
+                raise TypeError(
+                    "loss_fn(model, batch) must return a 0-dim floating-point tensor, got "
+                    f"{type(loss).__name__}"
+                    + (f" of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+                       if isinstance(loss, torch.Tensor) else ""))
+            return loss
+
+        grads, loss = torch.func.grad_and_value(loss_of)(diff)
+        return list(grads) + [loss.detach().to(torch.float32)]
+
+    with fakes.mode:
+        return _trace(grad_step, diff_fakes + const_fakes + batch_fakes)
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s total 2-norm (norm of the per-tensor norms)."""
+    norms = [torch.linalg.vector_norm(g, 2) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+
+def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Sequence[int],
+                       state_counts: Sequence[int], max_grad_norm: float | None,
+                       fakes: FakeFactory, param_fakes: list, grad_fakes: list,
+                       state_fakes: list, scalars_fake) -> torch.fx.GraphModule:
+    """The update graph; placeholders ``params + grads + states + [scalars]``, returns
+    ``[new params..., new states..., grad_norm]``. ``states`` is flat: per parameter, its
+    ``state_counts[i]`` tensors in the adapter's key order; ``scalars`` is ``[groups, k]``."""
+    n = len(param_fakes)
+
+    def update_step(*flat):
+        params = list(flat[:n])
+        grads = list(flat[n:2 * n])
+        flat_states = list(flat[2 * n:-1])
+        scalars = flat[-1]
+        grad_norm = global_grad_norm(grads)
+        if max_grad_norm is not None:
+            # clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), always multiplied.
+            clip_coef = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            grads = [g * clip_coef.to(g.dtype) for g in grads]
+        states, cursor = [], 0
+        for count in state_counts:
+            states.append(flat_states[cursor:cursor + count])
+            cursor += count
+        new_params, new_states, start = [], [], 0
+        for g, (settings, size) in enumerate(zip(group_settings, group_sizes)):
+            stop = start + size
+            p, s = adapter.update(settings, params[start:stop], grads[start:stop],
+                                  states[start:stop], scalars[g])
+            new_params.extend(p)
+            for per_param in s:
+                new_states.extend(per_param)
+            start = stop
+        return new_params + new_states + [grad_norm]
+
+    with fakes.mode:
+        return _trace(update_step, param_fakes + grad_fakes + state_fakes + [scalars_fake])

@@ -1,0 +1,283 @@
+"""``compile_train_step``: a whole PyTorch training step as one donated XLA program.
+
+The user's objects stay the source of truth. Each call reads the module's parameters and
+buffers, the optimizer's ``param_groups`` and ``state``, runs one compiled program
+``(params, opt state, constants, batch, host scalars) -> (new params, new state, metrics)``
+and swaps the results into the existing ``tpu`` tensors' storages, so ``model.state_dict()``,
+``optimizer.state_dict()``, eager code and checkpoints see the update. The scheduler (if
+any) is stepped after the update, as in an eager loop, and its learning rate reaches the
+program as an input: lr schedules never recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tpu_train.compile import cache as cache_mod
+from tpu_train.compile import program as program_mod
+from tpu_train.compile.functional_optim import adapter_for
+from tpu_train.device import rng
+from tpu_train.device import storage as storage_mod
+from tpu_train.device.tensor import TpuTensor, host_array, wrap
+from tpu_train.device import runtime
+
+__all__ = ["compile_train_step", "CompiledTrainStep"]
+
+
+def _is_whole_storage(t: TpuTensor) -> bool:
+    """True when ``t`` is exactly its storage's buffer (its new value can replace it)."""
+    return (t.storage_offset() == 0 and t.numel() == t._storage.numel
+            and storage_mod.is_contiguous(tuple(t.shape), t.stride()))
+
+
+def _placement(array) -> Any:
+    sharding = getattr(array, "sharding", None)
+    return sharding
+
+
+def _key_name(path) -> str:
+    parts = []
+    for entry in path:
+        if hasattr(entry, "key"):
+            parts.append(f"[{entry.key!r}]")
+        elif hasattr(entry, "idx"):
+            parts.append(f"[{entry.idx}]")
+        else:
+            parts.append(f"[{entry}]")
+    return "batch" + "".join(parts)
+
+
+@dataclasses.dataclass
+class _StepState:
+    """The tensors one call reads, in program order, with their names."""
+
+    params: list  # optimizer params that receive gradients, group by group
+    param_names: list
+    group_sizes: list
+    states: list  # flat optimizer state tensors
+    state_names: list
+    state_counts: list  # per param
+    consts: list  # other module params, buffers and frozen optimizer params
+    const_names: list
+    batch_leaves: list
+    batch_names: list
+    batch_spec: Any
+
+
+class CompiledTrainStep:
+    """The callable returned by :func:`compile_train_step`."""
+
+    def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
+                 grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
+                 name=None):
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scheduler = scheduler
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grad_accum_steps = int(grad_accum_steps)
+        self.donate = bool(donate)
+        self.adapter = adapter_for(optimizer)
+        self.cache = cache_mod.CompileCache(
+            name or f"train step of {type(model).__name__}", warn_after=warn_after)
+        self._names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ reading user state
+
+    def _name_of(self, tensor) -> str:
+        name = self._names.get(id(tensor))
+        if name is None:
+            self._names = {id(t): n for n, t in self.model.named_parameters(remove_duplicate=False)}
+            self._names.update({id(t): n for n, t in self.model.named_buffers(remove_duplicate=False)})
+            name = self._names.get(id(tensor), f"<unnamed tensor {id(tensor):x}>")
+        return name
+
+    def _collect(self, batch) -> _StepState:
+        params, names, sizes, states, state_names, counts = [], [], [], [], [], []
+        in_optimizer = set()
+        for group in self.optimizer.param_groups:
+            keys = self.adapter.state_keys_for(group)
+            size = 0
+            for p in group["params"]:
+                in_optimizer.add(id(p))
+                if not p.requires_grad:
+                    continue
+                self.adapter.ensure_state(p, group)
+                params.append(p)
+                names.append(self._name_of(p))
+                state = self.optimizer.state[p]
+                for key in keys:
+                    states.append(state[key])
+                    state_names.append(f'optimizer state "{key}" of "{names[-1]}"')
+                counts.append(len(keys))
+                size += 1
+            sizes.append(size)
+        consts, const_names = [], []
+        for name, t in self.model.named_parameters():
+            if id(t) not in in_optimizer or not t.requires_grad:
+                consts.append(t)
+                const_names.append(name)
+        for name, t in self.model.named_buffers():
+            consts.append(t)
+            const_names.append(name)
+        leaves_with_paths, spec = jax.tree_util.tree_flatten_with_path(
+            batch, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        if not leaves_with_paths:
+            raise ValueError("the batch holds no tensors")
+        batch_leaves, batch_names = [], []
+        for path, leaf in leaves_with_paths:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"{_key_name(path)} is a {type(leaf).__name__}; the batch may "
+                                "only hold tensors (pass constants through loss_fn instead)")
+            batch_leaves.append(leaf)
+            batch_names.append(_key_name(path))
+        _, torch_spec = tree_flatten(batch)
+        return _StepState(params, names, sizes, states, state_names, counts, consts,
+                          const_names, batch_leaves, batch_names, torch_spec)
+
+    def _device_index(self, st: _StepState) -> int:
+        indices = {t.device.index for t in st.params + st.states + st.consts
+                   if isinstance(t, TpuTensor)}
+        indices |= {t.device.index for t in st.batch_leaves if isinstance(t, TpuTensor)}
+        for t in st.params + st.states + st.consts:
+            if not isinstance(t, TpuTensor):
+                raise TypeError(
+                    f'"{self._name_of(t)}" is on {t.device}: move the model (and create the '
+                    "optimizer) on the tpu device before compile_train_step")
+        if len(indices) != 1:
+            raise RuntimeError(f"the step's tensors sit on several tpu devices {sorted(indices)}")
+        return indices.pop()
+
+    # ------------------------------------------------------------------ signature
+
+    def _signature(self, st: _StepState, values: dict) -> cache_mod.Signature:
+        inputs = []
+
+        def add(kind_names, tensors, arrays):
+            for name, t, a in zip(kind_names, tensors, arrays):
+                inputs.append(cache_mod.InputSpec(name, tuple(t.shape), t.dtype, _placement(a)))
+
+        add([f'param "{n}"' for n in st.param_names], st.params, values["params"])
+        add(st.state_names, st.states, values["states"])
+        add([f'"{n}"' for n in st.const_names], st.consts, values["consts"])
+        add(st.batch_names, st.batch_leaves, values["batch"])
+        settings = [("model.training", self.model.training),
+                    ("max_grad_norm", self.max_grad_norm),
+                    ("grad_accum_steps", self.grad_accum_steps),
+                    ("donate", self.donate),
+                    ("optimizer param group sizes", tuple(st.group_sizes)),
+                    ("params that own their storage", values["whole"])]
+        for i, group in enumerate(self.optimizer.param_groups):
+            for key, value in self.adapter.static_settings(group):
+                settings.append((f"optimizer.param_groups[{i}][{key!r}]", value))
+        return cache_mod.Signature(tuple(inputs), tuple(settings))
+
+    # ------------------------------------------------------------------ the call
+
+    def __call__(self, batch) -> dict[str, torch.Tensor]:
+        st = self._collect(batch)
+        if not st.params:
+            raise ValueError("the optimizer holds no parameter that requires grad")
+        index = self._device_index(st)
+        device = runtime.jax_device(index)
+        whole = tuple(_is_whole_storage(t) for t in st.params + st.states)
+        n_params = len(st.params)
+        param_arrays = [t._storage.buffer if w else t.jax_value().reshape(-1)
+                        for t, w in zip(st.params, whole[:n_params])]
+        state_arrays = [t._storage.buffer if w else t.jax_value().reshape(-1)
+                        for t, w in zip(st.states, whole[n_params:])]
+        const_arrays = [t.jax_value() for t in st.consts]
+        batch_arrays = [t.jax_value() if isinstance(t, TpuTensor)
+                        else jax.device_put(host_array(t), device) for t in st.batch_leaves]
+        values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
+                  "batch": batch_arrays, "whole": whole}
+        for name, t in zip(st.batch_names, st.batch_leaves):
+            if t.dim() == 0 or t.shape[0] % self.grad_accum_steps:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}: with grad_accum_steps="
+                    f"{self.grad_accum_steps} every batch tensor's first dim must be a multiple "
+                    "of it (micro-batches are consecutive slices along dim 0)")
+        signature = self._signature(st, values)
+        groups = self.optimizer.param_groups
+        steps = [self.adapter.step_count(g) + 1 for g in groups]
+        scalars = np.array([self.adapter.host_scalars(g, s) for g, s in zip(groups, steps)],
+                           dtype=np.float32).reshape(len(groups), self.adapter.num_scalars)
+
+        def build(stages):
+            return program_mod.build_program(self, st, values, scalars, device, stages)
+
+        entry = self.cache.get_or_build(signature, build)
+        args = [param_arrays, state_arrays, const_arrays, batch_arrays,
+                jax.device_put(scalars, device)]
+        if entry.random:
+            args.append(rng.next_key(index))
+        new_params, new_states, new_consts, loss, grad_norm, lr = entry.executable(*args)
+        self._write_back(st.params, whole[:n_params], new_params)
+        self._write_back(st.states, whole[n_params:], new_states)
+        for position, value in zip(entry.mutated_consts, new_consts):
+            t = st.consts[position]
+            storage_mod.write(t._storage, tuple(t.shape), t.stride(), t.storage_offset(), value)
+        for group, step in zip(groups, steps):
+            self.adapter.set_step_count(group, step)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        # The gradient norm is always measured (it is almost free next to the update), also
+        # without clipping, so the metrics have the same keys in every configuration.
+        return {"loss": wrap(loss, torch.float32, index),
+                "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index),
+                "lr": wrap(lr, torch.float32, index)}
+
+    @staticmethod
+    def _write_back(tensors, whole_flags, new_values):
+        for t, whole, value in zip(tensors, whole_flags, new_values):
+            if whole:
+                t._storage.buffer = value
+            else:
+                storage_mod.write(t._storage, tuple(t.shape), t.stride(), t.storage_offset(),
+                                  value.reshape(tuple(t.shape)))
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def compilations(self) -> list[cache_mod.CompileRecord]:
+        """One record per compilation so far (cause, trace / lower / compile seconds)."""
+        return list(self.cache.records)
+
+
+def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *,
+                       scheduler=None, max_grad_norm: float | None = None,
+                       grad_accum_steps: int = 1, donate: bool = True,
+                       warn_after: int = cache_mod.DEFAULT_WARN_AFTER) -> CompiledTrainStep:
+    """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
+
+    Args:
+        model: an ``nn.Module`` on the ``tpu`` device.
+        optimizer: ``torch.optim.Adam``, ``AdamW`` or ``SGD`` over (some of) its parameters.
+        loss_fn: ``loss_fn(model, batch) -> 0-dim loss``, ordinary PyTorch code.
+        scheduler: an ``torch.optim.lr_scheduler`` on ``optimizer``; stepped after each call.
+        max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
+        grad_accum_steps: split each batch into this many consecutive micro-batches along
+            dim 0 and average their gradients (and losses) inside the program.
+        donate: let XLA reuse the old parameter and optimizer-state buffers for the new ones
+            (halves their memory; the old arrays are invalid afterwards — tensors that share
+            a storage with a parameter still see the new value).
+        warn_after: log a warning when the step compiles more than this many times.
+
+    Returns:
+        ``step(batch) -> {"loss", "grad_norm", "lr"}``, device tensors (no host sync). ``batch``
+        is any pytree (dict, tuple, list) of tensors.
+    """
+    return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,
+                             max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
+                             donate=donate, warn_after=warn_after)
