@@ -66,8 +66,9 @@ def test_from_pretrained_reads_sharded_checkpoint(tmp_path):
 
 def test_from_pretrained_honours_dtype_and_device(tmp_path):
     hf_llama("llama2").save_pretrained(tmp_path, safe_serialization=True)
-    model = from_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu")
+    model = from_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu", max_seq_len=32)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config.max_seq_len == 32 and model.rope_cos.shape[0] == 32
     assert model(random_tokens(1, 8)).dtype == torch.bfloat16
 
 

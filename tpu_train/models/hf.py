@@ -7,6 +7,7 @@ the CPU besides the model. Saving goes shard by shard for the same reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -243,11 +244,14 @@ def _dtype_from_hf(hf: dict) -> torch.dtype:
 
 @torch.no_grad()
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> Llama:
+                    device: torch.device | str | None = None, *,
+                    max_seq_len: int | None = None) -> Llama:
     """Load a Hugging Face Llama directory (config.json + safetensors, single or sharded).
 
     ``dtype`` defaults to the dtype recorded in config.json (float32 if absent); ``device``
-    defaults to the CPU. Raises ``FileNotFoundError``/``ValueError`` naming the file (and
+    defaults to the CPU. ``max_seq_len`` replaces the checkpoint's max_position_embeddings
+    (131072 for Llama 3.1), which only sizes the RoPE tables, with the length actually
+    used. Raises ``FileNotFoundError``/``ValueError`` naming the file (and
     tensor) at fault for a missing config or weights, a missing or unexpected tensor, a shape
     mismatch, or an unsupported architecture.
     """
@@ -260,6 +264,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         )
     hf = json.loads(config_path.read_text())
     cfg = config_from_hf(hf, source=str(config_path))
+    if max_seq_len is not None:
+        cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
     dtype = dtype if dtype is not None else _dtype_from_hf(hf)
     weight_map, files, blame = _weight_locations(directory)
 
