@@ -4,7 +4,6 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-import pytest
 
 from tpu_train.data.corpus import HANDWRITTEN, PRETRAIN, TASKS_HELDOUT, TASKS_TRAIN, build_corpus, default_corpus_dir
 from tpu_train.data.tokenizer import DEFAULT_SPECIAL_TOKENS, default_tokenizer_path, load_tokenizer

@@ -101,7 +101,7 @@ def test_resume_through_the_prefetcher_does_not_skip_prefetched_batches(tokenize
 
 
 def test_abandoned_prefetcher_does_not_block_interpreter_exit():
-    # The worker is left blocked on a full queue and never closed: the process must still exit.
+    # The worker is left blocked on a full queue and never closed: the process must exit cleanly.
     package_root = Path(prefetch_module.__file__).parents[2]
     script = (
         "import torch\n"
@@ -111,8 +111,9 @@ def test_abandoned_prefetcher_does_not_block_interpreter_exit():
         "next(prefetcher)\n"
         "print('consumed')\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=package_root, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "consumed"
+    for _ in range(3):  # a crash at exit was intermittent (about one run in two) before the fix
+        result = subprocess.run(
+            [sys.executable, "-c", script], cwd=package_root, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "consumed"

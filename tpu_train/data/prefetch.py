@@ -12,13 +12,25 @@ produced again after a resume instead of being skipped.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 _POLL_SECONDS = 0.1
+
+# Workers still running at interpreter exit are stopped and joined first: a daemon thread left
+# inside torch while the interpreter tears torch down aborts the process ("terminate called").
+_LIVE_PREFETCHERS: "weakref.WeakSet[DevicePrefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_prefetchers() -> None:
+    for prefetcher in list(_LIVE_PREFETCHERS):
+        prefetcher.close(timeout=2.0)
 
 
 def move_batch(batch: Any, device: torch.device | str, non_blocking: bool = True, pin_memory: bool = False) -> Any:
@@ -55,8 +67,8 @@ class DevicePrefetcher:
         transfer: ``batch -> batch on device``; defaults to :func:`move_batch`.
         pin_memory: pin CPU tensors first (useful for CUDA).
 
-    Use as a context manager, or call :meth:`close`; the thread is a daemon, so an abandoned
-    prefetcher never blocks interpreter exit. ``load_state_dict`` must come before the first
+    Use as a context manager, or call :meth:`close`; the thread is a daemon and is stopped at
+    interpreter exit, so an abandoned prefetcher neither blocks nor crashes the exit. ``load_state_dict`` must come before the first
     batch is requested (the worker starts lazily).
     """
 
@@ -110,6 +122,7 @@ class DevicePrefetcher:
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="device-prefetch", daemon=True)
+            _LIVE_PREFETCHERS.add(self)
             self._thread.start()
 
     # -- consumer --------------------------------------------------------------------------
