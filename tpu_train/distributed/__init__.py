@@ -5,10 +5,12 @@
 ``torchrun``, ``torch.multiprocessing.spawn`` or ``python -m tpu_train.launch``.
 """
 
+from tpu_train.distributed import dispatch_hooks
 from tpu_train.distributed.health import CollectiveTimeoutError
 from tpu_train.distributed.init import initialize
 from tpu_train.distributed.process_group import BACKEND, TpuProcessGroup, register
 
 register()
+dispatch_hooks.install()
 
 __all__ = ["BACKEND", "CollectiveTimeoutError", "TpuProcessGroup", "initialize", "register"]

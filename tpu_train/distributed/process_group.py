@@ -111,7 +111,7 @@ class TpuProcessGroup(dist.ProcessGroup):
                 with torch.no_grad():
                     tensor.copy_(value.reshape(tensor.shape))
 
-        future = torch.futures.Future()
+        future = self._future()
         health = self._health
         self._completer.submit(
             future, [a for _, a in writes], [t for t, _ in writes], self._timeout_s,
@@ -236,9 +236,15 @@ class TpuProcessGroup(dist.ProcessGroup):
         results = self._mesh.run("scatter", blocks, src=opts.rootRank)
         return self._launch("scatter", list(zip(outputs, results)))
 
+    def _future(self):
+        future = torch.futures.Future()
+        if getattr(self, "_coalescing", None) is not None:
+            self._coalescing.append(future)
+        return future
+
     def _done(self, arrays, what):
         """A Work for a rank that takes part in a collective but receives nothing."""
-        future = torch.futures.Future()
+        future = self._future()
         health, group, ranks = self._health, self._group_id, self._global_ranks
         self._completer.submit(future, list(arrays), [], self._timeout_s,
                                on_timeout=lambda: health.diagnose(group, ranks, what))
@@ -302,7 +308,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         ranks = [self._global_ranks[src], self._global_ranks[dst]]
         if dst == self.rank():
             return self._launch(what, [(tensor, result)], group=pair_name, ranks=ranks)
-        future = torch.futures.Future()
+        future = self._future()
         health = self._health
         self._completer.submit(future, [result], [], self._timeout_s,
                                on_timeout=lambda: health.diagnose(pair_name, ranks, what))
@@ -315,6 +321,32 @@ class TpuProcessGroup(dist.ProcessGroup):
     def recv(self, tensors, src, tag=0):
         works = [self._p2p(t, src, self.rank(), "recv") for t in tensors]
         return works[-1]
+
+    # -- entry points torch binds in C++ (they would dispatch c10d ops to a C++ backend) ---------
+
+    def all_gather_single(self, output, input, opts=None):
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def _start_coalescing(self, device):
+        # Collectives run as they are issued; the coalescing Work waits for all of them.
+        self._coalescing = []
+
+    def _end_coalescing(self, device):
+        futures, self._coalescing = self._coalescing or [], None
+        return _create_work_from_future(torch.futures.collect_all(futures))
 
     # -- barrier ---------------------------------------------------------------------------------
 
