@@ -92,6 +92,16 @@ def test_save_pretrained_loads_in_transformers(tmp_path, style, max_shard_bytes)
                          _hf_logits(source, tokens))
 
 
+def test_save_pretrained_keeps_the_source_special_tokens(tmp_path):
+    source = hf_llama("llama2")
+    source.config.bos_token_id, source.config.eos_token_id = 1, [2, 5]
+    source.save_pretrained(tmp_path / "source", safe_serialization=True)
+    save_pretrained(from_pretrained(tmp_path / "source"), tmp_path / "ours")
+    for file in ("config.json", "generation_config.json"):
+        written = json.loads((tmp_path / "ours" / file).read_text())
+        assert (written["bos_token_id"], written["eos_token_id"]) == (1, [2, 5]), file
+
+
 def test_save_pretrained_replaces_an_earlier_sharded_save(tmp_path):
     model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64,
                               ffn_hidden_dim=64, max_seq_len=16)).init_weights(seed=0)

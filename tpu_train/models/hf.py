@@ -54,6 +54,7 @@ _TOP_NAMES = {
 }
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
+_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id")
 # Present in some older exports; derived from the config, so safe to skip.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -312,6 +313,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     model.reset_rope_tables()
+    # Kept so that save_pretrained of a fine-tuned model writes the same special tokens.
+    model.hf_special_tokens = {k: hf[k] for k in _SPECIAL_TOKEN_KEYS if hf.get(k) is not None}
     return model
 
 
@@ -343,7 +346,8 @@ def save_pretrained(model: Llama, path: str | Path,
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the
     weights exceed ``max_shard_bytes``. Weight files left by an earlier save in ``path`` are
     removed first so that a stale index or shard cannot shadow the new one. Parameters may
-    live on any device; each shard is gathered to the CPU in turn.
+    live on any device; each shard is gathered to the CPU in turn. ``bos_token_id`` and
+    ``eos_token_id`` default to those of the checkpoint the model was loaded from, if any.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
@@ -353,6 +357,9 @@ def save_pretrained(model: Llama, path: str | Path,
         if stale.name in (SINGLE_WEIGHTS_FILE, INDEX_FILE) or _SHARD_PATTERN.fullmatch(stale.name):
             stale.unlink()
 
+    inherited = getattr(model, "hf_special_tokens", {})
+    bos_token_id = bos_token_id if bos_token_id is not None else inherited.get("bos_token_id")
+    eos_token_id = eos_token_id if eos_token_id is not None else inherited.get("eos_token_id")
     params = dict(model.named_parameters())
     dtype = model.tok_embeddings.weight.dtype
     hf_config = config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
