@@ -1,0 +1,144 @@
+"""Lowering of fused scaled-dot-product attention (the backend PyTorch reserves for custom devices).
+
+``F.scaled_dot_product_attention`` on a custom device can dispatch to
+``_scaled_dot_product_fused_attention_overrideable`` and its backward; lowering that pair keeps
+attention as one unit in the traced graph (fewer nodes than the math decomposition, and the
+natural place for a flash-attention kernel later).
+
+Layout is ``[B, H, S, D]``. Grouped-query attention (fewer key/value heads than query heads) is
+computed by viewing the query as ``[B, H_kv, G, S, D]`` and batching the dots over ``(B, H_kv)``,
+so the repeated key/value heads are never materialised. Scores, softmax and logsumexp are f32;
+low-precision inputs keep their dtype in the dots (with an f32 accumulator) and the
+probabilities are rounded to that dtype before the ``P @ V`` product, as PyTorch's math path does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tpu_train.ops.matmul import accumulator_dtype, lax_precision
+from tpu_train.ops.registry import aten, lowers
+
+
+def _dot(a, b, contracting, batch=((0, 1), (0, 1))):
+    dtype = jnp.result_type(a, b)
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), (contracting, batch), precision=lax_precision(),
+                           preferred_element_type=accumulator_dtype(a, b))
+
+
+def _grouped(x, kv_heads):
+    """``[B, H, S, D]`` → ``[B, H_kv, G, S, D]`` with the query heads of one kv head together."""
+    b, h, s, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def _scale_value(query, scale):
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
+def _bias_5d(attn_bias, query, key):
+    """The additive bias as f32 ``[B, H_kv, G, Sq, Sk]`` (a boolean mask means keep where True)."""
+    b, h, sq, _ = query.shape
+    sk = key.shape[2]
+    if attn_bias.dtype == jnp.bool_:
+        attn_bias = jnp.where(attn_bias, 0.0, -jnp.inf)
+    full = jnp.broadcast_to(attn_bias.astype(jnp.float32), (b, h, sq, sk))
+    return full.reshape(b, key.shape[1], h // key.shape[1], sq, sk)
+
+
+def _masked_scores(query, key, attn_bias, is_causal, scale):
+    scores = _dot(_grouped(query, key.shape[1]), key, ((4,), (3,))) * _scale_value(query, scale)
+    scores = scores.astype(jnp.float32)
+    if attn_bias is not None:
+        scores = scores + _bias_5d(attn_bias, query, key)
+    if is_causal:
+        sq, sk = scores.shape[-2:]
+        # Top-left aligned, as torch's is_causal: query i sees keys 0..i.
+        keep = lax.broadcasted_iota(jnp.int32, (sq, sk), 0) >= lax.broadcasted_iota(jnp.int32, (sq, sk), 1)
+        scores = jnp.where(keep, scores, -jnp.inf)
+    return scores
+
+
+def _dropout_keep(seed, dropout_p, shape):
+    return jax.random.bernoulli(jax.random.key(seed), 1.0 - dropout_p, shape)
+
+
+def _has_dropout(dropout_p):
+    # A traced probability may be non-zero, so it always takes the dropout path.
+    return not (isinstance(dropout_p, (int, float)) and dropout_p == 0)
+
+
+def _probabilities_dtype(value):
+    return value.dtype if value.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def scaled_dot_product_fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
+                                       return_debug_mask=False, *, scale=None, rng_key):
+    b, h, sq, _ = query.shape
+    sk = key.shape[2]
+    scores = _masked_scores(query, key, attn_bias, is_causal, scale)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    # Fully masked rows (all -inf) give zero output and -inf logsumexp, like torch's safe softmax.
+    shifted = jnp.exp(scores - jnp.where(jnp.isneginf(row_max), 0.0, row_max))
+    total = jnp.sum(shifted, axis=-1, keepdims=True)
+    probs = jnp.where(total == 0, 0.0, shifted / jnp.where(total == 0, 1.0, total))
+    logsumexp = (jnp.where(jnp.isneginf(row_max), 0.0, row_max) + jnp.log(total))[..., 0]
+    seed = jnp.zeros((), jnp.int32)
+    if _has_dropout(dropout_p):
+        seed = jax.random.randint(rng_key, (), 0, jnp.iinfo(jnp.int32).max, jnp.int32)
+        probs = jnp.where(_dropout_keep(seed, dropout_p, probs.shape), probs / (1.0 - dropout_p), 0.0)
+    out = _dot(probs.astype(_probabilities_dtype(value)), value, ((4,), (2,)))
+    out = out.reshape(b, h, sq, value.shape[-1])
+    offset = jnp.zeros((), jnp.int32)
+    return out, logsumexp.reshape(b, h, sq), None, None, sq, sk, seed, offset, None
+
+
+def _reduce_to_shape(grad, shape):
+    """Sum a broadcast gradient back to ``shape`` (the bias may broadcast over batch/heads)."""
+    lead = grad.ndim - len(shape)
+    grad = jnp.sum(grad, axis=tuple(range(lead))) if lead else grad
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return jnp.sum(grad, axis=axes, keepdims=True) if axes else grad
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def scaled_dot_product_fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out,
+                                                logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                                is_causal, philox_seed, philox_offset, *, scale=None):
+    b, h, sq, d = query.shape
+    kv_heads, sk = key.shape[1], key.shape[2]
+    scale_value = _scale_value(query, scale)
+    scores = _masked_scores(query, key, attn_bias, is_causal, scale)
+    lse = logsumexp.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, sq, 1)
+    probs = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(scores - jnp.where(jnp.isneginf(lse), 0.0, lse)))
+    kept = probs
+    if _has_dropout(dropout_p):
+        keep = _dropout_keep(philox_seed.astype(jnp.int32), dropout_p, probs.shape)
+        kept = jnp.where(keep, probs / (1.0 - dropout_p), 0.0)
+    g5 = _grouped(grad_out, kv_heads)
+    low = _probabilities_dtype(value)
+
+    # dV = P_dropped^T dO, summed over the query heads sharing a kv head.
+    grad_value = _dot(kept.astype(low), g5, ((2, 3), (2, 3)))
+    grad_kept = _dot(g5, value, ((4,), (3,))).astype(jnp.float32)
+    grad_probs = jnp.where(keep, grad_kept / (1.0 - dropout_p), 0.0) if _has_dropout(dropout_p) else grad_kept
+    # Softmax backward: sum_j P_ij dP_ij equals the row of dO · O (also with dropout).
+    row_dot = jnp.sum(_grouped(grad_out, kv_heads).astype(jnp.float32) *
+                      _grouped(out, kv_heads).astype(jnp.float32), axis=-1, keepdims=True)
+    grad_scores = probs * (grad_probs - row_dot)
+
+    grad_query = grad_key = grad_bias = None
+    if grad_input_mask[0]:
+        grad_query = (_dot(grad_scores.astype(low), key, ((4,), (2,))) * scale_value).reshape(query.shape)
+    if grad_input_mask[1]:
+        grad_key = _dot(grad_scores.astype(low), _grouped(query, kv_heads), ((2, 3), (2, 3))) * scale_value
+    if not grad_input_mask[2]:
+        grad_value = None
+    if grad_input_mask[3] and attn_bias is not None and attn_bias.dtype != jnp.bool_:
+        grad_bias = _reduce_to_shape(grad_scores.reshape(b, h, sq, sk), attn_bias.shape)
+    return grad_query, grad_key, grad_value, grad_bias
