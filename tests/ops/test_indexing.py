@@ -28,10 +28,23 @@ def eager_only(op, *args, **kwargs):
 # --------------------------------------------------------------------------- index.Tensor
 
 
+@pytest.mark.parametrize("group", [
+    [aten.index.Tensor, aten._unsafe_index.Tensor],
+    [aten.index_put.default, aten._index_put_impl.default, aten._unsafe_index_put.default],
+], ids=lambda group: str(group[0]))
+def test_variants_share_a_lowering(group):
+    functions = {registry.get_lowering(op).fn for op in group}
+    assert len(functions) == 1 and None not in functions
+
+
+def test_index_put_impl_takes_unsafe():
+    check(aten._index_put_impl.default, make((4, 3)), [idx(2, 0)], make((2, 3), seed=1), True,
+          True)
+
+
 X = make((4, 5, 6), torch.int64)
 
 
-@pytest.mark.parametrize("op", [aten.index.Tensor, aten._unsafe_index.Tensor])
 @pytest.mark.parametrize("indices", [
     [idx(0, 2, -1)],
     [None, idx(1, -2)],
@@ -43,8 +56,8 @@ X = make((4, 5, 6), torch.int64)
     [idx(-1), None, idx([[1, 2]])],
     [idx()],                                          # empty index
 ])
-def test_index_integer(op, indices):
-    check(op, X, indices)
+def test_index_integer(indices):
+    check(aten.index.Tensor, X, indices)
 
 
 def test_index_bool_masks_are_eager():
@@ -64,8 +77,6 @@ def test_index_dtypes(dtype):
 # --------------------------------------------------------------------------- index_put
 
 
-@pytest.mark.parametrize("op", [aten.index_put.default, aten._index_put_impl.default,
-                                aten._unsafe_index_put.default])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("indices,values_shape", [
     ([idx(0, 2)], (2, 5, 6)),
@@ -75,9 +86,9 @@ def test_index_dtypes(dtype):
     ([idx(-1), idx([0, 4])], (2, 6)),
     ([idx()], ()),
 ])
-def test_index_put_integer(op, accumulate, indices, values_shape):
+def test_index_put_integer(accumulate, indices, values_shape):
     values = make(values_shape, seed=1)
-    check(op, make((4, 5, 6)), indices, values, accumulate)
+    check(aten.index_put.default, make((4, 5, 6)), indices, values, accumulate)
 
 
 def test_index_put_accumulates_duplicates():
