@@ -1,0 +1,102 @@
+"""Training loop behaviour: exact resume after SIGKILL, SIGTERM, non-finite loss, TensorBoard."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from tests.trainer.cli_helpers import TINY, read_metrics, run_in_process, start_subprocess
+from tpu_train.trainer.checkpoint import list_checkpoints
+
+STEPS = 6
+
+
+def _wait_for_step(process, run_dir, step, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if step in read_metrics(run_dir):
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
+    common = [*TINY, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
+              "data.shuffle_buffer=16"]
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    code, _, err = run_in_process(*common, f"run.dir={reference_dir}")
+    assert code == 0, err
+
+    process = start_subprocess(*common, f"run.dir={killed_dir}")
+    try:
+        _wait_for_step(process, killed_dir, 3)
+    finally:
+        process.kill()
+        process.communicate()
+    saved = [step for step, _ in list_checkpoints(killed_dir)]
+    assert saved and max(saved) < STEPS
+
+    code, out, err = run_in_process(*common, f"run.dir={killed_dir}")
+    assert code == 0, err
+    assert "resumed from step_" in out
+    reference, resumed = read_metrics(reference_dir), read_metrics(killed_dir)
+    assert sorted(reference) == sorted(resumed) == list(range(1, STEPS + 1))
+    for step in reference:
+        assert resumed[step]["train/loss"] == reference[step]["train/loss"], step
+        assert resumed[step]["train/grad_norm"] == reference[step]["train/grad_norm"], step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_subprocess(*TINY, "trainer.max_steps=500", "checkpoint.every_n_steps=1000",
+                               f"run.dir={run_dir}")
+    _wait_for_step(process, run_dir, 1)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "stopped by SIGTERM" in out
+    saved = [step for step, _ in list_checkpoints(run_dir)]
+    assert len(saved) == 1 and 1 <= saved[0] < 500
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=8", "checkpoint.every_n_steps=1",
+                                    "scheduler=constant", "optim.lr=1e30", "trainer.max_grad_norm=null",
+                                    f"run.dir={run_dir}")
+    assert code == 1, (out, err)
+    assert "tpu-train: stopped: loss is" in err and "last good checkpoint" in err
+    saved = list_checkpoints(run_dir)
+    assert saved, "the first (finite) steps must have been checkpointed"
+    assert f"{saved[-1][1]}" in err
+    losses = read_metrics(run_dir)
+    assert all(record["train/loss"] == record["train/loss"] for record in losses.values())
+
+
+def test_on_nan_skip_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=4", "scheduler=constant",
+                                    "optim.lr=1e30", "trainer.max_grad_norm=null",
+                                    "trainer.on_nan=skip", f"run.dir={run_dir}")
+    assert code == 0, err
+    assert "update skipped" in out
+    assert [step for step, _ in list_checkpoints(run_dir)] == [4]
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(*TINY, "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+                                  "trainer.val_batches=1", "recipe.eval.exact_match_examples=2",
+                                  "recipe.eval.max_new_tokens=4", f"run.dir={run_dir}")
+    assert code == 0, err
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
+                "train/step_time_s", "val/loss", "val/exact_match"}
+    assert expected <= tags, tags
+    assert "train/mfu" not in tags  # the CPU is not in the peak table: no guessed MFU
+    assert len(events.Scalars("train/loss")) == 2
