@@ -29,8 +29,10 @@ def eager_only(op, *args, **kwargs):
 
 
 @pytest.mark.parametrize("group", [
-    [aten.index.Tensor, aten._unsafe_index.Tensor],
-    [aten.index_put.default, aten._index_put_impl.default, aten._unsafe_index_put.default],
+    [aten.index.Tensor, aten.index.Tensor_hacked_twin, aten._unsafe_index.Tensor,
+     aten._unsafe_index.Tensor_hacked_twin],
+    [aten.index_put.default, aten.index_put.hacked_twin, aten._index_put_impl.default,
+     aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin],
 ], ids=lambda group: str(group[0]))
 def test_variants_share_a_lowering(group):
     functions = {registry.get_lowering(op).fn for op in group}

@@ -235,6 +235,13 @@ def test_narrow():
     check(op, x, -1, 6, 0)
 
 
+def test_narrow_from_a_tensor_start():
+    x = make((5, 6))
+    check(aten.narrow.Tensor, x, 1, torch.tensor(2), 3)
+    check(aten.narrow.Tensor, x, 0, torch.tensor(-2), 2)
+    check(aten.narrow.Tensor, x, -1, torch.tensor(6), 0)
+
+
 @pytest.mark.parametrize("dim,index", [(0, 0), (1, 2), (-1, -1), (2, 3), (-3, -2)])
 def test_select(dim, index):
     check(aten.select.int, make((3, 4, 5), torch.bfloat16), dim, index)

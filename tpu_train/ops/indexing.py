@@ -62,7 +62,8 @@ def _numpy_key(indices: Sequence) -> tuple:
     return tuple(slice(None) if i is None else i.astype(jnp.int32) for i in indices)
 
 
-@lowers(aten.index.Tensor, aten._unsafe_index.Tensor)
+@lowers(aten.index.Tensor, aten.index.Tensor_hacked_twin, aten._unsafe_index.Tensor,
+        aten._unsafe_index.Tensor_hacked_twin)
 def index(self, indices):
     """``self[indices]`` with torch's advanced indexing (None entries keep a dim whole).
 
@@ -99,7 +100,8 @@ def _mask_put(self, indices, values, accumulate: bool):
     return jnp.where(where, spread, self)
 
 
-@lowers(aten.index_put.default, aten._index_put_impl.default, aten._unsafe_index_put.default)
+@lowers(aten.index_put.default, aten.index_put.hacked_twin, aten._index_put_impl.default,
+        aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin)
 def index_put(self, indices, values, accumulate=False, unsafe=False):
     """``self`` with ``self[indices]`` set to (or, accumulating, incremented by) ``values``.
 

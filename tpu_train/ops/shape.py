@@ -214,6 +214,21 @@ def narrow(self, dim, start, length):
     return slice_along(self, dim, start, start + length)
 
 
+@lowers(aten.narrow.Tensor)
+def narrow_at(self, dim, start, length):
+    """``narrow`` from a 0-dim ``start`` tensor, whose value may be known only on the device.
+
+    A start past the end is clamped (a dynamic slice cannot fail at run time).
+    """
+    dim = wrap_dim(dim, self.ndim)
+    size = self.shape[dim]
+    if not 0 <= length <= size:
+        raise IndexError(f"narrow: length ({length}) exceeds dimension size ({size})")
+    start = jnp.reshape(start, ()).astype(jnp.int32)
+    start = jnp.where(start < 0, start + size, start)
+    return lax.dynamic_slice_in_dim(self, start, length, axis=dim)
+
+
 @lowers(aten.select.int, aten.select_copy.int)
 def select(self, dim, index):
     """Index ``dim`` at one position, dropping that dim (negative ``index`` wraps)."""
