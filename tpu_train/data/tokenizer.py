@@ -159,7 +159,9 @@ class HFTokenizer(Tokenizer):
     def _encode_plain(self, texts: Sequence[str]) -> list[list[int]]:
         if len(texts) == 1:
             return [self._tok.encode(texts[0], add_special_tokens=False).ids]
-        return [enc.ids for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20) skips offset tracking we never use.
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [enc.ids for enc in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
