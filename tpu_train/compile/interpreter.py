@@ -94,6 +94,16 @@ def _cast_to_torch_dtypes(result, dtypes):
     return tree_unflatten(cast, spec)
 
 
+def _plain(value):
+    """FX's immutable containers as plain lists / tuples / dicts (JAX pytree-friendly)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value) if type(value) in (list, tuple) \
+            else list(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
     """Evaluate ``gm`` on JAX ``inputs`` (one per placeholder, in order).
 
@@ -126,7 +136,7 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
             env[node] = _constant_value(getattr(gm, node.target), None)
             continue
         if node.op == "output":
-            outputs = tree_map(load, node.args[0])
+            outputs = _plain(tree_map(load, node.args[0]))
             break
         if node.op != "call_function":
             raise NotImplementedError(f"unexpected FX node kind {node.op} ({node.format_node()})")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten_with_path
 
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import program as program_mod
@@ -130,8 +130,9 @@ class CompiledTrainStep:
         for name, t in self.model.named_buffers():
             consts.append(t)
             const_names.append(name)
-        leaves_with_paths, spec = jax.tree_util.tree_flatten_with_path(
-            batch, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        # torch's pytree (not JAX's, which sorts dict keys) so that leaf order matches the
+        # spec the traced function unflattens with.
+        leaves_with_paths, torch_spec = tree_flatten_with_path(batch)
         if not leaves_with_paths:
             raise ValueError("the batch holds no tensors")
         batch_leaves, batch_names = [], []
@@ -141,7 +142,6 @@ class CompiledTrainStep:
                                 "only hold tensors (pass constants through loss_fn instead)")
             batch_leaves.append(leaf)
             batch_names.append(_key_name(path))
-        _, torch_spec = tree_flatten(batch)
         return _StepState(params, names, sizes, states, state_names, counts, consts,
                           const_names, batch_leaves, batch_names, torch_spec)
 
