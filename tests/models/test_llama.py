@@ -145,3 +145,10 @@ def test_training_step_traces_with_make_fx_and_matches_eager():
     assert set(traced) == set(eager) == set(params)
     for name in params:
         torch.testing.assert_close(traced[name], eager[name], rtol=1e-4, atol=1e-6)
+
+
+def test_init_weights_refuses_to_move_a_materialized_model():
+    model = Llama(SMALL)
+    init_weights(model, seed=0, device="cpu")  # already there: fine
+    with pytest.raises(ValueError, match=r"model\.to"):
+        init_weights(model, seed=0, device="meta")

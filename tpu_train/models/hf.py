@@ -235,11 +235,11 @@ def _weight_locations(directory: Path) -> tuple[dict[str, Path] | None, list[Pat
     )
 
 
-def _dtype_from_hf(hf: dict) -> torch.dtype:
+def _dtype_from_hf(hf: dict, source: Path) -> torch.dtype:
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{CONFIG_FILE}: unrecognised dtype {name!r}; pass dtype= explicitly")
+        raise ValueError(f"{source}: unrecognised dtype {name!r}; pass dtype= explicitly")
     return dtype
 
 
@@ -267,7 +267,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     cfg = config_from_hf(hf, source=str(config_path))
     if max_seq_len is not None:
         cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
-    dtype = dtype if dtype is not None else _dtype_from_hf(hf)
+    dtype = dtype if dtype is not None else _dtype_from_hf(hf, config_path)
     weight_map, files, blame = _weight_locations(directory)
 
     with torch.device("meta"):

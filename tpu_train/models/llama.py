@@ -201,6 +201,11 @@ def _init_std(name: str, cfg: LlamaConfig) -> float | None:
     return _INIT_STD
 
 
+def _same_device(requested: torch.device, actual: torch.device) -> bool:
+    # "tpu" (no index) names whichever tpu device the tensor is on.
+    return requested.type == actual.type and requested.index in (None, actual.index)
+
+
 def init_weights(model: Llama, seed: int = 0,
                  device: torch.device | str | None = None) -> Llama:
     """Materialize (if on the meta device) and initialize ``model`` deterministically.
@@ -216,7 +221,8 @@ def init_weights(model: Llama, seed: int = 0,
     tensors = list(model.parameters()) + list(model.buffers())
     if any(t.is_meta for t in tensors):
         model.to_empty(device=device if device is not None else "cpu")
-    elif device is not None and torch.device(device) != model.tok_embeddings.weight.device:
+    elif device is not None and not _same_device(torch.device(device),
+                                                 model.tok_embeddings.weight.device):
         raise ValueError(
             f"init_weights(device={device!r}) on a model already on "
             f"{model.tok_embeddings.weight.device}; move it with model.to(...) instead"
