@@ -28,12 +28,14 @@ weights load without permutation. Module names: ``tok_embeddings``,
 
 Hugging Face checkpoints (safetensors, single file or sharded with an index)::
 
-    model = from_pretrained("/ckpt/Llama-3.2-1B", dtype=torch.bfloat16, device="cpu")
+    model = from_pretrained("/ckpt/Llama-3.2-1B", dtype=torch.bfloat16, device="cpu",
+                            max_seq_len=8192)   # optional: size RoPE for the length used
     save_pretrained(model, "/out/finetuned", max_shard_bytes=5 * 10**9, eos_token_id=128001)
 
 ``from_pretrained`` allocates the model once and copies tensors in one at a time; errors name
 the file and tensor at fault. ``save_pretrained`` output loads with
-``transformers.LlamaForCausalLM.from_pretrained``. ``config_from_hf`` / ``config_to_hf``
+``transformers.LlamaForCausalLM.from_pretrained`` and keeps the loaded checkpoint's bos/eos
+ids unless others are given. ``config_from_hf`` / ``config_to_hf``
 translate config dicts.
 
 Generation::
