@@ -184,15 +184,16 @@ def unpadded_receive_index(splits, width: int) -> np.ndarray:
                            for j, c in enumerate(splits)] or [np.zeros(0, np.int32)])
 
 
-def all_to_all_uneven(group: GroupMesh, rows: jax.Array, send_splits, recv_splits,
+def all_to_all_uneven(group: GroupMesh, run, rows: jax.Array, send_splits, recv_splits,
                       width: int) -> jax.Array:
     """Exchange ``rows`` (N, ...) in chunks of ``send_splits`` rows; returns the received
-    rows (sum(recv_splits), ...). ``width`` is the largest chunk over all ranks and pairs."""
+    rows (sum(recv_splits), ...). ``width`` is the largest chunk over all ranks and pairs;
+    ``run(kind, blocks)`` runs a collective on ``group`` (the caller's guarded runner)."""
     n = group.size
     tail = rows.shape[1:]
     if rows.shape[0] == 0:
         rows = jnp.zeros((0,) + tail, rows.dtype, device=group.device)
     send = _gather_rows(rows, jnp.asarray(padded_send_index(send_splits, width).reshape(-1)))
-    (received,) = group.run("all_to_all", [send.reshape(-1)])
+    (received,) = run("all_to_all", [send.reshape(-1)])
     received = received.reshape((n * width,) + tail)
     return _gather_rows(received, jnp.asarray(unpadded_receive_index(recv_splits, width)))

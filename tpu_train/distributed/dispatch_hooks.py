@@ -6,7 +6,8 @@ tpu tensor argument these first enter ``TpuTensor.__torch_dispatch__``, where th
 lowering. Their real kernels are registered for PrivateUse1 (and CompositeExplicitAutograd):
 they look up the group's backend for the tensor's device and call our Python methods. So the
 device layer's special-op table gets one handler for every such op that simply runs the op
-again below the Python dispatch key.
+again below the Python dispatch key, except the functional collectives, whose C++ kernels
+allocate and copy tensors: :mod:`.functional` implements those in Python.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def collective_ops() -> list:
 def install() -> None:
     """Route the collective ops around the lowering table (idempotent)."""
     from tpu_train.device import special_ops
+    from tpu_train.distributed.functional import HANDLERS
 
+    for op, handler in HANDLERS.items():
+        special_ops.HANDLERS.setdefault(op, handler)
     for op in collective_ops():
         special_ops.HANDLERS.setdefault(op, _below_python_key)

@@ -17,14 +17,19 @@ hosts the store (torchrun's agent), which is said in the message.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 
 import jax
 
 HEARTBEAT_S = 1.0
+# Exit status of a process stopped because a collective blocked in dispatch past its deadline.
+LOST_PEER_EXIT = 3
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -97,12 +102,28 @@ class Health:
                 f"(set TPU_TRAIN_COLLECTIVE_TIMEOUT)")
 
 
+def _exit_without_jax_shutdown():
+    # jax.distributed's own exit handler waits for every peer at a shutdown barrier, which a
+    # lost peer never reaches: leave at once, with a failing status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 class Completer:
-    """Fulfils collectives' Futures when their arrays are ready, or fails them at a deadline."""
+    """Fulfils collectives' Futures when their arrays are ready, or fails them at a deadline.
+
+    Some PJRT clients (the CPU one, for collectives) execute inside the dispatching call, so a
+    lost peer can block the caller's thread itself: :meth:`dispatching` guards that stretch,
+    and a collective still stuck there at its deadline ends the process with the diagnosis
+    (status ``LOST_PEER_EXIT``): no Python exception can reach a thread blocked in XLA.
+    """
 
     def __init__(self):
         self._queue: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple] = {}
+        self._dispatching: dict[int, tuple] = {}
+        self._failed = False
         self._lock = threading.Lock()
         self._ids = 0
         threading.Thread(target=self._complete, name="tpu-collectives", daemon=True).start()
@@ -116,6 +137,24 @@ class Completer:
             ident = self._ids
             self._pending[ident] = (future, time.monotonic() + deadline_s, on_timeout)
         self._queue.put((ident, arrays, result, finish, on_timeout))
+
+    @contextlib.contextmanager
+    def dispatching(self, deadline_s: float, on_timeout):
+        with self._lock:
+            self._ids += 1
+            ident = self._ids
+            self._dispatching[ident] = (time.monotonic() + deadline_s, on_timeout)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._dispatching.pop(ident, None)
+
+    def _fail(self, future, message):
+        if not self._failed:
+            self._failed = True
+            atexit.register(_exit_without_jax_shutdown)
+        future.set_exception(CollectiveTimeoutError(message))
 
     def _settle(self, ident):
         with self._lock:
@@ -137,8 +176,7 @@ class Completer:
             if error is None:
                 entry[0].set_result(result)
             else:
-                entry[0].set_exception(CollectiveTimeoutError(
-                    f"{on_timeout()} [transport error: {error}]"))
+                self._fail(entry[0], f"{on_timeout()} [transport error: {error}]")
 
     def _monitor(self):
         while True:
@@ -146,7 +184,16 @@ class Completer:
             now = time.monotonic()
             with self._lock:
                 late = [i for i, (_, deadline, _) in self._pending.items() if deadline < now]
+                stuck = [d for d in self._dispatching.values() if d[0] < now]
             for ident in late:
                 entry = self._settle(ident)
                 if entry is not None:
-                    entry[0].set_exception(CollectiveTimeoutError(entry[2]()))
+                    self._fail(entry[0], entry[2]())
+            if stuck:
+                message = stuck[0][1]()
+                with self._lock:  # it may have completed while we diagnosed
+                    still = any(d[0] < now for d in self._dispatching.values())
+                if still:
+                    print(f"{CollectiveTimeoutError.__name__}: {message}", file=sys.stderr,
+                          flush=True)
+                    os._exit(LOST_PEER_EXIT)

@@ -118,6 +118,14 @@ class TpuProcessGroup(dist.ProcessGroup):
             on_timeout=lambda: health.diagnose(group, ranks, what), finish=finish)
         return _create_work_from_future(future)
 
+    def _run(self, kind, blocks, mesh=None, group=None, ranks=None, what=None, **static):
+        """``mesh.run`` under the dispatch deadline (see health.Completer.dispatching)."""
+        health, group = self._health, group or self._group_id
+        ranks = ranks or self._global_ranks
+        with self._completer.dispatching(self._timeout_s,
+                                         lambda: health.diagnose(group, ranks, what or kind)):
+            return (mesh or self._mesh).run(kind, blocks, **static)
+
     def _count(self, group=None):
         group = group or self._group_id
         launched = self._health.launched
@@ -142,7 +150,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         results = [None] * len(outputs)
         for this_op in {o for _, o, _ in outputs}:
             chosen = [i for i, (_, o, _) in enumerate(outputs) if o == this_op]
-            ran = self._mesh.run(kind, [outputs[i][0] for i in chosen], op=this_op,
+            ran = self._run(kind, [outputs[i][0] for i in chosen], op=this_op,
                                  average=average)
             for i, value in zip(chosen, ran):
                 results[i] = value > 0 if outputs[i][2] else value
@@ -163,7 +171,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts=None):
         self._count()
-        gathered = self._mesh.run("all_gather", [self._array(t) for t in inputs])
+        gathered = self._run("all_gather", [self._array(t) for t in inputs])
         writes = []
         for outputs, array in zip(output_lists, gathered):
             chunk = array.shape[0] // self.size()
@@ -175,7 +183,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         self._count()
-        gathered = self._mesh.run("all_gather", [self._array(t) for t in inputs])
+        gathered = self._run("all_gather", [self._array(t) for t in inputs])
         return self._launch("all_gather_into_tensor", list(zip(outputs, gathered)))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -202,7 +210,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts):
         self._count()
-        results = self._mesh.run("broadcast", [self._array(t) for t in tensors],
+        results = self._run("broadcast", [self._array(t) for t in tensors],
                                  src=opts.rootRank)
         return self._launch("broadcast", list(zip(tensors, results)))
 
@@ -215,7 +223,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts):
         self._count()
-        gathered = self._mesh.run("all_gather", [self._array(t) for t in inputs])
+        gathered = self._run("all_gather", [self._array(t) for t in inputs])
         if self.rank() != opts.rootRank:
             return self._done(gathered, "gather")
         writes = []
@@ -227,13 +235,14 @@ class TpuProcessGroup(dist.ProcessGroup):
     def scatter(self, outputs, input_lists, opts):
         self._count()
         blocks = []
-        for out, inputs in zip(outputs, input_lists):
+        for i, out in enumerate(outputs):  # non-roots get no input lists from torch
             if self.rank() == opts.rootRank:
+                inputs = input_lists[i]
                 blocks.append(jnp.concatenate([self._array(t) for t in inputs]))
             else:  # non-roots send zeros of the same size (see collectives._scatter)
                 blocks.append(jnp.zeros(out.numel() * self.size(), self._array(out).dtype,
                                         device=self._mesh.device))
-        results = self._mesh.run("scatter", blocks, src=opts.rootRank)
+        results = self._run("scatter", blocks, src=opts.rootRank)
         return self._launch("scatter", list(zip(outputs, results)))
 
     def _future(self):
@@ -260,14 +269,14 @@ class TpuProcessGroup(dist.ProcessGroup):
         send = list(input_split_sizes) or [rows_in // n] * n
         flat = self._array(input).reshape((rows_in, row))
         if not input_split_sizes and not output_split_sizes:
-            (received,) = self._mesh.run("all_to_all", [flat.reshape(-1)])
+            (received,) = self._run("all_to_all", [flat.reshape(-1)])
             return self._launch("all_to_all_single", [(output, received)])
         # Uneven: learn every rank's splits (one small all-gather) to pad to a common width.
-        splits = self._mesh.run("all_gather", [jnp.asarray(send, jnp.int32)])[0]
+        splits = self._run("all_gather", [jnp.asarray(send, jnp.int32)])[0]
         matrix = np.asarray(splits).reshape(n, n)  # matrix[j][k]: rows rank j sends rank k
         recv = list(output_split_sizes) or [int(matrix[j][self.rank()]) for j in range(n)]
         width = max(int(matrix.max()), 1)
-        received = all_to_all_uneven(self._mesh, flat, send, recv, width)
+        received = all_to_all_uneven(self._mesh, self._run, flat, send, recv, width)
         return self._launch("all_to_all_single", [(output, received.reshape(-1))])
 
     def alltoall(self, outputs, inputs, opts=None):
@@ -276,9 +285,9 @@ class TpuProcessGroup(dist.ProcessGroup):
         flat = jnp.concatenate([self._array(t) for t in inputs]).reshape(-1, 1)
         send = [t.numel() for t in inputs]
         recv = [t.numel() for t in outputs]
-        splits = self._mesh.run("all_gather", [jnp.asarray(send, jnp.int32)])[0]
+        splits = self._run("all_gather", [jnp.asarray(send, jnp.int32)])[0]
         width = max(int(np.asarray(splits).max()), 1)
-        received = all_to_all_uneven(self._mesh, flat, send, recv, width).reshape(-1)
+        received = all_to_all_uneven(self._mesh, self._run, flat, send, recv, width).reshape(-1)
         offsets = np.cumsum([0] + recv)
         writes = [(t, received[offsets[i]:offsets[i + 1]]) for i, t in enumerate(outputs)]
         return self._launch("all_to_all", writes)
@@ -304,8 +313,9 @@ class TpuProcessGroup(dist.ProcessGroup):
         block = self._array(tensor) if src == self.rank() else \
             jnp.zeros(tensor.numel(), self._array(tensor).dtype, device=mesh.device)
         source_index = me if src == self.rank() else 1 - me
-        (result,) = mesh.run("permute", [block], pairs=((source_index, 1 - source_index),))
         ranks = [self._global_ranks[src], self._global_ranks[dst]]
+        (result,) = self._run("permute", [block], mesh=mesh, group=pair_name, ranks=ranks,
+                              what=what, pairs=((source_index, 1 - source_index),))
         if dst == self.rank():
             return self._launch(what, [(tensor, result)], group=pair_name, ranks=ranks)
         future = self._future()
@@ -353,7 +363,7 @@ class TpuProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         self._count()
         token = jnp.ones((1,), jnp.int32, device=self._mesh.device)
-        (result,) = self._mesh.run("all_reduce", [token], op="sum", average=False)
+        (result,) = self._run("all_reduce", [token], op="sum", average=False)
         return self._done([result], "barrier")
 
 
