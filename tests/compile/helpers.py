@@ -1,0 +1,118 @@
+"""Shared set-up for compiled-step tests: the same training run on CPU PyTorch (the oracle),
+eagerly on the tpu device, and compiled on the tpu device, from identical initial weights."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import tpu_train
+from tpu_train.compile import compile_train_step
+
+DEVICE = tpu_train.device(0)
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 5))
+
+
+def mlp_loss(model, batch):
+    return F.mse_loss(model(batch["x"]), batch["y"])
+
+
+def mlp_batches(n: int, batch: int = 8, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(batch, 12, generator=g), "y": torch.randn(batch, 5, generator=g)}
+            for _ in range(n)]
+
+
+def tiny_llama():
+    from tpu_train.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
+                      ffn_hidden_dim=176, max_seq_len=32)
+    model = Llama(cfg)
+    model.init_weights(seed=0, device="cpu")
+    return model
+
+
+def lm_loss(model, batch):
+    logits = model(batch["tokens"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def lm_batches(n: int, batch: int = 2, seq: int = 32, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, 128, (batch, seq + 1), generator=g)
+        out.append({"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()})
+    return out
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+    "adam": lambda params: torch.optim.Adam(params, lr=2e-3, betas=(0.8, 0.95), weight_decay=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01,
+                                          nesterov=True),
+}
+
+
+def to_device(batch, device=DEVICE):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def run_reference(model, make_opt, loss_fn, batches, *, device, max_grad_norm=None,
+                  make_sched=None):
+    """An ordinary eager PyTorch loop on ``device``; returns (losses, model, optimizer)."""
+    model = copy.deepcopy(model).to(device)
+    opt = make_opt(model.parameters())
+    sched = make_sched(opt) if make_sched else None
+    losses, lrs = [], []
+    for batch in batches:
+        lrs.append(opt.param_groups[0]["lr"])
+        loss = loss_fn(model, to_device(batch, device))
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched:
+            sched.step()
+        losses.append(float(loss.detach().cpu()))
+    return losses, model, opt, lrs
+
+
+def run_compiled(model, make_opt, loss_fn, batches, *, max_grad_norm=None, make_sched=None,
+                 **kwargs):
+    """The same loop through compile_train_step; returns (metrics list, model, opt, step)."""
+    model = copy.deepcopy(model).to(DEVICE)
+    opt = make_opt(model.parameters())
+    sched = make_sched(opt) if make_sched else None
+    step = compile_train_step(model, opt, loss_fn, scheduler=sched, max_grad_norm=max_grad_norm,
+                              **kwargs)
+    metrics = [step(to_device(batch)) for batch in batches]
+    metrics = [{k: float(v.cpu()) for k, v in m.items()} for m in metrics]
+    return metrics, model, opt, step
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` over a whole tensor (CPU, float64)."""
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def assert_params_close(model, reference, tol: float):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        err = relative_error(p, q)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+def assert_losses_close(actual, expected, tol: float):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= tol * abs(e), f"step {i + 1}: loss {a} vs {e}"
