@@ -154,3 +154,41 @@ def test_device_module_api():
     event.synchronize()
     with torch.tpu.stream(torch.tpu.Stream()):
         pass
+
+
+def test_host_to_device_copy_does_not_alias_host_memory():
+    host = torch.arange(12.0).reshape(4, 3)
+    device_tensor = host.to("tpu")
+    host.add_(100)
+    assert torch.equal(device_tensor.cpu(), torch.arange(12.0).reshape(4, 3))
+
+
+def test_op_error_inside_backward_raises_instead_of_aborting():
+    class NeedsUnsupportedOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.ops.aten._cdist_forward(grad.view(1, -1), grad.view(1, -1), 2.0, None).sum()
+
+    x = torch.ones(3, device="tpu", requires_grad=True)
+    with pytest.raises(NotImplementedError, match="_cdist_forward.*tpu"):
+        NeedsUnsupportedOp.apply(x).sum().backward()
+
+
+def test_unsupported_op_names_the_op_and_the_device():
+    x = torch.ones(2, 3, device="tpu")
+    with pytest.raises(NotImplementedError, match=r"aten\._cdist_forward.*not implemented for the tpu device"):
+        torch.ops.aten._cdist_forward(x, x, 2.0, None)
+
+
+def test_cpu_fallback_runs_the_op_with_one_warning(monkeypatch):
+    monkeypatch.setenv("TPU_TRAIN_CPU_FALLBACK", "1")
+    x = torch.randn(2, 3)
+    expected = torch.ops.aten._cdist_forward(x, x, 2.0, None)
+    with pytest.warns(UserWarning, match="_cdist_forward.*CPU"):
+        got = torch.ops.aten._cdist_forward(x.to("tpu"), x.to("tpu"), 2.0, None)
+    assert got.device.type == "tpu"
+    torch.testing.assert_close(got.cpu(), expected)

@@ -216,9 +216,12 @@ def _split_leaves(func, leaves, index):
 
 def _compiled(lowering, func, treedef, static, out_dtypes, random):
     key = (func, treedef, static, out_dtypes, random)
-    fn = _JIT_CACHE.get(key)
-    if fn is not None:
-        return fn
+    cached = _JIT_CACHE.get(key)
+    if cached is not None:
+        return cached
+    # The lowering's output structure (nested tuples/lists), recorded while tracing: it is
+    # what ops without a meta kernel return.
+    structure = {}
 
     def run(*dynamic_and_key):
         dynamic = dynamic_and_key[:-1] if random else dynamic_and_key
@@ -229,6 +232,7 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
             call_kwargs = dict(call_kwargs, rng_key=dynamic_and_key[-1])
         outputs = lowering.fn(*call_args, **call_kwargs)
         flat, out_tree = jax.tree_util.tree_flatten(outputs)
+        structure["tree"] = out_tree
         if out_dtypes is not None:
             if len(out_dtypes) != len(flat):
                 raise RuntimeError(
@@ -238,9 +242,9 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
                     else a for a, d in zip(flat, out_dtypes)]
         return flat
 
-    fn = jax.jit(run)
-    _JIT_CACHE[key] = fn
-    return fn
+    compiled = (jax.jit(run), structure)
+    _JIT_CACHE[key] = compiled
+    return compiled
 
 
 def run_lowering(lowering, func, args, kwargs):
@@ -252,7 +256,7 @@ def run_lowering(lowering, func, args, kwargs):
         out_dtypes = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in meta_leaves)
     leaves, treedef = tree_flatten(registry.scalars_as_arrays(func, args, kwargs))
     dynamic, static = _split_leaves(func, leaves, index)
-    fn = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
+    fn, structure = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
     if lowering.random:
         dynamic.append(rng.next_key(index))
     try:
@@ -266,7 +270,7 @@ def run_lowering(lowering, func, args, kwargs):
     if _sync:
         _wait(flat, func)
     if meta_leaves is None:
-        return _wrap_unknown(func, flat, index)
+        return _wrap_unknown(flat, structure["tree"], index)
     results = []
     values = iter(flat)
     for m in meta_leaves:
@@ -281,23 +285,19 @@ def _python_scalar(value):
     return jax.device_get(value).item()
 
 
-def _wrap_unknown(func, flat, index):
-    """Outputs of ops without a meta kernel: trust the lowering's shapes and map dtypes back
-    (int32 is how int64 is stored, so integer results are reported as int64, torch's index type)."""
+def _wrap_unknown(flat, tree, index):
+    """Outputs of ops without a meta kernel: trust the lowering's shapes and structure and map
+    dtypes back (int32 is how int64 is stored, so integer results are reported as int64,
+    torch's index type)."""
     from tpu_train.ops.dtypes import torch_dtype
 
-    returns = func._schema.returns
     wrapped = []
     for value in flat:
         dtype = torch_dtype(value.dtype)
         if dtype == torch.int32:
             dtype = torch.int64
         wrapped.append(wrap(value, dtype, index))
-    if len(returns) == 1 and str(returns[0].type) == "Tensor":
-        return wrapped[0]
-    if len(returns) == 1:
-        return wrapped
-    return tuple(wrapped)
+    return jax.tree_util.tree_unflatten(tree, wrapped)
 
 
 def _wait(values, func):

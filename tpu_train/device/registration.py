@@ -58,4 +58,18 @@ def register() -> None:
     _setup_privateuseone_for_python_backend(
         rename=rename, backend_module=module, hook=_Hooks(), device_guard=_DeviceGuard())
     factories.register()
+    _register_serialization()
     _registered = True
+
+
+def _keep_storage_on_host(storage, location: str):
+    """torch.load(map_location="tpu:i") would move every saved storage onto the device, but a
+    tpu tensor has no PyTorch storage: tpu tensors are saved as (CPU tensor, device) and moved
+    when rebuilt (see TpuTensor.__reduce_ex__), so their storages stay on the host here."""
+    if location.startswith(DEVICE_TYPE):
+        return storage
+    return None
+
+
+def _register_serialization() -> None:
+    torch.serialization.register_package(1, lambda obj: None, _keep_storage_on_host)

@@ -40,16 +40,24 @@ def _available(jax, name: str) -> bool:
     return False
 
 
+def requested_platform() -> str | None:
+    """The platform named by ``TPU_TRAIN_PLATFORM`` (validated), or None when unset."""
+    requested = os.environ.get(PLATFORM_ENV, "").strip().lower()
+    if not requested:
+        return None
+    if requested not in _PREFERENCE:
+        raise PlatformError(
+            f"{PLATFORM_ENV}={requested!r} is not a known platform; use one of "
+            f"{', '.join(_PREFERENCE)} (or unset it to pick the best one present)")
+    return requested
+
+
 @functools.lru_cache(maxsize=None)
 def platform() -> str:
     """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"``."""
     jax = _jax()
-    requested = os.environ.get(PLATFORM_ENV, "").strip().lower()
+    requested = requested_platform()
     if requested:
-        if requested not in _PREFERENCE:
-            raise PlatformError(
-                f"{PLATFORM_ENV}={requested!r} is not a known platform; use one of "
-                f"{', '.join(_PREFERENCE)} (or unset it to pick the best one present)")
         if not _available(jax, requested):
             raise PlatformError(
                 f"{PLATFORM_ENV}={requested} but JAX finds no {requested} devices "

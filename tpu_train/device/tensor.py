@@ -125,13 +125,15 @@ def wrap(value: jax.Array, dtype: torch.dtype, device_index: int, shape=None) ->
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a numpy array in the device storage dtype."""
+    """A CPU tensor's values as a numpy array in the device storage dtype.
+
+    Always a copy: the CPU client may alias host memory zero-copy, and a later in-place write
+    to the CPU tensor must not change the device tensor."""
     tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
-        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16)
+        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16).copy()
     array = tensor.contiguous().numpy()
-    target = storage_dtype(tensor.dtype)
-    return array.astype(target) if array.dtype != target else array
+    return np.array(array, dtype=storage_dtype(tensor.dtype), copy=True)
 
 
 def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
