@@ -229,6 +229,9 @@ class CompiledTrainStep:
             storage_mod.write(t._storage, tuple(t.shape), t.stride(), t.storage_offset(), value)
         for group, step in zip(groups, steps):
             self.adapter.set_step_count(group, step)
+        # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
+        # optimizer step before their own (and do not warn that the order is wrong).
+        self.optimizer._opt_called = True
         if self.scheduler is not None:
             self.scheduler.step()
         # The gradient norm is always measured (it is almost free next to the update), also

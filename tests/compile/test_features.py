@@ -1,0 +1,137 @@
+"""Gradient accumulation, clipping, donation and the write-back into the user's tensors."""
+
+import copy
+
+import pytest
+import torch
+
+import tpu_train  # noqa: F401
+from tpu_train.compile import MissingLoweringError, UnsupportedOptimizerError, compile_train_step
+
+from .helpers import (DEVICE, OPTIMIZERS, assert_params_close, mlp, mlp_batches, mlp_loss,
+                      relative_error, run_compiled, run_reference, to_device)
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_grad_accumulation_equals_one_big_batch(opt_name):
+    batches = mlp_batches(4, batch=16)
+    model, make_opt = mlp(), OPTIMIZERS[opt_name]
+    big, big_model, _, _ = run_compiled(model, make_opt, mlp_loss, batches)
+    accumulated, acc_model, _, step = run_compiled(model, make_opt, mlp_loss, batches,
+                                                   grad_accum_steps=4)
+    for a, b in zip(accumulated, big):
+        assert a["loss"] == pytest.approx(b["loss"], rel=TOL)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=TOL)
+    assert_params_close(acc_model, big_model, TOL)
+    assert len(step.compilations) == 1
+
+
+def test_grad_accumulation_rejects_indivisible_batches():
+    model = mlp().to(DEVICE)
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
+                              grad_accum_steps=3)
+    with pytest.raises(ValueError, match=r"batch\['x'\] has shape \(8, 12\).*multiple"):
+        step(to_device(mlp_batches(1)[0]))
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])
+def test_clipping_matches_clip_grad_norm(max_norm):
+    batches = mlp_batches(6)
+    model, make_opt = mlp(), OPTIMIZERS["sgd"]
+    losses, cpu_model, _, _ = run_reference(model, make_opt, mlp_loss, batches, device="cpu",
+                                            max_grad_norm=max_norm)
+    metrics, compiled_model, _, _ = run_compiled(model, make_opt, mlp_loss, batches,
+                                                 max_grad_norm=max_norm)
+    assert_params_close(compiled_model, cpu_model, TOL)
+    # The reported norm is the pre-clipping total norm, as clip_grad_norm_ returns it.
+    reference = copy.deepcopy(model)
+    mlp_loss(reference, batches[0]).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    assert metrics[0]["grad_norm"] == pytest.approx(float(expected), rel=TOL)
+    if max_norm < 1:
+        assert float(expected) > max_norm  # the small bound really clips
+
+
+def test_write_back_keeps_tensor_identity_and_views_see_updates():
+    model = mlp().to(DEVICE)
+    weight = model[0].weight
+    alias = weight.detach()  # shares the parameter's storage
+    row = weight.detach()[1]  # a strided view into it
+    before = weight.detach().cpu().clone()
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), mlp_loss)
+    step(to_device(mlp_batches(1)[0]))
+    assert model[0].weight is weight
+    after = weight.detach().cpu()
+    assert not torch.equal(after, before)
+    assert torch.equal(alias.cpu(), after)
+    assert torch.equal(row.cpu(), after[1])
+
+
+def test_parameters_that_are_views_into_one_buffer():
+    """Parameters that do not own their storage are written back through their geometry."""
+    reference = mlp()
+    model = copy.deepcopy(reference).to(DEVICE)
+    named = [(module, name, p) for module in model.modules()
+             for name, p in module.named_parameters(recurse=False)]
+    flat = torch.cat([p.detach().reshape(-1) for _, _, p in named])
+    offset = 0
+    for module, name, p in named:  # every parameter becomes a view into one flat buffer
+        n = p.numel()
+        setattr(module, name, torch.nn.Parameter(flat[offset:offset + n].view_as(p)))
+        offset += n
+    params = list(model.parameters())
+    assert all(p._storage is flat._storage for p in params)
+    make_opt = OPTIMIZERS["adamw"]
+    step = compile_train_step(model, make_opt(model.parameters()), mlp_loss)
+    batches = mlp_batches(3)
+    for batch in batches:
+        step(to_device(batch))
+    _, cpu_model, _, _ = run_reference(reference, make_opt, mlp_loss, batches, device="cpu")
+    assert_params_close(model, cpu_model, TOL)
+    # The flat buffer itself holds the new values.
+    assert relative_error(flat[:params[0].numel()].view_as(params[0]),
+                          cpu_model[0].weight) <= TOL
+
+
+def test_without_donation_old_arrays_stay_valid():
+    model = mlp().to(DEVICE)
+    old = model[0].weight._storage.buffer
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
+                              donate=False)
+    step(to_device(mlp_batches(1)[0]))
+    assert not old.is_deleted()
+    model_donated = mlp().to(DEVICE)
+    old = model_donated[0].weight._storage.buffer
+    compile_train_step(model_donated, torch.optim.SGD(model_donated.parameters(), lr=0.1),
+                       mlp_loss)(to_device(mlp_batches(1)[0]))
+    assert old.is_deleted()
+
+
+def test_frozen_parameters_and_param_groups():
+    reference = mlp()
+    for p in reference[0].parameters():
+        p.requires_grad_(False)
+
+    def make_opt(params):
+        params = [p for p in params if p.requires_grad]
+        return torch.optim.AdamW([{"params": params[:2], "lr": 1e-2},
+                                  {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}])
+
+    batches = mlp_batches(5)
+    _, cpu_model, _, _ = run_reference(reference, make_opt, mlp_loss, batches, device="cpu")
+    metrics, compiled_model, _, _ = run_compiled(reference, make_opt, mlp_loss, batches)
+    assert_params_close(compiled_model, cpu_model, TOL)
+    assert torch.equal(compiled_model[0].weight.cpu(), reference[0].weight)
+
+
+def test_unsupported_optimizer_and_bad_loss_are_clear_errors():
+    model = mlp().to(DEVICE)
+    with pytest.raises(UnsupportedOptimizerError, match="RMSprop"):
+        compile_train_step(model, torch.optim.RMSprop(model.parameters()), mlp_loss)
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              lambda m, b: m(b["x"]))
+    with pytest.raises(TypeError, match="0-dim floating-point"):
+        step(to_device(mlp_batches(1)[0]))
+    assert issubclass(MissingLoweringError, NotImplementedError)

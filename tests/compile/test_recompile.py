@@ -1,0 +1,101 @@
+"""The compile cache: what recompiles, what does not, and what the log says about it."""
+
+import logging
+
+import pytest
+import torch
+
+from tpu_train.compile import compile_train_step
+
+from .helpers import DEVICE, mlp, mlp_loss
+
+LOGGER = "tpu_train.compile"
+
+
+def _batch(rows=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(rows, 12, generator=g).to(dtype).to(DEVICE),
+            "y": torch.randn(rows, 5, generator=g).to(DEVICE)}
+
+
+def _cast_loss(model, batch):
+    return mlp_loss(model, {"x": batch["x"].float(), "y": batch["y"]})
+
+
+def test_first_call_and_shape_change_are_logged_with_the_input_name(caplog):
+    model = mlp().to(DEVICE)
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        step(_batch(8))
+        step(_batch(8, seed=1))  # same shapes: cached
+        step(_batch(16))
+    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(messages) == 2, messages
+    assert "compilation #1 (first call)" in messages[0]
+    assert "batch['x'] changed shape from (8, 12) to (16, 12)" in messages[1]
+    assert "batch['y'] changed shape from (8, 5) to (16, 5)" in messages[1]
+    for message in messages:
+        assert "trace" in message and "XLA compile" in message
+    records = step.compilations
+    assert [r.cause for r in records][0] == "first call"
+    assert all(r.trace_s > 0 and r.compile_s > 0 for r in records)
+    # Going back to a shape compiled before hits the cache.
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        step(_batch(8, seed=2))
+    assert len(step.compilations) == 2
+
+
+def test_dtype_and_setting_changes_are_named(caplog):
+    model = mlp().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    step = compile_train_step(model, opt, _cast_loss)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        step(_batch(8))
+        step(_batch(8, dtype=torch.bfloat16))
+        opt.param_groups[0]["weight_decay"] = 0.0
+        step(_batch(8, dtype=torch.bfloat16))
+        model.eval()
+        step(_batch(8, dtype=torch.bfloat16))
+    causes = [r.cause for r in step.compilations]
+    assert causes[1] == "batch['x'] changed dtype from torch.float32 to torch.bfloat16"
+    assert causes[2] == ("setting optimizer.param_groups[0]['weight_decay'] changed from 0.1 "
+                         "to 0.0")
+    assert causes[3] == "setting model.training changed from True to False"
+
+
+def test_scheduler_lr_changes_do_not_recompile():
+    model = mlp().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+    step = compile_train_step(model, opt, mlp_loss, scheduler=sched)
+    lrs = [float(step(_batch(8, seed=i))["lr"].cpu()) for i in range(5)]
+    assert lrs == pytest.approx([1e-2 / (1 + i) for i in range(5)], rel=1e-6)
+    assert len(step.compilations) == 1
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 6)
+
+
+def test_warning_after_too_many_compilations(caplog):
+    model = mlp().to(DEVICE)
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
+                              warn_after=2)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for rows in (2, 3, 4):
+            step(_batch(rows))
+    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "compiled 3 times (more than 2)" in warnings[0].getMessage()
+    assert "batch['x'] changed shape from (3, 12) to (4, 12)" in warnings[0].getMessage()
+
+
+def test_optimized_program_has_no_64_bit_types():
+    """x64 stays off: int64 token ids are stored as int32, nothing in the step is 64-bit."""
+    from .helpers import lm_batches, lm_loss, tiny_llama
+
+    model = tiny_llama().to(DEVICE)
+    step = compile_train_step(model, torch.optim.AdamW(model.parameters()), lm_loss,
+                              max_grad_norm=1.0)
+    step({k: v.to(DEVICE) for k, v in lm_batches(1)[0].items()})
+    (program,) = step.cache.entries.values()
+    hlo = program.executable.as_text()
+    assert "f32[" in hlo and "s32[" in hlo
+    assert "f64" not in hlo and "s64" not in hlo and "u64" not in hlo
