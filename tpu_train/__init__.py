@@ -20,6 +20,7 @@ from tpu_train.device.tensor import TpuTensor
 
 __version__ = "0.1.0"
 
+_runtime.requested_platform()  # a misspelt TPU_TRAIN_PLATFORM fails at import
 _registration.register()
 
 

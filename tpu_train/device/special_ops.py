@@ -14,7 +14,7 @@ aten = torch.ops.aten
 
 # SDPA backend index torch asks a custom device to choose (torch.nn.attention.SDPBackend).
 _SDP_MATH, _SDP_OVERRIDEABLE = 0, 4
-_sdp_backend = {"choice": _SDP_MATH}
+_sdp_backend = {"choice": _SDP_OVERRIDEABLE}
 
 
 def use_fused_attention(enabled: bool) -> None:

@@ -4,15 +4,14 @@ Importing this package registers every family. ``registry.lowered_ops()`` lists 
 """
 
 import importlib
+import importlib.util
 
-FAMILIES = [] if __import__("os").environ.get("TPU_TRAIN_DEV_NO_OPS") else [
+FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
     "matmul", "nn", "conv", "attention", "shape", "indexing", "scatter",
 ]
+if importlib.util.find_spec(f"{__name__}.compile_extras") is not None:
+    FAMILIES.append("compile_extras")
 
 for _family in FAMILIES:
-    try:
-        importlib.import_module(f"{__name__}.{_family}")
-    except ModuleNotFoundError as _error:
-        if _error.name != f"{__name__}.{_family}":
-            raise
+    importlib.import_module(f"{__name__}.{_family}")
