@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""Training-step benchmark on workload W1: tpu eager vs tpu compiled vs hand-written JAX.
+
+W1 is a Llama-style decoder (dim 512, 4 layers, 8 heads, 4 kv heads, SwiGLU hidden 1408, vocab
+8192, RMSNorm, RoPE) trained on causal-LM cross-entropy with AdamW (lr 1e-4, weight decay 0.1),
+batch 4 x 256 tokens. All modes start from the same initial weights and see the same batches;
+their steps are interleaved (eager, compiled, jax, eager, ...) so that machine noise hits
+every mode alike.
+
+* ``eager``: the model on the ``tpu`` device, ``loss.backward()`` and ``optimizer.step()`` op by op;
+* ``compiled``: the same model and optimizer through ``tpu_train.compile.compile_train_step``;
+* ``jax``: the same network written directly in JAX with ``optax.adamw``, one ``jax.jit`` step
+  with donated parameters and optimizer state.
+
+Prints ONE JSON line: per mode the fastest and median step seconds (step 1, which compiles,
+excluded), tokens/s at the median, trace + compile seconds, resident memory, the loss at the
+first and last step; and the compiled/jax ratios. Usage::
+
+    python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager|compiled|jax] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+BATCH, SEQ = 4, 256
+LR, WEIGHT_DECAY, BETAS, EPS = 1e-4, 0.1, (0.9, 0.999), 1e-8
+MODES = ("eager", "compiled", "jax")
+
+
+def w1_config():
+    from tpu_train.models import LlamaConfig
+
+    return LlamaConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                       ffn_hidden_dim=1408, max_seq_len=SEQ)
+
+
+def make_batches(steps: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(steps):
+        t = rng.integers(0, vocab, size=(BATCH, SEQ + 1), dtype=np.int64)
+        batches.append({"tokens": t[:, :-1].copy(), "labels": t[:, 1:].copy()})
+    return batches
+
+
+def lm_loss(model, batch):
+    import torch.nn.functional as F
+
+    logits = model(batch["tokens"])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process (MiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ------------------------------------------------------------------------------------ modes
+
+
+class TorchMode:
+    """Shared set-up of the two torch modes: a tpu copy of the model and a torch AdamW."""
+
+    def __init__(self, cpu_model, dtype):
+        import torch
+
+        import tpu_train
+
+        self.torch = torch
+        self.device = tpu_train.device(0)
+        self.model = copy.deepcopy(cpu_model).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                           weight_decay=WEIGHT_DECAY)
+        self.compile_s = 0.0
+
+    def to_device(self, batch):
+        return {k: self.torch.from_numpy(v).to(self.device) for k, v in batch.items()}
+
+    def block(self, loss):
+        import jax
+
+        jax.block_until_ready([p._storage.buffer for p in self.model.parameters()]
+                              + [loss._storage.buffer])
+
+
+class EagerMode(TorchMode):
+    def step(self, batch):
+        loss = lm_loss(self.model, self.to_device(batch))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class CompiledMode(TorchMode):
+    def __init__(self, cpu_model, dtype):
+        super().__init__(cpu_model, dtype)
+        from tpu_train.compile import compile_train_step
+
+        self.step_fn = compile_train_step(self.model, self.optimizer, lm_loss)
+
+    def step(self, batch):
+        loss = self.step_fn(self.to_device(batch))["loss"]
+        self.compile_s = sum(r.total_s for r in self.step_fn.compilations)
+        return loss
+
+
+class JaxMode:
+    """W1 written directly in JAX + optax, from the torch model's initial weights."""
+
+    def __init__(self, cpu_model, dtype):
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        from tpu_train.device import runtime
+        from tpu_train.device.tensor import host_array
+
+        self.jax, self.jnp = jax, jnp
+        self.device = runtime.jax_device(0)
+        cfg = cpu_model.config
+        self.cfg = cfg
+        params = {}
+        for name, tensor in cpu_model.state_dict().items():
+            if name.startswith("rope_"):
+                continue
+            value = host_array(tensor)
+            if value.ndim == 2 and not name.startswith("tok_embeddings"):
+                value = np.ascontiguousarray(value.T)  # [in, out]: x @ w
+            params[name] = jax.device_put(value, self.device)
+        self.params = params
+        self.cos = jax.device_put(host_array(cpu_model.rope_cos[:SEQ].float()), self.device)
+        self.sin = jax.device_put(host_array(cpu_model.rope_sin[:SEQ].float()), self.device)
+        self.opt = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+        self.opt_state = jax.device_put(self.opt.init(params), self.device)
+        self.compiled = None
+        self.compile_s = 0.0
+
+    def _rms(self, x, w):
+        jnp = self.jnp
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax_rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
+        return w * normed.astype(x.dtype)
+
+    def _rotary(self, x):
+        jnp = self.jnp
+        half = x.shape[-1] // 2
+        cos, sin = self.cos.astype(x.dtype), self.sin.astype(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def _loss(self, params, tokens, labels):
+        jax, jnp, cfg = self.jax, self.jnp, self.cfg
+        b, t = tokens.shape
+        hd, rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+        h = params["tok_embeddings.weight"][tokens]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        for i in range(cfg.n_layers):
+            p = lambda n: params[f"layers.{i}.{n}"]  # noqa: E731
+            x = self._rms(h, p("attention_norm.weight"))
+            q = (x @ p("attention.wq.weight")).reshape(b, t, cfg.n_heads, hd).transpose(0, 2, 1, 3)
+            k = (x @ p("attention.wk.weight")).reshape(b, t, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
+            v = (x @ p("attention.wv.weight")).reshape(b, t, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
+            q, k = self._rotary(q), self._rotary(k)
+            k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+            scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(hd)
+            scores = jnp.where(mask, scores, -jnp.inf)
+            attn = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype) @ v
+            attn = attn.transpose(0, 2, 1, 3).reshape(b, t, cfg.n_heads * hd)
+            h = h + attn @ p("attention.wo.weight")
+            x = self._rms(h, p("ffn_norm.weight"))
+            ff = jax.nn.silu(x @ p("feed_forward.w1.weight")) * (x @ p("feed_forward.w3.weight"))
+            h = h + ff @ p("feed_forward.w2.weight")
+        h = self._rms(h, params["norm.weight"])
+        logits = (h @ params["output.weight"]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+    def _train_step(self, params, opt_state, tokens, labels):
+        import optax
+
+        loss, grads = self.jax.value_and_grad(self._loss)(params, tokens, labels)
+        updates, opt_state = self.opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def step(self, batch):
+        jax = self.jax
+        tokens = jax.device_put(batch["tokens"].astype(np.int32), self.device)
+        labels = jax.device_put(batch["labels"].astype(np.int32), self.device)
+        if self.compiled is None:
+            start = time.perf_counter()
+            self.compiled = jax.jit(self._train_step, donate_argnums=(0, 1)).lower(
+                self.params, self.opt_state, tokens, labels).compile()
+            self.compile_s = time.perf_counter() - start
+        self.params, self.opt_state, loss = self.compiled(self.params, self.opt_state, tokens,
+                                                          labels)
+        return loss
+
+    def block(self, loss):
+        self.jax.block_until_ready((self.params, loss))
+
+
+def jax_rsqrt(x):
+    import jax
+
+    return jax.lax.rsqrt(x)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--only", choices=MODES, action="append",
+                        help="run only this mode (repeatable); default: all three interleaved")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (step 1 compiles and is not timed)")
+    os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
+    import torch
+
+    import tpu_train  # noqa: F401
+    from tpu_train.models import Llama
+
+    cfg = w1_config()
+    cpu_model = Llama(cfg)
+    cpu_model.init_weights(seed=0, device="cpu")
+    if args.dtype == "bf16":
+        cpu_model = cpu_model.to(torch.bfloat16)
+    batches = make_batches(args.steps, cfg.vocab_size)
+    classes = {"eager": EagerMode, "compiled": CompiledMode, "jax": JaxMode}
+    names = args.only or list(MODES)
+    modes, results = {}, {}
+    for name in names:
+        before = rss_mb()
+        modes[name] = classes[name](cpu_model, args.dtype)
+        results[name] = {"times": [], "losses": [], "rss_setup_mb": rss_mb() - before}
+    del cpu_model
+    for i, batch in enumerate(batches):
+        for name, mode in modes.items():
+            start = time.perf_counter()
+            loss = mode.step(batch)
+            mode.block(loss)
+            results[name]["times"].append(time.perf_counter() - start)
+            results[name]["losses"].append(loss)
+    tokens = BATCH * SEQ
+    report = {"workload": "W1", "dtype": args.dtype, "steps": args.steps,
+              "device": _device_description(),
+              "peak_rss_mb": round(peak_rss_mb(), 1), "modes": {}}
+    for name, r in results.items():
+        timed = r["times"][1:]
+        median = statistics.median(timed)
+        report["modes"][name] = {
+            "fastest_s": round(min(timed), 4), "median_s": round(median, 4),
+            "tokens_per_s": round(tokens / median, 1),
+            "first_step_s": round(r["times"][0], 3),
+            "trace_compile_s": round(modes[name].compile_s, 3),
+            "rss_setup_mb": round(r["rss_setup_mb"], 1),
+            "loss_step1": float(np.asarray(to_numpy(r["losses"][0]))),
+            f"loss_step{args.steps}": float(np.asarray(to_numpy(r["losses"][-1]))),
+        }
+    if "compiled" in report["modes"] and "jax" in report["modes"]:
+        c, j = report["modes"]["compiled"], report["modes"]["jax"]
+        report["compiled_over_jax"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
+                                       "median": round(c["median_s"] / j["median_s"], 3)}
+    print(json.dumps(report))
+    return report
+
+
+def _device_description() -> str:
+    from tpu_train.device import runtime
+
+    device = runtime.jax_device(0)
+    return f"{runtime.platform()}: {device.device_kind}, {os.cpu_count()} host cores"
+
+
+def to_numpy(loss):
+    import torch
+
+    if isinstance(loss, torch.Tensor):
+        return loss.detach().cpu().float().numpy()
+    return np.asarray(loss, dtype=np.float32)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
