@@ -39,14 +39,34 @@ class CollectiveTimeoutError(RuntimeError):
 class Health:
     """Per-process heartbeat publisher and lost-rank diagnosis over a torch Store."""
 
-    def __init__(self, store, rank: int):
+    def __init__(self, store, rank: int, world_ranks):
         self.store = store
         self.rank = rank
+        self.world_ranks = list(world_ranks)
         self.launched: dict[str, int] = {}  # group name -> collectives launched
         self._beats = 0
         self._stop = threading.Event()
         self._publish()
         threading.Thread(target=self._beat, name="tpu-heartbeat", daemon=True).start()
+        self._install_excepthook()
+
+    def _install_excepthook(self):
+        """Name the lost rank when a transport error escapes to the top of the program.
+
+        A peer's death can surface first where the program reads a value computed from a
+        collective's result (``loss.item()``), as a bare JAX "connection reset" error.
+        """
+        previous = sys.excepthook
+
+        def hook(kind, value, traceback):
+            previous(kind, value, traceback)
+            if kind is not CollectiveTimeoutError and _is_transport_error(value):
+                print(f"{CollectiveTimeoutError.__name__}: "
+                      f"{self.diagnose('', self.world_ranks, 'a collective')}",
+                      file=sys.stderr, flush=True)
+                _exit_without_jax_shutdown()
+
+        sys.excepthook = hook
 
     def _publish(self):
         state = ";".join(f"{g}={n}" for g, n in self.launched.items())
@@ -80,19 +100,28 @@ class Health:
         mine = self.launched.get(group, 0)
         try:
             first = self._read(others)
-            time.sleep(2.5 * HEARTBEAT_S)
-            second = self._read(others)
         except Exception as error:
             host = "the launcher's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") \
                 == "True" else "rank 0"
             return (f"{what} failed on rank {self.rank}: the rendezvous store hosted by {host} "
                     f"is unreachable ({type(error).__name__}); rank 0 is lost")
+        time.sleep(2.5 * HEARTBEAT_S)
+        try:
+            second = self._read(others)
+        except Exception:  # the store's host left meanwhile (it diagnosed first): judge
+            second = None  # by the first reading alone
+        if second is None:
+            behind = [r for r in others if first[r] is not None and group
+                      and first[r][1].get(group, 0) < mine]
+            return (f"{what} failed on rank {self.rank}: rank(s) {behind or 'unknown'} did not "
+                    f"reach collective #{mine} of group {group}; rank 0 (the store host) "
+                    f"has since exited")
         dead = [r for r in others if first[r] is None or second[r] is None
                 or second[r][0] == first[r][0]]
         if dead:
             return (f"{what} failed on rank {self.rank}: lost rank(s) {dead} (no heartbeat "
                     f"for {2.5 * HEARTBEAT_S:.1f} s: the process died or froze)")
-        behind = [r for r in others if second[r][1].get(group, 0) < mine]
+        behind = [r for r in others if group and second[r][1].get(group, 0) < mine]
         if behind:
             return (f"{what} failed on rank {self.rank}: rank(s) {behind} are alive but did "
                     f"not reach collective #{mine} of group {group} (hung or on another code "
@@ -100,6 +129,12 @@ class Health:
         return (f"{what} failed on rank {self.rank}: every peer is alive and reached it; the "
                 f"transport failed or the job is too slow for the timeout "
                 f"(set TPU_TRAIN_COLLECTIVE_TIMEOUT)")
+
+
+def _is_transport_error(error) -> bool:
+    text = str(error).lower()
+    return type(error).__name__ == "JaxRuntimeError" and any(
+        word in text for word in ("gloo", "connection", "collective", "peer", "socket"))
 
 
 def _exit_without_jax_shutdown():

@@ -111,6 +111,12 @@ def initialize(rank: int | None = None, world_size: int | None = None,
                     "JAX created its devices before dist.init_process_group('tpu'): create no "
                     "tpu tensor (and call no torch.tpu function) before init_process_group, so "
                     "that this process can join the multi-process JAX runtime")
+            try:
+                # Without it the JAX service terminates every process as soon as one task
+                # disconnects, silently (no rank named); with it our timeout reports the loss.
+                jax.config.update("jax_enable_recoverability", True)
+            except (AttributeError, ValueError):
+                pass
             # The JAX service's own liveness check must not beat ours: it aborts processes
             # without saying which peer is gone.
             heartbeat = int(max(100, 2 * (timeout_s or DEFAULT_TIMEOUT_S)))

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from tpu_train.distributed import init as init_mod
 from tpu_train.distributed.collectives import GroupMesh, all_to_all_uneven
@@ -32,6 +31,46 @@ _BOOL_OPS = {"sum": "max", "max": "max", "bor": "max", "product": "min", "min": 
              "band": "min", "bxor": "bxor"}
 
 _process: dict = {}  # per-process singletons: the Health publisher and the Completer
+
+
+class TpuWork(dist.Work):
+    """A Work over a torch Future that the collective's completion fulfils or fails.
+
+    (torch's own future-wrapping Work swallows a failed Future in ``wait()``; a lost peer
+    must raise.)"""
+
+    def __init__(self, future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None):
+        self._future.wait()  # raises the collective's error
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def is_success(self):
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value()
+        except Exception as error:
+            return error
+        return None
+
+    def get_future(self):
+        return self._future
+
+    def synchronize(self):
+        self.wait()
 
 
 def _op_name(reduce_op) -> str:
@@ -63,7 +102,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._mesh = GroupMesh([by_id[i] for i in ids], rank)
         self._pairs: dict = {}
         if "health" not in _process:
-            _process["health"] = Health(store, self._global_ranks[rank])
+            _process["health"] = Health(store, self._global_ranks[rank], self._global_ranks)
             _process["completer"] = Completer()
         self._health = _process["health"]
         self._completer = _process["completer"]
@@ -116,7 +155,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._completer.submit(
             future, [a for _, a in writes], [t for t, _ in writes], self._timeout_s,
             on_timeout=lambda: health.diagnose(group, ranks, what), finish=finish)
-        return _create_work_from_future(future)
+        return TpuWork(future)
 
     def _run(self, kind, blocks, mesh=None, group=None, ranks=None, what=None, **static):
         """``mesh.run`` under the dispatch deadline (see health.Completer.dispatching)."""
@@ -257,7 +296,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         health, group, ranks = self._health, self._group_id, self._global_ranks
         self._completer.submit(future, list(arrays), [], self._timeout_s,
                                on_timeout=lambda: health.diagnose(group, ranks, what))
-        return _create_work_from_future(future)
+        return TpuWork(future)
 
     # -- all-to-all ------------------------------------------------------------------------------
 
@@ -322,7 +361,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         health = self._health
         self._completer.submit(future, [result], [], self._timeout_s,
                                on_timeout=lambda: health.diagnose(pair_name, ranks, what))
-        return _create_work_from_future(future)
+        return TpuWork(future)
 
     def send(self, tensors, dst, tag=0):
         works = [self._p2p(t, self.rank(), dst, "send") for t in tensors]
@@ -356,7 +395,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def _end_coalescing(self, device):
         futures, self._coalescing = self._coalescing or [], None
-        return _create_work_from_future(torch.futures.collect_all(futures))
+        return TpuWork(torch.futures.collect_all(futures))
 
     # -- barrier ---------------------------------------------------------------------------------
 
