@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Sweep PyTorch's OpInfo database (``op_db``) on the tpu device against CPU PyTorch.
+
+Prints one JSON line: number of op_db entries, forward pass count and rate, gradient pass count
+and rate (with ``--grad``), time taken, torch and jax versions.
+
+    python scripts/op_coverage.py                       # forward, float32, 3 samples per op
+    python scripts/op_coverage.py --grad --samples 5 --json-out /tmp/ops.json
+    python scripts/op_coverage.py --grad --write-known-failures   # refresh the CI list
+
+``--ops add sin ...`` restricts the sweep to some entries (``name`` or ``name.variant``).
+See docs/op_coverage.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
+
+KNOWN_FAILURES = ROOT / "tests" / "ops" / "opinfo_known_failures.json"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
+    parser.add_argument("--grad", action="store_true", help="also compare input gradients")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="samples per op (default: the harness's, 3)")
+    parser.add_argument("--ops", nargs="*", default=None, help="only these op keys")
+    parser.add_argument("--json-out", type=Path, default=None, help="write per-op results here")
+    parser.add_argument("--write-known-failures", action="store_true",
+                        help=f"write the failing op keys to {KNOWN_FAILURES.relative_to(ROOT)}")
+    parser.add_argument("--verbose", "-v", action="store_true", help="one line per op on stderr")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    import jax
+    import torch
+
+    from tests.ops import opinfo_harness as harness
+
+    dtype = getattr(torch, args.dtype)
+    samples = args.samples if args.samples is not None else harness.DEFAULT_SAMPLES
+    ops = harness.all_ops()
+    if args.ops:
+        wanted = set(args.ops)
+        ops = [op for op in ops if harness.op_key(op) in wanted or op.name in wanted]
+
+    def progress(result):
+        if args.verbose:
+            print(f"{result.status:4} {result.op} {result.seconds}s {result.error}",
+                  file=sys.stderr, flush=True)
+
+    forward = harness.sweep(ops, dtype, samples=samples, progress=progress)
+    forward_time = time.perf_counter() - start
+    grads = harness.sweep(ops, dtype, samples=samples, grad=True,
+                          progress=progress) if args.grad else None
+
+    fsum = harness.summarize(forward)
+    summary = {
+        "dtype": args.dtype,
+        "samples_per_op": samples,
+        "total": fsum["total"],
+        "forward_pass": fsum["pass"],
+        "forward_fail": fsum["fail"],
+        "forward_skip": fsum["skip"],
+        "forward_pass_rate": fsum["pass_rate"],
+        "forward_pass_rate_tested": fsum["pass_rate_tested"],
+    }
+    if grads is not None:
+        gsum = harness.summarize(grads)
+        summary.update({
+            "grad_pass": gsum["pass"],
+            "grad_fail": gsum["fail"],
+            "grad_skip": gsum["skip"],
+            "grad_pass_rate": gsum["pass_rate"],
+            "grad_pass_rate_tested": gsum["pass_rate_tested"],
+        })
+    summary.update({
+        "forward_seconds": round(forward_time, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+        "torch": torch.__version__,
+        "jax": jax.__version__,
+        "platform": jax.default_backend(),
+    })
+
+    if args.json_out is not None:
+        per_op = {"summary": summary, "forward": [r.to_json() for r in forward]}
+        if grads is not None:
+            per_op["grad"] = [r.to_json() for r in grads]
+        args.json_out.write_text(json.dumps(per_op, indent=1) + "\n")
+
+    if args.write_known_failures:
+        if args.ops or args.dtype != "float32" or samples != harness.DEFAULT_SAMPLES:
+            parser.error("--write-known-failures needs the full float32 sweep with the default "
+                         "number of samples (what the test runs)")
+        known = {
+            "comment": "op_db entries (name or name.variant) failing on the tpu device, float32, "
+                       f"first {samples} samples; regenerate with scripts/op_coverage.py "
+                       "--grad --write-known-failures",
+            "forward": sorted(r.op for r in forward if r.status == "fail"),
+        }
+        if grads is not None:
+            known["grad"] = sorted(r.op for r in grads if r.status == "fail")
+        elif KNOWN_FAILURES.exists():
+            previous = json.loads(KNOWN_FAILURES.read_text())
+            if "grad" in previous:
+                known["grad"] = previous["grad"]
+        KNOWN_FAILURES.write_text(json.dumps(known, indent=1) + "\n")
+
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
