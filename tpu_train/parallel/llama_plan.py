@@ -1,0 +1,106 @@
+"""The sharding plan of ``tpu_train.models.Llama`` (FSDP, tensor parallel, both, or neither).
+
+Weights are stored the PyTorch way, ``[out_features, in_features]``. The plan:
+
+============================  ==================  ===========================================
+parameter                     spec                why
+============================  ==================  ===========================================
+``tok_embeddings.weight``     ``(tensor, fsdp)``  vocabulary-parallel embedding rows
+``attention.w{q,k,v}.weight`` ``(tensor, fsdp)``  column-parallel: heads split on ``tensor``
+``attention.wo.weight``       ``(fsdp, tensor)``  row-parallel: its input (heads) split
+``feed_forward.w{1,3}.weight`` ``(tensor, fsdp)`` column-parallel: hidden units split
+``feed_forward.w2.weight``    ``(fsdp, tensor)``  row-parallel
+``*norm.weight``              ``(fsdp,)``         small; sharded only to keep FSDP uniform
+``output.weight``             ``(tensor, fsdp)``  vocabulary-parallel logits
+============================  ==================  ===========================================
+
+FSDP always shards the model width ``dim`` (the dimension every weight has), tensor
+parallelism the other one. With Megatron-style column → row pairs, each attention and MLP
+block needs one reduction over ``tensor`` in the forward and one in the backward; XLA inserts
+them from these specs. Activations: the batch is split over ``(data, fsdp)``, heads and the
+feed-forward hidden dimension over ``tensor``; the residual stream is replicated on
+``tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import PartitionSpec as P
+
+from .mesh import BATCH_AXES
+from .plans import ShardingPlan
+
+__all__ = ["LLAMA_ACTIVATIONS", "LlamaActivationRule", "llama_plan"]
+
+_B = BATCH_AXES
+_U = P.UNCONSTRAINED
+
+# Activation layouts by role; shapes are those of the Llama forward.
+LLAMA_ACTIVATIONS: dict[str, P] = {
+    "tokens": P(_B, None),                  # [batch, seq] token ids and labels
+    "hidden": P(_B, None, None),            # [batch, seq, dim] residual stream
+    "heads": P(_B, "tensor", None, None),   # [batch, heads, seq, head_dim] q/k/v, scores
+    "ffn": P(_B, None, "tensor"),           # [batch, seq, ffn_hidden_dim]
+    "logits": P(_B, None, "tensor"),        # [batch, seq, vocab]
+}
+
+
+def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
+    """The Llama plan; ``fsdp=False``/``tensor=False`` drop that axis from every spec.
+
+    Dropping an axis is only needed to *keep parameters replicated* on a mesh whose axis is
+    larger than 1 (e.g. ZeRO-1-like experiments); on a mesh where the axis has size 1 the full
+    plan already degenerates to the smaller layout.
+    """
+    f = "fsdp" if fsdp else None
+    t = "tensor" if tensor else None
+    column = P(t, f)
+    row = P(f, t)
+    rules = [
+        (r"(^|\.)tok_embeddings\.weight$", column),
+        (r"(^|\.)attention\.w[qkv]\.weight$", column),
+        (r"(^|\.)attention\.wo\.weight$", row),
+        (r"(^|\.)feed_forward\.w[13]\.weight$", column),
+        (r"(^|\.)feed_forward\.w2\.weight$", row),
+        (r"(^|\.)(attention_norm|ffn_norm|norm)\.weight$", P(f)),
+        (r"(^|\.)output\.weight$", column),
+    ]
+    acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
+            for k, spec in LLAMA_ACTIVATIONS.items()}
+    name = "llama_plan" + ("" if fsdp and tensor else f"(fsdp={fsdp}, tensor={tensor})")
+    return ShardingPlan(rules, activations=acts, name=name)
+
+
+class LlamaActivationRule:
+    """Pick an activation spec from an array's shape, for a traced graph without module names.
+
+    A traced step only sees aten ops and shapes, so this classifies conservatively: a value
+    whose leading dimension is the (micro-)batch, or batch x seq after a flatten, is split on
+    the batch axes; a 4-D ``[batch, heads, ...]`` value also on ``tensor``; a last dimension
+    equal to the feed-forward width or vocabulary (when distinct from ``dim``) on ``tensor``.
+    Every other dimension is left ``UNCONSTRAINED`` so a wrong guess never forces a reshard
+    beyond the batch split. Returns ``None`` for anything else (weights, scalars).
+    """
+
+    def __init__(self, config: Any, batch: int, seq_len: int):
+        self.config = config
+        self.batch = int(batch)
+        self.seq_len = int(seq_len)
+        widths = {config.ffn_hidden_dim, config.vocab_size} - {config.dim}
+        self._tensor_last = widths
+        self._heads = {config.n_heads, config.n_kv_heads}
+
+    def __call__(self, shape) -> P | None:
+        shape = tuple(shape)
+        if len(shape) < 2:
+            return None
+        lead = shape[0]
+        if lead not in (self.batch, self.batch * self.seq_len):
+            return None
+        rest = [_U] * (len(shape) - 1)
+        if lead == self.batch and len(shape) == 4 and shape[1] in self._heads:
+            rest[0] = "tensor"
+        elif shape[-1] in self._tensor_last:
+            rest[-1] = "tensor"
+        return P(_B, *rest)

@@ -1,0 +1,258 @@
+"""The SPMD device mesh: axes ``data``, ``fsdp`` and ``tensor``, within and across slices.
+
+A mesh is a ``jax.sharding.Mesh`` whose axes are always, in this order:
+
+* ``data``   — pure data parallelism: parameters replicated, the batch split;
+* ``fsdp``   — fully sharded data parallelism: the batch split *and* parameters, gradients and
+  optimizer state sharded (gathered per use by XLA);
+* ``tensor`` — tensor (model) parallelism: heads, the feed-forward hidden dimension and the
+  vocabulary split.
+
+The order goes from the least to the most communication-hungry axis, which is the order JAX's
+mesh utilities expect: on a TPU slice :func:`jax.experimental.mesh_utils.create_device_mesh`
+then places ``tensor`` on the tightest ICI rings. A multi-slice job (several slices joined by
+the data-centre network, DCN) additionally splits ``data`` and/or ``fsdp`` across slices with
+:func:`~jax.experimental.mesh_utils.create_hybrid_device_mesh`, so only the gradient
+reduction (``data``) or the FSDP gathers (``fsdp``) cross DCN; ``tensor`` never does.
+
+Degrees come from the ``parallel`` config section (``data``, ``fsdp``, ``tensor``); exactly one
+of them may be ``-1``, meaning "whatever is left of the device count".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "MeshError",
+    "MeshShape",
+    "build_mesh",
+    "check_model_divisibility",
+    "device_grid",
+    "mesh_from_config",
+    "resolve_mesh_shape",
+]
+
+AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+# The batch dimension of activations is split over both data-parallel axes.
+BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+
+
+class MeshError(ValueError):
+    """A mesh request that cannot be satisfied (bad degrees, or a model they do not divide)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Resolved degrees of each axis.
+
+    ``data``/``fsdp``/``tensor`` are the total sizes of the mesh axes. ``dcn_data`` and
+    ``dcn_fsdp`` say how many of those ways go across slices (DCN); the rest, the ICI degrees
+    ``data // dcn_data`` etc., stay inside one slice.
+    """
+
+    data: int
+    fsdp: int
+    tensor: int
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    @property
+    def ici(self) -> tuple[int, int, int]:
+        return (self.data // self.dcn_data, self.fsdp // self.dcn_fsdp, self.tensor)
+
+    @property
+    def dcn(self) -> tuple[int, int, int]:
+        return (self.dcn_data, self.dcn_fsdp, 1)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def num_slices(self) -> int:
+        return self.dcn_data * self.dcn_fsdp
+
+    @property
+    def batch_shards(self) -> int:
+        """Ways the global batch is split (it must be a multiple of this)."""
+        return self.data * self.fsdp
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def _check_degree(name: str, value: Any, allow_infer: bool) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise MeshError(f"parallel.{name} must be an int, got {value!r}")
+    value = int(value)
+    if value == -1 and allow_infer:
+        return value
+    if value < 1:
+        allowed = "a positive int or -1 (infer from the device count)" if allow_infer \
+            else "a positive int"
+        raise MeshError(f"parallel.{name} must be {allowed}, got {value}")
+    return value
+
+
+def resolve_mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1, *,
+                       num_slices: int = 1, dcn_data: int | None = None,
+                       dcn_fsdp: int = 1) -> MeshShape:
+    """Fill in a ``-1`` degree and check that the degrees multiply to ``num_devices``.
+
+    ``num_slices > 1`` describes a multi-slice job; by default every slice boundary goes on
+    the ``data`` axis (``dcn_data = num_slices / dcn_fsdp``), which only sends the gradient
+    reduction over DCN. Raises :class:`MeshError` with the offending numbers otherwise.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise MeshError(f"the device count must be a positive int, got {num_devices!r}")
+    degrees = {"data": _check_degree("data", data, True),
+               "fsdp": _check_degree("fsdp", fsdp, True),
+               "tensor": _check_degree("tensor", tensor, True)}
+    inferred = [name for name, v in degrees.items() if v == -1]
+    if len(inferred) > 1:
+        raise MeshError(
+            f"at most one of parallel.data/fsdp/tensor may be -1 (inferred), got "
+            f"{', '.join(f'{n}=-1' for n in inferred)}; set all but one explicitly")
+    known = math.prod(v for v in degrees.values() if v != -1)
+    if inferred:
+        if num_devices % known:
+            raise MeshError(
+                f"cannot infer parallel.{inferred[0]}: the other degrees multiply to {known}, "
+                f"which does not divide the {num_devices} devices")
+        degrees[inferred[0]] = num_devices // known
+    product = math.prod(degrees.values())
+    if product != num_devices:
+        raise MeshError(
+            f"parallel.data * fsdp * tensor = {degrees['data']} * {degrees['fsdp']} * "
+            f"{degrees['tensor']} = {product}, but there are {num_devices} devices; make the "
+            f"product equal the device count (or set one degree to -1 to infer it)")
+
+    num_slices = _check_degree("num_slices", num_slices, False)
+    dcn_fsdp = _check_degree("dcn_fsdp", dcn_fsdp, False)
+    if dcn_data is None:
+        if num_slices % dcn_fsdp:
+            raise MeshError(f"dcn_fsdp={dcn_fsdp} does not divide the {num_slices} slices")
+        dcn_data = num_slices // dcn_fsdp
+    dcn_data = _check_degree("dcn_data", dcn_data, False)
+    if dcn_data * dcn_fsdp != num_slices:
+        raise MeshError(
+            f"dcn_data * dcn_fsdp = {dcn_data} * {dcn_fsdp} must equal the number of slices "
+            f"({num_slices}); tensor parallelism never crosses slices")
+    for axis, dcn in (("data", dcn_data), ("fsdp", dcn_fsdp)):
+        if degrees[axis] % dcn:
+            raise MeshError(
+                f"parallel.{axis}={degrees[axis]} is not a multiple of its {dcn} cross-slice "
+                f"(DCN) ways; each slice needs an equal share of the {axis} axis")
+    return MeshShape(degrees["data"], degrees["fsdp"], degrees["tensor"], dcn_data, dcn_fsdp)
+
+
+def check_model_divisibility(model_config: Any, shape: MeshShape) -> None:
+    """Raise :class:`MeshError` if the Llama plan cannot shard ``model_config`` on ``shape``.
+
+    Tensor parallelism splits query heads, key/value heads, the feed-forward hidden dimension
+    and the vocabulary; FSDP splits the model width ``dim`` of every weight (see
+    ``llama_plan``). Uneven shards are not padded: parameters are placed as global arrays,
+    and ``jax.device_put`` requires every sharded dimension to divide evenly.
+    """
+    t, f = shape.tensor, shape.fsdp
+    if t > 1:
+        checks = (("n_heads", model_config.n_heads), ("n_kv_heads", model_config.n_kv_heads),
+                  ("ffn_hidden_dim", model_config.ffn_hidden_dim),
+                  ("vocab_size", model_config.vocab_size))
+        bad = [f"{name}={value}" for name, value in checks if value % t]
+        if bad:
+            raise MeshError(
+                f"parallel.tensor={t} must divide the attention heads, key/value heads, "
+                f"feed-forward dim and vocabulary it splits; it does not divide "
+                f"{', '.join(bad)}. Choose a tensor degree that divides them all")
+    if f > 1 and model_config.dim % f:
+        raise MeshError(
+            f"parallel.fsdp={f} must divide the model width dim={model_config.dim}, the "
+            f"dimension FSDP shards in every weight (no padding is applied)")
+
+
+def _slice_count(devices: Sequence[Any]) -> int:
+    indices = {getattr(d, "slice_index", 0) for d in devices}
+    return len(indices)
+
+
+def device_grid(shape: MeshShape, devices: Sequence[Any]) -> np.ndarray:
+    """Arrange ``devices`` as a ``(data, fsdp, tensor)`` array with a topology-aware order.
+
+    On TPU, JAX's mesh utilities map the logical axes onto the physical torus (the ``tensor``
+    axis on the fastest links); across slices, the hybrid variant keeps each slice a
+    contiguous block along the DCN axes. Other platforms keep JAX's device order.
+    """
+    from jax.experimental import mesh_utils
+
+    devices = list(devices)
+    if len(devices) != shape.num_devices:
+        raise MeshError(f"the mesh {shape.sizes} needs {shape.num_devices} devices, "
+                        f"got {len(devices)}")
+    if shape.num_slices > 1:
+        found = _slice_count(devices)
+        if found != shape.num_slices:
+            raise MeshError(
+                f"the mesh spans {shape.num_slices} slices over DCN but the devices belong to "
+                f"{found} slice(s) (device.slice_index)")
+        return mesh_utils.create_hybrid_device_mesh(list(shape.ici), list(shape.dcn), devices)
+    if devices[0].platform == "tpu":
+        # allow_split_physical_axes: e.g. fsdp=2 x tensor=2 on a 2x2x1 v5e-4 still maps.
+        return mesh_utils.create_device_mesh(list(shape.sizes), devices,
+                                             allow_split_physical_axes=True)
+    return np.asarray(devices, dtype=object).reshape(shape.sizes)
+
+
+def build_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
+               devices: Sequence[Any] | None = None, dcn_data: int | None = None,
+               dcn_fsdp: int = 1, model_config: Any = None):
+    """Make the ``(data, fsdp, tensor)`` :class:`jax.sharding.Mesh` over ``devices``.
+
+    ``devices`` defaults to ``jax.devices()`` (every device of every process). The number of
+    slices is read from the devices' ``slice_index``; ``model_config`` (a ``LlamaConfig``), if
+    given, is checked with :func:`check_model_divisibility`.
+    """
+    import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise MeshError("no devices to build a mesh from")
+    shape = resolve_mesh_shape(len(devices), data, fsdp, tensor,
+                               num_slices=_slice_count(devices), dcn_data=dcn_data,
+                               dcn_fsdp=dcn_fsdp)
+    if model_config is not None:
+        check_model_divisibility(model_config, shape)
+    return jax.sharding.Mesh(device_grid(shape, devices), AXES)
+
+
+def mesh_from_config(parallel: Any, model_config: Any = None, devices=None):
+    """:func:`build_mesh` from the ``parallel`` config section (a mapping or an object).
+
+    Optional keys ``dcn_data`` and ``dcn_fsdp`` are honoured when present.
+    """
+    get = parallel.get if isinstance(parallel, Mapping) else \
+        (lambda key, default=None: getattr(parallel, key, default))
+    return build_mesh(get("data", -1), get("fsdp", 1), get("tensor", 1), devices=devices,
+                      dcn_data=get("dcn_data", None), dcn_fsdp=get("dcn_fsdp", 1) or 1,
+                      model_config=model_config)
+
+
+def mesh_shape_of(mesh) -> MeshShape:
+    """The :class:`MeshShape` of a mesh built here (DCN split not recoverable: reported as 1)."""
+    missing = [a for a in AXES if a not in mesh.shape]
+    if missing:
+        raise MeshError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}; build it with "
+                        f"tpu_train.parallel.build_mesh")
+    return MeshShape(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])
