@@ -3,7 +3,8 @@
 Exact command (from the repository root)::
 
     python scripts/bench_eager.py                 # --repeats 7
-    python scripts/bench_eager.py --quick         # a few seconds; smoke runs only
+    python scripts/bench_eager.py --quick         # a smoke run (tiny batches), not a measurement
+    python scripts/bench_eager.py --profile 2000   # also a cProfile table of small adds (stderr)
 
 Two measurements, each interleaved A/B in one process (timings on a shared machine swing):
 
@@ -193,11 +194,12 @@ def _summary(samples: list[float], scale: float) -> dict:
             "median": round(statistics.median(samples) * scale, 3)}
 
 
-def bench_ops(repeats: int, k_small: int, k_medium: int, device: torch.device) -> dict:
+def bench_ops(repeats: int, k_small: int, k_medium: int, device: torch.device,
+              warm_up: int = 2) -> dict:
     cases = [OpCase(op, size, k_small if size == "small" else k_medium, device)
              for size in SIZES for op in OPS]
     for case in cases:
-        case.warm_up()
+        case.warm_up(warm_up)
     tpu = {c.name: [] for c in cases}
     ref = {c.name: [] for c in cases}
     for r in range(repeats):
@@ -221,9 +223,9 @@ def bench_ops(repeats: int, k_small: int, k_medium: int, device: torch.device) -
     return out
 
 
-def bench_step(repeats: int, device: torch.device) -> dict:
+def bench_step(repeats: int, device: torch.device, warm_up: int = 2) -> dict:
     tpu_case, cpu_case = StepCase(device), StepCase(torch.device("cpu"))
-    for _ in range(2):  # first steps compile every op and create the optimizer state
+    for _ in range(warm_up):  # first steps compile every op and create the optimizer state
         tpu_case.step()
         cpu_case.step()
     tpu_s, cpu_s = [], []
@@ -244,6 +246,34 @@ def bench_step(repeats: int, device: torch.device) -> dict:
             "ratio_median": round(a["median"] / b["median"], 2)}
 
 
+def profile_add(n_ops: int, device: torch.device, top: int = 25) -> None:
+    """cProfile ``n_ops`` small eager adds (steady state); per-op microseconds to stderr."""
+    import cProfile
+    import pstats
+
+    x = torch.randn(128, 128).to(device)
+    y = torch.randn(128, 128).to(device)
+    for _ in range(20):
+        x = x + y
+    wait_tpu(x)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n_ops):
+        x = x + y
+    wait_tpu(x)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (path, line, func), (_, calls, tottime, cumtime, _) in stats.items():
+        where = f"{Path(path).name}:{line}({func})" if path != "~" else func
+        rows.append((cumtime, tottime, calls, where))
+    print(f"# cProfile of {n_ops} eager 128x128 adds: cumulative / own us per op, calls per op",
+          file=sys.stderr)
+    for cumtime, tottime, calls, where in sorted(rows, reverse=True)[:top]:
+        print(f"{cumtime / n_ops * 1e6:9.1f} {tottime / n_ops * 1e6:9.1f} {calls / n_ops:6.1f}  "
+              f"{where}", file=sys.stderr)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="Eager tpu per-op latency vs pre-jitted JAX.")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved A/B rounds")
@@ -253,11 +283,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--k-medium", type=int, default=10, help="ops per batch, medium shapes")
     parser.add_argument("--step-repeats", type=int, default=None,
                         help="training steps per side (default: --repeats)")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="torch intra-op threads for the CPU reference step (0: leave torch's "
+                             "default; 1 avoids thread thrash on a small shared machine)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also cProfile N small eager adds; the table goes to stderr")
     args = parser.parse_args(argv)
     repeats, k_small, k_medium = args.repeats, args.k_small, args.k_medium
     step_repeats = args.step_repeats or repeats
     if args.quick:
-        repeats, k_small, k_medium, step_repeats = 2, 5, 2, 2
+        repeats, k_small, k_medium, step_repeats = 2, 3, 2, 2
+        SIZES["medium"] = 256  # compile and run time of a smoke run, not a measurement
+    if args.cpu_threads > 0:
+        torch.set_num_threads(args.cpu_threads)
 
     device = torch.device("tpu", 0)
     jax_device = jax.devices()[0]
@@ -272,9 +310,12 @@ def main(argv=None) -> dict:
         "jax_platform": jax_device.platform,
         "jax_device": str(jax_device.device_kind),
         "cpu_count": os.cpu_count(),
-        "ops": bench_ops(repeats, k_small, k_medium, device),
-        "train_step": bench_step(step_repeats, device),
+        "torch_threads": torch.get_num_threads(),
+        "ops": bench_ops(repeats, k_small, k_medium, device, warm_up=1 if args.quick else 2),
+        "train_step": bench_step(step_repeats, device, warm_up=1 if args.quick else 2),
     }
+    if args.profile:
+        profile_add(args.profile, device)
     print(json.dumps(result), flush=True)
     return result
 
