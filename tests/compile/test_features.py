@@ -135,3 +135,28 @@ def test_unsupported_optimizer_and_bad_loss_are_clear_errors():
     with pytest.raises(TypeError, match="0-dim floating-point"):
         step(to_device(mlp_batches(1)[0]))
     assert issubclass(MissingLoweringError, NotImplementedError)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_buffers_mutated_by_the_forward_are_written_back(accum):
+    """BatchNorm's running statistics (buffers the forward overwrites) are program outputs;
+    with accumulation each micro-batch updates them in turn, as an eager loop does."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16),
+                                    torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    batches = mlp_batches(4)
+    make_opt = OPTIMIZERS["sgd"]
+    cpu_model = copy.deepcopy(reference)
+    opt = make_opt(cpu_model.parameters())
+    for batch in batches:  # torch's accumulation idiom: backward of loss / k per micro-batch
+        for x, y in zip(batch["x"].chunk(accum), batch["y"].chunk(accum)):
+            (mlp_loss(cpu_model, {"x": x, "y": y}) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+    _, compiled_model, _, _ = run_compiled(reference, make_opt, mlp_loss, batches,
+                                           grad_accum_steps=accum)
+    assert_params_close(compiled_model, cpu_model, TOL)
+    bn, expected = compiled_model[1], cpu_model[1]
+    assert int(bn.num_batches_tracked.cpu()) == int(expected.num_batches_tracked) == 4 * accum
+    assert relative_error(bn.running_mean, expected.running_mean) <= TOL
+    assert relative_error(bn.running_var, expected.running_var) <= TOL

@@ -7,6 +7,8 @@ as one XLA program, with a compile cache and recompilation diagnostics.
 See ``docs/compile.md``.
 """
 
+import tpu_train.ops  # noqa: F401  (the op families first, then the compile extras)
+import tpu_train.ops.compile_extras  # noqa: F401
 from tpu_train.compile.cache import CompileRecord, Signature, describe_changes
 from tpu_train.compile.functional_optim import UnsupportedOptimizerError
 from tpu_train.compile.interpreter import MissingLoweringError, run_graph

@@ -31,6 +31,39 @@ class MissingLoweringError(NotImplementedError):
     """The traced step uses aten ops that have no lowering (listed all at once)."""
 
 
+# Mutating ops that survive functionalization when a forward writes a tensor inside a
+# ``torch.func`` transform (BatchNorm's running statistics under ``grad``): their functional
+# variant, and which of its outputs is the new value of which written argument.
+_FUNCTIONAL_VARIANTS = {
+    aten._native_batch_norm_legit.default: (
+        aten._native_batch_norm_legit_functional.default, 3, {3: 3, 4: 4}),
+}
+
+
+def functional_variant(op: torch._ops.OpOverload):
+    """``(functional op, number of outputs the mutating op returns, {arg index: output
+    index})`` for a mutating op, or None when there is no known functional form.
+
+    In-place ops ``name_.overload`` map to ``name.overload`` writing argument 0."""
+    if op in _FUNCTIONAL_VARIANTS:
+        return _FUNCTIONAL_VARIANTS[op]
+    name = op._schema.name.split("::")[-1]
+    if name.endswith("_") and not name.startswith("_"):
+        packet = getattr(aten, name[:-1], None)
+        overload = getattr(packet, op._overloadname, None) if packet is not None else None
+        if overload is not None and registry.get_lowering(overload) is not None:
+            return overload, None, {0: None}
+    return None
+
+
+def written_arguments(node: torch.fx.Node) -> list[int]:
+    """Positions of the arguments a (mutating) call node writes, per the op's schema."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    return [i for i, a in enumerate(node.target._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write and i < len(node.args)]
+
+
 def check_lowerings(graph: torch.fx.Graph) -> None:
     """Raise :class:`MissingLoweringError` naming every op of ``graph`` without a lowering,
     before any JAX tracing starts (one clear error instead of the first one hit)."""
@@ -40,6 +73,10 @@ def check_lowerings(graph: torch.fx.Graph) -> None:
             continue
         if node.target is aten.copy_.default:
             continue  # input mutation, handled by the interpreter
+        if isinstance(node.target, torch._ops.OpOverload) and registry.is_mutating(node.target):
+            if functional_variant(node.target) is None:
+                missing.add(f"{node.target} (mutating, no functional form known)")
+            continue
         if not isinstance(node.target, torch._ops.OpOverload) or \
                 registry.get_lowering(node.target) is None:
             missing.add(str(node.target))
@@ -155,6 +192,12 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
             mutations[index_of[destination]] = value
             env[node] = value
             continue
+        writes = None
+        if isinstance(target, torch._ops.OpOverload) and registry.is_mutating(target):
+            variant = functional_variant(target)
+            if variant is None:
+                raise MissingLoweringError(f"no functional form of {target} ({node.format_node()})")
+            target, n_returns, writes = variant
         lowering = registry.get_lowering(target)
         if lowering is None:
             raise MissingLoweringError(f"no lowering for {target} ({node.format_node()})")
@@ -165,7 +208,20 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
             kwargs = dict(kwargs, rng_key=jax.random.fold_in(rng_key, random_counter))
             random_counter += 1
         result = lowering.fn(*args, **kwargs)
-        env[node] = _cast_to_torch_dtypes(result, _node_dtypes(node))
+        if writes is None:
+            env[node] = _cast_to_torch_dtypes(result, _node_dtypes(node))
+            continue
+        # A write into a tensor the graph reads: later nodes, and the caller for graph
+        # inputs, see the new value (cast back to the written tensor's dtype).
+        for arg_index, out_index in writes.items():
+            destination = node.args[arg_index]
+            new = result if out_index is None else result[out_index]
+            new = new.astype(env[destination].dtype)
+            env[destination] = new
+            if destination in index_of:
+                mutations[index_of[destination]] = new
+        value = result if n_returns is None else tuple(result[:n_returns])
+        env[node] = _cast_to_torch_dtypes(value, _node_dtypes(node))
     return outputs, mutations
 
 

@@ -47,9 +47,12 @@ def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
 
 def _mutated_placeholders(gm: torch.fx.GraphModule) -> list[int]:
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    return sorted({placeholders[n.args[0]] for n in gm.graph.nodes
-                   if n.op == "call_function" and n.target is aten.copy_.default
-                   and n.args[0] in placeholders})
+    written = set()
+    for node in gm.graph.nodes:
+        for position in interpreter.written_arguments(node):
+            if node.args[position] in placeholders:
+                written.add(placeholders[node.args[position]])
+    return sorted(written)
 
 
 def build_program(step, st, values, scalars, device, stages) -> Program:

@@ -89,9 +89,12 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         const = list(flat[n_diff:n_diff + n_const])
         batch = tree_unflatten(list(flat[n_diff + n_const:]), batch_spec)
 
-        def loss_of(diff_values):
+        # The constants are arguments of the transformed function (not captured from outside
+        # it): a forward that overwrites a buffer (BatchNorm's running statistics) is then
+        # allowed by torch.func, and functionalization records the write as a graph output.
+        def loss_of(diff_values, const_values):
             mapping = dict(zip(diff_keys, diff_values))
-            mapping.update(zip(const_keys, const))
+            mapping.update(zip(const_keys, const_values))
             loss = torch.func.functional_call(wrapper, mapping, (batch,))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 \
                     or not loss.dtype.is_floating_point:
@@ -102,7 +105,7 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
                        if isinstance(loss, torch.Tensor) else ""))
             return loss
 
-        grads, loss = torch.func.grad_and_value(loss_of)(diff)
+        grads, loss = torch.func.grad_and_value(loss_of, argnums=0)(diff, const)
         return list(grads) + [loss.detach().to(torch.float32)]
 
     with fakes.mode:
