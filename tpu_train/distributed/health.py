@@ -49,6 +49,32 @@ class Health:
         self._publish()
         threading.Thread(target=self._beat, name="tpu-heartbeat", daemon=True).start()
         self._install_excepthook()
+        atexit.register(self._orderly_exit)
+
+    def _orderly_exit(self):
+        """Leave the JAX world in order at a normal exit (runs before JAX's own handler).
+
+        With the JAX service in recoverable mode its shutdown barrier no longer waits, so
+        rank 0 (which hosts the service) could close it while a peer still disconnects, and
+        that peer aborts. Every other rank shuts its JAX client down first and says so in the
+        store; rank 0 waits for them, then exits normally.
+        """
+        import datetime
+
+        import jax
+
+        if len(self.world_ranks) < 2 or _exiting_after_failure["yes"]:
+            return
+        self.stop()
+        wait = datetime.timedelta(seconds=60)
+        try:
+            if self.rank != self.world_ranks[0]:
+                jax.distributed.shutdown()
+                self.store.set(f"down/{self.rank}", "1")
+            else:
+                self.store.wait([f"down/{r}" for r in self.world_ranks[1:]], wait)
+        except Exception as error:  # a peer is gone: nothing left to leave in order
+            print(f"tpu_train.distributed: disorderly exit ({error})", file=sys.stderr)
 
     def _install_excepthook(self):
         """Name the lost rank when a transport error escapes to the top of the program.
@@ -137,9 +163,13 @@ def _is_transport_error(error) -> bool:
         word in text for word in ("gloo", "connection", "collective", "peer", "socket"))
 
 
+_exiting_after_failure = {"yes": False}
+
+
 def _exit_without_jax_shutdown():
     # jax.distributed's own exit handler waits for every peer at a shutdown barrier, which a
     # lost peer never reaches: leave at once, with a failing status.
+    _exiting_after_failure["yes"] = True
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -188,6 +218,7 @@ class Completer:
     def _fail(self, future, message):
         if not self._failed:
             self._failed = True
+            _exiting_after_failure["yes"] = True
             atexit.register(_exit_without_jax_shutdown)
         future.set_exception(CollectiveTimeoutError(message))
 
