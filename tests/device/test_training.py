@@ -147,3 +147,36 @@ def test_seed_snippet_shape():
     m = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(d)
     out = m(torch.randn(32, 256, device=d))
     assert out.shape == torch.Size([32, 256]) and out.device == d
+
+
+def test_cnn_with_batchnorm_pooling_and_dropout_matches_cpu():
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, stride=2), nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Dropout(0.0), nn.Linear(8, 10))
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))
+               for _ in range(5)]
+    make_optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    expected = _train(cpu_model, make_optimizer, batches, _mlp_loss)
+    got = _train(tpu_model, make_optimizer, [(x.to("tpu"), y.to("tpu")) for x, y in batches], _mlp_loss)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tpu_model[1].running_var.cpu(), cpu_model[1].running_var)
+    cpu_model.eval(), tpu_model.eval()
+    x = torch.randn(2, 3, 16, 16, generator=g)
+    torch.testing.assert_close(tpu_model(x.to("tpu")).cpu(), cpu_model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_trains_and_is_reproducible_with_a_seed():
+    x = torch.ones(1000, device="tpu")
+    torch.manual_seed(7)
+    a = torch.nn.functional.dropout(x, 0.3).cpu()
+    torch.manual_seed(7)
+    b = torch.nn.functional.dropout(x, 0.3).cpu()
+    c = torch.nn.functional.dropout(x, 0.3).cpu()
+    assert torch.equal(a, b) and not torch.equal(b, c)
+    kept = (a != 0).float().mean().item()
+    assert 0.6 < kept < 0.8
+    torch.testing.assert_close(a[a != 0], torch.full_like(a[a != 0], 1 / 0.7))

@@ -26,7 +26,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from tpu_train.device import rng
+from tpu_train.device import rng, runtime
 from tpu_train.device.tensor import TpuTensor, wrap
 from tpu_train.device.tensor import host_array
 from tpu_train.ops import registry
@@ -189,8 +189,6 @@ def _device_value(leaf, index):
         value = leaf.jax_value()
         return value
     # A 0-dim CPU tensor beside tpu tensors (allowed, as on CUDA).
-    from tpu_train.device import runtime
-
     return jax.device_put(host_array(leaf), runtime.jax_device(index))
 
 
@@ -231,16 +229,19 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
         if random:
             call_kwargs = dict(call_kwargs, rng_key=dynamic_and_key[-1])
         outputs = lowering.fn(*call_args, **call_kwargs)
-        flat, out_tree = jax.tree_util.tree_flatten(outputs)
-        structure["tree"] = out_tree
-        if out_dtypes is not None:
-            if len(out_dtypes) != len(flat):
-                raise RuntimeError(
-                    f"lowering of {func} returned {len(flat)} arrays, torch expects "
-                    f"{len(out_dtypes)}")
-            flat = [a.astype(storage_dtype(d)) if d is not None and a.dtype != storage_dtype(d)
-                    else a for a, d in zip(flat, out_dtypes)]
-        return flat
+        if out_dtypes is None:
+            flat, out_tree = jax.tree_util.tree_flatten(outputs)
+            structure["tree"] = out_tree
+            return flat
+        # Keep None (an output the op was told not to compute) in place, so results line up
+        # with torch's meta outputs.
+        flat = jax.tree_util.tree_leaves(outputs, is_leaf=lambda x: x is None)
+        if len(out_dtypes) != len(flat):
+            raise RuntimeError(
+                f"lowering of {func} returned {len(flat)} results, torch expects "
+                f"{len(out_dtypes)}")
+        return [a.astype(storage_dtype(d)) if a is not None and d is not None
+                and a.dtype != storage_dtype(d) else a for a, d in zip(flat, out_dtypes)]
 
     compiled = (jax.jit(run), structure)
     _JIT_CACHE[key] = compiled
@@ -274,10 +275,14 @@ def run_lowering(lowering, func, args, kwargs):
     results = []
     values = iter(flat)
     for m in meta_leaves:
+        value = next(values)
         if isinstance(m, torch.Tensor):
-            results.append(wrap(next(values), m.dtype, index, m.shape))
+            if value is None:  # not computed (e.g. a gradient masked off): never read
+                value = jax.numpy.zeros(tuple(m.shape), storage_dtype(m.dtype),
+                                        device=runtime.jax_device(index))
+            results.append(wrap(value, m.dtype, index, m.shape))
         else:
-            results.append(_python_scalar(next(values)))
+            results.append(value if value is None else _python_scalar(value))
     return tree_unflatten(results, meta_tree)
 
 

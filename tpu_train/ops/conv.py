@@ -206,7 +206,9 @@ def _avg_pool(self, spatial, kernel_size, stride, padding, ceil_mode, count_incl
     out_sizes, high = _pool_geometry(in_sizes, kernel, stride, padding, [1] * spatial, ceil_mode)
     x = _up(self)
     pads = [(0, 0)] * (self.ndim - spatial) + list(zip(padding, high))
-    total = lax.reduce_window(x, jnp.array(0, x.dtype), lax.add, _window(spatial, x, kernel),
+    # A numpy init value stays concrete under jit, so JAX sees the (add, 0) monoid and uses
+    # the differentiable windowed-sum primitive (a traced init has no reverse-mode rule).
+    total = lax.reduce_window(x, np.array(0, x.dtype), lax.add, _window(spatial, x, kernel),
                               _window(spatial, x, stride), pads)
     if divisor_override:
         return total / divisor_override
