@@ -1,0 +1,371 @@
+"""Ahead-of-time planning: per-chip memory, FLOPs and step time of a training configuration.
+
+Two independent estimates, meant to be read side by side:
+
+* :func:`estimate` — analytic, instantaneous, for any model size: the bytes each chip holds
+  for parameters, gradients, AdamW's two float32 moments and activations (with or without
+  activation checkpointing) under the Llama plan's shardings, the FLOPs of one step from
+  ``flops_per_token``, and a step time on a named TPU generation at an *assumed* MFU.
+* :func:`xla_analysis` — what XLA itself says: lower and compile a jitted step for abstract,
+  sharded inputs (``jax.ShapeDtypeStruct``) and read ``memory_analysis()`` and
+  ``cost_analysis()``. A pod-sized mesh is emulated with virtual CPU devices in a subprocess
+  (:func:`xla_analysis_subprocess`), so this runs on a laptop.
+
+``python -m tpu_train.parallel.planner --model llama3_1_70b --fsdp 128 --batch 256 --seq 8192
+--chip v5p`` prints a report whose last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+from .mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
+
+__all__ = [
+    "ASSUMED_MFU",
+    "CHIPS",
+    "Chip",
+    "alignment_warnings",
+    "estimate",
+    "xla_analysis",
+    "xla_analysis_subprocess",
+]
+
+GiB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation: HBM per chip and dense bf16 peak."""
+
+    name: str
+    hbm_bytes: int
+    bf16_tflops: float
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("v4", 32 * GiB, 275.0),
+    "v5e": Chip("v5e", 16 * GiB, 197.0),
+    "v5p": Chip("v5p", 95 * GiB, 459.0),
+    "v6e": Chip("v6e", 32 * GiB, 918.0),
+    "v7": Chip("v7", 192 * GiB, 2307.0),
+}
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "trillium": "v6e", "ironwood": "v7",
+            "v7x": "v7"}
+
+# Model-FLOPs utilization assumed for step-time estimates. 40 % is what well-tuned
+# FSDP/TP Llama training commonly reaches on TPUs; it is an assumption, printed with every
+# estimate, never a measurement.
+ASSUMED_MFU = 0.40
+# A fraction of HBM kept free for XLA's own buffers, fragmentation and the runtime.
+HEADROOM = 0.10
+ALIGN = 128  # TPU MXU / lane width: dimensions that are multiples of 128 tile without padding
+
+
+def get_chip(name: str) -> Chip:
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in CHIPS:
+        raise ValueError(f"unknown TPU generation {name!r}; known: {', '.join(CHIPS)} "
+                         f"(aliases {', '.join(_ALIASES)})")
+    return CHIPS[key]
+
+
+def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int]:
+    """(elements one chip holds of all parameters, elements after the FSDP all-gather)."""
+    from .jax_reference import param_shapes
+    from .llama_plan import llama_plan
+
+    plan = llama_plan()
+    sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
+    local = gathered = 0
+    for name, dims in param_shapes(cfg).items():
+        spec = plan.spec_for(name, dims)
+        entries = tuple(spec) + (None,) * (len(dims) - len(spec))
+        n = n_gathered = 1
+        for d, e in zip(dims, entries):
+            axes = () if e is None else (tuple(e) if isinstance(e, tuple) else (e,))
+            n *= d // math.prod(sizes[a] for a in axes)
+            n_gathered *= d // math.prod(sizes[a] for a in axes if a != "fsdp")
+        local += n
+        gathered += n_gathered
+    return local, gathered
+
+
+def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
+                     activation_checkpointing: bool, act_bytes: int = 4) -> dict[str, int]:
+    """Activations one chip keeps for the backward pass, and the loss head's peak.
+
+    Per layer and token (``t`` = tensor degree), saved for the backward without
+    checkpointing: the residual input, two norm outputs and the attention output projection's
+    input (``4 dim``), q, k, v and the GQA-expanded k, v (``(3 dim + 2 kv_dim) / t``), attention
+    scores and probabilities (``2 heads seq / t``) and the four SwiGLU tensors
+    (``4 ffn / t``). With checkpointing only each layer's input (``dim``) is kept, plus one
+    layer's full set during its recomputation. The loss head holds logits, log-probabilities
+    and their gradient (``3 vocab / t``) per token at its peak.
+    """
+    t = shape.tensor
+    tokens = batch * seq_len // shape.batch_shards
+    kv = cfg.n_kv_heads * cfg.head_dim
+    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + 2 * cfg.n_heads * seq_len / t
+                 + 4 * cfg.ffn_hidden_dim / t)
+    if activation_checkpointing:
+        layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
+    else:
+        layers = tokens * cfg.n_layers * per_layer
+    head = tokens * 3 * cfg.vocab_size / t
+    return {"layers": int(layers * act_bytes), "loss_head": int(head * act_bytes)}
+
+
+def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
+    """Dimensions that are not multiples of 128, globally or per shard, naming the config key."""
+    dims = {"dim": cfg.dim, "ffn_hidden_dim": cfg.ffn_hidden_dim, "vocab_size": cfg.vocab_size,
+            "head_dim (dim / n_heads)": cfg.head_dim}
+    out = []
+    for key, value in dims.items():
+        if value % ALIGN:
+            padded = -(-value // ALIGN) * ALIGN
+            out.append(f"model.{key}={value} is not a multiple of {ALIGN}: XLA pads it to "
+                       f"{padded} on TPU ({100 * (padded - value) / value:.1f} % wasted); set "
+                       f"the model config's {key.split()[0]} to a multiple of {ALIGN} if the "
+                       f"checkpoint allows")
+    if shape is not None:
+        local = {"dim / fsdp": (cfg.dim, shape.fsdp),
+                 "ffn_hidden_dim / tensor": (cfg.ffn_hidden_dim, shape.tensor),
+                 "vocab_size / tensor": (cfg.vocab_size, shape.tensor)}
+        for key, (value, ways) in local.items():
+            if ways > 1 and value % ways == 0 and value % ALIGN == 0 and (value // ways) % ALIGN:
+                out.append(f"per-chip shard {key} = {value // ways} is not a multiple of "
+                           f"{ALIGN}: a smaller parallel degree keeps shards MXU-aligned")
+    return out
+
+
+def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
+             batch: int, seq_len: int, activation_checkpointing: bool = False,
+             chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
+             param_bytes: int = 4, act_bytes: int = 4) -> dict[str, Any]:
+    """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
+
+    ``batch`` is the global batch (sequences per step), which must split evenly over
+    ``data * fsdp``. Parameters and gradients take ``param_bytes`` each (fp32 master weights
+    by default), AdamW two float32 moments. FSDP additionally needs the all-gathered (still
+    tensor-sharded) weights: all of them without checkpointing (the backward reuses the
+    forward's gathered weights), about two layers' worth with it. Returns a flat dict of
+    figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
+    """
+    from tpu_train.models import flops_per_token, num_params
+
+    shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices)
+    check_model_divisibility(cfg, shape)
+    if batch % shape.batch_shards:
+        raise ValueError(f"global batch {batch} must be a multiple of data * fsdp = "
+                         f"{shape.batch_shards}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    local, gathered = _param_shards(cfg, shape)
+    params = local * param_bytes
+    grads = local * param_bytes
+    optimizer = 2 * local * 4
+    if shape.fsdp > 1:
+        per_layer_gathered = gathered / max(cfg.n_layers, 1)
+        # Gathered weights and their unreduced gradients, for all layers or two at a time.
+        live = gathered if not activation_checkpointing else 2 * per_layer_gathered
+        fsdp_working = int(2 * live * param_bytes)
+    else:
+        fsdp_working = 0
+    acts = activation_bytes(cfg, shape, batch, seq_len,
+                            activation_checkpointing=activation_checkpointing, act_bytes=act_bytes)
+    total = params + grads + optimizer + fsdp_working + acts["layers"] + acts["loss_head"]
+
+    tokens = batch * seq_len
+    model_flops = flops_per_token(cfg, seq_len) * tokens
+    # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
+    hardware_flops = model_flops * (4 / 3 if activation_checkpointing else 1)
+    result: dict[str, Any] = {
+        "mesh": shape.as_dict(), "num_devices": num_devices, "batch": batch,
+        "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
+        "num_params": num_params(cfg),
+        "bytes_params": params, "bytes_grads": grads, "bytes_optimizer": optimizer,
+        "bytes_fsdp_gathered": fsdp_working, "bytes_activations": acts["layers"],
+        "bytes_loss_head": acts["loss_head"], "bytes_total": total,
+        "model_flops_per_step": model_flops,
+        "hardware_flops_per_chip": hardware_flops / num_devices,
+        "tokens_per_step": tokens,
+        "warnings": alignment_warnings(cfg, shape),
+    }
+    if chip is not None:
+        c = get_chip(chip)
+        step_s = hardware_flops / num_devices / (c.bf16_tflops * 1e12 * mfu)
+        usable = int(c.hbm_bytes * (1 - HEADROOM))
+        result.update({
+            "chip": c.name, "chip_hbm_bytes": c.hbm_bytes, "chip_bf16_tflops": c.bf16_tflops,
+            "assumed_mfu": mfu, "step_time_s": step_s,
+            "tokens_per_s_per_chip": tokens / num_devices / step_s,
+            "fits": total <= usable,
+            "hbm_use_fraction": total / c.hbm_bytes,
+        })
+    return result
+
+
+# -- the XLA side ------------------------------------------------------------------------------
+
+def xla_analysis(jitted, *abstract_args) -> dict[str, Any]:
+    """Lower and compile ``jitted`` for ``abstract_args``; XLA's per-device memory and cost.
+
+    ``abstract_args`` are ``jax.ShapeDtypeStruct`` pytrees carrying shardings (nothing is
+    allocated). ``bytes_peak_estimate`` is arguments + temporaries + outputs that do not
+    alias a donated argument: what one device must hold at once.
+    """
+    compiled = jitted.lower(*abstract_args).compile()
+    mem = compiled.memory_analysis()
+    out: dict[str, Any] = {}
+    if mem is not None:
+        for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                    "temp_size_in_bytes", "generated_code_size_in_bytes"):
+            out[key] = int(getattr(mem, key, 0) or 0)
+        out["bytes_peak_estimate"] = (out["argument_size_in_bytes"] + out["temp_size_in_bytes"]
+                                      + out["output_size_in_bytes"] - out["alias_size_in_bytes"])
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    out["flops_per_device"] = float(cost.get("flops", 0.0))
+    out["bytes_accessed_per_device"] = float(cost.get("bytes accessed", 0.0))
+    return out
+
+
+def _reference_xla(cfg: Any, shape: MeshShape, batch: int, seq_len: int,
+                   activation_checkpointing: bool) -> dict[str, Any]:
+    """:func:`xla_analysis` of the hand-written JAX step under the Llama plan."""
+    import jax
+
+    from . import jax_reference
+    from .llama_plan import llama_plan
+    from .mesh import build_mesh
+
+    if len(jax.devices()) != shape.num_devices:
+        raise RuntimeError(f"this process sees {len(jax.devices())} devices, the mesh needs "
+                           f"{shape.num_devices}")
+    mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, model_config=cfg)
+    plan = llama_plan()
+    step = jax_reference.make_train_step(cfg, mesh, plan, remat=activation_checkpointing)
+    return xla_analysis(step, *jax_reference.abstract_inputs(cfg, batch, seq_len, mesh, plan))
+
+
+def xla_analysis_subprocess(model: str, overrides: dict | None = None, *, num_devices: int,
+                            data: int = -1, fsdp: int = 1, tensor: int = 1, batch: int,
+                            seq_len: int, activation_checkpointing: bool = False,
+                            timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run the reference step's AOT analysis on ``num_devices`` virtual CPU devices.
+
+    A fresh interpreter is needed because the virtual device count is fixed when JAX starts
+    (``XLA_FLAGS=--xla_force_host_platform_device_count``). Returns the child's JSON line.
+    """
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TPU_TRAIN_PLATFORM"] = "cpu"
+    cmd = [sys.executable, "-m", "tpu_train.parallel.planner", "--model", model,
+           "--overrides", json.dumps(overrides or {}), "--num-devices", str(num_devices),
+           "--data", str(data), "--fsdp", str(fsdp), "--tensor", str(tensor),
+           "--batch", str(batch), "--seq", str(seq_len), "--xla-only"]
+    if activation_checkpointing:
+        cmd.append("--activation-checkpointing")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"AOT analysis subprocess failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _format_bytes(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """Human-readable lines for an :func:`estimate` result (optionally with ``xla`` figures)."""
+    m = result["mesh"]
+    lines = [f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} "
+             f"({result['num_devices']} chips), batch {result['batch']} x seq "
+             f"{result['seq_len']}, activation checkpointing "
+             f"{'on' if result['activation_checkpointing'] else 'off'}",
+             f"parameters {result['num_params']:,}", "per-chip memory (analytic):"]
+    for key in ("params", "grads", "optimizer", "fsdp_gathered", "activations", "loss_head",
+                "total"):
+        lines.append(f"  {key:<14} {_format_bytes(result['bytes_' + key])}")
+    lines.append(f"FLOPs per step (model) {result['model_flops_per_step']:.3e}")
+    if "chip" in result:
+        lines.append(
+            f"on {result['chip']} ({_format_bytes(result['chip_hbm_bytes']).strip()} HBM, "
+            f"{result['chip_bf16_tflops']:.0f} bf16 TFLOP/s) at an assumed MFU of "
+            f"{100 * result['assumed_mfu']:.0f} %: step {result['step_time_s']:.3f} s, "
+            f"{result['tokens_per_s_per_chip']:,.0f} tokens/s/chip; uses "
+            f"{100 * result['hbm_use_fraction']:.0f} % of HBM: "
+            f"{'FITS' if result['fits'] else 'DOES NOT FIT'}")
+    if "xla" in result:
+        x = result["xla"]
+        lines.append(f"XLA (virtual CPU devices): peak {_format_bytes(x['bytes_peak_estimate'])} "
+                     f"per device, {x['flops_per_device']:.3e} FLOPs per device")
+    lines += [f"warning: {w}" for w in result["warnings"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpu_train.parallel.planner",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="debug_tiny")
+    parser.add_argument("--overrides", default="{}", help="JSON LlamaConfig field overrides")
+    parser.add_argument("--num-devices", type=int, default=None,
+                        help="chips in the job (default: the product of the degrees)")
+    parser.add_argument("--data", type=int, default=1)
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--tensor", type=int, default=1)
+    parser.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--chip", default=None, help=f"one of {', '.join(CHIPS)}")
+    parser.add_argument("--mfu", type=float, default=ASSUMED_MFU)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--xla", action="store_true",
+                        help="also compile the reference step on virtual CPU devices")
+    parser.add_argument("--xla-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    from tpu_train.models import get_config
+
+    cfg = get_config(args.model, **json.loads(args.overrides))
+    degrees = (args.data, args.fsdp, args.tensor)
+    num_devices = args.num_devices
+    if num_devices is None:
+        if -1 in degrees:
+            parser.error("--num-devices is needed when a degree is -1")
+        num_devices = math.prod(degrees)
+    shape = resolve_mesh_shape(num_devices, *degrees)
+    if args.xla_only:
+        print(json.dumps(_reference_xla(cfg, shape, args.batch, args.seq,
+                                        args.activation_checkpointing)))
+        return 0
+    result = estimate(cfg, num_devices=num_devices, data=shape.data, fsdp=shape.fsdp,
+                      tensor=shape.tensor, batch=args.batch, seq_len=args.seq,
+                      activation_checkpointing=args.activation_checkpointing, chip=args.chip,
+                      mfu=args.mfu)
+    if args.xla:
+        result["xla"] = xla_analysis_subprocess(
+            args.model, json.loads(args.overrides), num_devices=num_devices, data=shape.data,
+            fsdp=shape.fsdp, tensor=shape.tensor, batch=args.batch, seq_len=args.seq,
+            activation_checkpointing=args.activation_checkpointing)
+    print(format_report(result))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
