@@ -1,0 +1,106 @@
+"""Bus bandwidth of the tpu ProcessGroup vs torch's gloo ProcessGroup, in one run.
+
+    python scripts/bench_collectives.py            # 2 and 4 local processes, 1-64 MB
+    python scripts/bench_collectives.py --worlds 2 --sizes-mb 1 16
+
+all_reduce, all_gather and reduce_scatter of float32 tensors; tpu-group timings use tpu tensors
+(the CPU PJRT client here, gloo underneath), gloo timings use CPU tensors, interleaved in the
+same processes. Bus bandwidth follows the usual convention: all_reduce moves 2(n-1)/n of the
+buffer per rank, all_gather and reduce_scatter (n-1)/n of the full buffer. Prints ONE JSON line
+with the median and min over the repetitions (rank 0's clock; a barrier precedes each timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(sizes_mb, reps):
+    import torch
+    import torch.distributed as dist
+
+    import tpu_train  # noqa: F401
+    import tpu_train.distributed  # noqa: F401
+
+    dist.init_process_group("tpu")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+              "reduce_scatter": (n - 1) / n}
+    rows = []
+    for mb in sizes_mb:
+        numel = int(mb * 2**20 // 4)
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for backend in ("tpu", "gloo"):
+                device, group = ("tpu", None) if backend == "tpu" else ("cpu", gloo)
+                full = torch.ones(numel, device=device)
+                part = torch.ones(numel // n, device=device)
+
+                def once():
+                    if op == "all_reduce":
+                        dist.all_reduce(full, group=group)
+                    elif op == "all_gather":
+                        dist.all_gather_into_tensor(full, part, group=group)
+                    else:
+                        dist.reduce_scatter_tensor(part, full, group=group)
+                    if device == "tpu":
+                        torch.tpu.synchronize()
+
+                once()  # compile / warm up
+                times = []
+                for _ in range(reps):
+                    dist.barrier(group=gloo)
+                    start = time.perf_counter()
+                    once()
+                    times.append(time.perf_counter() - start)
+                nbytes = numel * 4
+                rows.append({"op": op, "backend": backend, "world": n, "mb": mb,
+                             "median_ms": 1e3 * statistics.median(times),
+                             "min_ms": 1e3 * min(times),
+                             "busbw_gbps_median": factor[op] * nbytes / statistics.median(times) / 1e9})
+    if rank == 0:
+        print("ROWS " + json.dumps(rows), flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.sizes_mb, args.reps)
+    rows = []
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_TRAIN_PLATFORM="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    for world in args.worlds:
+        out = subprocess.run(
+            [sys.executable, "-m", "tpu_train.distributed.launch", "--nproc", str(world),
+             __file__, "--worker", "--reps", str(args.reps), "--sizes-mb",
+             *map(str, args.sizes_mb)], env=env, cwd=ROOT, capture_output=True, text=True,
+            timeout=1200)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("ROWS ")), None)
+        if line is None:
+            raise SystemExit(f"world {world} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        rows += json.loads(line[5:])
+    import jax
+    import torch
+
+    print(json.dumps({"benchmark": "collectives", "platform": "cpu (PJRT CPU client + gloo)",
+                      "cpus": os.cpu_count(), "torch": torch.__version__, "jax": jax.__version__,
+                      "reps": args.reps, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
