@@ -160,3 +160,16 @@ def test_buffers_mutated_by_the_forward_are_written_back(accum):
     assert int(bn.num_batches_tracked.cpu()) == int(expected.num_batches_tracked) == 4 * accum
     assert relative_error(bn.running_mean, expected.running_mean) <= TOL
     assert relative_error(bn.running_var, expected.running_var) <= TOL
+
+
+def test_capturable_adamw_keeps_its_step_counters_on_the_device():
+    reference, batches = mlp(), mlp_batches(5)
+    _, cpu_model, cpu_opt, _ = run_reference(reference, OPTIMIZERS["adamw"], mlp_loss, batches,
+                                             device="cpu")
+    metrics, model, opt, _ = run_compiled(
+        reference, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1, capturable=True),
+        mlp_loss, batches)
+    assert_params_close(model, cpu_model, TOL)
+    for state in opt.state.values():
+        assert state["step"].device.type == "tpu"
+        assert float(state["step"].cpu()) == 5.0

@@ -86,6 +86,10 @@ class AdamAdapter(OptimizerAdapter):
 
     num_scalars = 4
 
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self._device_steps: dict[int, tuple] = {}
+
     def state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
 
@@ -106,15 +110,27 @@ class AdamAdapter(OptimizerAdapter):
         if state:
             return
         on_device = group.get("capturable") or group.get("fused")
-        state["step"] = torch.tensor(0.0, dtype=torch.float32,
-                                     device=param.device if on_device else "cpu")
+        # Built on the CPU and moved: torch.tensor(..., device="tpu") is not supported by the
+        # device layer (it reaches aten::_copy_from).
+        step = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = step.to(param.device) if on_device else step
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
+    def _read_step(self, step_t: torch.Tensor) -> int:
+        # A counter on the device (capturable/fused) would cost a host sync per parameter per
+        # step: trust the value this adapter wrote last while the buffer is still the one it
+        # wrote (anything else — a loaded state dict, an eager step — is read once).
+        if step_t.device.type != "cpu":
+            known = self._device_steps.get(id(step_t))
+            if known is not None and known[0] is step_t._storage.buffer:
+                return known[1]
+        return int(_scalar(step_t))
+
     def step_count(self, group):
-        counts = {int(_scalar(self.optimizer.state[p]["step"])) for p in group["params"]
+        counts = {self._read_step(self.optimizer.state[p]["step"]) for p in group["params"]
                   if p in self.optimizer.state and "step" in self.optimizer.state[p]}
         if len(counts) > 1:
             raise UnsupportedOptimizerError(
@@ -135,6 +151,7 @@ class AdamAdapter(OptimizerAdapter):
                 if shared_device_value is None:
                     shared_device_value = torch.tensor(value, dtype=step_t.dtype).to(step_t.device)
                 step_t._storage.buffer = shared_device_value._storage.buffer
+                self._device_steps[id(step_t)] = (step_t._storage.buffer, int(step))
 
     def host_scalars(self, group, step):
         lr = _scalar(group["lr"])

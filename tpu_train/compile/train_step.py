@@ -190,7 +190,7 @@ class CompiledTrainStep:
             raise ValueError("the optimizer holds no parameter that requires grad")
         index = self._device_index(st)
         device = runtime.jax_device(index)
-        whole = tuple(_is_whole_storage(t) for t in st.params + st.states)
+        whole = self._donatable(st)
         n_params = len(st.params)
         param_arrays = [t._storage.buffer if w else t.jax_value().reshape(-1)
                         for t, w in zip(st.params, whole[:n_params])]
@@ -239,6 +239,21 @@ class CompiledTrainStep:
         return {"loss": wrap(loss, torch.float32, index),
                 "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index),
                 "lr": wrap(lr, torch.float32, index)}
+
+    @staticmethod
+    def _donatable(st: _StepState) -> tuple:
+        """Per param / state tensor: may its storage buffer be passed (and donated) as is?
+
+        Only when the tensor is its whole storage and no other input reads that storage: a
+        buffer given twice (tied tensors, a module buffer that views a parameter) must not be
+        donated, so those tensors go in as copies and are written back through their geometry.
+        """
+        uses: dict[int, int] = {}
+        for t in st.params + st.states + st.consts + st.batch_leaves:
+            if isinstance(t, TpuTensor):
+                uses[id(t._storage)] = uses.get(id(t._storage), 0) + 1
+        return tuple(_is_whole_storage(t) and uses[id(t._storage)] == 1
+                     for t in st.params + st.states)
 
     @staticmethod
     def _write_back(tensors, whole_flags, new_values):
