@@ -77,14 +77,17 @@ def get_chip(name: str) -> Chip:
     return CHIPS[key]
 
 
-def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int]:
-    """(elements one chip holds of all parameters, elements after the FSDP all-gather)."""
+def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int]:
+    """Elements per chip: all parameters sharded; all gathered over ``fsdp``; one layer gathered.
+
+    "Gathered" means after the FSDP all-gather: still split over ``tensor``.
+    """
     from .jax_reference import param_shapes
     from .llama_plan import llama_plan
 
     plan = llama_plan()
     sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
-    local = gathered = 0
+    local = gathered = layer0 = 0
     for name, dims in param_shapes(cfg).items():
         spec = plan.spec_for(name, dims)
         entries = tuple(spec) + (None,) * (len(dims) - len(spec))
@@ -95,7 +98,9 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int]:
             n_gathered *= d // math.prod(sizes[a] for a in axes if a != "fsdp")
         local += n
         gathered += n_gathered
-    return local, gathered
+        if name.startswith("layers.0."):
+            layer0 += n_gathered
+    return local, gathered, layer0
 
 
 def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
@@ -168,14 +173,16 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
                          f"{shape.batch_shards}")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
-    local, gathered = _param_shards(cfg, shape)
+    local, gathered, one_layer = _param_shards(cfg, shape)
     params = local * param_bytes
     grads = local * param_bytes
     optimizer = 2 * local * 4
     if shape.fsdp > 1:
-        per_layer_gathered = gathered / max(cfg.n_layers, 1)
-        # Gathered weights and their unreduced gradients, for all layers or two at a time.
-        live = gathered if not activation_checkpointing else 2 * per_layer_gathered
+        # Gathered weights and their unreduced gradients: all layers, or (checkpointing) the
+        # embedding/head plus two layers at a time (one computing, one being prefetched).
+        live = gathered
+        if activation_checkpointing:
+            live = gathered - cfg.n_layers * one_layer + min(2, cfg.n_layers) * one_layer
         fsdp_working = int(2 * live * param_bytes)
     else:
         fsdp_working = 0

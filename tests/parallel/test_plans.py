@@ -1,0 +1,140 @@
+"""The Llama sharding plan: specs per parameter, shardings per layout, placement and errors."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpu_train.models import Llama, get_config
+from tpu_train.parallel import (LlamaActivationRule, PlanError, ShardingPlan, build_mesh,
+                                constrain, llama_plan, per_device_bytes)
+from tpu_train.parallel.jax_reference import param_shapes
+
+COLUMN = P("tensor", "fsdp")
+ROW = P("fsdp", "tensor")
+EXPECTED = {
+    "tok_embeddings.weight": COLUMN,
+    "layers.0.attention.wq.weight": COLUMN,
+    "layers.0.attention.wk.weight": COLUMN,
+    "layers.0.attention.wv.weight": COLUMN,
+    "layers.0.attention.wo.weight": ROW,
+    "layers.0.feed_forward.w1.weight": COLUMN,
+    "layers.0.feed_forward.w2.weight": ROW,
+    "layers.0.feed_forward.w3.weight": COLUMN,
+    "layers.0.attention_norm.weight": P("fsdp"),
+    "layers.0.ffn_norm.weight": P("fsdp"),
+    "norm.weight": P("fsdp"),
+    "output.weight": COLUMN,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    with torch.device("meta"):
+        return Llama(get_config("debug_tiny"))
+
+
+def test_every_llama_parameter_has_the_documented_spec(tiny_model):
+    specs = llama_plan().specs(tiny_model.named_parameters())
+    assert set(specs) == {n for n, _ in tiny_model.named_parameters()}
+    for name, spec in EXPECTED.items():
+        assert specs[name] == spec, name
+    # A wrapper's prefix (torch.compile's _orig_mod., a parent module) does not matter.
+    assert llama_plan().spec_for("_orig_mod.layers.3.feed_forward.w2.weight") == ROW
+    # The reference JAX step uses exactly the model's names and shapes.
+    assert param_shapes(tiny_model.config) == {n: tuple(p.shape)
+                                               for n, p in tiny_model.named_parameters()}
+
+
+@pytest.mark.parametrize("fsdp, tensor, wq, wo, norm", [
+    (True, False, P(None, "fsdp"), P("fsdp", None), P("fsdp")),
+    (False, True, P("tensor", None), P(None, "tensor"), P(None)),
+    (False, False, P(None, None), P(None, None), P(None)),
+])
+def test_layouts_drop_axes(fsdp, tensor, wq, wo, norm):
+    plan = llama_plan(fsdp=fsdp, tensor=tensor)
+    assert plan.spec_for("layers.1.attention.wq.weight") == wq
+    assert plan.spec_for("layers.1.attention.wo.weight") == wo
+    assert plan.spec_for("norm.weight") == norm
+    assert plan.activation("heads")[1] == ("tensor" if tensor else None)
+
+
+@pytest.mark.parametrize("degrees, local_wq, local_wo", [
+    ((1, 8, 1), (256, 32), (32, 256)),      # FSDP=8: model width split 8 ways
+    ((1, 4, 2), (128, 64), (64, 128)),      # TP=2 x FSDP=4
+    ((2, 2, 2), (128, 128), (128, 128)),    # DP=2 x FSDP=2 x TP=2
+    ((8, 1, 1), (256, 256), (256, 256)),    # pure data parallelism: replicated
+])
+def test_shardings_per_layout(tiny_model, degrees, local_wq, local_wo):
+    mesh = build_mesh(*degrees)
+    shardings = llama_plan().shardings(tiny_model.named_parameters(), mesh)
+    wq = shardings["layers.0.attention.wq.weight"]
+    assert wq.shard_shape((256, 256)) == local_wq
+    assert shardings["layers.0.attention.wo.weight"].shard_shape((256, 256)) == local_wo
+
+
+def test_place_gives_inspectable_global_arrays_and_divides_memory():
+    cfg = get_config("debug_tiny")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.init_weights(seed=0, device="cpu")
+    host = {n: p.detach() for n, p in model.named_parameters()}
+    plan = llama_plan()
+    placed = plan.place(host, build_mesh(1, 8, 1))
+    wq = placed["layers.0.attention.wq.weight"]
+    assert wq.shape == (256, 256) and wq.sharding.spec == P("tensor", "fsdp")
+    np.testing.assert_array_equal(np.asarray(wq), host["layers.0.attention.wq.weight"].numpy())
+    assert {s.data.shape for s in wq.addressable_shards} == {(256, 32)}
+    per_device = per_device_bytes(placed)
+    total = sum(t.numel() * 4 for t in host.values())
+    assert len(per_device) == 8
+    assert all(b == total // 8 for b in per_device.values())
+
+
+def test_clear_errors_for_uncovered_or_indivisible_parameters():
+    plan = llama_plan()
+    with pytest.raises(PlanError, match="no rule matches parameter 'layers.0.lora_a'"):
+        plan.spec_for("layers.0.lora_a")
+    lenient = ShardingPlan([(r"wq", P("fsdp"))], default=P())
+    assert lenient.spec_for("anything") == P()
+    mesh = build_mesh(1, 8, 1)
+    with pytest.raises(PlanError, match=r"dimension 1 \(size 12\) is split 8 ways"):
+        plan.sharding_for("layers.0.attention.wq.weight", (16, 12), mesh)
+    with pytest.raises(PlanError, match="has 2 entries but the parameter has shape"):
+        plan.spec_for("output.weight", (16,))
+    with pytest.raises(PlanError, match="which the mesh .* does not have"):
+        ShardingPlan([(r".", P("model"))]).sharding_for("w", (8,), mesh)
+    with pytest.raises(PlanError, match="bad regex"):
+        ShardingPlan([("(", P())])
+
+
+def test_state_shardings_follow_parameters():
+    mesh = build_mesh(1, 4, 2)
+    plan = llama_plan()
+    ps = plan.shardings({"output.weight": np.zeros((512, 256))}, mesh)
+    state = {"output.weight": {"exp_avg": np.zeros((512, 256)), "step": np.zeros(())}}
+    out = plan.state_shardings(ps, state)["output.weight"]
+    assert out["exp_avg"] == ps["output.weight"]
+    assert out["step"].spec == P()
+
+
+def test_constrain_is_a_no_op_without_a_mesh_and_pins_with_one():
+    x = jax.numpy.ones((8, 4))
+    assert constrain(x, P("fsdp")) is x
+    mesh = build_mesh(1, 8, 1)
+    y = jax.jit(lambda a: constrain(a * 2, P(("data", "fsdp")), mesh))(x)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"))), 2)
+    assert {s.data.shape for s in y.addressable_shards} == {(1, 4)}
+
+
+def test_activation_rule_classifies_by_shape():
+    cfg = get_config("debug_tiny")  # dim 256, heads 4/2, ffn 768, vocab 512
+    rule = LlamaActivationRule(cfg, batch=8, seq_len=64)
+    u = P.UNCONSTRAINED
+    assert rule((8, 64, 256)) == P(("data", "fsdp"), u, u)
+    assert rule((8, 4, 64, 64)) == P(("data", "fsdp"), "tensor", u, u)
+    assert rule((8 * 64, 768)) == P(("data", "fsdp"), "tensor")
+    assert rule((8, 64, 512)) == P(("data", "fsdp"), u, "tensor")
+    assert rule((256, 256)) is None and rule((8,)) is None
