@@ -27,8 +27,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tpu_train.device import rng, runtime
-from tpu_train.device.tensor import TpuTensor, wrap
-from tpu_train.device.tensor import host_array
+from tpu_train.device import storage as storage_mod
+from tpu_train.device.storage import Storage, contiguous_strides
+from tpu_train.device.tensor import TpuTensor, host_array
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -65,13 +66,13 @@ def dispatch(func, args, kwargs):
 # ---------------------------------------------------------------------------------------------
 
 
-def device_index_of(func, args, kwargs) -> int:
+def device_index_of(func, args, kwargs, leaves=None) -> int:
     """The one tpu device the op runs on; CUDA's error when tensors sit on several devices.
 
     0-dim CPU tensors are allowed beside tpu tensors (as CUDA allows them), nothing else is.
     """
     indices, foreign = set(), None
-    for leaf in tree_flatten((args, kwargs))[0]:
+    for leaf in (leaves if leaves is not None else tree_flatten((args, kwargs))[0]):
         if isinstance(leaf, TpuTensor):
             indices.add(leaf.device.index)
         elif isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and foreign is None:
@@ -120,11 +121,12 @@ def _meta_key(func, leaves):
     return tuple(parts)
 
 
-def meta_outputs(func, args, kwargs):
+def meta_outputs(func, args, kwargs, leaves=None):
     """torch's meta result of ``func`` for these arguments (shapes, dtypes), or None when the
     op has no meta kernel (data-dependent shapes). Real errors (bad shapes, bad dtypes) raise,
     with torch's own message."""
-    leaves, _ = tree_flatten((args, kwargs))
+    if leaves is None:
+        leaves, _ = tree_flatten((args, kwargs))
     try:
         key = _meta_key(func, leaves)
         hash(key)
@@ -182,31 +184,56 @@ _JIT_CACHE: dict = {}
 _DYNAMIC = object()
 # Ops whose float arguments decide output shapes: those floats must be compile-time constants.
 _STATIC_FLOAT_OPS: set = set()
+_SLOT_MASKS: dict = {}
 
 
-def _device_value(leaf, index):
-    if isinstance(leaf, TpuTensor):
-        value = leaf.jax_value()
-        return value
-    # A 0-dim CPU tensor beside tpu tensors (allowed, as on CUDA).
-    return jax.device_put(host_array(leaf), runtime.jax_device(index))
+class _Geometry(tuple):
+    """Static description of a tpu tensor argument: its buffer is passed, its view is read
+    inside the op's own jit (so an op costs one XLA dispatch, reads included)."""
 
 
-def _split_leaves(func, leaves, index):
-    """(dynamic values, static key) of flattened arguments: tensors are dynamic, Python floats
-    are dynamic too (a learning rate that changes each step must not recompile)."""
+class _AsArray(tuple):
+    """A Python int/bool passed in a Tensor slot: becomes a weak 0-dim array in the trace."""
+
+
+def _tensor_slot_mask(func, treedef, args, kwargs) -> tuple:
+    """Per flattened leaf: does it sit in a ``Tensor``/``Tensor?`` slot of the schema?"""
+    key = (func, treedef)
+    mask = _SLOT_MASKS.get(key)
+    if mask is None:
+        by_name = {a.name: registry._is_tensor_slot(a) for a in func._schema.arguments}
+        positional = [registry._is_tensor_slot(a) for a in func._schema.arguments]
+        flags_args = [tree_map(lambda _, flag=positional[i] if i < len(positional) else False: flag, a)
+                      for i, a in enumerate(args)]
+        flags_kwargs = {k: tree_map(lambda _, flag=by_name.get(k, False): flag, v)
+                        for k, v in kwargs.items()}
+        mask = tuple(tree_flatten((flags_args, flags_kwargs))[0])
+        _SLOT_MASKS[key] = mask
+    return mask
+
+
+def _split_leaves(func, leaves, slots, index):
+    """(dynamic values, static key) of flattened arguments. Tensors pass their raw buffers
+    (their geometry is static); Python floats are dynamic too, so a learning rate that changes
+    every step does not recompile."""
     dynamic, static = [], []
     floats_static = func in _STATIC_FLOAT_OPS
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            dynamic.append(_device_value(leaf, index))
+    for leaf, in_tensor_slot in zip(leaves, slots):
+        if isinstance(leaf, TpuTensor):
+            dynamic.append(leaf._storage.buffer)
+            static.append(_Geometry((tuple(leaf.shape), tuple(leaf.stride()),
+                                     leaf.storage_offset())))
+        elif isinstance(leaf, torch.Tensor):  # a 0-dim CPU tensor beside tpu tensors
+            dynamic.append(jax.device_put(host_array(leaf), runtime.jax_device(index)))
             static.append(_DYNAMIC)
         elif isinstance(leaf, jax.Array):
             dynamic.append(leaf)
             static.append(_DYNAMIC)
         elif type(leaf) is float and not floats_static:
-            dynamic.append(leaf)
+            dynamic.append(leaf)  # a weakly typed traced scalar inside the jit
             static.append(_DYNAMIC)
+        elif in_tensor_slot and isinstance(leaf, (bool, int, complex)):
+            static.append(_AsArray((leaf,)))
         else:
             static.append(leaf)
     return dynamic, tuple(static)
@@ -224,7 +251,16 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
     def run(*dynamic_and_key):
         dynamic = dynamic_and_key[:-1] if random else dynamic_and_key
         values = iter(dynamic)
-        leaves = [next(values) if s is _DYNAMIC else s for s in static]
+        leaves = []
+        for entry in static:
+            if entry is _DYNAMIC:
+                leaves.append(next(values))
+            elif type(entry) is _Geometry:
+                leaves.append(storage_mod.read_in_trace(next(values), *entry))
+            elif type(entry) is _AsArray:
+                leaves.append(jax.numpy.asarray(entry[0]))
+            else:
+                leaves.append(entry)
         call_args, call_kwargs = tree_unflatten(leaves, treedef)
         if random:
             call_kwargs = dict(call_kwargs, rng_key=dynamic_and_key[-1])
@@ -232,7 +268,8 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
         if out_dtypes is None:
             flat, out_tree = jax.tree_util.tree_flatten(outputs)
             structure["tree"] = out_tree
-            return flat
+            structure["shapes"] = [tuple(a.shape) for a in flat]
+            return [a.reshape(-1) for a in flat]
         # Keep None (an output the op was told not to compute) in place, so results line up
         # with torch's meta outputs.
         flat = jax.tree_util.tree_leaves(outputs, is_leaf=lambda x: x is None)
@@ -240,8 +277,15 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
             raise RuntimeError(
                 f"lowering of {func} returned {len(flat)} results, torch expects "
                 f"{len(out_dtypes)}")
-        return [a.astype(storage_dtype(d)) if a is not None and d is not None
-                and a.dtype != storage_dtype(d) else a for a, d in zip(flat, out_dtypes)]
+        results = []
+        for a, d in zip(flat, out_dtypes):
+            if a is not None and d is not None:
+                a = jax.numpy.asarray(a)
+                if a.dtype != storage_dtype(d):
+                    a = a.astype(storage_dtype(d))
+                a = a.reshape(-1)  # storages are flat; flattening inside the jit is free
+            results.append(a)
+        return results
 
     compiled = (jax.jit(run), structure)
     _JIT_CACHE[key] = compiled
@@ -249,14 +293,15 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
 
 
 def run_lowering(lowering, func, args, kwargs):
-    index = device_index_of(func, args, kwargs)
-    meta = meta_outputs(func, args, kwargs)
+    leaves, treedef = tree_flatten((args, kwargs))
+    index = device_index_of(func, args, kwargs, leaves)
+    meta = meta_outputs(func, args, kwargs, leaves)
     meta_leaves, meta_tree = tree_flatten(meta) if meta is not None else (None, None)
     out_dtypes = None
     if meta_leaves is not None:
         out_dtypes = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in meta_leaves)
-    leaves, treedef = tree_flatten(registry.scalars_as_arrays(func, args, kwargs))
-    dynamic, static = _split_leaves(func, leaves, index)
+    slots = _tensor_slot_mask(func, treedef, args, kwargs)
+    dynamic, static = _split_leaves(func, leaves, slots, index)
     fn, structure = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
     if lowering.random:
         dynamic.append(rng.next_key(index))
@@ -271,16 +316,17 @@ def run_lowering(lowering, func, args, kwargs):
     if _sync:
         _wait(flat, func)
     if meta_leaves is None:
-        return _wrap_unknown(flat, structure["tree"], index)
+        return _wrap_unknown(flat, structure, index)
     results = []
     values = iter(flat)
     for m in meta_leaves:
         value = next(values)
         if isinstance(m, torch.Tensor):
             if value is None:  # not computed (e.g. a gradient masked off): never read
-                value = jax.numpy.zeros(tuple(m.shape), storage_dtype(m.dtype),
+                value = jax.numpy.zeros((m.numel(),), storage_dtype(m.dtype),
                                         device=runtime.jax_device(index))
-            results.append(wrap(value, m.dtype, index, m.shape))
+            results.append(TpuTensor(Storage(value, m.dtype, index), m.shape,
+                                     contiguous_strides(m.shape), 0))
         else:
             results.append(value if value is None else _python_scalar(value))
     return tree_unflatten(results, meta_tree)
@@ -290,19 +336,19 @@ def _python_scalar(value):
     return jax.device_get(value).item()
 
 
-def _wrap_unknown(flat, tree, index):
+def _wrap_unknown(flat, structure, index):
     """Outputs of ops without a meta kernel: trust the lowering's shapes and structure and map
     dtypes back (int32 is how int64 is stored, so integer results are reported as int64,
     torch's index type)."""
     from tpu_train.ops.dtypes import torch_dtype
 
     wrapped = []
-    for value in flat:
+    for value, shape in zip(flat, structure["shapes"]):
         dtype = torch_dtype(value.dtype)
         if dtype == torch.int32:
             dtype = torch.int64
-        wrapped.append(wrap(value, dtype, index))
-    return jax.tree_util.tree_unflatten(tree, wrapped)
+        wrapped.append(TpuTensor(Storage(value, dtype, index), shape, contiguous_strides(shape), 0))
+    return jax.tree_util.tree_unflatten(structure["tree"], wrapped)
 
 
 def _wait(values, func):

@@ -50,7 +50,12 @@ class Storage:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * _element_size(self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class _Accounting:
@@ -186,6 +191,13 @@ def _write_impl(buffer, value, size, stride, offset):
         return jax.lax.dynamic_update_slice(buffer, value.reshape(-1), (offset,))
     index = _index_array(size, stride, offset)
     return buffer.at[index.reshape(-1)].set(value.reshape(-1))
+
+
+def read_in_trace(buffer, size, stride, offset):
+    """The view's value from its flat buffer, inside a jit trace (reshape/slice are free there)."""
+    if offset == 0 and math.prod(size) == buffer.shape[0] and is_contiguous(size, stride):
+        return buffer.reshape(size)
+    return _read_impl(buffer, size, stride, offset)
 
 
 @functools.lru_cache(maxsize=8192)
