@@ -23,6 +23,8 @@ __version__ = "0.1.0"
 _runtime.requested_platform()  # a misspelt TPU_TRAIN_PLATFORM fails at import
 _registration.register()
 
+from tpu_train import distributed as _distributed  # noqa: E402,F401  (the "tpu" ProcessGroup)
+
 
 def device(index: int | None = None) -> torch.device:
     """``torch.device("tpu:index")``; raises IndexError naming the valid range."""
