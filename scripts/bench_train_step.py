@@ -123,7 +123,12 @@ class CompiledMode(TorchMode):
 
     def step(self, batch):
         loss = self.step_fn(self.to_device(batch))["loss"]
-        self.compile_s = sum(r.total_s for r in self.step_fn.compilations)
+        records = self.step_fn.compilations
+        self.compile_s = sum(r.total_s for r in records)
+        self.stages = {"trace_s": round(sum(r.trace_s for r in records), 3),
+                       "lower_s": round(sum(r.lower_s for r in records), 3),
+                       "xla_compile_s": round(sum(r.compile_s for r in records), 3),
+                       "graph_nodes": records[-1].graph_nodes if records else 0}
         return loss
 
 
@@ -211,9 +216,13 @@ class JaxMode:
         labels = jax.device_put(batch["labels"].astype(np.int32), self.device)
         if self.compiled is None:
             start = time.perf_counter()
-            self.compiled = jax.jit(self._train_step, donate_argnums=(0, 1)).lower(
-                self.params, self.opt_state, tokens, labels).compile()
+            lowered = jax.jit(self._train_step, donate_argnums=(0, 1)).lower(
+                self.params, self.opt_state, tokens, labels)
+            lowered_at = time.perf_counter()
+            self.compiled = lowered.compile()
             self.compile_s = time.perf_counter() - start
+            self.stages = {"trace_lower_s": round(lowered_at - start, 3),
+                           "xla_compile_s": round(time.perf_counter() - lowered_at, 3)}
         self.params, self.opt_state, loss = self.compiled(self.params, self.opt_state, tokens,
                                                           labels)
         return loss
@@ -280,6 +289,7 @@ def main(argv=None) -> dict:
             "first_step_s": round(r["times"][0], 3),
             "trace_compile_s": round(modes[name].compile_s, 3),
             "rss_setup_mb": round(r["rss_setup_mb"], 1),
+            **getattr(modes[name], "stages", {}),
             "loss_step1": float(np.asarray(to_numpy(r["losses"][0]))),
             f"loss_step{args.steps}": float(np.asarray(to_numpy(r["losses"][-1]))),
         }
