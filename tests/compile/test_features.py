@@ -173,3 +173,29 @@ def test_capturable_adamw_keeps_its_step_counters_on_the_device():
     for state in opt.state.values():
         assert state["step"].device.type == "tpu"
         assert float(state["step"].cpu()) == 5.0
+
+
+def _dropout_losses(seed, steps=4, accum=1):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(64, 5)).to(DEVICE)
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), mlp_loss,
+                              grad_accum_steps=accum)
+    batch = to_device(mlp_batches(1)[0])
+    torch.tpu.manual_seed(seed)
+    return [float(step(batch)["loss"].cpu()) for _ in range(steps)], model, batch
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_random_ops_draw_fresh_reproducible_masks(accum):
+    losses, model, batch = _dropout_losses(seed=3, accum=accum)
+    again, _, _ = _dropout_losses(seed=3, accum=accum)
+    other, _, _ = _dropout_losses(seed=4, accum=accum)
+    assert losses == again  # the device RNG seed reproduces the step's randomness
+    assert len(set(losses)) == len(losses)  # lr 0, same batch: only the masks change
+    assert losses != other
+    # In eval mode dropout is the identity: the compiled loss equals the eager one.
+    model.eval()
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), mlp_loss)
+    expected = float(mlp_loss(model, batch).detach().cpu())
+    assert float(step(batch)["loss"].cpu()) == pytest.approx(expected, rel=TOL)
