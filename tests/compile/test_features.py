@@ -199,3 +199,39 @@ def test_random_ops_draw_fresh_reproducible_masks(accum):
     step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), mlp_loss)
     expected = float(mlp_loss(model, batch).detach().cpu())
     assert float(step(batch)["loss"].cpu()) == pytest.approx(expected, rel=TOL)
+
+
+def _summed_ce(model, batch):
+    """(summed cross-entropy over labelled rows, number of labelled rows)."""
+    logits = model(batch["x"])
+    loss_sum = torch.nn.functional.cross_entropy(logits, batch["labels"], ignore_index=-100,
+                                                 reduction="sum")
+    return loss_sum, (batch["labels"] != -100).sum()
+
+
+def test_loss_sum_and_count_weigh_every_item_equally_across_micro_batches():
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(4):
+        labels = torch.randint(0, 5, (8,), generator=g)
+        labels[torch.rand(8, generator=g) < 0.4] = -100  # uneven counts per micro-batch
+        labels[0] = 1
+        batches.append({"x": torch.randn(8, 12, generator=g), "labels": labels})
+    reference, make_opt = mlp(), OPTIMIZERS["adamw"]
+    cpu_model = copy.deepcopy(reference)
+    opt = make_opt(cpu_model.parameters())
+    expected_losses = []
+    for batch in batches:  # the eager idiom: backward of sum / total count per micro-batch
+        total = int((batch["labels"] != -100).sum())
+        loss = 0.0
+        for x, y in zip(batch["x"].chunk(4), batch["labels"].chunk(4)):
+            part = _summed_ce(cpu_model, {"x": x, "labels": y})[0] / total
+            part.backward()
+            loss += float(part.detach())
+        opt.step()
+        opt.zero_grad()
+        expected_losses.append(loss)
+    metrics, model, _, _ = run_compiled(reference, make_opt, _summed_ce, batches,
+                                        grad_accum_steps=4)
+    assert [m["loss"] for m in metrics] == pytest.approx(expected_losses, rel=TOL)
+    assert_params_close(model, cpu_model, TOL)

@@ -67,7 +67,7 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
     param_fakes = [fake(p) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    grad_gm = stages.time("trace", tracing.trace_grad_graph, step.model, step.loss_fn,
+    grad_gm, weighted = stages.time("trace", tracing.trace_grad_graph, step.model, step.loss_fn,
                           st.param_names, st.const_names, st.batch_spec, fakes,
                           param_fakes, const_fakes, batch_fakes)
     groups = step.optimizer.param_groups
@@ -94,36 +94,50 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
     def gradients(params, consts, batch, key):
         outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key)
         new_consts = [mutations.get(n_params + i, consts[i]) for i in range(n_consts)]
-        return outputs[:-1], outputs[-1], new_consts
+        return outputs[:-2], outputs[-2], outputs[-1], new_consts
+
+    def normalise(grads, loss, total):
+        # Plain losses: the mean over micro-batches. (loss_sum, count) losses: sums over the
+        # total count, so every counted item weighs the same (an empty step divides by 1).
+        if not weighted:
+            if k == 1:
+                return list(grads), loss
+            return [(g / k).astype(g.dtype) for g in grads], loss / k
+        total = jnp.where(total > 0, total, 1.0)
+        return [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads], loss / total
 
     def accumulate(params, consts, batch, key):
         micro = [b.reshape((k, b.shape[0] // k) + b.shape[1:]) for b in batch]
 
         def body(carry, xs):
-            grad_sum, loss_sum, carried = carry
+            grad_sum, loss_sum, weight_sum, carried = carry
             micro_batch, i = xs
             current = list(consts)
             for position, value in zip(mutated, carried):
                 current[position] = value
             micro_key = None if key is None else jax.random.fold_in(key, i)
-            grads, loss, new_consts = gradients(params, current, list(micro_batch), micro_key)
+            grads, loss, weight, new_consts = gradients(params, current, list(micro_batch),
+                                                        micro_key)
             grad_sum = [a + g.astype(a.dtype) for a, g in zip(grad_sum, grads)]
-            return (grad_sum, loss_sum + loss, [new_consts[p] for p in mutated]), None
+            return (grad_sum, loss_sum + loss, weight_sum + weight,
+                    [new_consts[p] for p in mutated]), None
 
         init = ([jnp.zeros_like(p) for p in params], jnp.zeros((), jnp.float32),
-                [consts[p] for p in mutated])
-        (grad_sum, loss_sum, carried), _ = jax.lax.scan(body, init, (micro, jnp.arange(k)))
+                jnp.zeros((), jnp.float32), [consts[p] for p in mutated])
+        (grad_sum, loss_sum, weight_sum, carried), _ = jax.lax.scan(
+            body, init, (micro, jnp.arange(k)))
         new_consts = list(consts)
         for position, value in zip(mutated, carried):
             new_consts[position] = value
-        grads = [(g / k).astype(g.dtype) for g in grad_sum]
-        return grads, loss_sum / k, new_consts
+        grads, loss = normalise(grad_sum, loss_sum, weight_sum)
+        return grads, loss, new_consts
 
     def program(param_flat, state_flat, consts, batch, scalars_in, key=None):
         params = [a.reshape(s) for a, s in zip(param_flat, param_shapes)]
         states = [a.reshape(s) for a, s in zip(state_flat, state_shapes)]
         if k == 1:
-            grads, loss, new_consts = gradients(params, list(consts), list(batch), key)
+            grads, loss, weight, new_consts = gradients(params, list(consts), list(batch), key)
+            grads, loss = normalise(grads, loss, weight)
         else:
             grads, loss, new_consts = accumulate(params, list(consts), list(batch), key)
         outputs, _ = interpreter.run_graph(update_gm, params + list(grads) + states + [scalars_in])

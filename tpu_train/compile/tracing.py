@@ -2,7 +2,7 @@
 
 Two graphs make one step:
 
-* the **gradient graph** ``(params, constants, batch) -> (grads, loss)``: the user's
+* the **gradient graph** ``(params, constants, batch) -> (grads, loss, weight)``: the user's
   ``loss_fn(model, batch)`` under ``torch.func.grad_and_value`` with the module's tensors
   swapped for graph inputs by ``torch.func.functional_call``;
 * the **update graph** ``(params, grads, states, scalars) -> (new params, new states,
@@ -73,16 +73,33 @@ class _LossModule(torch.nn.Module):
         return self.loss_fn(self.model, batch)
 
 
+def _check_loss(value, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0 \
+            or (what == "loss" and not value.dtype.is_floating_point):
+        raise TypeError(
+            f"loss_fn(model, batch) must return a 0-dim floating-point loss tensor or a tuple "
+            f"(loss_sum, count) of 0-dim tensors; its {what} is a {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)} and dtype {value.dtype}"
+               if isinstance(value, torch.Tensor) else ""))
+    return value
+
+
 def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequence[str],
                      const_names: Sequence[str], batch_spec, fakes: FakeFactory,
-                     diff_fakes: list, const_fakes: list, batch_fakes: list
-                     ) -> torch.fx.GraphModule:
-    """The gradient graph; its placeholders are ``diff_fakes + const_fakes + batch_fakes``
-    and it returns ``[grads..., loss]`` (loss as float32)."""
+                     diff_fakes: list, const_fakes: list, batch_fakes: list):
+    """The gradient graph and whether the loss is weighted.
+
+    Its placeholders are ``diff_fakes + const_fakes + batch_fakes``; it returns
+    ``[grads..., loss, weight]`` (loss and weight as float32). ``loss_fn`` returns either a
+    loss (weight 1: micro-batches are averaged) or ``(loss_sum, count)``: then the gradients
+    are of ``loss_sum`` and the step divides the sums over micro-batches by the total count,
+    so that accumulation weighs every item (token) equally.
+    """
     wrapper = _LossModule(model, loss_fn)
     diff_keys = ["model." + n for n in diff_names]
     const_keys = ["model." + n for n in const_names]
     n_diff, n_const = len(diff_fakes), len(const_fakes)
+    weighted = []
 
     def grad_step(*flat):
         diff = list(flat[:n_diff])
@@ -95,21 +112,22 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         def loss_of(diff_values, const_values):
             mapping = dict(zip(diff_keys, diff_values))
             mapping.update(zip(const_keys, const_values))
-            loss = torch.func.functional_call(wrapper, mapping, (batch,))
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 \
-                    or not loss.dtype.is_floating_point:
-                raise TypeError(
-                    "loss_fn(model, batch) must return a 0-dim floating-point tensor, got "
-                    f"{type(loss).__name__}"
-                    + (f" of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-                       if isinstance(loss, torch.Tensor) else ""))
-            return loss
+            result = torch.func.functional_call(wrapper, mapping, (batch,))
+            if isinstance(result, (tuple, list)) and len(result) == 2:
+                loss, weight = _check_loss(result[0], "loss"), _check_loss(result[1], "count")
+                weighted.append(True)
+                return loss, weight.detach().to(torch.float32)
+            loss = _check_loss(result, "loss")
+            weighted.append(False)
+            return loss, torch.ones((), dtype=torch.float32, device=loss.device)
 
-        grads, loss = torch.func.grad_and_value(loss_of, argnums=0)(diff, const)
-        return list(grads) + [loss.detach().to(torch.float32)]
+        grads, (loss, weight) = torch.func.grad_and_value(loss_of, argnums=0, has_aux=True)(
+            diff, const)
+        return list(grads) + [loss.detach().to(torch.float32), weight]
 
     with fakes.mode:
-        return _trace(grad_step, diff_fakes + const_fakes + batch_fakes)
+        gm = _trace(grad_step, diff_fakes + const_fakes + batch_fakes)
+    return gm, weighted[-1]
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -282,7 +282,10 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     Args:
         model: an ``nn.Module`` on the ``tpu`` device.
         optimizer: ``torch.optim.Adam``, ``AdamW`` or ``SGD`` over (some of) its parameters.
-        loss_fn: ``loss_fn(model, batch) -> 0-dim loss``, ordinary PyTorch code.
+        loss_fn: ``loss_fn(model, batch)``, ordinary PyTorch code returning a 0-dim loss
+            (averaged over micro-batches) or a tuple ``(loss_sum, count)`` (the step divides
+            the sums over all micro-batches by the total count: token-weighted accumulation,
+            like summing ``loss_sum / total_count`` backward passes in eager code).
         scheduler: an ``torch.optim.lr_scheduler`` on ``optimizer``; stepped after each call.
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
         grad_accum_steps: split each batch into this many consecutive micro-batches along
