@@ -104,42 +104,52 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int]:
 
 
 def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
-                     activation_checkpointing: bool, act_bytes: int = 4) -> dict[str, int]:
+                     activation_checkpointing: bool, act_bytes: int = 4,
+                     flash_attention: bool = False) -> dict[str, int]:
     """Activations one chip keeps for the backward pass, and the loss head's peak.
 
     Per layer and token (``t`` = tensor degree), saved for the backward without
     checkpointing: the residual input, two norm outputs and the attention output projection's
-    input (``4 dim``), q, k, v and the GQA-expanded k, v (``(3 dim + 2 kv_dim) / t``), attention
-    scores and probabilities (``2 heads seq / t``) and the four SwiGLU tensors
-    (``4 ffn / t``). With checkpointing only each layer's input (``dim``) is kept, plus one
-    layer's full set during its recomputation. The loss head holds logits, log-probabilities
-    and their gradient (``3 vocab / t``) per token at its peak.
+    input (``4 dim``), q, k, v and the GQA-expanded k, v (``(3 dim + 2 kv_dim) / t``), the
+    attention scores before and after masking and the probabilities (``3 heads seq / t``) and
+    the four SwiGLU tensors (``4 ffn / t``); with ``t > 1`` also the two row-parallel outputs,
+    which are whole ``dim`` partial sums before their all-reduce (``2 dim``). With
+    checkpointing only each layer's input (``dim``) is kept, plus one layer's full set during
+    its recomputation. ``flash_attention`` replaces the ``seq x seq`` score terms with the
+    per-row softmax statistics a fused attention kernel keeps (``2 heads / t``). The loss head holds logits, log-probabilities and their gradient
+    (``3 vocab / t``) per token at its peak, plus (``t > 1``) its replicated input and
+    all-reduced input gradient (``4 dim``). These coefficients match XLA's buffer assignment
+    for the reference step within a few per cent once activations dominate (see the tests).
     """
     t = shape.tensor
     tokens = batch * seq_len // shape.batch_shards
     kv = cfg.n_kv_heads * cfg.head_dim
-    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + 2 * cfg.n_heads * seq_len / t
-                 + 4 * cfg.ffn_hidden_dim / t)
+    scores = 2 * cfg.n_heads / t if flash_attention else 3 * cfg.n_heads * seq_len / t
+    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + scores
+                 + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
     if activation_checkpointing:
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
     else:
         layers = tokens * cfg.n_layers * per_layer
-    head = tokens * 3 * cfg.vocab_size / t
+    head = tokens * (3 * cfg.vocab_size / t + (4 * cfg.dim if t > 1 else 0))
     return {"layers": int(layers * act_bytes), "loss_head": int(head * act_bytes)}
 
 
 def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
     """Dimensions that are not multiples of 128, globally or per shard, naming the config key."""
-    dims = {"dim": cfg.dim, "ffn_hidden_dim": cfg.ffn_hidden_dim, "vocab_size": cfg.vocab_size,
-            "head_dim (dim / n_heads)": cfg.head_dim}
+    dims = {"dim": cfg.dim, "ffn_hidden_dim": cfg.ffn_hidden_dim, "vocab_size": cfg.vocab_size}
     out = []
     for key, value in dims.items():
         if value % ALIGN:
             padded = -(-value // ALIGN) * ALIGN
             out.append(f"model.{key}={value} is not a multiple of {ALIGN}: XLA pads it to "
                        f"{padded} on TPU ({100 * (padded - value) / value:.1f} % wasted); set "
-                       f"the model config's {key.split()[0]} to a multiple of {ALIGN} if the "
-                       f"checkpoint allows")
+                       f"LlamaConfig.{key} to {padded} if the checkpoint allows (extra "
+                       f"vocabulary rows are never produced by the tokenizer)")
+    if cfg.head_dim % ALIGN:
+        out.append(f"head_dim = dim / n_heads = {cfg.head_dim} is not a multiple of {ALIGN}: "
+                   f"attention score matmuls contract over it and fill the MXU only partly "
+                   f"(set by LlamaConfig.n_heads; usually fixed by the checkpoint)")
     if shape is not None:
         local = {"dim / fsdp": (cfg.dim, shape.fsdp),
                  "ffn_hidden_dim / tensor": (cfg.ffn_hidden_dim, shape.tensor),
@@ -154,12 +164,14 @@ def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
 def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
              batch: int, seq_len: int, activation_checkpointing: bool = False,
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
-             param_bytes: int = 4, act_bytes: int = 4) -> dict[str, Any]:
+             param_bytes: int = 4, act_bytes: int = 4,
+             flash_attention: bool = False) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
     ``batch`` is the global batch (sequences per step), which must split evenly over
     ``data * fsdp``. Parameters and gradients take ``param_bytes`` each (fp32 master weights
-    by default), AdamW two float32 moments. FSDP additionally needs the all-gathered (still
+    by default), AdamW two float32 moments; activations ``act_bytes`` each (2 under bf16
+    autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally needs the all-gathered (still
     tensor-sharded) weights: all of them without checkpointing (the backward reuses the
     forward's gathered weights), about two layers' worth with it. Returns a flat dict of
     figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
@@ -187,7 +199,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     else:
         fsdp_working = 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
-                            activation_checkpointing=activation_checkpointing, act_bytes=act_bytes)
+                            activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
+                            flash_attention=flash_attention)
     total = params + grads + optimizer + fsdp_working + acts["layers"] + acts["loss_head"]
 
     tokens = batch * seq_len
@@ -197,6 +210,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     result: dict[str, Any] = {
         "mesh": shape.as_dict(), "num_devices": num_devices, "batch": batch,
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
+        "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
         "num_params": num_params(cfg),
         "bytes_params": params, "bytes_grads": grads, "bytes_optimizer": optimizer,
         "bytes_fsdp_gathered": fsdp_working, "bytes_activations": acts["layers"],
@@ -304,7 +318,9 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} "
              f"({result['num_devices']} chips), batch {result['batch']} x seq "
              f"{result['seq_len']}, activation checkpointing "
-             f"{'on' if result['activation_checkpointing'] else 'off'}",
+             f"{'on' if result['activation_checkpointing'] else 'off'}, activations "
+             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
+             f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}",
              f"parameters {result['num_params']:,}", "per-chip memory (analytic):"]
     for key in ("params", "grads", "optimizer", "fsdp_gathered", "activations", "loss_head",
                 "total"):
@@ -341,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chip", default=None, help=f"one of {', '.join(CHIPS)}")
     parser.add_argument("--mfu", type=float, default=ASSUMED_MFU)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="activation dtype (weights and optimizer state stay fp32)")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="assume a fused attention kernel (no seq x seq scores kept)")
     parser.add_argument("--xla", action="store_true",
                         help="also compile the reference step on virtual CPU devices")
     parser.add_argument("--xla-only", action="store_true", help=argparse.SUPPRESS)
@@ -363,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     result = estimate(cfg, num_devices=num_devices, data=shape.data, fsdp=shape.fsdp,
                       tensor=shape.tensor, batch=args.batch, seq_len=args.seq,
                       activation_checkpointing=args.activation_checkpointing, chip=args.chip,
-                      mfu=args.mfu)
+                      mfu=args.mfu, act_bytes=2 if args.precision == "bf16" else 4,
+                      flash_attention=args.flash_attention)
     if args.xla:
         result["xla"] = xla_analysis_subprocess(
             args.model, json.loads(args.overrides), num_devices=num_devices, data=shape.data,

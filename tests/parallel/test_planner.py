@@ -1,0 +1,101 @@
+"""The planner: analytic figures, chip verdicts, alignment flags, and agreement with XLA."""
+
+import json
+
+import pytest
+
+from tpu_train.models import flops_per_token, get_config, num_params
+from tpu_train.parallel import build_mesh, llama_plan
+from tpu_train.parallel import jax_reference as ref
+from tpu_train.parallel.mesh import MeshError
+from tpu_train.parallel.planner import (CHIPS, GiB, alignment_warnings, estimate, main,
+                                        xla_analysis, xla_analysis_subprocess)
+
+# Small enough to compile in seconds, large enough that activations are not noise.
+SMALL = get_config("debug_tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                   ffn_hidden_dim=384)
+
+
+def test_chip_table():
+    assert {k: (c.hbm_bytes // GiB, c.bf16_tflops) for k, c in CHIPS.items()} == {
+        "v4": (32, 275.0), "v5e": (16, 197.0), "v5p": (95, 459.0), "v6e": (32, 918.0),
+        "v7": (192, 2307.0)}
+
+
+def test_fsdp_divides_the_sharded_state():
+    cfg = get_config("llama3_1_8b")
+    one = estimate(cfg, num_devices=1, data=1, batch=1, seq_len=1024)
+    eight = estimate(cfg, num_devices=8, data=1, fsdp=8, batch=8, seq_len=1024)
+    assert one["bytes_params"] == num_params(cfg) * 4
+    assert one["bytes_optimizer"] == 2 * one["bytes_params"]  # two fp32 AdamW moments
+    for key in ("bytes_params", "bytes_grads", "bytes_optimizer"):
+        assert eight[key] == pytest.approx(one[key] / 8, rel=1e-6)
+    ckpt = estimate(cfg, num_devices=8, data=1, fsdp=8, batch=8, seq_len=1024,
+                    activation_checkpointing=True)
+    assert ckpt["bytes_activations"] < eight["bytes_activations"] / 4
+    assert ckpt["bytes_fsdp_gathered"] < eight["bytes_fsdp_gathered"] / 4
+    flash = estimate(cfg, num_devices=8, data=1, fsdp=8, batch=8, seq_len=1024,
+                     flash_attention=True, act_bytes=2)
+    assert flash["bytes_activations"] < eight["bytes_activations"] / 2
+
+
+def test_step_time_and_fit_verdict():
+    cfg = get_config("llama3_1_70b")
+    r = estimate(cfg, num_devices=256, data=1, fsdp=256, batch=256, seq_len=4096, chip="v5p",
+                 activation_checkpointing=True, mfu=0.5)
+    flops = flops_per_token(cfg, 4096) * 256 * 4096
+    assert r["model_flops_per_step"] == flops
+    assert r["step_time_s"] == pytest.approx(flops * 4 / 3 / 256 / (459e12 * 0.5))
+    assert r["assumed_mfu"] == 0.5 and r["fits"] is True
+    small = estimate(cfg, num_devices=8, data=1, fsdp=8, batch=8, seq_len=4096, chip="v5e")
+    assert small["fits"] is False and small["hbm_use_fraction"] > 1
+    with pytest.raises(ValueError, match="unknown TPU generation 'v9'"):
+        estimate(cfg, num_devices=8, fsdp=8, data=1, batch=8, seq_len=8, chip="v9")
+    with pytest.raises(ValueError, match="global batch 4 must be a multiple of data \\* fsdp"):
+        estimate(cfg, num_devices=8, fsdp=8, data=1, batch=4, seq_len=8)
+    with pytest.raises(MeshError, match="does not divide n_kv_heads=8"):
+        estimate(cfg, num_devices=16, data=1, tensor=16, batch=1, seq_len=8)
+
+
+def test_alignment_flags_name_the_config_key():
+    assert alignment_warnings(get_config("llama3_1_8b")) == []  # vocab 128256 = 1002 * 128
+    warnings = alignment_warnings(get_config("debug_tiny", vocab_size=500))  # head_dim 64
+    assert len(warnings) == 2
+    assert "model.vocab_size=500" in warnings[0] and "LlamaConfig.vocab_size to 512" in warnings[0]
+    assert "head_dim = dim / n_heads = 64" in warnings[1]
+    from tpu_train.parallel.mesh import MeshShape
+
+    shard = alignment_warnings(get_config("llama3_1_8b"), MeshShape(1, 64, 1))
+    assert any("dim / fsdp = 64" in w for w in shard)
+
+
+@pytest.mark.parametrize("degrees", [(1, 8, 1), (1, 4, 2)])
+def test_analytic_memory_within_10_percent_of_xla(degrees):
+    batch, seq = 32, 64
+    mesh = build_mesh(*degrees, model_config=SMALL)
+    plan = llama_plan()
+    step = ref.make_train_step(SMALL, mesh, plan)
+    xla = xla_analysis(step, *ref.abstract_inputs(SMALL, batch, seq, mesh, plan))
+    analytic = estimate(SMALL, num_devices=8, data=degrees[0], fsdp=degrees[1],
+                        tensor=degrees[2], batch=batch, seq_len=seq)
+    assert analytic["bytes_total"] == pytest.approx(xla["bytes_peak_estimate"], rel=0.10)
+    # Arguments are exactly the sharded parameters, both moments, the step count and batch.
+    state = analytic["bytes_params"] + analytic["bytes_optimizer"]
+    batch_shards = degrees[0] * degrees[1]
+    assert xla["argument_size_in_bytes"] == state + 4 + 2 * batch * seq * 4 // batch_shards
+    assert xla["flops_per_device"] > 0
+
+
+def test_subprocess_emulates_a_larger_mesh_and_cli_prints_json(capsys):
+    out = xla_analysis_subprocess("debug_tiny", {"n_layers": 1}, num_devices=16, data=1,
+                                  fsdp=16, batch=16, seq_len=32, timeout_s=300)
+    cfg = get_config("debug_tiny", n_layers=1)
+    expected = estimate(cfg, num_devices=16, data=1, fsdp=16, batch=16, seq_len=32)
+    state = expected["bytes_params"] + expected["bytes_optimizer"]
+    assert out["argument_size_in_bytes"] == state + 4 + 2 * 16 * 32 * 4 // 16
+    assert main(["--model", "llama3_1_8b", "--fsdp", "8", "--batch", "8", "--seq", "2048",
+                 "--chip", "v5p"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["chip"] == "v5p" and report["assumed_mfu"] == 0.4
+    assert any("assumed MFU of 40 %" in line for line in lines[:-1])
