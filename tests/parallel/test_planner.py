@@ -8,7 +8,8 @@ from tpu_train.models import flops_per_token, get_config, num_params
 from tpu_train.parallel import build_mesh, llama_plan
 from tpu_train.parallel import jax_reference as ref
 from tpu_train.parallel.mesh import MeshError
-from tpu_train.parallel.planner import (CHIPS, GiB, alignment_warnings, estimate, main,
+from tpu_train.parallel.planner import (CHIPS, GiB, alignment_warnings, estimate,
+                                        estimate_from_config, main,
                                         xla_analysis, xla_analysis_subprocess)
 
 # Small enough to compile in seconds, large enough that activations are not noise.
@@ -55,6 +56,29 @@ def test_step_time_and_fit_verdict():
         estimate(cfg, num_devices=8, fsdp=8, data=1, batch=4, seq_len=8)
     with pytest.raises(MeshError, match="does not divide n_kv_heads=8"):
         estimate(cfg, num_devices=16, data=1, tensor=16, batch=1, seq_len=8)
+
+
+def test_estimate_from_the_tpu_train_config():
+    from omegaconf import OmegaConf
+
+    from tpu_train.trainer.config import Config
+
+    config = OmegaConf.structured(Config)
+    config.data.path = None
+    config.model.name = "llama3_2_1b"
+    config.parallel.data, config.parallel.fsdp = 1, 8
+    config.data.batch_size, config.data.seq_len = 8, 2048
+    config.trainer.grad_accum_steps = 4
+    config.plan.chip = "v6e"
+    r = estimate_from_config(config)
+    assert r["num_devices"] == 8 and r["chip"] == "v6e"
+    assert r["tokens_per_step"] == 8 * 2048 * 4
+    assert r["bytes_grad_accumulator"] == r["bytes_params"]
+    config.parallel.data = -1
+    with pytest.raises(ValueError, match="planning needs the chip count"):
+        estimate_from_config(config)
+    config.data.batch_size = 16  # the global micro-batch splits over data * fsdp = 16
+    assert estimate_from_config(config, num_devices=16)["mesh"]["data"] == 2
 
 
 def test_alignment_flags_name_the_config_key():

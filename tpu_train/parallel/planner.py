@@ -34,6 +34,8 @@ __all__ = [
     "Chip",
     "alignment_warnings",
     "estimate",
+    "estimate_from_config",
+    "format_report",
     "xla_analysis",
     "xla_analysis_subprocess",
 ]
@@ -165,11 +167,12 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              batch: int, seq_len: int, activation_checkpointing: bool = False,
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
              param_bytes: int = 4, act_bytes: int = 4,
-             flash_attention: bool = False) -> dict[str, Any]:
+             flash_attention: bool = False, grad_accum_steps: int = 1) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
-    ``batch`` is the global batch (sequences per step), which must split evenly over
-    ``data * fsdp``. Parameters and gradients take ``param_bytes`` each (fp32 master weights
+    ``batch`` is the global micro-batch (sequences per forward/backward), which must split
+    evenly over ``data * fsdp``; a step runs ``grad_accum_steps`` of them (FLOPs scale, and
+    a float32 gradient accumulator, sharded like the gradients, is added when it is > 1). Parameters and gradients take ``param_bytes`` each (fp32 master weights
     by default), AdamW two float32 moments; activations ``act_bytes`` each (2 under bf16
     autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally needs the all-gathered (still
     tensor-sharded) weights: all of them without checkpointing (the backward reuses the
@@ -183,6 +186,9 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     if batch % shape.batch_shards:
         raise ValueError(f"global batch {batch} must be a multiple of data * fsdp = "
                          f"{shape.batch_shards}")
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
+            or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     local, gathered, one_layer = _param_shards(cfg, shape)
@@ -201,9 +207,11 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
                             flash_attention=flash_attention)
-    total = params + grads + optimizer + fsdp_working + acts["layers"] + acts["loss_head"]
+    accumulator = local * 4 if grad_accum_steps > 1 else 0
+    total = (params + grads + optimizer + accumulator + fsdp_working + acts["layers"]
+             + acts["loss_head"])
 
-    tokens = batch * seq_len
+    tokens = batch * seq_len * grad_accum_steps
     model_flops = flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
     hardware_flops = model_flops * (4 / 3 if activation_checkpointing else 1)
@@ -212,7 +220,9 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
         "num_params": num_params(cfg),
+        "grad_accum_steps": grad_accum_steps,
         "bytes_params": params, "bytes_grads": grads, "bytes_optimizer": optimizer,
+        "bytes_grad_accumulator": accumulator,
         "bytes_fsdp_gathered": fsdp_working, "bytes_activations": acts["layers"],
         "bytes_loss_head": acts["loss_head"], "bytes_total": total,
         "model_flops_per_step": model_flops,
@@ -232,6 +242,35 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
             "hbm_use_fraction": total / c.hbm_bytes,
         })
     return result
+
+
+def estimate_from_config(config: Any, num_devices: int | None = None,
+                         chip: str | None = None, mfu: float = ASSUMED_MFU) -> dict[str, Any]:
+    """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
+
+    Reads ``model.name``, ``data.batch_size`` (the micro-batch) and ``data.seq_len``,
+    ``parallel.{data,fsdp,tensor}``, ``trainer.{activation_checkpointing,precision,
+    grad_accum_steps}`` and ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed
+    only when a degree is -1; otherwise it is their product.
+    """
+    from tpu_train.models import get_config
+
+    par = config.parallel
+    degrees = (int(par.data), int(par.fsdp), int(par.tensor))
+    if num_devices is None:
+        if -1 in degrees:
+            raise ValueError(
+                f"parallel.data/fsdp/tensor = {degrees} contains -1: planning needs the chip "
+                f"count, pass num_devices (or set every degree explicitly)")
+        num_devices = math.prod(degrees)
+    precision = getattr(config.trainer.precision, "value", config.trainer.precision)
+    return estimate(
+        get_config(config.model.name), num_devices=num_devices, data=degrees[0],
+        fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
+        seq_len=int(config.data.seq_len),
+        activation_checkpointing=bool(config.trainer.activation_checkpointing),
+        chip=chip or config.plan.chip, mfu=mfu, act_bytes=2 if precision == "bf16" else 4,
+        grad_accum_steps=int(config.trainer.grad_accum_steps))
 
 
 # -- the XLA side ------------------------------------------------------------------------------
@@ -322,8 +361,8 @@ def format_report(result: dict[str, Any]) -> str:
              f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
              f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}",
              f"parameters {result['num_params']:,}", "per-chip memory (analytic):"]
-    for key in ("params", "grads", "optimizer", "fsdp_gathered", "activations", "loss_head",
-                "total"):
+    for key in ("params", "grads", "optimizer", "grad_accumulator", "fsdp_gathered",
+                "activations", "loss_head", "total"):
         lines.append(f"  {key:<14} {_format_bytes(result['bytes_' + key])}")
     lines.append(f"FLOPs per step (model) {result['model_flops_per_step']:.3e}")
     if "chip" in result:
