@@ -4,7 +4,6 @@ import itertools
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -102,18 +101,20 @@ def test_resume_through_the_prefetcher_does_not_skip_prefetched_batches(tokenize
 
 def test_abandoned_prefetcher_does_not_block_interpreter_exit():
     # The worker is left blocked on a full queue and never closed: the process must exit cleanly.
-    package_root = Path(prefetch_module.__file__).parents[2]
+    # prefetch.py needs only torch: load it by path so the child skips the package's other imports.
     script = (
-        "import torch\n"
-        "from tpu_train.data.prefetch import DevicePrefetcher\n"
+        "import importlib.util, sys, torch\n"
+        f"spec = importlib.util.spec_from_file_location('prefetch', {prefetch_module.__file__!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
         "source = ({'tokens': torch.zeros(2)} for _ in iter(int, 1))\n"
-        "prefetcher = DevicePrefetcher(source, 'cpu', depth=1)\n"
+        "prefetcher = module.DevicePrefetcher(source, 'cpu', depth=1)\n"
         "next(prefetcher)\n"
         "print('consumed')\n"
     )
     for _ in range(2):  # a crash at exit was intermittent (about one run in two) before the fix
         result = subprocess.run(
-            [sys.executable, "-c", script], cwd=package_root, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "consumed"
