@@ -60,6 +60,10 @@ def rows_to_batch(rows: Sequence[tuple[list[int], list[bool]]]) -> dict[str, tor
 class PackedLoader:
     """Iterator of packed batches ``{"tokens": [B, S], "labels": [B, S]}`` (CPU int64).
 
+    The loader is one stream: ``iter(loader)`` returns the loader itself and every batch taken
+    (``next``, a ``for`` loop, a probe) advances it. For repeated evaluation passes build a new
+    loader per pass (with ``num_epochs=1``).
+
     Args:
         paths: one data file or several (read in order, every epoch).
         tokenizer: a :class:`Tokenizer` or a path for :func:`load_tokenizer`.
