@@ -99,3 +99,19 @@ def test_optimized_program_has_no_64_bit_types():
     hlo = program.executable.as_text()
     assert "f32[" in hlo and "s32[" in hlo
     assert "f64" not in hlo and "s64" not in hlo and "u64" not in hlo
+
+
+def test_describe_changes_names_added_removed_and_moved_inputs():
+    from tpu_train.compile import Signature, describe_changes
+    from tpu_train.compile.cache import InputSpec
+
+    old = Signature((InputSpec("batch['a']", (2,), torch.float32, "tpu:0"),
+                     InputSpec("batch['b']", (3,), torch.int64, "tpu:0")), (("donate", True),))
+    new = Signature((InputSpec("batch['a']", (2,), torch.float32, "tpu:1"),
+                     InputSpec("batch['c']", (4,), torch.int64, "tpu:0")), ())
+    assert describe_changes(old, new) == [
+        "batch['a'] moved from tpu:0 to tpu:1",
+        "batch['c'] is new (shape (4,) dtype torch.int64 on tpu:0)",
+        "batch['b'] is gone (was shape (3,) dtype torch.int64 on tpu:0)",
+        "setting donate is gone (was True)",
+    ]

@@ -87,7 +87,7 @@ def check_lowerings(graph: torch.fx.Graph) -> None:
             + ". Add a lowering (see tpu_train/ops/registry.py) for each of them.")
 
 
-def _constant_value(value: Any, device) -> Any:
+def _constant_value(value: Any) -> Any:
     """A graph constant (``get_attr``) as a JAX value."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -134,8 +134,8 @@ def _cast_to_torch_dtypes(result, dtypes):
 def _plain(value):
     """FX's immutable containers as plain lists / tuples / dicts (JAX pytree-friendly)."""
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value) if type(value) in (list, tuple) \
-            else list(_plain(v) for v in value)
+        items = [_plain(v) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
@@ -170,7 +170,7 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
         if node.op == "placeholder":
             continue
         if node.op == "get_attr":
-            env[node] = _constant_value(getattr(gm, node.target), None)
+            env[node] = _constant_value(getattr(gm, node.target))
             continue
         if node.op == "output":
             outputs = _plain(tree_map(load, node.args[0]))
@@ -190,6 +190,7 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
                     f"copy_ into an intermediate value in a functional graph ({node.format_node()})")
             value = jnp.broadcast_to(args[1], args[0].shape).astype(args[0].dtype)
             mutations[index_of[destination]] = value
+            env[destination] = value  # later readers see the written value
             env[node] = value
             continue
         writes = None
