@@ -164,10 +164,12 @@ def test_resume_at_the_end_of_finite_epochs(tokenizer, write_jsonl):
 
 def test_state_from_other_data_is_rejected(tokenizer, write_jsonl):
     state = make_loader(write_jsonl(text_records(5), "a.jsonl"), tokenizer).state_dict()
-    with pytest.raises(ValueError, match=r"loader state is for files \['a.jsonl'\] with seq_len=12"):
+    with pytest.raises(ValueError, match=r"loader state is for files \['a.jsonl'\] with seq_len=12, shuffle_buffer=0"):
         make_loader(write_jsonl(text_records(5), "b.jsonl"), tokenizer).load_state_dict(state)
     with pytest.raises(ValueError, match="seq_len=13"):
         make_loader(write_jsonl(text_records(5), "a.jsonl"), tokenizer, seq_len=13).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle_buffer=4"):
+        make_loader(write_jsonl(text_records(5), "a.jsonl"), tokenizer, shuffle_buffer=4).load_state_dict(state)
 
 
 def test_missing_tokenizer_and_file_errors(tmp_path, write_jsonl):

@@ -211,6 +211,7 @@ class PackedLoader:
             "version": STATE_VERSION,
             "files": [p.name for p in self.paths],
             "seq_len": self.seq_len,
+            "shuffle_size": self.shuffle_size,
             "epoch": epoch,
             "file_index": file_index,
             "offset": offset,
@@ -227,10 +228,12 @@ class PackedLoader:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported loader state version {state.get('version')!r} (expected {STATE_VERSION})")
         files = [p.name for p in self.paths]
-        if state["files"] != files or state["seq_len"] != self.seq_len:
+        saved = (state["files"], state["seq_len"], state["shuffle_size"])
+        if saved != (files, self.seq_len, self.shuffle_size):
             raise ValueError(
-                f"loader state is for files {state['files']} with seq_len={state['seq_len']}, but this loader "
-                f"reads {files} with seq_len={self.seq_len}; build the loader with the same data and seq_len"
+                f"loader state is for files {saved[0]} with seq_len={saved[1]}, shuffle_buffer={saved[2]}, but "
+                f"this loader reads {files} with seq_len={self.seq_len}, shuffle_buffer={self.shuffle_size}; "
+                "build the loader with the same data, seq_len and shuffle_buffer"
             )
         rng = random.Random()
         version, internal, gauss = state["rng"]
