@@ -28,6 +28,59 @@ os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
 KNOWN_FAILURES = ROOT / "tests" / "ops" / "opinfo_known_failures.json"
 
 
+def worker(dtype_name: str, samples: int, grad: bool) -> int:
+    """Child process: read op keys on stdin, print ``START key`` then the result as JSON."""
+    import torch
+
+    from tests.ops import opinfo_harness as harness
+
+    ops = {harness.op_key(op): op for op in harness.all_ops()}
+    dtype = getattr(torch, dtype_name)
+    for line in sys.stdin:
+        key = line.strip()
+        print("START " + key, flush=True)
+        result = harness.run_op(ops[key], dtype, samples=samples, grad=grad)
+        print("RESULT " + json.dumps(result.to_json()), flush=True)
+    return 0
+
+
+def isolated_sweep(keys, dtype_name: str, samples: int, grad: bool, progress):
+    """Run the ops in a child process; an op that kills it (a native abort) is a failure, and a
+    fresh child carries on with the next op."""
+    import subprocess
+
+    from tests.ops import opinfo_harness as harness
+
+    results, pending = [], list(keys)
+    while pending:
+        cmd = [sys.executable, __file__, "--worker", "--dtype", dtype_name,
+               "--samples", str(samples)] + (["--grad"] if grad else [])
+        child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 cwd=ROOT)
+        child.stdin.write("".join(k + "\n" for k in pending))
+        child.stdin.close()
+        current = None
+        for line in child.stdout:
+            if line.startswith("START "):
+                current = line[6:].strip()
+            elif line.startswith("RESULT "):
+                result = harness.Result(**json.loads(line[7:]))
+                results.append(result)
+                progress(result)
+                pending.remove(result.op)
+                current = None
+        rc = child.wait()
+        if current is not None:
+            result = harness.Result(current, "fail", f"process died (exit status {rc})")
+            results.append(result)
+            progress(result)
+            pending.remove(current)
+        elif pending and rc != 0:
+            raise RuntimeError(f"worker exited with status {rc} before starting an op")
+    order = {k: i for i, k in enumerate(keys)}
+    return sorted(results, key=lambda r: order[r.op])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
@@ -39,7 +92,12 @@ def main(argv=None) -> int:
     parser.add_argument("--write-known-failures", action="store_true",
                         help=f"write the failing op keys to {KNOWN_FAILURES.relative_to(ROOT)}")
     parser.add_argument("--verbose", "-v", action="store_true", help="one line per op on stderr")
+    parser.add_argument("--in-process", action="store_true",
+                        help="no child process (faster start; a native crash ends the sweep)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.dtype, args.samples, args.grad)
 
     start = time.perf_counter()
     import jax
@@ -59,10 +117,15 @@ def main(argv=None) -> int:
             print(f"{result.status:4} {result.op} {result.seconds}s {result.error}",
                   file=sys.stderr, flush=True)
 
-    forward = harness.sweep(ops, dtype, samples=samples, progress=progress)
+    def run(grad):
+        if args.in_process:
+            return harness.sweep(ops, dtype, samples=samples, grad=grad, progress=progress)
+        return isolated_sweep([harness.op_key(op) for op in ops], args.dtype, samples, grad,
+                              progress)
+
+    forward = run(False)
     forward_time = time.perf_counter() - start
-    grads = harness.sweep(ops, dtype, samples=samples, grad=True,
-                          progress=progress) if args.grad else None
+    grads = run(True) if args.grad else None
 
     fsum = harness.summarize(forward)
     summary = {
@@ -99,20 +162,21 @@ def main(argv=None) -> int:
         args.json_out.write_text(json.dumps(per_op, indent=1) + "\n")
 
     if args.write_known_failures:
-        if args.ops or args.dtype != "float32" or samples != harness.DEFAULT_SAMPLES:
-            parser.error("--write-known-failures needs the full float32 sweep with the default "
-                         "number of samples (what the test runs)")
+        if args.ops or args.dtype != "float32":
+            parser.error("--write-known-failures needs the full float32 sweep")
         known = {
-            "comment": "op_db entries (name or name.variant) failing on the tpu device, float32, "
-                       f"first {samples} samples; regenerate with scripts/op_coverage.py "
-                       "--grad --write-known-failures",
+            "comment": "op_db entries (name or name.variant) failing on the tpu device in float32 "
+                       "on the first `samples` samples; tests/ops/test_opinfo.py runs the same "
+                       "sweep. Regenerate: python scripts/op_coverage.py --samples N --grad "
+                       "--write-known-failures",
+            "samples": samples,
             "forward": sorted(r.op for r in forward if r.status == "fail"),
         }
         if grads is not None:
             known["grad"] = sorted(r.op for r in grads if r.status == "fail")
         elif KNOWN_FAILURES.exists():
             previous = json.loads(KNOWN_FAILURES.read_text())
-            if "grad" in previous:
+            if "grad" in previous and previous.get("samples") == samples:
                 known["grad"] = previous["grad"]
         KNOWN_FAILURES.write_text(json.dumps(known, indent=1) + "\n")
 
