@@ -138,3 +138,25 @@ def test_activation_rule_classifies_by_shape():
     assert rule((8 * 64, 768)) == P(("data", "fsdp"), "tensor")
     assert rule((8, 64, 512)) == P(("data", "fsdp"), u, "tensor")
     assert rule((256, 256)) is None and rule((8,)) is None
+
+
+def test_step_shardings_for_a_compiled_step():
+    from tpu_train.parallel.step_shardings import step_shardings
+
+    mesh = build_mesh(2, 2, 2)
+    names = ["layers.0.attention.wq.weight", "norm.weight"]
+    shapes = [(256, 256), (256,)]
+    out = step_shardings(llama_plan(), mesh, param_names=names, param_shapes=shapes,
+                         state_owners=[0, 0, 1, None], state_shapes=[(256, 256), (256, 256),
+                                                                     (256,), ()],
+                         num_consts=1, batch_shapes=[(8, 64), ()])
+    assert out.params[0].spec == P("tensor", "fsdp")
+    assert out.states[:3] == (out.params[0], out.params[0], out.params[1])
+    assert out.states[3].spec == P() and out.consts[0].spec == P()
+    assert out.batch[0].shard_shape((8, 64)) == (2, 64)
+    with pytest.raises(PlanError, match="does not split over data \\* fsdp = 4 devices"):
+        step_shardings(llama_plan(), mesh, param_names=[], param_shapes=[],
+                       batch_shapes=[(6, 64)])
+    with pytest.raises(PlanError, match="names parameter index 5"):
+        step_shardings(llama_plan(), mesh, param_names=names, param_shapes=shapes,
+                       state_owners=[5], state_shapes=[(1,)])

@@ -4,6 +4,8 @@ The step is the hand-written JAX Llama (``tpu_train.parallel.jax_reference``) un
 plan, on the 8 virtual CPU devices of the test session.
 """
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -24,6 +26,12 @@ def _batch():
     tokens = rng.integers(0, CFG.vocab_size, (8, 16)).astype(np.int32)
     labels = rng.integers(0, CFG.vocab_size, (8, 16)).astype(np.int32)
     return tokens, labels
+
+
+@functools.lru_cache(maxsize=None)
+def _train_on(degrees):
+    """``_train`` on a mesh of these degrees (None: one device), once per test session."""
+    return _train(None if degrees is None else build_mesh(*degrees, model_config=CFG))
 
 
 def _train(mesh):
@@ -50,14 +58,14 @@ def _train(mesh):
 
 @pytest.fixture(scope="module")
 def single_device():
-    return _train(None)
+    return _train_on(None)
 
 
 @pytest.mark.parametrize("degrees", [(1, 8, 1), (1, 4, 2), (2, 2, 2)],
                          ids=["fsdp8", "fsdp4_tp2", "dp2_fsdp2_tp2"])
 def test_sharded_step_matches_one_device(single_device, degrees):
     want, want_params, _ = single_device
-    got, params, opt = _train(build_mesh(*degrees, model_config=CFG))
+    got, params, opt = _train_on(degrees)
     for a, b in zip(got, want):
         assert abs(a - b) <= REL * abs(b), (got, want)
     assert want[-1] < want[0]  # it trains: the comparison is not between constants
@@ -70,7 +78,7 @@ def test_sharded_step_matches_one_device(single_device, degrees):
 
 def test_fsdp8_holds_an_eighth_of_params_and_optimizer_state(single_device):
     _, params1, opt1 = single_device
-    _, params8, opt8 = _train(build_mesh(1, 8, 1, model_config=CFG))
+    _, params8, opt8 = _train_on((1, 8, 1))
     one = per_device_bytes([params1, opt1["exp_avg"], opt1["exp_avg_sq"]])
     assert len(one) == 1
     full = next(iter(one.values()))

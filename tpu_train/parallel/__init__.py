@@ -19,6 +19,7 @@ from .llama_plan import LLAMA_ACTIVATIONS, LlamaActivationRule, llama_plan
 from .mesh import (AXES, BATCH_AXES, MeshError, MeshShape, build_mesh, check_model_divisibility,
                    mesh_from_config, resolve_mesh_shape)
 from .plans import PlanError, ShardingPlan, constrain, per_device_bytes
+from .step_shardings import StepShardings, step_shardings
 
 __all__ = [
     "AXES",
@@ -29,6 +30,7 @@ __all__ = [
     "MeshShape",
     "PlanError",
     "ShardingPlan",
+    "StepShardings",
     "build_mesh",
     "check_model_divisibility",
     "constrain",
@@ -36,4 +38,5 @@ __all__ = [
     "mesh_from_config",
     "per_device_bytes",
     "resolve_mesh_shape",
+    "step_shardings",
 ]

@@ -1,0 +1,85 @@
+"""Shardings for the inputs and outputs of a compiled training step.
+
+A compiled step takes lists of parameters, optimizer-state tensors, constants (buffers such as
+RoPE tables) and batch tensors, and returns the new parameters and state. Under SPMD its
+``jax.jit`` needs an ``in_shardings``/``out_shardings`` entry for each; this module derives them
+from a :class:`~tpu_train.parallel.plans.ShardingPlan` so a step compiler only has to say which
+parameter each state tensor belongs to:
+
+* parameter ``i`` → the plan's sharding of its name;
+* a state tensor shaped like its parameter (AdamW moments) → the parameter's sharding; any
+  other state (step counts, scalars) → replicated;
+* constants → replicated (small, read-only);
+* batch tensors → leading (batch) dimension split over ``(data, fsdp)``, the rest replicated.
+
+Arrays must keep their natural shapes: a flattened ``[out * in]`` buffer cannot carry a
+``[tensor, fsdp]`` tiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .mesh import BATCH_AXES
+from .plans import PlanError, ShardingPlan
+
+__all__ = ["StepShardings", "step_shardings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """One ``NamedSharding`` per positional tensor of each input group, plus ``replicated``."""
+
+    params: tuple[NamedSharding, ...]
+    states: tuple[NamedSharding, ...]
+    consts: tuple[NamedSharding, ...]
+    batch: tuple[NamedSharding, ...]
+    replicated: NamedSharding
+
+
+def step_shardings(plan: ShardingPlan, mesh, *, param_names: Sequence[str],
+                   param_shapes: Sequence[Sequence[int]],
+                   state_owners: Sequence[int | None] = (),
+                   state_shapes: Sequence[Sequence[int]] = (),
+                   num_consts: int = 0,
+                   batch_shapes: Sequence[Sequence[int]] = ()) -> StepShardings:
+    """Shardings of a step's parameters, optimizer state, constants and batch on ``mesh``.
+
+    ``state_owners[j]`` is the index (into ``param_names``) of the parameter state tensor
+    ``j`` belongs to, or ``None``. Raises :class:`PlanError` for a batch whose leading dimension
+    does not split over ``data * fsdp``, or lists of mismatched lengths.
+    """
+    if len(param_names) != len(param_shapes):
+        raise PlanError(f"{len(param_names)} parameter names but {len(param_shapes)} shapes")
+    if len(state_owners) != len(state_shapes):
+        raise PlanError(f"{len(state_owners)} state owners but {len(state_shapes)} state shapes")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = tuple(plan.sharding_for(n, s, mesh) for n, s in zip(param_names, param_shapes))
+    states = []
+    for j, (owner, shape) in enumerate(zip(state_owners, state_shapes)):
+        if owner is None:
+            states.append(replicated)
+            continue
+        if not 0 <= owner < len(params):
+            raise PlanError(f"state tensor {j} names parameter index {owner}, but there are "
+                            f"{len(params)} parameters")
+        same = tuple(shape) == tuple(param_shapes[owner])
+        states.append(params[owner] if same else replicated)
+    ways = 1
+    for axis in BATCH_AXES:
+        ways *= mesh.shape[axis]
+    batch = []
+    for i, shape in enumerate(batch_shapes):
+        if not shape:
+            batch.append(replicated)
+            continue
+        if shape[0] % ways:
+            raise PlanError(
+                f"batch tensor {i} has leading dimension {shape[0]}, which does not split over "
+                f"data * fsdp = {ways} devices; make the (micro-)batch a multiple of {ways}")
+        batch.append(NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+    return StepShardings(params, tuple(states), (replicated,) * num_consts, tuple(batch),
+                         replicated)
