@@ -87,6 +87,9 @@ def test_place_gives_inspectable_global_arrays_and_divides_memory():
     assert wq.shape == (256, 256) and wq.sharding.spec == P("tensor", "fsdp")
     np.testing.assert_array_equal(np.asarray(wq), host["layers.0.attention.wq.weight"].numpy())
     assert {s.data.shape for s in wq.addressable_shards} == {(256, 32)}
+    bf16 = plan.place({"norm.weight": host["norm.weight"].to(torch.bfloat16)},
+                      build_mesh(1, 8, 1))["norm.weight"]
+    assert bf16.dtype == jax.numpy.bfloat16 and bf16.addressable_shards[0].data.shape == (32,)
     per_device = per_device_bytes(placed)
     total = sum(t.numel() * 4 for t in host.values())
     assert len(per_device) == 8

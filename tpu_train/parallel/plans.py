@@ -160,7 +160,7 @@ class ShardingPlan:
         placed = {}
         for n, value in arrays.items():
             if hasattr(value, "detach") and hasattr(value, "numpy"):  # a CPU torch tensor
-                value = value.detach().cpu().numpy()
+                value = _torch_to_numpy(value)
             placed[n] = jax.device_put(value, shardings[n])
         return placed
 
@@ -177,6 +177,18 @@ class ShardingPlan:
                               for s, e in zip(shape, padded))
             rows.append(f"{n:<48} {str(shape):<16} {str(spec):<36} per-device {local}")
         return "\n".join(rows)
+
+
+def _torch_to_numpy(tensor):
+    """A CPU torch tensor as a NumPy array of the same dtype (bfloat16 via its bit pattern)."""
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16; JAX's ml_dtypes does
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 def constrain(x, spec: PartitionSpec | None, mesh=None):
