@@ -110,7 +110,7 @@ def _all_gather_copy_in(func, args, kwargs):
     if sum(sizes) != numel or [t.numel() for t in inputs] != sizes:
         raise RuntimeError(f"fsdp.all_gather_copy_in: input sizes {[t.numel() for t in inputs]} "
                            f"do not fill the {numel}-element slot as split {sizes}")
-    flat = torch.cat([t.reshape(-1).to(output.dtype) for t in inputs]) if inputs else None
+    flat = torch.cat([_cast(t.reshape(-1), output.dtype) for t in inputs]) if inputs else None
     if flat is not None:
         slot.copy_(flat)
     return slot, output
@@ -141,8 +141,17 @@ def _chunk_cat(func, args, kwargs):
         flat = tensor.reshape(length, -1)
         if padded_length != length:
             flat = torch.cat([flat, flat.new_zeros(padded_length - length, flat.shape[1])])
-        rows.append(flat.reshape(chunks, -1).to(out.dtype))
+        rows.append(_cast(flat.reshape(chunks, -1), out.dtype))
     out.copy_(torch.cat(rows, dim=1).reshape(out.shape))
+
+
+def _cast(tensor, dtype):
+    # Inside __torch_dispatch__ the composite ``Tensor.to`` is not decomposed: it arrives as
+    # ``aten.to.dtype``, which the device layer treats as a view (same dtype only). The copy
+    # op it stands for is called directly.
+    if tensor.dtype == dtype:
+        return tensor
+    return torch.ops.aten._to_copy.default(tensor, dtype=dtype)
 
 
 def _bind(func, args, kwargs) -> dict:

@@ -2,9 +2,19 @@
 
 Usage: ``fsdp_worker.py CASE [CASE ...]`` with CASE ``MODEL:RESHARD[:mp]`` (MODEL ``mlp`` or
 ``llama``, RESHARD ``1``/``0`` for ``reshard_after_forward``, ``mp`` for a bf16-param /
-fp32-reduce MixedPrecisionPolicy). For every case, 5 AdamW steps; prints one
+fp32-reduce MixedPrecisionPolicy). For every case, 5 SGD-with-momentum steps; prints one
 ``RESULT {json}`` line per case with the largest relative differences of the losses and of
 the full (unsharded) gradients, and whether FSDP really freed the unsharded parameters.
+
+SGD, not Adam: Adam divides by the gradient's running RMS, which turns float32 rounding noise
+in near-zero gradients into full-size updates, so after one step the runs would differ by far
+more than anything FSDP does.
+
+In bf16 the tpu ops and torch's CPU kernels round differently (e.g. where a CPU kernel keeps
+float32 intermediates), ~1e-2 apart, so the mixed-precision case has a second oracle: the
+same bf16 computation on the tpu device without FSDP (float32 master weights, a bf16 copy for
+compute, float32 gradients averaged over the ranks with gloo), which FSDP must match exactly
+up to float32 rounding.
 """
 
 import json
@@ -84,8 +94,7 @@ def _fsdp_params(model):
 def run(kind, device, mesh, rank, reshard, mp):
     model = build(kind).to(device)
     shard(model, kind, mesh, reshard, mp)
-    # foreach=False: the per-parameter path, identical on both sides
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    opt = optimizer(model)
     losses, grads, freed = [], [], []
     for step in range(STEPS):
         x, y = batch(kind, step, rank)
@@ -100,8 +109,48 @@ def run(kind, device, mesh, rank, reshard, mp):
     return losses, grads, params, freed
 
 
+def optimizer(model):
+    # foreach=False: the per-parameter path, identical on both sides
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+
+
+def mp_reference(kind, rank, gloo):
+    """Mixed precision without FSDP on the tpu device; see the module docstring."""
+    world = dist.get_world_size()
+    master = build(kind).to("tpu")
+    compute = build(kind).to(torch.bfloat16).to("tpu")  # bf16 buffers too, as FSDP casts inputs
+    opt = optimizer(master)
+    losses, grads = [], []
+    for step in range(STEPS):
+        with torch.no_grad():
+            for low, high in zip(compute.parameters(), master.parameters()):
+                low.copy_(high)
+                low.grad = None
+        x, y = batch(kind, step, rank)
+        x = x.to(torch.bfloat16) if x.is_floating_point() else x
+        loss = loss_of(compute, kind, x.to("tpu"), y.to("tpu"))
+        loss.backward()
+        step_grads = []
+        for low, high in zip(compute.parameters(), master.parameters()):
+            grad = low.grad.float().cpu()
+            dist.all_reduce(grad, group=gloo)
+            step_grads.append(grad / world)
+            high.grad = step_grads[-1].to("tpu")
+        grads.append(step_grads)
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def mp_comparison(kind, rank, gloo, losses, grads):
+    r_losses, r_grads = mp_reference(kind, rank, gloo)
+    return {"ref_loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, r_losses)),
+            "ref_grad_rel": max(rel(a, b) for ga, gb in zip(grads, r_grads)
+                                for a, b in zip(ga, gb))}
 
 
 def main():
@@ -121,7 +170,10 @@ def main():
             "grad_rel": max(rel(a, b) for ga, gb in zip(t_grads, c_grads)
                             for a, b in zip(ga, gb)),
             "param_rel": max(rel(a, b) for a, b in zip(t_params, c_params)),
+            "grad_rel_per_step": [max(rel(a, b) for a, b in zip(ga, gb))
+                                  for ga, gb in zip(t_grads, c_grads)],
             "grad_count": len(t_grads[-1]),
+            **(mp_comparison(kind, rank, gloo, t_losses, t_grads) if mp else {}),
             "freed": freed,
             "losses": t_losses,
             "losses_moved": abs(t_losses[-1] - t_losses[0]) > 1e-4,
