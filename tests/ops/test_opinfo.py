@@ -1,0 +1,66 @@
+"""PyTorch's OpInfo database on the tpu device, checked against CPU PyTorch.
+
+One test per op_db entry (``name`` or ``name.variant``), forward in float32 on the first
+``CI_SAMPLES`` samples. ``opinfo_known_failures.json`` lists the entries known to fail; the
+check goes both ways:
+
+* an entry that fails and is not listed fails its test (a regression: the error is shown);
+* a listed entry that now passes fails its test too, asking to take it off the list.
+
+The gradient sweep runs the same way but is marked ``slow`` (``pytest -m slow``). Refresh the
+list with ``python scripts/op_coverage.py --grad --write-known-failures`` (docs/op_coverage.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ops import opinfo_harness as harness
+
+KNOWN_FAILURES_PATH = Path(__file__).with_name("opinfo_known_failures.json")
+KNOWN = json.loads(KNOWN_FAILURES_PATH.read_text())
+OPS = harness.all_ops()
+KEYS = [harness.op_key(op) for op in OPS]
+# The list is only valid for the number of samples it was produced with.
+CI_SAMPLES = KNOWN["samples"]
+
+
+def _check(op, known: set, grad: bool) -> None:
+    result = harness.run_op(op, torch.float32, samples=CI_SAMPLES, grad=grad)
+    what = "gradient" if grad else "forward"
+    listed = result.op in known
+    if result.status == "skip":
+        if listed:
+            pytest.fail(f"{result.op} is listed as a known {what} failure but OpInfo has nothing "
+                        f"to test ({result.error}): remove it from {KNOWN_FAILURES_PATH.name}")
+        pytest.skip(result.error)
+    if result.status == "fail" and not listed:
+        pytest.fail(f"{result.op} ({what}, float32) fails on the tpu device and is not a known "
+                    f"failure: {result.error}", pytrace=False)
+    if result.status == "pass" and listed:
+        pytest.fail(f"{result.op} ({what}, float32) now passes: remove it from the "
+                    f"{what!r} list in {KNOWN_FAILURES_PATH.name}", pytrace=False)
+
+
+@pytest.mark.parametrize("op", OPS, ids=KEYS)
+def test_forward_float32(op):
+    _check(op, set(KNOWN["forward"]), grad=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", OPS, ids=KEYS)
+def test_grad_float32(op):
+    _check(op, set(KNOWN.get("grad", ())), grad=True)
+
+
+def test_known_failures_name_op_db_entries():
+    keys = set(KEYS)
+    for what in ("forward", "grad"):
+        listed = KNOWN.get(what, [])
+        stale = sorted(set(listed) - keys)
+        assert not stale, f"{KNOWN_FAILURES_PATH.name}[{what!r}] names entries not in op_db: {stale}"
+        assert listed == sorted(set(listed)), f"{what!r} list is not sorted and unique"
