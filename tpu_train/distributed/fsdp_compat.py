@@ -110,7 +110,7 @@ def _all_gather_copy_in(func, args, kwargs):
     if sum(sizes) != numel or [t.numel() for t in inputs] != sizes:
         raise RuntimeError(f"fsdp.all_gather_copy_in: input sizes {[t.numel() for t in inputs]} "
                            f"do not fill the {numel}-element slot as split {sizes}")
-    flat = torch.cat([_cast(t.reshape(-1), output.dtype) for t in inputs]) if inputs else None
+    flat = torch.cat([_cast(dense(t).view(-1), output.dtype) for t in inputs]) if inputs else None
     if flat is not None:
         slot.copy_(flat)
     return slot, output
@@ -138,11 +138,17 @@ def _chunk_cat(func, args, kwargs):
     for tensor in tensors:
         length = tensor.shape[0] if tensor.dim() else 1
         padded_length = -(-length // chunks) * chunks
-        flat = tensor.reshape(length, -1)
+        flat = dense(tensor).view(length, -1)
         if padded_length != length:
             flat = torch.cat([flat, flat.new_zeros(padded_length - length, flat.shape[1])])
-        rows.append(_cast(flat.reshape(chunks, -1), out.dtype))
-    out.copy_(torch.cat(rows, dim=1).reshape(out.shape))
+        rows.append(_cast(flat.view(chunks, -1), out.dtype))
+    out.copy_(torch.cat(rows, dim=1).view(out.shape))
+
+
+def dense(tensor):
+    from tpu_train.distributed.functional import dense as _dense
+
+    return _dense(tensor)
 
 
 def _cast(tensor, dtype):

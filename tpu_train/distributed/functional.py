@@ -36,6 +36,19 @@ def _reduce_scatter_opts(reduce_op):
     return opts
 
 
+def dense(tensor):
+    """``tensor`` with contiguous geometry (a copy when it has none).
+
+    The handlers here run inside ``__torch_dispatch__``, below autograd, where composite ops
+    such as ``contiguous``/``reshape`` are not decomposed and reach the device layer as views
+    (their schemas alias the input): on a non-contiguous tpu tensor they would relabel the
+    storage instead of copying. ``clone`` is a real copy.
+    """
+    if tensor.is_contiguous():
+        return tensor
+    return torch.ops.aten.clone.default(tensor, memory_format=torch.contiguous_format)
+
+
 def _register(outputs, work):
     for out in outputs:
         _register_work(out, work)
@@ -71,7 +84,7 @@ def _gathered(tensor, group_size):
 def all_gather_into_tensor_coalesced(func, args, kwargs):
     inputs, group_size, group_name = args
     outputs = [_gathered(t, group_size) for t in inputs]
-    inputs = [t.contiguous() for t in inputs]
+    inputs = [dense(t) for t in inputs]
     _register(outputs, _group(group_name).allgather_into_tensor_coalesced(outputs, inputs))
     return outputs
 
@@ -92,7 +105,7 @@ def reduce_scatter_tensor_coalesced(func, args, kwargs):
     inputs, reduce_op, group_size, group_name = args
     outputs = [t.new_empty((t.shape[0] // group_size, *t.shape[1:])) for t in inputs]
     work = _group(group_name).reduce_scatter_tensor_coalesced(
-        outputs, [t.contiguous() for t in inputs], _reduce_scatter_opts(reduce_op))
+        outputs, [dense(t) for t in inputs], _reduce_scatter_opts(reduce_op))
     _register(outputs, work)
     return outputs
 
@@ -107,7 +120,7 @@ def reduce_scatter_tensor_out(func, args, kwargs):
     tensor, reduce_op, group_size, group_name = args
     out = kwargs["out"]
     work = _group(group_name).reduce_scatter_tensor_coalesced(
-        [out], [tensor.contiguous()], _reduce_scatter_opts(reduce_op))
+        [out], [dense(tensor)], _reduce_scatter_opts(reduce_op))
     _register([out], work)
     return out
 
@@ -117,7 +130,7 @@ def all_to_all_single(func, args, kwargs):
     group = _group(group_name)
     rows = sum(output_splits) if output_splits else tensor.shape[0]
     out = tensor.new_empty((rows, *tensor.shape[1:]))
-    work = group.alltoall_base(out, tensor.contiguous(), list(output_splits),
+    work = group.alltoall_base(out, dense(tensor), list(output_splits),
                                list(input_splits), dist.AllToAllOptions())
     _register([out], work)
     return out
@@ -136,6 +149,56 @@ def broadcast(func, args, kwargs):
     return broadcast_(func, (tensor.clone(memory_format=torch.contiguous_format), *rest), kwargs)
 
 
+def shard_dim_alltoall(func, args, kwargs):
+    """DTensor's ``Shard(a) -> Shard(b)``: ``input`` is this rank's piece along ``gather_dim``;
+    the result is the whole along ``gather_dim`` and this rank's piece along ``shard_dim``.
+
+    Equal chunks along ``shard_dim`` go one to each rank (DTensor pads uneven shards before
+    calling); what comes back is concatenated along ``gather_dim``. Synchronous, as torch's
+    own kernel is.
+    """
+    tensor, gather_dim, shard_dim, group_name = args
+    group = _group(group_name)
+    size = group.size()
+    length = tensor.shape[shard_dim] // size
+    inputs = [dense(tensor.narrow(shard_dim, i * length, length)) for i in range(size)]
+    outputs = [torch.empty_like(piece) for piece in inputs]
+    group.alltoall(outputs, inputs, dist.AllToAllOptions()).wait()
+    return torch.cat(outputs, dim=gather_dim)
+
+
+def wrap_tensor_autograd(func, args, kwargs):
+    """A funcol result on a tpu tensor: waited and returned as a plain tpu tensor.
+
+    torch wraps every eager functional-collective result in an ``AsyncCollectiveTensor`` that
+    waits on first use. The tpu tensor's ``__torch_dispatch__`` runs first when it is the left
+    operand (``h + collective_result``) and does not defer to that wrapper, so the wrapper would
+    reach the device as a foreign tensor. Waiting here instead costs little: the result array
+    is already in the tensor's storage (JAX dispatches asynchronously) and the wait also
+    removes the Work from torch's registry, as the wrapper would on first use.
+    """
+    from tpu_train.device.tensor import wrap
+
+    (tensor,) = args
+    torch.ops._c10d_functional.wait_tensor(tensor)
+    return wrap(tensor.jax_value(), tensor.dtype, tensor.device.index, tensor.shape)
+
+
+def _wrapper_handlers() -> dict:
+    # The op exists where torch routes the wrapping through a custom op (torch >= 2.13).
+    import torch.distributed._functional_collectives  # noqa: F401  (defines the op)
+
+    op = getattr(F, "_wrap_tensor_autograd", None)
+    return {op.default: wrap_tensor_autograd} if op is not None else {}
+
+
+def _dtensor_handlers() -> dict:
+    # The ``_dtensor`` op namespace exists once torch.distributed.tensor is imported.
+    import torch.distributed.tensor  # noqa: F401
+
+    return {torch.ops._dtensor.shard_dim_alltoall.default: shard_dim_alltoall}
+
+
 HANDLERS = {
     F.all_reduce.default: all_reduce,
     F.all_reduce_.default: all_reduce_,
@@ -150,4 +213,6 @@ HANDLERS = {
     F.all_to_all_single.default: all_to_all_single,
     F.broadcast.default: broadcast,
     F.broadcast_.default: broadcast_,
+    **_dtensor_handlers(),
+    **_wrapper_handlers(),
 }
