@@ -1,0 +1,75 @@
+"""The tpu ProcessGroup under ``torch.multiprocessing.spawn`` and ``torchrun`` (2 ranks)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.harness import ROOT, free_port_pair
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
+
+WORLD = 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().split()[2] != "Z"
+
+
+def _run(args, piddir, port, timeout=150):
+    """Run ``python args...`` in its own session; kill it and every rank it recorded after."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_TRAIN_PLATFORM="cpu",
+               TPU_TRAIN_COLLECTIVE_TIMEOUT="60", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    for name in ("XLA_FLAGS", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = "timed out"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # torchrun starts each rank in a session of its own: kill those by their recorded pid
+        pids = [int(p.read_text()) for p in piddir.glob("pid-*")]
+        leftovers = [p for p in pids if _alive(p)]
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+    results = [json.loads(p.read_text()) for p in piddir.glob("result-*.json")]
+    return proc.returncode, out, results, pids, leftovers
+
+
+def _check(code, out, results, pids, leftovers, launcher):
+    assert code == 0, out[-4000:]
+    assert sorted(r["rank"] for r in results) == list(range(WORLD)), out[-4000:]
+    for r in results:
+        assert r["launcher"] == launcher and r["world"] == WORLD and r["backend"] == "tpu", r
+        assert r["all_reduce_ok"], r
+        assert r["grad_rel"] < 1e-5, r
+    assert len(pids) == WORLD and not leftovers, "rank processes outlived the launcher"
+
+
+def test_multiprocessing_spawn(tmp_path):
+    port = free_port_pair()
+    _check(*_run(["tests/distributed/workers/launch_worker.py", "spawn", str(tmp_path),
+                  str(WORLD)], tmp_path, port), "spawn")
+
+
+def test_torchrun(tmp_path):
+    port = free_port_pair()
+    _check(*_run(["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                  "--master-addr", "127.0.0.1", "--master-port", str(port),
+                  "tests/distributed/workers/launch_worker.py", "torchrun", str(tmp_path)],
+                 tmp_path, port), "torchrun")
