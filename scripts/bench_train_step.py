@@ -169,6 +169,13 @@ class JaxMode:
         normed = x32 * jax_rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.norm_eps)
         return w * normed.astype(x.dtype)
 
+    @staticmethod
+    def _linear(x, w):
+        # A 2-D dot with one contracting dim: the weight gradient then is a plain [in, N] x
+        # [N, out] dot. Dotting the 3-D activation directly gives the weight gradient two
+        # contracting dims (batch and sequence), for which XLA materializes a transpose.
+        return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[1],))
+
     def _rotary(self, x):
         jnp = self.jnp
         half = x.shape[-1] // 2
@@ -185,21 +192,23 @@ class JaxMode:
         for i in range(cfg.n_layers):
             p = lambda n: params[f"layers.{i}.{n}"]  # noqa: E731
             x = self._rms(h, p("attention_norm.weight"))
-            q = (x @ p("attention.wq.weight")).reshape(b, t, cfg.n_heads, hd).transpose(0, 2, 1, 3)
-            k = (x @ p("attention.wk.weight")).reshape(b, t, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
-            v = (x @ p("attention.wv.weight")).reshape(b, t, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
+            q = self._linear(x, p("attention.wq.weight")).reshape(b, t, cfg.n_heads, hd)
+            k = self._linear(x, p("attention.wk.weight")).reshape(b, t, cfg.n_kv_heads, hd)
+            v = self._linear(x, p("attention.wv.weight")).reshape(b, t, cfg.n_kv_heads, hd)
+            q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
             q, k = self._rotary(q), self._rotary(k)
             k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
             scores = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(hd)
             scores = jnp.where(mask, scores, -jnp.inf)
             attn = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype) @ v
             attn = attn.transpose(0, 2, 1, 3).reshape(b, t, cfg.n_heads * hd)
-            h = h + attn @ p("attention.wo.weight")
+            h = h + self._linear(attn, p("attention.wo.weight"))
             x = self._rms(h, p("ffn_norm.weight"))
-            ff = jax.nn.silu(x @ p("feed_forward.w1.weight")) * (x @ p("feed_forward.w3.weight"))
-            h = h + ff @ p("feed_forward.w2.weight")
+            ff = (jax.nn.silu(self._linear(x, p("feed_forward.w1.weight")))
+                  * self._linear(x, p("feed_forward.w3.weight")))
+            h = h + self._linear(ff, p("feed_forward.w2.weight"))
         h = self._rms(h, params["norm.weight"])
-        logits = (h @ params["output.weight"]).astype(jnp.float32)
+        logits = self._linear(h, params["output.weight"]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 

@@ -72,12 +72,18 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
                           param_fakes, const_fakes, batch_fakes)
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
-    state_fakes = [fake(s) for s in st.states]
-    grad_fakes = [fake(p) for p in st.params]
+    # The update is elementwise per tensor (plus the global norm, a full reduction), so it
+    # is traced on flat tensors: it then reads and writes exactly the flat storage buffers,
+    # and XLA updates the donated buffers in place. (Traced on 2-D shapes, with the flat
+    # buffers reshaped around it, XLA's CPU backend copied every parameter and optimizer
+    # state buffer once per step.)
+    flat_param_fakes = [fake(p, (p.numel(),)) for p in st.params]
+    state_fakes = [fake(s, (s.numel(),)) for s in st.states]
+    grad_fakes = [fake(p, (p.numel(),)) for p in st.params]
     scalars_fake = fakes.like(scalars.shape, torch.float32, tpu_device)
     update_gm = stages.time("trace", tracing.trace_update_graph, step.adapter, settings,
                             st.group_sizes, st.state_counts, step.max_grad_norm, fakes,
-                            param_fakes, grad_fakes, state_fakes, scalars_fake)
+                            flat_param_fakes, grad_fakes, state_fakes, scalars_fake)
     interpreter.check_lowerings(grad_gm.graph)
     interpreter.check_lowerings(update_gm.graph)
     stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)
@@ -87,7 +93,6 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
                     if n_params <= i < n_params + n_consts)
     random = _has_random_ops(grad_gm)
     param_shapes = [tuple(p.shape) for p in st.params]
-    state_shapes = [tuple(s.shape) for s in st.states]
     grad_norm_node = [n for n in update_gm.graph.nodes if n.op == "output"][0].args[0][-1]
     grad_norm_dtype = grad_norm_node.meta["val"].dtype
 
@@ -134,17 +139,16 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
 
     def program(param_flat, state_flat, consts, batch, scalars_in, key=None):
         params = [a.reshape(s) for a, s in zip(param_flat, param_shapes)]
-        states = [a.reshape(s) for a, s in zip(state_flat, state_shapes)]
         if k == 1:
             grads, loss, weight, new_consts = gradients(params, list(consts), list(batch), key)
             grads, loss = normalise(grads, loss, weight)
         else:
             grads, loss, new_consts = accumulate(params, list(consts), list(batch), key)
-        outputs, _ = interpreter.run_graph(update_gm, params + list(grads) + states + [scalars_in])
-        new_params = outputs[:n_params]
-        new_states = outputs[n_params:-1]
-        return ([p.reshape(-1) for p in new_params], [s.reshape(-1) for s in new_states],
-                [new_consts[p] for p in mutated], loss, outputs[-1], scalars_in[0, 0])
+        flat_grads = [g.reshape(-1) for g in grads]
+        outputs, _ = interpreter.run_graph(
+            update_gm, list(param_flat) + flat_grads + list(state_flat) + [scalars_in])
+        return (outputs[:n_params], outputs[n_params:-1], [new_consts[p] for p in mutated],
+                loss, outputs[-1], scalars_in[0, 0])
 
     jitted = jax.jit(program, donate_argnums=(0, 1) if step.donate else ())
     args = [values["params"], values["states"], values["consts"], values["batch"],
