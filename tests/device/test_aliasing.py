@@ -139,3 +139,29 @@ def test_matches_cpu(case):
         assert g.device.type == "tpu"
         assert g.shape == e.shape and g.dtype == e.dtype
         torch.testing.assert_close(g.cpu(), e, rtol=0, atol=0)
+
+
+def test_inplace_view_ops_change_the_tensor_itself():
+    for device in ("cpu", "tpu"):
+        x = _base(device, (1, 6))
+        y = x.squeeze_(0)
+        assert y is x and x.shape == (6,)
+        t = _base(device, (3, 4)).transpose_(0, 1)
+        assert t.shape == (4, 3) and t.stride() == (1, 4)
+        t[0].fill_(-1)
+    torch.testing.assert_close(t.cpu(), _base("cpu", (3, 4)).transpose_(0, 1).index_fill_(0, torch.tensor([0]), -1))
+
+
+def test_one_dim_matmul_squeezes_like_cpu():
+    a, b = torch.randn(5), torch.randn(5, 3)
+    got = a.to("tpu") @ b.to("tpu")
+    assert got.shape == (3,)
+    torch.testing.assert_close(got.cpu(), a @ b)
+
+
+def test_tensor_constructor_on_device_and_boolean_masks():
+    assert torch.equal(torch.tensor([1.0, 2.0], device="tpu").cpu(), torch.tensor([1.0, 2.0]))
+    x = torch.randn(4, 5)
+    t = x.to("tpu")
+    assert torch.equal(t[t > 0].cpu(), x[x > 0])
+    assert torch.equal(torch.nonzero(t).cpu(), torch.nonzero(x))

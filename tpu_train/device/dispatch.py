@@ -51,7 +51,15 @@ def dispatch(func, args, kwargs):
     handler = special_ops.HANDLERS.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
+    if torch.Tag.inplace_view in func.tags:
+        return special_ops.inplace_view(func, args, kwargs)
     if func.is_view:
+        if _has_composite_implicit(func):
+            # "May alias" ops such as to.dtype or reshape: their composite kernel decides
+            # whether the result is a view or a copy.
+            result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
         return run_view(func, args, kwargs)
     if registry.is_mutating(func):
         return mutation.run_mutating(func, args, kwargs)
@@ -59,6 +67,18 @@ def dispatch(func, args, kwargs):
     if lowering is None:
         return fallback.run_without_lowering(func, args, kwargs)
     return run_lowering(lowering, func, args, kwargs)
+
+
+_COMPOSITE_IMPLICIT: dict = {}
+
+
+def _has_composite_implicit(func) -> bool:
+    known = _COMPOSITE_IMPLICIT.get(func)
+    if known is None:
+        known = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
+        _COMPOSITE_IMPLICIT[func] = known
+    return known
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +205,9 @@ _DYNAMIC = object()
 # Ops whose float arguments decide output shapes: those floats must be compile-time constants.
 _STATIC_FLOAT_OPS: set = set()
 _SLOT_MASKS: dict = {}
+# Ops whose lowering needs concrete values (data-dependent output shapes: nonzero,
+# masked_select, boolean indexing): run without jit, on concrete arrays.
+_CONCRETE_OPS: set = set()
 
 
 class _Geometry(tuple):
@@ -240,7 +263,8 @@ def _split_leaves(func, leaves, slots, index):
 
 
 def _compiled(lowering, func, treedef, static, out_dtypes, random):
-    key = (func, treedef, static, out_dtypes, random)
+    concrete = func in _CONCRETE_OPS
+    key = (func, treedef, static, out_dtypes, random, concrete)
     cached = _JIT_CACHE.get(key)
     if cached is not None:
         return cached
@@ -287,7 +311,7 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
             results.append(a)
         return results
 
-    compiled = (jax.jit(run), structure)
+    compiled = (run if concrete else jax.jit(run), structure)
     _JIT_CACHE[key] = compiled
     return compiled
 
@@ -308,10 +332,15 @@ def run_lowering(lowering, func, args, kwargs):
     try:
         flat = fn(*dynamic)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError):
-        if func in _STATIC_FLOAT_OPS:
+            jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
+            NotImplementedError) as error:
+        if isinstance(error, NotImplementedError) and "compiled" not in str(error):
             raise
-        _STATIC_FLOAT_OPS.add(func)
+        if func in _CONCRETE_OPS:
+            raise
+        # First retry with float arguments as constants; if values still must be concrete,
+        # the op runs eagerly without jit (it then cannot be part of a compiled step).
+        (_STATIC_FLOAT_OPS if func not in _STATIC_FLOAT_OPS else _CONCRETE_OPS).add(func)
         return run_lowering(lowering, func, args, kwargs)
     if _sync:
         _wait(flat, func)

@@ -97,6 +97,27 @@ def zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     return full(size, 0, dtype=_dtype(dtype), device=device)
 
 
+def eye(n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None):
+    m = n if m is None else m
+    dtype = _dtype(dtype)
+    index = _index(device)
+    array = jnp.eye(n, m, dtype=storage_dtype(dtype), device=runtime.jax_device(index))
+    return wrap(array, dtype, index, (n, m))
+
+
+def eye_m(n, m, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return eye(n, m, dtype=dtype, device=device)
+
+
+def copy_from(self, dst, non_blocking=False):
+    """``torch.tensor(data, device="tpu")`` copies a CPU tensor into a fresh tpu tensor with
+    ``_copy_from`` under dispatch keys that bypass ``__torch_dispatch__``."""
+    from tpu_train.device.mutation import assign
+
+    assign(dst, self, "_copy_from")
+    return dst
+
+
 def register() -> None:
     """Register the kernels once per process (the library object must stay alive)."""
     global _library
@@ -113,6 +134,9 @@ def register() -> None:
         "arange": arange_end,
         "ones": ones,
         "zeros": zeros,
+        "_copy_from": copy_from,
+        "eye": eye,
+        "eye.m": eye_m,
     }
     for name, kernel in kernels.items():
         library.impl(name, kernel)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import jax
 import torch
 
+import math
+
+from torch.utils._mode_utils import no_dispatch
+
 from tpu_train.device import runtime
 from tpu_train.device.mutation import assign
+from tpu_train.device.storage import Storage, contiguous_strides
 from tpu_train.device.tensor import TpuTensor, from_host, to_host, wrap
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -66,13 +71,59 @@ def _compatible_shallow_copy(func, args, kwargs):
     return all(isinstance(a, TpuTensor) for a in args[:2])
 
 
+def set_geometry(tensor: TpuTensor, size, stride, offset: int) -> None:
+    """Change a tpu tensor's own sizes/strides/offset in place (what in-place view ops do).
+
+    The wrapper's metadata lives in its C++ TensorImpl; torch's meta kernel of ``as_strided_``
+    run on the wrapper itself (dispatch disabled, meta kernels selected) updates it."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            aten.as_strided_.default(tensor, list(size), list(stride), offset)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
+def inplace_view(func, args, kwargs):
+    """``squeeze_``, ``transpose_``, ``as_strided_``, ...: new geometry, same storage."""
+    from tpu_train.device.dispatch import to_meta
+
+    tensor = args[0]
+    meta = to_meta(tensor)
+    func(meta, *args[1:], **kwargs)
+    set_geometry(tensor, meta.shape, meta.stride(), meta.storage_offset())
+    return tensor
+
+
 def _resize_(func, args, kwargs):
+    """Resize as PyTorch does: same storage when it is large enough, else a new, larger one
+    that keeps the old elements (new elements are unspecified; here zero)."""
     tensor, size = args[0], tuple(args[1])
     if tuple(tensor.shape) == size:
         return tensor
-    raise NotImplementedError(
-        f"resize_ of a tpu tensor from {tuple(tensor.shape)} to {size} is not supported; "
-        "allocate a new tensor (torch.empty(..., device='tpu')) instead")
+    if kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+        raise NotImplementedError(f"resize_ of a tpu tensor with {kwargs['memory_format']}")
+    strides = contiguous_strides(size)
+    needed = tensor.storage_offset() + math.prod(size)
+    storage = tensor._storage
+    if needed > storage.numel:
+        buffer = jax.numpy.zeros((needed,), storage.buffer.dtype, device=runtime.jax_device(
+            storage.device_index))
+        buffer = buffer.at[:storage.numel].set(storage.buffer)
+        tensor._storage = Storage(buffer, storage.dtype, storage.device_index)
+    try:
+        set_geometry(tensor, size, strides, tensor.storage_offset())
+    except RuntimeError as error:
+        if "out of bounds" not in str(error):
+            raise
+        # The wrapper's own (data-less) PyTorch storage was sized when it was created and
+        # cannot grow from Python.
+        raise NotImplementedError(
+            f"resize_ of a tpu tensor from {tuple(tensor.shape)} to {size} grows it beyond the "
+            "size it was created with, which tpu tensors do not support; allocate a new tensor "
+            "(torch.empty(..., device='tpu')) instead") from None
+    return tensor
 
 
 def _record_stream(func, args, kwargs):
