@@ -152,9 +152,9 @@ def dense(tensor):
 
 
 def _cast(tensor, dtype):
-    # Inside __torch_dispatch__ the composite ``Tensor.to`` is not decomposed: it arrives as
-    # ``aten.to.dtype``, which the device layer treats as a view (same dtype only). The copy
-    # op it stands for is called directly.
+    # Inside __torch_dispatch__ the composite ``Tensor.to`` arrives as ``aten.to.dtype`` (a
+    # "may alias" op); the copy op it stands for is called directly, whatever the device layer
+    # does with the composite.
     if tensor.dtype == dtype:
         return tensor
     return torch.ops.aten._to_copy.default(tensor, dtype=dtype)

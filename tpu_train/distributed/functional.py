@@ -39,10 +39,10 @@ def _reduce_scatter_opts(reduce_op):
 def dense(tensor):
     """``tensor`` with contiguous geometry (a copy when it has none).
 
-    The handlers here run inside ``__torch_dispatch__``, below autograd, where composite ops
-    such as ``contiguous``/``reshape`` are not decomposed and reach the device layer as views
-    (their schemas alias the input): on a non-contiguous tpu tensor they would relabel the
-    storage instead of copying. ``clone`` is a real copy.
+    The handlers here run inside ``__torch_dispatch__``, below autograd, where composite
+    "may alias" ops such as ``contiguous``/``reshape`` arrive undecomposed; the device layer
+    decomposes them now, but an explicit ``clone`` does not depend on that (earlier it
+    relabelled the storage of a non-contiguous tensor instead of copying).
     """
     if tensor.is_contiguous():
         return tensor
