@@ -192,3 +192,14 @@ def test_cpu_fallback_runs_the_op_with_one_warning(monkeypatch):
         got = torch.ops.aten._cdist_forward(x.to("tpu"), x.to("tpu"), 2.0, None)
     assert got.device.type == "tpu"
     torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_storage_resize_keeps_memory_accounting():
+    x = torch.ones(256, 256, device="tpu:6")
+    before = torch.tpu.memory_allocated(6)
+    x._storage.resize(0)
+    assert torch.tpu.memory_allocated(6) == before - 256 * 256 * 4
+    x._storage.resize(256 * 256)
+    assert torch.tpu.memory_allocated(6) == before
+    del x
+    assert torch.tpu.memory_allocated(6) == before - 256 * 256 * 4

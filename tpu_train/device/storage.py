@@ -35,7 +35,7 @@ Geometry = tuple  # (size tuple, stride tuple, offset int)
 class Storage:
     """A flat device buffer holding ``numel`` elements of a torch dtype on one device."""
 
-    __slots__ = ("buffer", "dtype", "device_index", "__weakref__")
+    __slots__ = ("buffer", "dtype", "device_index", "_held", "__weakref__")
 
     def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int):
         assert buffer.ndim == 1, buffer.shape
@@ -43,6 +43,20 @@ class Storage:
         self.dtype = dtype
         self.device_index = device_index
         _accounting.track(self)
+
+    def resize(self, numel: int) -> None:
+        """Give the storage a buffer of ``numel`` elements (contents kept up to the shorter
+        length, the rest zero), keeping the memory accounting right: FSDP2 frees and
+        re-allocates unsharded parameters this way."""
+        old = self.numel
+        if numel == old:
+            return
+        kept = min(old, numel)
+        buffer = jnp.zeros((numel,), self.buffer.dtype, device=next(iter(self.buffer.devices())))
+        if kept:
+            buffer = buffer.at[:kept].set(self.buffer[:kept])
+        self.buffer = buffer
+        _accounting.adjust(self.device_index, (numel - old) * _element_size(self.dtype), self)
 
     @property
     def numel(self) -> int:
@@ -73,11 +87,19 @@ class _Accounting:
         with self.lock:
             self.live[index] = self.live.get(index, 0) + nbytes
             self.peak[index] = max(self.peak.get(index, 0), self.live[index])
-        weakref.finalize(storage, self._release, index, nbytes)
+        # The finalizer releases what the storage holds when it dies, resizes included.
+        storage._held = [nbytes]
+        weakref.finalize(storage, self._release, index, storage._held)
 
-    def _release(self, index: int, nbytes: int):
+    def adjust(self, index: int, delta: int, storage: Storage):
         with self.lock:
-            self.live[index] = self.live.get(index, 0) - nbytes
+            self.live[index] = self.live.get(index, 0) + delta
+            self.peak[index] = max(self.peak.get(index, 0), self.live[index])
+            storage._held[0] += delta
+
+    def _release(self, index: int, held: list):
+        with self.lock:
+            self.live[index] = self.live.get(index, 0) - held[0]
 
     def reset_peak(self, index: int):
         with self.lock:

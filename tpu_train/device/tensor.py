@@ -44,6 +44,10 @@ class TpuTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from tpu_train.device.dispatch import dispatch
 
+        if any(not issubclass(t, TpuTensor) for t in types):
+            # Another subclass (e.g. torch's AsyncCollectiveTensor) wraps a tpu tensor: let it
+            # handle the op first; it unwraps to us.
+            return NotImplemented
         kwargs = kwargs or {}
         try:
             return dispatch(func, args, kwargs)

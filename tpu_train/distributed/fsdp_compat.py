@@ -60,9 +60,7 @@ def alloc_storage(tensor: torch.Tensor) -> None:
         return _state["original"]["alloc_storage"](tensor)
     storage = tensor._storage
     needed = _storage_extent(tensor)
-    if storage.numel == needed:
-        return None
-    storage.buffer = _resized(storage, needed)
+    storage.resize(needed)
     return None
 
 
@@ -72,26 +70,8 @@ def free_storage(tensor: torch.Tensor) -> None:
 
     if not isinstance(tensor, TpuTensor):
         return _state["original"]["free_storage"](tensor)
-    storage = tensor._storage
-    if storage.numel != 0:
-        storage.buffer = _resized(storage, 0)
+    tensor._storage.resize(0)
     return None
-
-
-def _resized(storage, numel: int):
-    """A flat buffer of ``numel`` elements on the storage's device, its old prefix kept."""
-    import jax.numpy as jnp
-
-    from tpu_train.device import runtime
-    from tpu_train.device.storage import allocate
-
-    old = storage.buffer
-    keep = min(int(old.shape[0]), numel)
-    if keep == 0:
-        return allocate(numel, storage.dtype, runtime.jax_device(storage.device_index))
-    if numel <= old.shape[0]:
-        return old[:numel]
-    return jnp.concatenate([old, jnp.zeros((numel - keep,), old.dtype)])
 
 
 # -- FSDP2's own ops (``torch.ops.fsdp.*``) -----------------------------------------------------
