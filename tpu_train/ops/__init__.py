@@ -9,7 +9,7 @@ import importlib.util
 FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
     "matmul", "nn", "conv", "attention", "shape", "indexing", "scatter",
-    "special",
+    "special", "fft",
 ]
 if importlib.util.find_spec(f"{__name__}.compile_extras") is not None:
     FAMILIES.append("compile_extras")
