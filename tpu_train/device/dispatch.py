@@ -235,12 +235,12 @@ def _tensor_slot_mask(func, treedef, args, kwargs) -> tuple:
     return mask
 
 
-def _split_leaves(func, leaves, slots, index):
+def _split_leaves(func, leaves, slots, index, floats_static=False):
     """(dynamic values, static key) of flattened arguments. Tensors pass their raw buffers
     (their geometry is static); Python floats are dynamic too, so a learning rate that changes
     every step does not recompile."""
     dynamic, static = [], []
-    floats_static = func in _STATIC_FLOAT_OPS
+    floats_static = floats_static or func in _STATIC_FLOAT_OPS
     for leaf, in_tensor_slot in zip(leaves, slots):
         if isinstance(leaf, TpuTensor):
             dynamic.append(leaf._storage.buffer)
@@ -325,7 +325,7 @@ def run_lowering(lowering, func, args, kwargs):
     if meta_leaves is not None:
         out_dtypes = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in meta_leaves)
     slots = _tensor_slot_mask(func, treedef, args, kwargs)
-    dynamic, static = _split_leaves(func, leaves, slots, index)
+    dynamic, static = _split_leaves(func, leaves, slots, index, lowering.static_floats)
     fn, structure = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
     if lowering.random:
         dynamic.append(rng.next_key(index))

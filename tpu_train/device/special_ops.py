@@ -147,7 +147,41 @@ def _lift_fresh_copy(func, args, kwargs):
     return from_host(source, 0)
 
 
+def _linalg_check_errors(func, args, kwargs):
+    # Checking LAPACK-style info codes would force a host sync per op; like a compiled
+    # program, the eager device reports no singular-matrix errors (results are NaN instead).
+    return None
+
+
+def _like_options(source, kwargs):
+    return {"dtype": kwargs.get("dtype") or source.dtype,
+            "device": kwargs.get("device") or source.device}
+
+
+def _rand_like(func, args, kwargs):
+    return torch.empty(args[0].shape, **_like_options(args[0], kwargs)).uniform_()
+
+
+def _randn_like(func, args, kwargs):
+    return torch.empty(args[0].shape, **_like_options(args[0], kwargs)).normal_()
+
+
+def _randint_like(func, args, kwargs):
+    low, high = (0, args[1]) if len(args) == 2 else (args[1], args[2])
+    return torch.empty(args[0].shape, **_like_options(args[0], kwargs)).random_(low, high)
+
+
+def _new_empty_strided(func, args, kwargs):
+    return torch.empty_strided(args[1], args[2], **_like_options(args[0], kwargs))
+
+
 HANDLERS = {
+    aten._linalg_check_errors.default: _linalg_check_errors,
+    aten.rand_like.default: _rand_like,
+    aten.randn_like.default: _randn_like,
+    aten.randint_like.default: _randint_like,
+    aten.randint_like.low_dtype: _randint_like,
+    aten.new_empty_strided.default: _new_empty_strided,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,

@@ -355,7 +355,7 @@ def logsumexp(self, dim, keepdim=False):
     return jax.nn.logsumexp(x, axis=axes, keepdims=keepdim).astype(result)
 
 
-@lowers(aten.linalg_vector_norm.default)
+@lowers(aten.linalg_vector_norm.default, static_floats=True)
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     result = torch_default_dtype(dtype, float_result_dtype(self.dtype))
     x = jnp.abs(self.astype(opmath_dtype(result)))

@@ -26,6 +26,9 @@ View ops are lowered with value semantics (a view is a reshape / slice / transpo
 value); eager mode handles their aliasing through storage geometry, the compiled step uses
 these lowerings directly.
 
+A lowering that must see float arguments as Python values (because they select an algorithm,
+e.g. a norm's ``ord``) is registered with ``static_floats=True``.
+
 Random ops take the PRNG key as a keyword argument ``rng_key`` (a ``jax.random`` key) and are
 registered with ``random=True``; the caller supplies a fresh key per call.
 """
@@ -47,6 +50,7 @@ class Lowering:
     op: torch._ops.OpOverload
     fn: Callable
     random: bool = False
+    static_floats: bool = False
 
 
 _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
@@ -60,7 +64,8 @@ def _overloads(op: OpLike) -> Iterable[torch._ops.OpOverload]:
         yield op
 
 
-def lowers(*ops: OpLike, random: bool = False, override: bool = False):
+def lowers(*ops: OpLike, random: bool = False, static_floats: bool = False,
+           override: bool = False):
     """Register the decorated function as the lowering of ``ops``.
 
     Passing a packet (``aten.add``) registers every overload of it; pass overloads
@@ -79,7 +84,7 @@ def lowers(*ops: OpLike, random: bool = False, override: bool = False):
                     raise ValueError(
                         f"{overload} already lowered by {_TABLE[overload].fn.__module__}."
                         f"{_TABLE[overload].fn.__name__}; pass override=True to replace it")
-                _TABLE[overload] = Lowering(overload, fn, random)
+                _TABLE[overload] = Lowering(overload, fn, random, static_floats)
         return fn
 
     return register
