@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.trainer.cli_helpers import TINY, run_in_process, snapshot
+from tests.trainer.cli_helpers import TINY, one_thread, run_in_process, snapshot  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +99,12 @@ def test_bad_data_is_one_line_and_writes_nothing(name, existing_run, bad_data):
 
 
 def test_help_lists_recipes():
-    result = subprocess.run([sys.executable, "-m", "tpu_train.cli", "--help"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0
+    code, out, err = run_in_process("--help")
+    assert code == 0, err
     for recipe in ("llama_pretrain", "llama_finetune", "llama_lora", "generate", "eval"):
-        assert recipe in result.stdout
-    assert "recipe: eval, generate, llama_finetune, llama_lora, llama_pretrain" in result.stdout
+        assert recipe in out
+    assert "recipe: eval, generate, llama_finetune, llama_lora, llama_pretrain" in out
+    assert "model: debug_tiny, debug_tiny_base, llama2_7b" in out
 
 
 def test_cfg_job_prints_composed_config():

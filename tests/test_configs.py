@@ -60,6 +60,21 @@ def test_required_keys_exist_with_defaults():
     assert str(cfg.run.dir).startswith("runs/llama_finetune/")
 
 
+def test_default_fine_tunes_the_bundled_base_model():
+    from tpu_train.trainer.config import asset_path
+
+    cfg = _compose([])
+    assert cfg.model.name == "debug_tiny" and cfg.model.checkpoint == asset_path("base_model")
+    assert (Path(cfg.model.checkpoint) / "config.json").is_file()
+    assert cfg.optim.lr == pytest.approx(1e-3) and cfg.trainer.max_steps != 100
+    # Another model option drops the preset's training settings; the command line beats them.
+    plain = _compose(["model=llama3_2_1b"])
+    assert plain.model.checkpoint is None and plain.optim.lr == pytest.approx(1e-4)
+    assert plain.trainer.max_steps == 100 and plain.recipe.eval.exact_match_examples == 32
+    assert _compose(["optim.lr=5e-4", "trainer.max_steps=7"]).optim.lr == pytest.approx(5e-4)
+    assert _compose(["recipe=llama_pretrain"]).model.checkpoint is None
+
+
 def test_recipe_overrides_other_groups():
     cfg = _compose(["recipe=llama_lora"])
     assert cfg.optim.lr == pytest.approx(1e-3)

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from tpu_train import cli
 
 # A debug_tiny Llama on 2 x 32-token batches: a step takes well under a second on one core.
@@ -18,6 +21,20 @@ TINY = [
     "logging.progress_bar=false", "logging.every_n_steps=1", "checkpoint.export_hf=false",
     "scheduler.warmup_steps=1",
 ]
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test with one intra-op thread (restored after).
+
+    The tiny models of these tests gain nothing from more threads, and on a busy machine
+    threads that wait for each other make every step several times slower.  One thread also
+    makes the CPU arithmetic independent of the core count.
+    """
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def run_in_process(*overrides: str) -> tuple[int, str, str]:
@@ -38,7 +55,7 @@ def run_in_process(*overrides: str) -> tuple[int, str, str]:
 
 def start_subprocess(*overrides: str) -> subprocess.Popen:
     """``tpu-train`` in a child process (for signals), output captured."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -88,7 +88,7 @@ def test_tensorboard_scalars_are_written(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    code, _, err = run_in_process(*TINY, "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+    code, _, err = run_in_process(*TINY, "trainer.max_steps=2", "trainer.val_every_n_steps=1",
                                   "trainer.val_batches=1", "recipe.eval.exact_match_examples=2",
                                   "recipe.eval.max_new_tokens=4", f"run.dir={run_dir}")
     assert code == 0, err
@@ -100,3 +100,5 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert expected <= tags, tags
     assert "train/mfu" not in tags  # the CPU is not in the peak table: no guessed MFU
     assert len(events.Scalars("train/loss")) == 2
+    # Every validation reads the validation file afresh: a loss at each of the two steps.
+    assert [event.step for event in events.Scalars("val/loss")] == [1, 2]

@@ -68,17 +68,25 @@ def build_train_loader(cfg: DictConfig, tokenizer, path: Path):
     return loader
 
 
-def build_val_loader(cfg: DictConfig, tokenizer, path: Path | None):
-    """A finite loader over the validation file (one pass), or None."""
+def build_val_loader(cfg: DictConfig, tokenizer, path: Path | None, probe: bool = True):
+    """A finite loader over the validation file (one pass), or None.
+
+    A loader is a single stream, so every validation pass needs a new one.  With ``probe`` a
+    separate loader first reads one batch, so that bad records fail before anything is written.
+    """
     from tpu_train.data import PackedLoader
 
     if path is None:
         return None
-    loader = PackedLoader(path, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
-                          format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
-                          num_epochs=1, drop_last=False)
-    next(iter(loader))
-    return loader
+
+    def make():
+        return PackedLoader(path, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+                            format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
+                            num_epochs=1, drop_last=False)
+
+    if probe:
+        next(iter(make()))
+    return make()
 
 
 def first_record_kind(path: Path | None) -> str | None:

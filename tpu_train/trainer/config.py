@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 
 class StepMode(Enum):
@@ -49,7 +52,9 @@ class ModelConfig:
     """Which Llama to build, and optionally a Hugging Face directory to load weights from."""
 
     name: str = "debug_tiny"
-    checkpoint: Optional[str] = None  # HF directory; parameters only (no optimizer state)
+    # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
+    # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
+    checkpoint: Optional[str] = None
 
 
 @dataclass
@@ -191,8 +196,17 @@ class Config:
 
 
 SCHEMA_NAME = "schema"
+ASSET_RESOLVER = "asset"
+
+
+def asset_path(name: str) -> str:
+    """Absolute path of ``tpu_train/assets/<name>`` (the ``${asset:NAME}`` interpolation)."""
+    return str(ASSETS_DIR / name)
 
 
 def register_schema() -> None:
-    """Register :class:`Config` as ``schema`` in Hydra's ConfigStore (idempotent)."""
+    """Register :class:`Config` as ``schema`` in Hydra's ConfigStore and the ``${asset:NAME}``
+    resolver (idempotent)."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    if not OmegaConf.has_resolver(ASSET_RESOLVER):
+        OmegaConf.register_new_resolver(ASSET_RESOLVER, asset_path)

@@ -30,7 +30,6 @@ def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_ba
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-@torch.no_grad()
 def exact_match_score(model: torch.nn.Module, tokenizer, path: Path, device: torch.device,
                       max_examples: int, max_new_tokens: int) -> float | None:
     """Greedy-decoded answers compared with the references of an instruction/chat file.
@@ -38,6 +37,14 @@ def exact_match_score(model: torch.nn.Module, tokenizer, path: Path, device: tor
     Prompts are decoded one at a time: batched prompts would need padding the model cannot
     mask.  Returns None when ``max_examples`` is 0.
     """
+    result = exact_match_count(model, tokenizer, path, device, max_examples, max_new_tokens)
+    return None if result is None else result[0]
+
+
+@torch.no_grad()
+def exact_match_count(model: torch.nn.Module, tokenizer, path: Path, device: torch.device,
+                      max_examples: int, max_new_tokens: int) -> tuple[float, int] | None:
+    """(exact match, number of examples scored) as in :func:`exact_match_score`."""
     from tpu_train.data import PaddedInstructionLoader, exact_match, extract_response
     from tpu_train.models import generate
 
@@ -56,4 +63,4 @@ def exact_match_score(model: torch.nn.Module, tokenizer, path: Path, device: tor
         predictions.append(extract_response(text))
         references.append(batch["references"][0])
     model.train()
-    return exact_match(predictions, references) if references else None
+    return (exact_match(predictions, references), len(references)) if references else None

@@ -15,7 +15,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint import CheckpointManager, latest_checkpoint, read_checkpoint
 from .config import OnNonFinite, Precision, StepMode
 from .errors import ConfigError, TrainingStopped
-from .evaluation import exact_match_score, validation_loss
+from .evaluation import exact_match_count, validation_loss
 from .lora import apply_lora, merge_lora
 from .metrics import (
     RunLogger, detect_device_kind, format_log_line, is_main_process, peak_bf16_tflops,
@@ -84,6 +84,8 @@ def train(cfg: DictConfig, lora: bool = False) -> Path:
     exact_match_path = val_path if builders.first_record_kind(val_path) in ("instruction", "chat") else None
 
     model = builders.build_model(cfg, tokenizer.vocab_size)
+    source = (str(cfg.model.checkpoint) if cfg.model.checkpoint is not None
+              else f"random initialization (seed {trainer_cfg.seed})")
     if lora:
         try:
             apply_lora(model, list(cfg.recipe.lora.targets), cfg.recipe.lora.rank,
@@ -145,20 +147,27 @@ def train(cfg: DictConfig, lora: bool = False) -> Path:
         }
         checkpoints.save(step, model.state_dict(), training_state)
 
+    last_validation: dict = {}
+
     def validate_now() -> None:
         values = {}
         if val_loader is not None:
-            values.update(validation_loss(model, val_loader, device, trainer_cfg.val_batches, precision))
+            # A fresh pass over the validation file each time (a loader is one stream).
+            loader = builders.build_val_loader(cfg, tokenizer, val_path, probe=False)
+            values.update(validation_loss(model, loader, device, trainer_cfg.val_batches, precision))
+        scored = None
         if exact_match_path is not None:
-            score = exact_match_score(model, tokenizer, exact_match_path, device,
-                                      cfg.recipe.eval.exact_match_examples,
-                                      cfg.recipe.eval.max_new_tokens)
-            if score is not None:
-                values["exact_match"] = score
+            scored = exact_match_count(model, tokenizer, exact_match_path, device,
+                                       cfg.recipe.eval.exact_match_examples,
+                                       cfg.recipe.eval.max_new_tokens)
+            if scored is not None:
+                values["exact_match"] = scored[0]
         if values:
             logger.scalars("val", values, step)
             logger.line(f"step {step}/{trainer_cfg.max_steps} | validation | "
                         + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        last_validation.clear()
+        last_validation.update(step=step, values=values, examples=scored[1] if scored else 0)
 
     batches = iter(train_loader)
     stopped_by = None
@@ -199,19 +208,48 @@ def train(cfg: DictConfig, lora: bool = False) -> Path:
             if stopped_by is not None:
                 save()
         checkpoints.wait()
+        export_dir = None
         if stopped_by is not None:
             logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved, rerun the "
                         "same command to resume")
-        elif main_process and cfg.checkpoint.export_hf:
-            export_dir = run_dir / "hf"
-            _export(merge_lora(model) if lora else model, export_dir, tokenizer)
-            logger.line(f"exported Hugging Face model: {export_dir}")
+        else:
+            # The final model is always validated (a resumed, already finished run included).
+            if (trainer_cfg.val_every_n_steps and last_validation.get("step") != step
+                    and (val_loader is not None or exact_match_path is not None)):
+                validate_now()
+            if main_process and cfg.checkpoint.export_hf:
+                export_dir = run_dir / "hf"
+                _export(merge_lora(model) if lora else model, export_dir, tokenizer)
         last = latest_checkpoint(run_dir)
-        logger.line(f"logs: {run_dir / 'train.log'} | tensorboard: {logger.tensorboard_dir} | "
-                    f"checkpoint: {last if last else 'none'}")
+        logger.line(_summary(run_dir, logger, step, trainer_cfg.max_steps, last, export_dir,
+                             last_validation, source))
     finally:
         logger.close()
     return run_dir
+
+
+def _summary(run_dir: Path, logger: RunLogger, step: int, max_steps: int, checkpoint: Path | None,
+             export_dir: Path | None, validation: dict, source: str) -> str:
+    """The closing block: where everything is, and the final validation figures."""
+    rows = [("run dir", str(run_dir)), ("started from", source),
+            ("train log", str(run_dir / "train.log")),
+            ("tensorboard", f"{logger.tensorboard_dir} (tensorboard --logdir {logger.tensorboard_dir})"
+             if logger.tensorboard_dir.is_dir() else "off (logging.tensorboard=false)"),
+            ("checkpoint", str(checkpoint) if checkpoint else "none"),
+            ("hf export", str(export_dir) if export_dir else "none")]
+    values = validation.get("values") or {}
+    if validation.get("step") == step and values:
+        figures = []
+        if "exact_match" in values:
+            figures.append(f"exact match {values['exact_match']:.1%} on "
+                           f"{validation['examples']} held-out examples")
+        if "loss" in values:
+            figures.append(f"loss {values['loss']:.4f}")
+        rows.append((f"validation at step {step}", ", ".join(figures)))
+    width = max(len(key) for key, _ in rows)
+    lines = [f"finished step {step}/{max_steps}" if step >= max_steps else f"stopped at step {step}/{max_steps}"]
+    lines += [f"  {key + ':':<{width + 1}} {value}" for key, value in rows]
+    return "\n".join(lines)
 
 
 def _export(model: torch.nn.Module, directory: Path, tokenizer) -> None:
