@@ -165,3 +165,12 @@ def test_tensor_constructor_on_device_and_boolean_masks():
     t = x.to("tpu")
     assert torch.equal(t[t > 0].cpu(), x[x > 0])
     assert torch.equal(torch.nonzero(t).cpu(), torch.nonzero(x))
+
+
+def test_setting_param_data_to_a_view_shares_its_storage():
+    flat = torch.arange(6.0).to("tpu")
+    param = torch.nn.Parameter(torch.ones(3).to("tpu"))
+    param.data = flat[3:]
+    flat.add_(10)
+    assert isinstance(param, torch.nn.Parameter)
+    assert torch.equal(param.detach().cpu(), torch.tensor([13.0, 14.0, 15.0]))

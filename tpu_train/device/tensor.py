@@ -56,6 +56,18 @@ class TpuTensor(torch.Tensor):
                 raise
             return _defer_backward_error(func, args, kwargs, error)
 
+    # ``param.data = other`` swaps the TensorImpl's metadata in C++; the storage this class
+    # keeps in Python must follow it.
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        torch.Tensor.data.__set__(self, new)
+        if isinstance(new, TpuTensor):
+            self._storage = new._storage
+
     # -- value access -------------------------------------------------------------------------
 
     def jax_value(self) -> jax.Array:

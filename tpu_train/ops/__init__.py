@@ -4,12 +4,11 @@ Importing this package registers every family. ``registry.lowered_ops()`` lists 
 """
 
 import importlib
-import importlib.util
 
 FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
     "matmul", "nn", "conv", "attention", "shape", "indexing", "scatter",
-    "special", "fft",
+    "special", "fft", "sorting",
 ]
 if importlib.util.find_spec(f"{__name__}.compile_extras") is not None:
     FAMILIES.append("compile_extras")
