@@ -9,9 +9,9 @@ FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
     "matmul", "nn", "conv", "attention", "shape", "indexing", "scatter",
     "special", "fft", "sorting",
+    # Last: registers only what no family above lowers.
+    "compile_extras",
 ]
-if importlib.util.find_spec(f"{__name__}.compile_extras") is not None:
-    FAMILIES.append("compile_extras")
 
 for _family in FAMILIES:
     importlib.import_module(f"{__name__}.{_family}")
