@@ -8,7 +8,7 @@ import importlib
 FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
     "matmul", "nn", "conv", "attention", "shape", "indexing", "scatter",
-    "special", "fft", "sorting",
+    "special", "fft", "sorting", "misc",
     # Last: registers only what no family above lowers.
     "compile_extras",
 ]
