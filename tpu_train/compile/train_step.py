@@ -75,7 +75,7 @@ class CompiledTrainStep:
 
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
-                 name=None):
+                 name=None, mesh=None, plan=None):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -87,6 +87,8 @@ class CompiledTrainStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_accum_steps = int(grad_accum_steps)
         self.donate = bool(donate)
+        self.mesh = mesh  # with plan: an SPMD program (see tpu_train.compile.program)
+        self.plan = plan
         self.adapter = adapter_for(optimizer)
         self.cache = cache_mod.CompileCache(
             name or f"train step of {type(model).__name__}", warn_after=warn_after)
@@ -214,7 +216,8 @@ class CompiledTrainStep:
                            dtype=np.float32).reshape(len(groups), self.adapter.num_scalars)
 
         def build(stages):
-            return program_mod.build_program(self, st, values, scalars, device, stages)
+            return program_mod.build_program(self, st, values, scalars, device, stages,
+                                             mesh=self.mesh, plan=self.plan)
 
         entry = self.cache.get_or_build(signature, build)
         args = [param_arrays, state_arrays, const_arrays, batch_arrays,
@@ -276,7 +279,8 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *,
                        scheduler=None, max_grad_norm: float | None = None,
                        grad_accum_steps: int = 1, donate: bool = True,
-                       warn_after: int = cache_mod.DEFAULT_WARN_AFTER) -> CompiledTrainStep:
+                       warn_after: int = cache_mod.DEFAULT_WARN_AFTER,
+                       mesh=None, plan=None) -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -294,6 +298,9 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             (halves their memory; the old arrays are invalid afterwards — tensors that share
             a storage with a parameter still see the new value).
         warn_after: log a warning when the step compiles more than this many times.
+        mesh, plan: a ``tpu_train.parallel`` mesh and sharding plan (both or neither): one
+            SPMD program over the mesh; parameters and optimizer state become global arrays
+            split per the plan (``tpu_train.parallel.place_for_step`` places them up front).
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}``, device tensors (no host sync). ``batch``
@@ -301,4 +308,4 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,
                              max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
-                             donate=donate, warn_after=warn_after)
+                             donate=donate, warn_after=warn_after, mesh=mesh, plan=plan)
