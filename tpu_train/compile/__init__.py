@@ -13,6 +13,9 @@ from tpu_train.compile.cache import CompileRecord, Signature, describe_changes
 from tpu_train.compile.functional_optim import UnsupportedOptimizerError
 from tpu_train.compile.interpreter import MissingLoweringError, run_graph
 from tpu_train.compile.train_step import CompiledTrainStep, compile_train_step
+from tpu_train.compile import dynamo_backend as _dynamo_backend
+
+_dynamo_backend.register()  # torch.compile(model, backend="tpu")
 
 __all__ = [
     "CompileRecord",
