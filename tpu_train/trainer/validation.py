@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import ScheduleName
+from .config import ScheduleName, StepMode
 from .errors import ConfigError
 
 DEVICES = ("cpu", "tpu")
@@ -46,6 +46,9 @@ def validate_config(cfg: DictConfig) -> None:
     _require(trainer.seed >= 0, f"trainer.seed must be >= 0, got {trainer.seed}")
     _require(trainer.device in DEVICES,
              f"trainer.device={trainer.device!r} is not a device; valid devices: {', '.join(DEVICES)}")
+    _require(StepMode(trainer.mode) is not StepMode.compiled or trainer.device == "tpu",
+             f"trainer.mode=compiled needs trainer.device=tpu (the compiled step is one program on "
+             f"the tpu device), got trainer.device={trainer.device!r}; use trainer.mode=eager on the CPU")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
