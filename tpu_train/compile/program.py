@@ -6,6 +6,16 @@ in place) and returns the new flat buffers, the new values of mutated buffers, a
 gradient norm and learning rate. Gradient accumulation runs the gradient graph under
 ``lax.scan`` over micro-batches: program size and compile time do not grow with the number of
 micro-batches.
+
+SPMD (``mesh`` and ``plan`` given): the program is jitted with ``in_shardings`` /
+``out_shardings`` from :func:`tpu_train.parallel.step_shardings`. The ``tpu`` storages stay flat
+(the device layer's invariant), so each parameter / state buffer is a flat *global* array split
+over the same mesh axes as its plan spec (:func:`tpu_train.parallel.flat_storage_sharding`):
+every device holds ``1 / ways`` of it. Inside the program the flat buffers are reshaped to their
+natural shapes and pinned to the plan's sharding, so the forward, backward and update run on the
+plan's layout (XLA reshuffles between the two layouts at the program's edges), and the new
+values leave flat again. Lowering uses abstract inputs only (``jax.ShapeDtypeStruct`` with
+shardings): nothing needs to be allocated to compile, which the ahead-of-time planner uses.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import torch
 
 from tpu_train.compile import interpreter, tracing
 from tpu_train.ops import registry
+from tpu_train.ops.dtypes import storage_dtype
 
 aten = torch.ops.aten
 
@@ -34,6 +45,31 @@ class Program:
     grad_norm_dtype: torch.dtype
     grad_graph: torch.fx.GraphModule
     update_graph: torch.fx.GraphModule
+    lowered: Any = None  # the ``jax.stages.Lowered`` (cost and memory analysis)
+    in_shardings: Any = None  # SPMD only: what the executable's arguments must be placed as
+
+
+class _PlacingExecutable:
+    """A compiled SPMD step that first places its arguments as the program expects.
+
+    The caller hands in whatever the ``tpu`` tensors hold: batches and constants on one device,
+    the RNG key on one device, parameters on one device before their first step. A compiled
+    executable accepts only arrays with exactly its input shardings, so each argument is
+    ``device_put`` to its sharding; arrays already placed that way (parameters and optimizer
+    state after the first step, which the step writes back as global arrays) pass through
+    without a copy.
+    """
+
+    def __init__(self, compiled, in_shardings):
+        self.compiled = compiled
+        self.in_shardings = in_shardings
+
+    def __call__(self, *args):
+        placed = [jax.device_put(a, s) for a, s in zip(args, self.in_shardings)]
+        return self.compiled(*placed)
+
+    def __getattr__(self, name):  # memory_analysis(), cost_analysis(), as_text() ...
+        return getattr(self.compiled, name)
 
 
 def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
@@ -55,8 +91,28 @@ def _mutated_placeholders(gm: torch.fx.GraphModule) -> list[int]:
     return sorted(written)
 
 
-def build_program(step, st, values, scalars, device, stages) -> Program:
-    """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``)."""
+def _state_owners(st) -> list[int]:
+    """For each optimizer-state tensor, the index of the parameter it belongs to."""
+    owners = []
+    for i, count in enumerate(st.state_counts):
+        owners.extend([i] * count)
+    return owners
+
+
+def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
+                  compile: bool = True) -> Program:
+    """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
+
+    ``mesh`` and ``plan`` (both or neither) compile an SPMD program (module docstring).
+    ``values`` may be None in SPMD mode: inputs are described from ``st``'s shapes and dtypes
+    alone. ``compile=False`` stops after lowering (``Program.executable`` is then None).
+    """
+    if (mesh is None) != (plan is None):
+        raise ValueError("an SPMD step needs both mesh= and plan= (got only "
+                         f"{'mesh' if plan is None else 'plan'})")
+    spmd = mesh is not None
+    if values is None and not spmd:
+        raise ValueError("values=None (abstract lowering) needs a mesh and a plan")
     fakes = tracing.FakeFactory()
     k = step.grad_accum_steps
     tpu_device = st.params[0].device
@@ -77,9 +133,14 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
     # and XLA updates the donated buffers in place. (Traced on 2-D shapes, with the flat
     # buffers reshaped around it, XLA's CPU backend copied every parameter and optimizer
     # state buffer once per step.)
-    flat_param_fakes = [fake(p, (p.numel(),)) for p in st.params]
-    state_fakes = [fake(s, (s.numel(),)) for s in st.states]
-    grad_fakes = [fake(p, (p.numel(),)) for p in st.params]
+    # Under SPMD the update runs on natural shapes instead: a flat buffer cannot carry the
+    # plan's 2-D tilings, and the update should read the gradients in the plan's layout.
+    def update_shape(t):
+        return tuple(t.shape) if spmd else (t.numel(),)
+
+    flat_param_fakes = [fake(p, update_shape(p)) for p in st.params]
+    state_fakes = [fake(s, update_shape(s)) for s in st.states]
+    grad_fakes = [fake(p, update_shape(p)) for p in st.params]
     scalars_fake = fakes.like(scalars.shape, torch.float32, tpu_device)
     update_gm = stages.time("trace", tracing.trace_update_graph, step.adapter, settings,
                             st.group_sizes, st.state_counts, step.max_grad_norm, fakes,
@@ -137,25 +198,82 @@ def build_program(step, st, values, scalars, device, stages) -> Program:
         grads, loss = normalise(grad_sum, loss_sum, weight_sum)
         return grads, loss, new_consts
 
+    state_shapes = [tuple(t.shape) for t in st.states]
+    shardings = None
+    if spmd:
+        from tpu_train.parallel import flat_storage_sharding, step_shardings
+
+        shardings = step_shardings(
+            plan, mesh, param_names=st.param_names, param_shapes=param_shapes,
+            state_owners=_state_owners(st), state_shapes=state_shapes, num_consts=n_consts,
+            batch_shapes=[tuple(b.shape) for b in st.batch_leaves])
+        flat_params = [flat_storage_sharding(s) for s in shardings.params]
+        flat_states = [flat_storage_sharding(s) for s in shardings.states]
+
+    def pin(value, sharding):
+        return jax.lax.with_sharding_constraint(value, sharding)
+
     def program(param_flat, state_flat, consts, batch, scalars_in, key=None):
         params = [a.reshape(s) for a, s in zip(param_flat, param_shapes)]
+        if spmd:
+            params = [pin(p, s) for p, s in zip(params, shardings.params)]
         if k == 1:
             grads, loss, weight, new_consts = gradients(params, list(consts), list(batch), key)
             grads, loss = normalise(grads, loss, weight)
         else:
             grads, loss, new_consts = accumulate(params, list(consts), list(batch), key)
-        flat_grads = [g.reshape(-1) for g in grads]
-        outputs, _ = interpreter.run_graph(
-            update_gm, list(param_flat) + flat_grads + list(state_flat) + [scalars_in])
+        if spmd:
+            grads = [pin(g, s) for g, s in zip(grads, shardings.params)]
+            states = [pin(a.reshape(s), sh) for a, s, sh in
+                      zip(state_flat, state_shapes, shardings.states)]
+            outputs, _ = interpreter.run_graph(
+                update_gm, params + list(grads) + states + [scalars_in])
+            # Back to the flat storage layout (the out_shardings say how it is split).
+            outputs = [o.reshape(-1) for o in outputs[:-1]] + [outputs[-1]]
+        else:
+            flat_grads = [g.reshape(-1) for g in grads]
+            outputs, _ = interpreter.run_graph(
+                update_gm, list(param_flat) + flat_grads + list(state_flat) + [scalars_in])
         return (outputs[:n_params], outputs[n_params:-1], [new_consts[p] for p in mutated],
                 loss, outputs[-1], scalars_in[0, 0])
 
-    jitted = jax.jit(program, donate_argnums=(0, 1) if step.donate else ())
-    args = [values["params"], values["states"], values["consts"], values["batch"],
-            jax.device_put(scalars, device)]
-    if random:
-        args.append(jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                                         sharding=jax.sharding.SingleDeviceSharding(device)))
+    donate = (0, 1) if step.donate else ()
+    key_dtype = jax.random.key(0).dtype
+    if not spmd:
+        jitted = jax.jit(program, donate_argnums=donate)
+        args = [values["params"], values["states"], values["consts"], values["batch"],
+                jax.device_put(scalars, device)]
+        if random:
+            args.append(jax.ShapeDtypeStruct(
+                (), key_dtype, sharding=jax.sharding.SingleDeviceSharding(device)))
+        in_shardings = None
+    else:
+        rep = shardings.replicated
+        in_shardings = [flat_params, flat_states, list(shardings.consts), list(shardings.batch),
+                        rep] + ([rep] if random else [])
+        out_shardings = (flat_params, flat_states, [rep] * len(mutated), rep, rep, rep)
+        jitted = jax.jit(program, in_shardings=tuple(in_shardings),
+                         out_shardings=out_shardings, donate_argnums=donate)
+
+        def abstract(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+        def described(tensors, shapes, group_shardings):
+            return [abstract(shape, storage_dtype(t.dtype), s)
+                    for t, shape, s in zip(tensors, shapes, group_shardings)]
+
+        # Only shapes, dtypes and shardings: nothing is allocated to lower and compile.
+        args = [described(st.params, [(p.numel(),) for p in st.params], flat_params),
+                described(st.states, [(t.numel(),) for t in st.states], flat_states),
+                described(st.consts, [tuple(c.shape) for c in st.consts], shardings.consts),
+                described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves],
+                          shardings.batch),
+                abstract(scalars.shape, jnp.float32, rep)]
+        if random:
+            args.append(abstract((), key_dtype, rep))
     lowered = stages.time("lower", jitted.lower, *args)
-    executable = stages.time("compile", lowered.compile)
-    return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm)
+    executable = stages.time("compile", lowered.compile) if compile else None
+    if spmd and executable is not None:
+        executable = _PlacingExecutable(executable, in_shardings)
+    return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm,
+                   lowered=lowered, in_shardings=in_shardings)

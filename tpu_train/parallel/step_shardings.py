@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .mesh import BATCH_AXES
 from .plans import PlanError, ShardingPlan
 
-__all__ = ["StepShardings", "step_shardings"]
+__all__ = ["StepShardings", "flat_storage_sharding", "step_shardings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +83,26 @@ def step_shardings(plan: ShardingPlan, mesh, *, param_names: Sequence[str],
         batch.append(NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
     return StepShardings(params, tuple(states), (replicated,) * num_consts, tuple(batch),
                          replicated)
+
+
+def flat_storage_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The sharding of a tensor's *flat* storage buffer that splits it as many ways as
+    ``sharding`` splits the tensor.
+
+    The ``tpu`` device keeps every storage as one flat buffer, and a flat array can only be
+    cut into contiguous blocks, so the plan's tiling of ``[out, in]`` (say ``(tensor, fsdp)``)
+    cannot be the buffer's own layout. The buffer is instead split in row-major blocks over
+    the same mesh axes, in the spec's order: every device holds the same number of bytes as
+    under the plan, and a compiled step reshapes and re-pins it to the plan's layout inside
+    the program. A replicated ``sharding`` gives a replicated buffer.
+    """
+    axes: list[str] = []
+    for entry in sharding.spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        for axis in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+            if sharding.mesh.shape[axis] > 1 and axis not in axes:
+                axes.append(axis)
+    if not axes:
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    return NamedSharding(sharding.mesh, PartitionSpec(tuple(axes)))
