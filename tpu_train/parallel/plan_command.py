@@ -1,0 +1,194 @@
+"""``tpu-train plan``: per-chip memory, FLOPs and step time of a config, analytic and from XLA.
+
+:func:`run_plan` takes a composed ``tpu-train`` config and returns one dict: the analytic
+estimate (:func:`tpu_train.planner.estimate_from_config`) and, beside it, what XLA says about
+the *real* compiled PyTorch step (``compile_train_step``'s program for the Llama plan on the
+target mesh), lowered for abstract sharded inputs in a subprocess with as many virtual CPU
+devices as the mesh has chips: no parameter is ever allocated (the model is built on the
+``meta`` device). If that fails, the hand-written JAX reference step is analysed instead and
+``xla_source`` says so. Running the module prints a report whose last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import planner
+
+__all__ = ["run_plan", "compiled_step_analysis"]
+
+
+class _Stages:
+    """The minimal stage timer ``build_program`` expects."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.graph_nodes = 0
+
+    def time(self, name, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class _Described:
+    """Shape, dtype and device of a tensor that is never allocated (what tracing reads)."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.device = device
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
+                           seq_len: int, overrides: dict | None = None) -> dict[str, Any]:
+    """XLA's memory and cost analysis of the compiled PyTorch Llama step on this process's
+    devices (run it where ``len(jax.devices())`` equals the mesh size)."""
+    import types
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._pytree import tree_flatten
+
+    import tpu_train
+    from tpu_train.compile import program as program_mod
+    from tpu_train.compile.functional_optim import adapter_for
+    from tpu_train.models import Llama, get_config
+
+    from .llama_plan import llama_plan
+    from .mesh import build_mesh
+
+    cfg = get_config(model_name, **(overrides or {}))
+    mesh = build_mesh(data, fsdp, tensor, model_config=cfg)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    device = tpu_train.device(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    adapter = adapter_for(optimizer)
+
+    def loss_fn(m, b):
+        logits = m(b["tokens"])
+        return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
+
+    params, names, states, counts = [], [], [], []
+    keys = adapter.state_keys_for(optimizer.param_groups[0])
+    for name, p in model.named_parameters():
+        params.append(_Described(p.shape, p.dtype, device))
+        names.append(name)
+        states.extend(_Described(p.shape, torch.float32, device) for _ in keys)
+        counts.append(len(keys))
+    consts = [_Described(b.shape, b.dtype, device) for _, b in model.named_buffers()]
+    const_names = [n for n, _ in model.named_buffers()]
+    leaves = {"tokens": _Described((batch, seq_len), torch.int64, device),
+              "labels": _Described((batch, seq_len), torch.int64, device)}
+    batch_leaves, spec = tree_flatten(leaves)
+    st = types.SimpleNamespace(params=params, param_names=names, group_sizes=[len(params)],
+                               states=states, state_counts=counts, consts=consts,
+                               const_names=const_names, batch_leaves=batch_leaves,
+                               batch_spec=spec)
+    step = types.SimpleNamespace(model=model, loss_fn=loss_fn, optimizer=optimizer,
+                                 adapter=adapter, grad_accum_steps=1, max_grad_norm=None,
+                                 donate=True)
+    scalars = np.zeros((1, adapter.num_scalars), np.float32)
+    stages = _Stages()
+    prog = program_mod.build_program(step, st, None, scalars, None, stages, mesh=mesh,
+                                     plan=llama_plan())
+    compiled = prog.executable.compiled
+    mem = compiled.memory_analysis()
+    out: dict[str, Any] = {"xla_source": "compiled PyTorch step"}
+    for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                "temp_size_in_bytes", "generated_code_size_in_bytes"):
+        out[key] = int(getattr(mem, key, 0) or 0) if mem is not None else 0
+    out["bytes_peak_estimate"] = (out["argument_size_in_bytes"] + out["temp_size_in_bytes"]
+                                  + out["output_size_in_bytes"] - out["alias_size_in_bytes"])
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    out["flops_per_device"] = float(cost.get("flops", 0.0))
+    out["bytes_accessed_per_device"] = float(cost.get("bytes accessed", 0.0))
+    out["seconds"] = stages.seconds
+    return out
+
+
+def _child_env(num_devices: int) -> dict:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TPU_TRAIN_PLATFORM"] = "cpu"
+    return env
+
+
+def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
+             timeout_s: float = 600.0) -> dict[str, Any]:
+    """The plan of composed config ``cfg``: analytic figures, XLA's beside them, a verdict.
+
+    Returns the analytic estimate's dict with ``xla`` (XLA's per-device memory and FLOPs of
+    the compiled step, or of the JAX reference step with ``xla_source`` saying so, or an
+    ``xla_error``) and ``fits_xla`` (XLA's peak within the chip's usable HBM).
+    """
+    result = dict(planner.estimate_from_config(cfg, num_devices))
+    if not xla:
+        return result
+    mesh = result.get("mesh") or {}
+    degrees = {k: int(mesh.get(k, v)) for k, v in
+               (("data", cfg.parallel.data), ("fsdp", cfg.parallel.fsdp),
+                ("tensor", cfg.parallel.tensor))}
+    n = degrees["data"] * degrees["fsdp"] * degrees["tensor"]
+    args = dict(model_name=cfg.model.name, batch=int(cfg.data.batch_size),
+                seq_len=int(cfg.data.seq_len), **degrees)
+    cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
+    try:
+        proc = subprocess.run(cmd, env=_child_env(n), capture_output=True, text=True,
+                              timeout=timeout_s)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+        if proc.returncode or not lines:
+            raise RuntimeError(proc.stderr[-2000:])
+        result["xla"] = json.loads(lines[-1])
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:
+        note = f"compiled PyTorch step could not be analysed ({str(err)[-300:]})"
+        try:
+            result["xla"] = planner.xla_analysis_subprocess(
+                cfg.model.name, num_devices=n, batch=int(cfg.data.batch_size),
+                seq_len=int(cfg.data.seq_len),
+                activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
+                timeout_s=timeout_s, **degrees)
+            result["xla"]["xla_source"] = "JAX reference step; " + note
+        except Exception as ref_err:  # report, never crash the planning command
+            result["xla"] = {"xla_error": f"{note}; reference step failed too: {ref_err}"}
+    peak = result["xla"].get("bytes_peak_estimate")
+    chip = planner.get_chip(cfg.plan.chip)
+    if peak is not None:
+        result["fits_xla"] = peak <= chip.hbm_bytes * (1 - planner.HEADROOM)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--child":
+        print(json.dumps(compiled_step_analysis(**json.loads(argv[1]))))
+        return 0
+    print("usage: python -m tpu_train.parallel.plan_command --child JSON (internal; the "
+          "command line is `tpu-train plan`)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
