@@ -56,8 +56,6 @@ def test_mlp_training_matches_eager():
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: after a .item() graph break dynamo traces "
-                   "into JAX code of the eager path (pytree flatten TypeError); see report")
 def test_graph_break_runs_eager_between_compiled_regions():
     torch._dynamo.reset()
     model = mlp().to(DEVICE)

@@ -41,7 +41,10 @@ class TpuTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
+    @torch._dynamo.disable
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # torch.compile must never trace the eager execution path itself (it is JAX code);
+        # after a graph break the eager ops run here, outside dynamo.
         from tpu_train.device.dispatch import dispatch
 
         if any(not issubclass(t, TpuTensor) for t in types):
