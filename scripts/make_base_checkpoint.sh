@@ -11,8 +11,10 @@
 # RUN_DIR holding a checkpoint is resumed, as with any tpu-train run.
 #
 # The run is single-threaded (OMP_NUM_THREADS=1): the result then does not depend on the number of
-# cores, and on a busy machine one thread is also much faster than competing threads.  It takes
-# about half an hour on one CPU core.
+# cores, and on a busy machine one thread is also much faster than competing threads.  The
+# committed base model took 19 minutes this way on a 2-core machine shared with other jobs (load
+# average 10 to 15); its held-out exact match is 31 % (32 examples) and its mean loss on held-out
+# responses 1.00 (a random debug_tiny: 6.36).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -48,6 +48,7 @@ BAD_CONFIGS = {
     "two_inferred_axes": (["parallel.fsdp=-1"], "at most one of parallel.data"),
     "parallel_needs_compiled": (["parallel.fsdp=2"], "need the SPMD compiled step"),
     "bad_device": (["trainer.device=gpu"], "valid devices: cpu, tpu"),
+    "cpu_threads_zero": (["trainer.cpu_threads=0"], "trainer.cpu_threads must be >= 1 or null"),
     "compiled_on_cpu": (["trainer.mode=compiled"], "trainer.mode=compiled needs trainer.device=tpu"),
     "seq_len_too_long": (["data.seq_len=100000"], "exceeds the model's max_seq_len"),
     "missing_data_file": (["data.path=/nonexistent/train.jsonl"], "does not exist"),

@@ -131,6 +131,10 @@ class TrainerConfig:
     val_every_n_steps: int = 50  # 0 disables periodic validation
     val_batches: int = 4
     on_nan: OnNonFinite = OnNonFinite.stop
+    # PyTorch intra-op threads on the host; null keeps PyTorch's default (one per core).  On a
+    # CPU shared with other jobs, threads that wait for each other can make steps many times
+    # slower than one thread.
+    cpu_threads: Optional[int] = None
 
 
 @dataclass

@@ -76,6 +76,8 @@ def train(cfg: DictConfig, lora: bool = False) -> Path:
             "set parallel.data/fsdp/tensor to 1 or -1"
         )
     device = builders.resolve_device(trainer_cfg.device)
+    if trainer_cfg.cpu_threads is not None:
+        torch.set_num_threads(trainer_cfg.cpu_threads)
     seed_everything(trainer_cfg.seed)
     tokenizer = builders.build_tokenizer(cfg)
     train_path, val_path = builders.data_paths(cfg)
