@@ -287,3 +287,32 @@ def get_amp_supported_dtype() -> list:
 
 def _is_in_bad_fork() -> bool:
     return False
+
+
+def _follow_float32_matmul_precision() -> None:
+    """Make ``torch.set_float32_matmul_precision(p)`` also set the tpu matmul precision.
+
+    The tpu dots read ``tpu_train.ops.matmul``'s process-wide level; following torch's setter
+    (instead of reading ``torch.get_float32_matmul_precision()`` in every dot) costs nothing per
+    op, and compiled steps key their cache on the level, so they recompile when it changes.
+    A level set before ``import tpu_train`` is taken over here.
+    """
+    from tpu_train.ops import matmul
+
+    original = torch.set_float32_matmul_precision
+    if getattr(original, "__tpu_train__", False):
+        return
+
+    def set_float32_matmul_precision(precision: str) -> None:
+        original(precision)
+        matmul.set_matmul_precision(precision)
+
+    set_float32_matmul_precision.__doc__ = original.__doc__
+    set_float32_matmul_precision.__tpu_train__ = True
+    set_float32_matmul_precision.__wrapped__ = original
+    torch.set_float32_matmul_precision = set_float32_matmul_precision
+    if torch.get_float32_matmul_precision() != matmul.get_matmul_precision():
+        matmul.set_matmul_precision(torch.get_float32_matmul_precision())
+
+
+_follow_float32_matmul_precision()
