@@ -170,5 +170,8 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
             start = stop
         return new_params + new_states + [grad_norm]
 
-    with fakes.mode:
+    # Autocast applies to the loss only (see compile_train_step's autocast_dtype): the
+    # clipping and optimizer arithmetic run in the parameters' own dtype, as eager code that
+    # calls optimizer.step() outside its autocast region does.
+    with fakes.mode, torch.autocast("tpu", enabled=False):
         return _trace(update_step, param_fakes + grad_fakes + state_fakes + [scalars_fake])

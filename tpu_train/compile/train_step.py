@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
+from tpu_train.compile import autocast as autocast_mod
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import program as program_mod
 from tpu_train.compile.functional_optim import adapter_for
@@ -26,6 +27,7 @@ from tpu_train.device import rng
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.tensor import TpuTensor, host_array, wrap
 from tpu_train.device import runtime
+from tpu_train.ops import matmul as matmul_mod
 
 __all__ = ["compile_train_step", "CompiledTrainStep"]
 
@@ -75,7 +77,7 @@ class CompiledTrainStep:
 
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
-                 name=None, mesh=None, plan=None):
+                 name=None, mesh=None, plan=None, autocast_dtype=None):
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -90,6 +92,8 @@ class CompiledTrainStep:
         self.mesh = mesh  # with plan: an SPMD program (see tpu_train.compile.program)
         self.plan = plan
         self.adapter = adapter_for(optimizer)
+        self.autocast_dtype = autocast_dtype
+        autocast_mod.step_autocast_dtype(autocast_dtype)  # reject a bad dtype up front
         self.cache = cache_mod.CompileCache(
             name or f"train step of {type(model).__name__}", warn_after=warn_after)
         self._names: dict[int, str] = {}
@@ -162,7 +166,8 @@ class CompiledTrainStep:
 
     # ------------------------------------------------------------------ signature
 
-    def _signature(self, st: _StepState, values: dict) -> cache_mod.Signature:
+    def _signature(self, st: _StepState, values: dict,
+                   autocast_dtype: torch.dtype | None) -> cache_mod.Signature:
         inputs = []
 
         def add(kind_names, tensors, arrays):
@@ -178,7 +183,11 @@ class CompiledTrainStep:
                     ("grad_accum_steps", self.grad_accum_steps),
                     ("donate", self.donate),
                     ("optimizer param group sizes", tuple(st.group_sizes)),
-                    ("params that own their storage", values["whole"])]
+                    ("params that own their storage", values["whole"]),
+                    ("autocast dtype", autocast_dtype),
+                    # The level every float32 dot is traced with: a changed
+                    # torch.set_float32_matmul_precision must not reuse a program.
+                    ("matmul precision", matmul_mod.get_matmul_precision())]
         for i, group in enumerate(self.optimizer.param_groups):
             for key, value in self.adapter.static_settings(group):
                 settings.append((f"optimizer.param_groups[{i}][{key!r}]", value))
@@ -209,15 +218,19 @@ class CompiledTrainStep:
                     f"{name} has shape {tuple(t.shape)}: with grad_accum_steps="
                     f"{self.grad_accum_steps} every batch tensor's first dim must be a multiple "
                     "of it (micro-batches are consecutive slices along dim 0)")
-        signature = self._signature(st, values)
+        autocast_dtype = autocast_mod.step_autocast_dtype(self.autocast_dtype)
+        signature = self._signature(st, values, autocast_dtype)
         groups = self.optimizer.param_groups
         steps = [self.adapter.step_count(g) + 1 for g in groups]
         scalars = np.array([self.adapter.host_scalars(g, s) for g, s in zip(groups, steps)],
                            dtype=np.float32).reshape(len(groups), self.adapter.num_scalars)
 
         def build(stages):
-            return program_mod.build_program(self, st, values, scalars, device, stages,
-                                             mesh=self.mesh, plan=self.plan)
+            # The loss is traced under this autocast state (the update graph disables autocast
+            # itself), whatever region surrounds the call: the signature records it.
+            with autocast_mod.autocast_region(autocast_dtype):
+                return program_mod.build_program(self, st, values, scalars, device, stages,
+                                                 mesh=self.mesh, plan=self.plan)
 
         entry = self.cache.get_or_build(signature, build)
         args = [param_arrays, state_arrays, const_arrays, batch_arrays,
@@ -280,7 +293,8 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        scheduler=None, max_grad_norm: float | None = None,
                        grad_accum_steps: int = 1, donate: bool = True,
                        warn_after: int = cache_mod.DEFAULT_WARN_AFTER,
-                       mesh=None, plan=None) -> CompiledTrainStep:
+                       mesh=None, plan=None,
+                       autocast_dtype: torch.dtype | None = None) -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -301,6 +315,12 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         mesh, plan: a ``tpu_train.parallel`` mesh and sharding plan (both or neither): one
             SPMD program over the mesh; parameters and optimizer state become global arrays
             split per the plan (``tpu_train.parallel.place_for_step`` places them up front).
+        autocast_dtype: ``torch.bfloat16`` (or ``float16``) traces ``loss_fn`` under
+            ``torch.autocast("tpu", dtype=autocast_dtype)``: matmuls and convolutions in that
+            dtype, reductions, norms and losses in float32, parameters, gradients and the
+            optimizer update stay float32. Without it, a ``torch.autocast("tpu", ...)`` region
+            active around the step call is honoured the same way (its dtype is part of the
+            compile signature).
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}``, device tensors (no host sync). ``batch``
@@ -308,4 +328,5 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,
                              max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
-                             donate=donate, warn_after=warn_after, mesh=mesh, plan=plan)
+                             donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
+                             autocast_dtype=autocast_dtype)
