@@ -12,9 +12,9 @@
 #
 # The run is single-threaded (OMP_NUM_THREADS=1): the result then does not depend on the number of
 # cores, and on a busy machine one thread is also much faster than competing threads.  The
-# committed base model took 19 minutes this way on a 2-core machine shared with other jobs (load
-# average 10 to 15); its held-out exact match is 31 % (32 examples) and its mean loss on held-out
-# responses 1.00 (a random debug_tiny: 6.36).
+# committed base model took 10 minutes this way on a 2-core machine with little else running
+# (load average 1 to 2); greedy answers to 200 held-out prompts are 52 % exact (add 3 %, reverse
+# 82 %, sort 71 %) and its mean loss on held-out responses is 0.53 (a random debug_tiny: 6.36).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +23,7 @@ DEST="$ROOT/tpu_train/assets/base_model"
 TPU_TRAIN="${TPU_TRAIN:-tpu-train}"
 
 OMP_NUM_THREADS=1 "$TPU_TRAIN" recipe=llama_pretrain model=debug_tiny \
-    trainer.max_steps=400 optim.lr=3e-3 scheduler.warmup_steps=30 \
+    trainer.max_steps=1000 optim.lr=3e-3 scheduler.warmup_steps=50 \
     data.batch_size=16 data.seq_len=128 \
     trainer.val_every_n_steps=100 checkpoint.every_n_steps=100 checkpoint.keep_last=4 \
     logging.every_n_steps=25 logging.progress_bar=false \

@@ -16,8 +16,9 @@ from tpu_train.trainer.config import asset_path
 BASE = asset_path("base_model")
 HF_FILES = {"config.json", "model.safetensors", "generation_config.json"}
 # Mean loss of the base model on held-out task responses (prompts masked).  A randomly
-# initialized debug_tiny scores 6.36 on the same batches, the committed base model about 1.0.
-BASE_LOSS_BOUND = 2.0
+# initialized debug_tiny scores 6.36 on the same batches, the committed base model 0.53 (after
+# 400 pretraining steps instead of 1000 it scored 1.00).
+BASE_LOSS_BOUND = 0.8
 
 
 def _architecture(config) -> dict:
