@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -126,16 +125,6 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     return out
 
 
-def _child_env(num_devices: int) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TPU_TRAIN_PLATFORM"] = "cpu"
-    return env
-
-
 def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
              timeout_s: float = 600.0) -> dict[str, Any]:
     """The plan of composed config ``cfg``: analytic figures, XLA's beside them, a verdict.
@@ -156,7 +145,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
                 seq_len=int(cfg.data.seq_len), **degrees)
     cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
     try:
-        proc = subprocess.run(cmd, env=_child_env(n), capture_output=True, text=True,
+        proc = subprocess.run(cmd, env=planner.virtual_devices_env(n), capture_output=True, text=True,
                               timeout=timeout_s)
         lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
         if proc.returncode or not lines:

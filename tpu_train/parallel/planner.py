@@ -318,6 +318,17 @@ def _reference_xla(cfg: Any, shape: MeshShape, batch: int, seq_len: int,
     return xla_analysis(step, *jax_reference.abstract_inputs(cfg, batch, seq_len, mesh, plan))
 
 
+def virtual_devices_env(num_devices: int) -> dict:
+    """This process's environment for a child JAX with ``num_devices`` virtual CPU devices."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TPU_TRAIN_PLATFORM"] = "cpu"
+    return env
+
+
 def xla_analysis_subprocess(model: str, overrides: dict | None = None, *, num_devices: int,
                             data: int = -1, fsdp: int = 1, tensor: int = 1, batch: int,
                             seq_len: int, activation_checkpointing: bool = False,
@@ -327,12 +338,7 @@ def xla_analysis_subprocess(model: str, overrides: dict | None = None, *, num_de
     A fresh interpreter is needed because the virtual device count is fixed when JAX starts
     (``XLA_FLAGS=--xla_force_host_platform_device_count``). Returns the child's JSON line.
     """
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TPU_TRAIN_PLATFORM"] = "cpu"
+    env = virtual_devices_env(num_devices)
     cmd = [sys.executable, "-m", "tpu_train.parallel.planner", "--model", model,
            "--overrides", json.dumps(overrides or {}), "--num-devices", str(num_devices),
            "--data", str(data), "--fsdp", str(fsdp), "--tensor", str(tensor),
