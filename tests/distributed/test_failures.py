@@ -26,8 +26,7 @@ def test_survivors_fail_naming_the_lost_rank(mode, expected):
     assert elapsed < 80
     assert code0 != 0 and code2 != 0
     assert "finished" not in log0 + log2
-    # rank 0 always names rank 1; rank 2 does too unless rank 0 exited under its diagnosis
+    # both survivors name rank 1: rank 0 (the store host) keeps the store up until rank 2
+    # has read the heartbeats it needs
     assert "CollectiveTimeoutError" in log0 and expected in log0, log0[-2000:]
-    assert "CollectiveTimeoutError" in log2 or code2 != 0
-    if mode == "die":
-        assert expected in log2, log2[-2000:]
+    assert "CollectiveTimeoutError" in log2 and expected in log2, log2[-2000:]

@@ -12,7 +12,9 @@ rank publishes in torch's store (the TCPStore of ``init_process_group``):
   this one never reached the collective (hung, or on another code path).
 
 If the store itself is unreachable, its host is gone: that is rank 0 unless the launcher
-hosts the store (torchrun's agent), which is said in the message.
+hosts the store (torchrun's agent), which is said in the message. So that the survivors can
+still diagnose, a failing store host lingers before it exits until each live peer has posted
+that it finished its own diagnosis (at most ``LINGER_S``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import jax
 HEARTBEAT_S = 1.0
 # Exit status of a process stopped because a collective blocked in dispatch past its deadline.
 LOST_PEER_EXIT = 3
+# Longest a failing store host keeps the store up for its peers' diagnoses (each takes
+# 2.5 heartbeats, and the peers' deadlines pass at slightly different times).
+LINGER_S = 10.0
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -45,11 +50,13 @@ class Health:
         self.world_ranks = list(world_ranks)
         self.launched: dict[str, int] = {}  # group name -> collectives launched
         self._beats = 0
+        self.faulty: list[int] = []  # ranks the last diagnosis found dead or hung
         self._stop = threading.Event()
         self._publish()
         threading.Thread(target=self._beat, name="tpu-heartbeat", daemon=True).start()
         self._install_excepthook()
         atexit.register(self._orderly_exit)
+        _current["health"] = self
 
     def _orderly_exit(self):
         """Leave the JAX world in order at a normal exit (runs before JAX's own handler).
@@ -122,6 +129,26 @@ class Health:
 
     def diagnose(self, group: str, ranks, what: str) -> str:
         """One sentence naming the ranks (global numbering) that made ``what`` fail."""
+        message = self._diagnose(group, ranks, what)
+        with contextlib.suppress(Exception):  # the store host may be gone: nothing to tell
+            self.store.set(f"diagnosed/{self.rank}", "1")
+        return message
+
+    def linger_as_store_host(self):
+        """Keep the store up until live peers have diagnosed (see the module docstring)."""
+        if self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return
+        self.stop()
+        waiting = [r for r in self.world_ranks if r != self.rank and r not in self.faulty]
+        deadline = time.monotonic() + LINGER_S
+        while waiting and time.monotonic() < deadline:
+            try:
+                waiting = [r for r in waiting if not self.store.check([f"diagnosed/{r}"])]
+            except Exception:
+                return
+            time.sleep(0.1)
+
+    def _diagnose(self, group: str, ranks, what: str) -> str:
         others = [r for r in ranks if r != self.rank]
         mine = self.launched.get(group, 0)
         try:
@@ -144,10 +171,12 @@ class Health:
                     f"has since exited")
         dead = [r for r in others if first[r] is None or second[r] is None
                 or second[r][0] == first[r][0]]
+        self.faulty = dead
         if dead:
             return (f"{what} failed on rank {self.rank}: lost rank(s) {dead} (no heartbeat "
                     f"for {2.5 * HEARTBEAT_S:.1f} s: the process died or froze)")
         behind = [r for r in others if group and second[r][1].get(group, 0) < mine]
+        self.faulty = behind
         if behind:
             return (f"{what} failed on rank {self.rank}: rank(s) {behind} are alive but did "
                     f"not reach collective #{mine} of group {group} (hung or on another code "
@@ -164,15 +193,22 @@ def _is_transport_error(error) -> bool:
 
 
 _exiting_after_failure = {"yes": False}
+_current: dict = {}  # "health": this process's Health, once a tpu process group exists
 
 
 def _exit_without_jax_shutdown():
     # jax.distributed's own exit handler waits for every peer at a shutdown barrier, which a
     # lost peer never reaches: leave at once, with a failing status.
     _exiting_after_failure["yes"] = True
+    _exit_after_failure(1)
+
+
+def _exit_after_failure(status: int):
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    if "health" in _current:
+        _current["health"].linger_as_store_host()
+    os._exit(status)
 
 
 class Completer:
@@ -262,4 +298,4 @@ class Completer:
                 if still:
                     print(f"{CollectiveTimeoutError.__name__}: {message}", file=sys.stderr,
                           flush=True)
-                    os._exit(LOST_PEER_EXIT)
+                    _exit_after_failure(LOST_PEER_EXIT)
