@@ -8,6 +8,12 @@ run by those processes alone (measured: concurrent collectives of disjoint subgr
 4-process world complete and agree), so a torch subgroup is simply a smaller mesh.
 
 Programs are cached per (group mesh, kind, static parameters); jit caches per shape and dtype.
+
+The formulation of a sum-scatter depends on the platform. XLA's CPU client runs ``psum_scatter``
+as a copy of the whole input followed by gloo's halving-doubling reduce-scatter, about twice as
+slow as exchanging the chunks with ``all_to_all`` and summing them locally (measured with 2 and
+4 processes, 16-64 MB: see docs/distributed.md); both move (n-1)/n of the buffer per rank. On
+TPU and GPU, ``psum_scatter`` is the backend's native reduce-scatter and is kept.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class GroupMesh:
         self.device = self.devices[local_index]
         self.mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
         self.sharding = NamedSharding(self.mesh, P(AXIS))
+        # Sum-scatters as all_to_all + local sum where that is the faster program (module doc).
+        self.exchange_scatter = self.device.platform == "cpu"
         self._programs: dict = {}
 
     # -- moving blocks in and out --------------------------------------------------------------
@@ -77,7 +85,8 @@ class GroupMesh:
         key = (kind, count, static)
         program = self._programs.get(key)
         if program is None:
-            body = functools.partial(_BODIES[kind], n=self.size, **dict(static))
+            extra = {"exchange": self.exchange_scatter} if kind in _SCATTERING else {}
+            body = functools.partial(_BODIES[kind], n=self.size, **dict(static), **extra)
             per_block = lambda *xs: tuple(body(x) for x in xs)  # noqa: E731
             specs = tuple(P(AXIS) for _ in range(count))
             program = jax.jit(_shard_map(per_block, mesh=self.mesh, in_specs=specs,
@@ -108,12 +117,16 @@ def _all_gather(x, n):
     return jax.lax.all_gather(x, AXIS, axis=0, tiled=True)
 
 
-def _reduce_scatter(x, n, op, average=False):
-    if op == "sum":
+def _exchange_rows(x, n):
+    """Row j of the result is rank j's contribution to this rank's chunk of ``x``."""
+    return jax.lax.all_to_all(x.reshape(n, -1), AXIS, 0, 0, tiled=True)
+
+
+def _reduce_scatter(x, n, op, average=False, exchange=False):
+    if op == "sum" and not exchange:
         out = jax.lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
-    else:  # row j of the exchanged block is rank j's contribution to this rank's chunk
-        rows = jax.lax.all_to_all(x.reshape(n, -1), AXIS, 0, 0, tiled=True)
-        out = _reduce_rows(rows, op)
+    else:  # summed in rank order, so every rank's chunk is reduced the same way
+        out = _reduce_rows(_exchange_rows(x, n), op)
     return out / n if average else out
 
 
@@ -126,9 +139,12 @@ def _broadcast(x, n, src):
     return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), AXIS)
 
 
-def _scatter(x, n, src):
+def _scatter(x, n, src, exchange=False):
     # The source's block is the concatenation of every rank's chunk; the others contribute
-    # zeros of that size, so a reduce-scatter hands each rank its chunk exactly.
+    # zeros of that size, so a reduce-scatter hands each rank its chunk exactly; with an
+    # exchange, each rank simply keeps the source's row (no arithmetic at all).
+    if exchange:
+        return _exchange_rows(x, n)[src]
     mine = jax.lax.axis_index(AXIS) == src
     if x.dtype == jnp.bool_:
         x = jnp.where(mine, x, False).astype(jnp.int32)
@@ -138,12 +154,14 @@ def _scatter(x, n, src):
 
 
 def _all_to_all(x, n):
-    return jax.lax.all_to_all(x.reshape(n, -1), AXIS, 0, 0, tiled=True).reshape(-1)
+    return _exchange_rows(x, n).reshape(-1)
 
 
 def _permute(x, n, pairs):
     return jax.lax.ppermute(x, AXIS, perm=list(pairs))
 
+
+_SCATTERING = ("reduce_scatter", "scatter")  # kinds whose formulation is per platform
 
 _BODIES = {
     "all_reduce": _all_reduce,

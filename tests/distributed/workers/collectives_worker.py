@@ -56,6 +56,30 @@ def compare(name, runs, indices=None):
         check(f"{name}[cpu][{i}]", on_cpu[i], on_gloo[i])
 
 
+def scatter_formulations(rank, n):
+    """Sum-scatters run as all_to_all + local sum on the CPU client and as XLA's native
+    reduce-scatter elsewhere (see collectives.py): check that the CPU one is really in use,
+    then run the native one here too, so that the formulation a TPU uses stays tested."""
+    mesh = dist.distributed_c10d._get_default_group()._mesh
+    checked.append("cpu sum-scatter formulation")
+    if not mesh.exchange_scatter:
+        failures.append("the CPU client does not use the all_to_all sum-scatter")
+    saved = mesh.exchange_scatter, mesh._programs
+    mesh.exchange_scatter, mesh._programs = False, {}
+    try:
+        for op in ["SUM", "MAX"]:
+            runs = both(lambda ts, g: dist.reduce_scatter_tensor(ts[0], ts[1], op=getattr(R, op),
+                                                                 group=g),
+                        [torch.zeros(2, 3), data(rank, (2 * n, 3), torch.float32, salt=7)])
+            compare(f"native reduce_scatter_tensor {op}", runs, [0])
+        runs = both(lambda ts, g: dist.scatter(ts[0], ts[1:] if rank == 0 else None, src=0,
+                                               group=g),
+                    [torch.zeros(3)] + [data(rank, (3,), torch.float32, 20 + i) for i in range(n)])
+        compare("native scatter", runs, [0])
+    finally:
+        mesh.exchange_scatter, mesh._programs = saved
+
+
 def main():
     global GLOO
     dist.init_process_group("tpu")
@@ -162,6 +186,7 @@ def main():
     runs = both(lambda ts, g: dist.scatter(ts[0], ts[1:] if rank == 1 else None, src=1, group=g),
                 [torch.zeros(2, 2)] + [data(rank, (2, 2), torch.float32, i) for i in range(n)])
     compare("scatter", runs, [0])
+    scatter_formulations(rank, n)
 
     # all_to_all_single: even, uneven splits; all_to_all of lists with unequal sizes
     runs = both(lambda ts, g: dist.all_to_all_single(ts[0], ts[1], group=g),
