@@ -12,6 +12,9 @@ Usage::
     tpu-train -m trainer.seed=1,2               # multirun: one run per seed, <run.dir>/<job number>
     tpu-train --cfg job                          # print the composed config and exit
     tpu-train --help                             # recipes and config groups
+    tpu-train plan model=llama3_1_8b parallel.fsdp=256 plan.chip=v5e
+                                                 # per-chip memory and step time of a pod
+                                                 # config: analytic and XLA's, no chips needed
 
 Recipes (``recipe=NAME``; each ``configs/recipe/NAME.yaml`` starts with the command that runs it):
 
@@ -60,6 +63,7 @@ from tpu_train.trainer.errors import ConfigError, TrainingStopped
 CONFIG_DIR = str((Path(__file__).resolve().parent / ".." / "configs").resolve())
 
 EXIT_BAD_INPUT = 2
+PLAN_COMMAND = "plan"
 EXIT_STOPPED = 1
 
 
@@ -70,6 +74,17 @@ def _run_job(cfg: DictConfig) -> None:
     # extra "Error executing job" line first.
     try:
         run_recipe(cfg)
+    except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
+        _exit_for(exc)
+
+
+def _run_plan_job(cfg: DictConfig) -> None:
+    from tpu_train.parallel.plan_command import plan_job
+
+    try:
+        plan_job(cfg)
+    except (ValueError, KeyError) as exc:  # bad degrees, batch, chip or model name
+        _exit_for(ConfigError(str(exc).strip("'\"")))
     except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
         _exit_for(exc)
 
@@ -92,11 +107,18 @@ def main() -> None:
     register_schema()
     # Hydra prints its own multi-line reports unless asked to re-raise; we want one line.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    app = hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")(_run_job)
+    job, saved_argv = _run_job, sys.argv
+    if len(sys.argv) > 1 and sys.argv[1] == PLAN_COMMAND:
+        # ``tpu-train plan <overrides>``: the same config tree, a different job; Hydra parses
+        # the rest of the command line as usual.
+        job, sys.argv = _run_plan_job, [sys.argv[0], *sys.argv[2:]]
+    app = hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")(job)
     try:
         app()
     except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
         _exit_for(exc)
+    finally:
+        sys.argv = saved_argv
 
 
 def _exit_for(exc: Exception) -> None:

@@ -10,41 +10,28 @@ import functools
 import jax
 import pytest
 import torch
-import torch.nn.functional as F
 
 import tpu_train
 from tpu_train.compile import compile_train_step
-from tpu_train.models import Llama, LlamaConfig
 from tpu_train.parallel import (build_mesh, flat_storage_sharding, llama_plan, place_for_step,
                                 storage_bytes_per_device)
 
+from tests.parallel.spmd_model import CFG, batches, init_model, loss_fn
+
 DEVICE = tpu_train.device(0)
-CFG = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128,
-                  ffn_hidden_dim=128, max_seq_len=16)
 STEPS = 10
 REL = 1e-5
 MESHES = {"fsdp8": (1, 8, 1), "tp2_fsdp4": (1, 4, 2), "dp2_fsdp2_tp2": (2, 2, 2)}
-
-
-def _loss(model, batch):
-    logits = model(batch["tokens"])
-    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+_loss = loss_fn
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        t = torch.randint(0, CFG.vocab_size, (8, CFG.max_seq_len + 1), generator=g)
-        out.append({"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()})
-    return out
+    return batches(STEPS)
 
 
 @functools.lru_cache(maxsize=None)
 def _base():
-    model = Llama(CFG)
-    model.init_weights(seed=0, device="cpu")
-    return model
+    return init_model()
 
 
 @functools.lru_cache(maxsize=None)

@@ -163,3 +163,16 @@ def test_step_shardings_for_a_compiled_step():
     with pytest.raises(PlanError, match="names parameter index 5"):
         step_shardings(llama_plan(), mesh, param_names=names, param_shapes=shapes,
                        state_owners=[5], state_shapes=[(1,)])
+
+
+@pytest.mark.parametrize("spec, compute", [
+    (P("tensor", "fsdp"), P("tensor", None)),       # column-parallel: gathered over fsdp
+    (P("fsdp", "tensor"), P(None, "tensor")),       # row-parallel
+    (P(("data", "fsdp")), P(None)),                 # batch axes only: whole
+    (P(("tensor", "fsdp"), None), P("tensor", None)),
+])
+def test_compute_sharding_drops_only_the_batch_axes(spec, compute):
+    from tpu_train.parallel import compute_sharding
+
+    mesh = build_mesh(2, 2, 2)
+    assert compute_sharding(NamedSharding(mesh, spec)).spec == compute

@@ -15,12 +15,12 @@ the whole training step is compiled::
 (analytically, and from XLA's own analysis of an ahead-of-time compile).
 """
 
-from .compiled import place_for_step, storage_bytes_per_device
+from .compiled import place_for_step, place_inputs, storage_bytes_per_device, to_global
 from .llama_plan import LLAMA_ACTIVATIONS, LlamaActivationRule, llama_plan
 from .mesh import (AXES, BATCH_AXES, MeshError, MeshShape, build_mesh, check_model_divisibility,
                    mesh_from_config, resolve_mesh_shape)
 from .plans import PlanError, ShardingPlan, constrain, per_device_bytes
-from .step_shardings import StepShardings, flat_storage_sharding, step_shardings
+from .step_shardings import StepShardings, compute_sharding, flat_storage_sharding, step_shardings
 
 __all__ = [
     "AXES",
@@ -34,13 +34,16 @@ __all__ = [
     "StepShardings",
     "build_mesh",
     "check_model_divisibility",
+    "compute_sharding",
     "constrain",
     "flat_storage_sharding",
     "llama_plan",
     "mesh_from_config",
     "per_device_bytes",
     "place_for_step",
+    "place_inputs",
     "resolve_mesh_shape",
     "step_shardings",
     "storage_bytes_per_device",
+    "to_global",
 ]

@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from .plans import PlanError
 from .step_shardings import flat_storage_sharding
 
-__all__ = ["place_for_step", "storage_bytes_per_device"]
+__all__ = ["place_for_step", "place_inputs", "storage_bytes_per_device", "to_global"]
 
 
 def _storage(tensor):
@@ -83,8 +84,42 @@ def place_for_step(step: Any, mesh=None, plan=None) -> dict[str, Any]:
     for key, (storage, sharding) in targets.items():
         if len(users[key]) > 1:  # tied weights: the step passes them as copies, not split buffers
             sharding = replicated
-        storage.buffer = jax.device_put(storage.buffer, sharding)
+        storage.buffer = to_global(storage.buffer, sharding)
     return plan_shardings
+
+
+def place_inputs(args, in_shardings) -> list:
+    """A compiled SPMD step's arguments, each placed as its ``in_shardings`` entry says.
+
+    ``args`` and ``in_shardings`` are the executable's positional groups (a list per group
+    or a single array). Works when the mesh spans several processes, unlike a plain
+    ``jax.device_put`` of a one-device array (see :func:`to_global`).
+    """
+    placed = []
+    for group, sharding in zip(args, in_shardings):
+        if isinstance(sharding, (list, tuple)):
+            placed.append([to_global(a, s) for a, s in zip(group, sharding)])
+        else:
+            placed.append(to_global(group, sharding))
+    return placed
+
+
+def to_global(value, sharding):
+    """``value`` (the same full array in every process) as a global array with ``sharding``.
+
+    In one process this is ``jax.device_put``. When the mesh spans several processes, a
+    device cannot receive data from another process's array, so each process builds only the
+    shards on its own devices from its copy of the value (every process holds the same
+    initial parameters, as after a seeded initialization or a checkpoint load).
+    """
+    if getattr(value, "sharding", None) == sharding:
+        return value
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    if not getattr(value, "is_fully_addressable", True):
+        return jax.device_put(value, sharding)  # global to global: a reshard inside XLA
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def storage_bytes_per_device(tensors) -> dict[Any, int]:

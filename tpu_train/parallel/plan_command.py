@@ -11,7 +11,7 @@ devices as the mesh has chips: no parameter is ever allocated (the model is buil
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import subprocess
 import sys
@@ -20,7 +20,11 @@ from typing import Any
 
 from . import planner
 
-__all__ = ["run_plan", "compiled_step_analysis"]
+__all__ = ["compiled_step_analysis", "format_plan", "plan_job", "planning_config", "run_plan"]
+
+
+ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
+                           "--xla_llvm_disable_expensive_passes=true")
 
 
 class _Stages:
@@ -145,8 +149,11 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
                 seq_len=int(cfg.data.seq_len), **degrees)
     cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
     try:
-        proc = subprocess.run(cmd, env=planner.virtual_devices_env(n), capture_output=True, text=True,
-                              timeout=timeout_s)
+        env = planner.virtual_devices_env(n)
+        # The program is analysed, never run: LLVM's optimizations only cost time (2-3x the
+        # compile on debug_tiny) and change no figure (buffer assignment happens before them).
+        env["XLA_FLAGS"] += " " + " ".join(ANALYSIS_ONLY_XLA_FLAGS)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
         if proc.returncode or not lines:
             raise RuntimeError(proc.stderr[-2000:])
@@ -163,9 +170,74 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
         except Exception as ref_err:  # report, never crash the planning command
             result["xla"] = {"xla_error": f"{note}; reference step failed too: {ref_err}"}
     peak = result["xla"].get("bytes_peak_estimate")
-    chip = planner.get_chip(cfg.plan.chip)
     if peak is not None:
-        result["fits_xla"] = peak <= chip.hbm_bytes * (1 - planner.HEADROOM)
+        # XLA's figure relative to the analytic total: the planner's calibration check.
+        result["xla_vs_analytic"] = peak / result["bytes_total"] - 1
+        if cfg.plan.chip is not None:
+            chip = planner.get_chip(cfg.plan.chip)
+            result["fits_xla"] = peak <= chip.hbm_bytes * (1 - planner.HEADROOM)
+    return result
+
+
+def planning_config(cfg: Any) -> tuple[Any, list[str]]:
+    """A copy of ``cfg`` that can be planned without devices, and notes on what was changed.
+
+    A ``-1`` degree means "the rest of the chips", but planning has no chips to count: it
+    counts as 1, so the chip count is the product of the explicit degrees. A global batch
+    that does not split over ``data * fsdp`` (the trainer's default of 8 sequences cannot
+    split over 256 chips) is raised to the next multiple, i.e. at least one sequence per
+    batch shard.
+    """
+    planned = copy.deepcopy(cfg)
+    notes = []
+    for axis in ("data", "fsdp", "tensor"):
+        if int(planned.parallel[axis]) == -1:
+            planned.parallel[axis] = 1
+    shards = int(planned.parallel.data) * int(planned.parallel.fsdp)
+    batch = int(planned.data.batch_size)
+    if batch < 1:
+        raise ValueError(f"data.batch_size must be >= 1, got {batch}")
+    if shards >= 1 and batch % shards:
+        planned.data.batch_size = -(-batch // shards) * shards
+        notes.append(f"data.batch_size={batch} does not split over data * fsdp = {shards} "
+                     f"chips: planning with {planned.data.batch_size} (set data.batch_size "
+                     f"to a multiple of {shards} to plan another)")
+    return planned, notes
+
+
+def format_plan(result: dict[str, Any]) -> str:
+    """The analytic report, XLA's figures of the compiled step beside it, and the gap."""
+    lines = [planner.format_report({k: v for k, v in result.items() if k != "xla"})]
+    x = result.get("xla")
+    if x is None:
+        return lines[0]
+    if "bytes_peak_estimate" not in x:
+        lines.append(f"XLA analysis unavailable: {x.get('xla_error', 'no figures')}")
+        return "\n".join(lines)
+    gib = planner.GiB
+    lines.append(
+        f"XLA ({x.get('xla_source', 'compiled step')}, {result['num_devices']} virtual CPU "
+        f"devices): {x['bytes_peak_estimate'] / gib:.2f} GiB per chip (arguments "
+        f"{x['argument_size_in_bytes'] / gib:.2f}, temporaries {x['temp_size_in_bytes'] / gib:.2f}"
+        f" GiB), {x['flops_per_device']:.3e} FLOPs per chip")
+    lines.append(f"XLA vs analytic per-chip memory: {100 * result['xla_vs_analytic']:+.1f} %"
+                 + ("" if "fits_xla" not in result else
+                    f"; by XLA's figure the step {'FITS' if result['fits_xla'] else 'DOES NOT FIT'}"))
+    return "\n".join(lines)
+
+
+def plan_job(cfg: Any, *, out=None) -> dict[str, Any]:
+    """``tpu-train plan``: plan ``cfg``, print the report and one JSON line, return the dict."""
+    out = out if out is not None else sys.stdout
+    planned, notes = planning_config(cfg)
+    start = time.perf_counter()
+    result = run_plan(planned)
+    result["plan_seconds"] = time.perf_counter() - start
+    result["notes"] = notes
+    for note in notes:
+        print(f"note: {note}", file=out)
+    print(format_plan(result), file=out)
+    print(json.dumps(result, default=str), file=out)
     return result
 
 

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .mesh import BATCH_AXES
 from .plans import PlanError, ShardingPlan
 
-__all__ = ["StepShardings", "flat_storage_sharding", "step_shardings"]
+__all__ = ["StepShardings", "compute_sharding", "flat_storage_sharding", "step_shardings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,9 @@ class StepShardings:
     consts: tuple[NamedSharding, ...]
     batch: tuple[NamedSharding, ...]
     replicated: NamedSharding
+    # Where the forward and backward use each parameter: its plan sharding without the batch
+    # axes (the FSDP all-gather), still split over ``tensor``. See :func:`compute_sharding`.
+    compute_params: tuple[NamedSharding, ...] = ()
 
 
 def step_shardings(plan: ShardingPlan, mesh, *, param_names: Sequence[str],
@@ -82,7 +85,29 @@ def step_shardings(plan: ShardingPlan, mesh, *, param_names: Sequence[str],
                 f"data * fsdp = {ways} devices; make the (micro-)batch a multiple of {ways}")
         batch.append(NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
     return StepShardings(params, tuple(states), (replicated,) * num_consts, tuple(batch),
-                         replicated)
+                         replicated, tuple(compute_sharding(p) for p in params))
+
+
+def compute_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The layout a parameter stored with ``sharding`` is used in: the batch axes removed.
+
+    FSDP stores a weight split over ``fsdp`` but computes with it whole (all-gathered) on a
+    batch split over ``fsdp``. Pinned only to its storage layout inside a step, XLA's sharding
+    propagation instead splits the *contraction* over ``fsdp`` and replicates the batch:
+    every chip then holds the whole global batch's activations (measured on the compiled
+    Llama step: ``[batch * seq, ffn]`` buffers of the full batch on each of 8 devices, a
+    partial-sum all-reduce after every matmul). Pinning the weight to this layout where it is
+    read makes the all-gather explicit, and the gradient pinned back to the storage layout
+    becomes a reduce-scatter.
+    """
+    def without_batch_axes(entry):
+        axes = () if entry is None or entry is PartitionSpec.UNCONSTRAINED else \
+            (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
+        kept = tuple(a for a in axes if a not in BATCH_AXES)
+        return None if not kept else (kept[0] if len(kept) == 1 else kept)
+
+    return NamedSharding(sharding.mesh,
+                         PartitionSpec(*(without_batch_axes(e) for e in sharding.spec)))
 
 
 def flat_storage_sharding(sharding: NamedSharding) -> NamedSharding:

@@ -1,0 +1,72 @@
+"""Run ``tpu-train plan`` for the pod configurations of docs/parallelism.md and time them.
+
+Usage: ``python scripts/measure_plans.py [--only 8b|70b]``. For each command prints the wall
+time, the CPU time of the command and its children, the load average before and after, and
+the per-chip memory (analytic and XLA's analysis of the compiled step) with the gap; last, one
+JSON line per command. Timings depend on the machine's load: report them with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+COMMANDS = {
+    "8b": ["model=llama3_1_8b", "parallel.fsdp=256", "plan.chip=v5e"],
+    "70b": ["model=llama3_1_70b", "parallel.fsdp=128", "plan.chip=v5p"],
+}
+GiB = 1024 ** 3
+
+
+def measure(overrides: list[str]) -> dict:
+    before = os.getloadavg()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tpu_train.cli", "plan", *overrides],
+                          capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"tpu-train plan {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    xla = result.get("xla", {})
+    return {
+        "command": "tpu-train plan " + " ".join(overrides),
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime
+                       - cpu_before.ru_utime - cpu_before.ru_stime, 1),
+        "load_before": [round(x, 2) for x in before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "analytic_gib": round(result["bytes_total"] / GiB, 3),
+        "xla_gib": round(xla["bytes_peak_estimate"] / GiB, 3) if "bytes_peak_estimate" in xla
+        else None,
+        "xla_vs_analytic_pct": round(100 * result["xla_vs_analytic"], 1)
+        if "xla_vs_analytic" in result else None,
+        "xla_source": xla.get("xla_source", xla.get("xla_error")),
+        "xla_stage_seconds": xla.get("seconds"),
+        "notes": result.get("notes"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=sorted(COMMANDS))
+    args = parser.parse_args()
+    for name, overrides in COMMANDS.items():
+        if args.only and name != args.only:
+            continue
+        m = measure(overrides)
+        print(f"{m['command']}: {m['wall_s']} s wall, {m['cpu_s']} s CPU, load "
+              f"{m['load_before'][0]} -> {m['load_after'][0]}; per chip analytic "
+              f"{m['analytic_gib']} GiB, XLA {m['xla_gib']} GiB ({m['xla_vs_analytic_pct']} %)")
+        print(json.dumps(m), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

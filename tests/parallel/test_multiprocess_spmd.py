@@ -1,0 +1,57 @@
+"""The compiled SPMD step over several processes gives the single-process losses.
+
+Each process has 2 virtual CPU devices; ``dist.init_process_group("tpu")`` starts
+``jax.distributed`` on 127.0.0.1, so the mesh (FSDP over all devices of all processes) spans
+the processes and XLA's collectives cross them (gloo). The reference is the same step
+compiled for one device in this process (shared with ``test_compiled_spmd``).
+"""
+
+import json
+
+import pytest
+
+from tests.distributed.harness import run_ranks
+
+STEPS = 3
+REL = 1e-5
+
+
+def _run(world: int, devices_per_process: int, timeout: float):
+    outputs = run_ranks(
+        ["tests/parallel/workers/spmd_worker.py", str(STEPS)], world, timeout=timeout,
+        extra_env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"})
+    results = []
+    for code, log in outputs:
+        lines = [l for l in log.splitlines() if l.startswith("RESULT ")]
+        assert code == 0 and len(lines) == 1, log[-4000:]
+        results.append(json.loads(lines[0][len("RESULT "):]))
+    return results
+
+
+def _single_process_losses():
+    from tests.parallel.test_compiled_spmd import _train
+
+    return _train(None)[0][:STEPS]
+
+
+def _check(results, world, per_process):
+    reference = _single_process_losses()
+    for rank, r in enumerate(results):
+        assert r["rank"] == rank
+        assert r["devices"] == world * per_process and r["local_devices"] == per_process, r
+        assert r["compilations"] == 1, r
+        assert r["losses"] == pytest.approx(reference, rel=REL), (r, reference)
+    assert reference[-1] < reference[0]  # the model trained: not three copies of one loss
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_two_processes_two_devices_each_match_one_process():
+    _check(_run(2, 2, timeout=150), 2, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_four_processes_two_devices_each_match_one_process():
+    _check(_run(4, 2, timeout=380), 4, 2)
