@@ -30,14 +30,24 @@ def mlp_batches(n: int, batch: int = 8, seed: int = 1) -> list[dict]:
             for _ in range(n)]
 
 
-def tiny_llama():
+def _llama(**config):
     from tpu_train.models import Llama, LlamaConfig
 
-    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
-                      ffn_hidden_dim=176, max_seq_len=32)
-    model = Llama(cfg)
+    model = Llama(LlamaConfig(**config))
     model.init_weights(seed=0, device="cpu")
     return model
+
+
+def tiny_llama():
+    return _llama(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
+                  ffn_hidden_dim=176, max_seq_len=32)
+
+
+def w1_llama():
+    """Workload W1 (the one ``scripts/bench_train_step.py`` times): a Llama-style decoder with
+    dim 512, 4 layers, 8 heads / 4 kv heads, SwiGLU hidden 1408, vocab 8192, seq 256."""
+    return _llama(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                  ffn_hidden_dim=1408, max_seq_len=256)
 
 
 def lm_loss(model, batch):
@@ -45,11 +55,12 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 
 
-def lm_batches(n: int, batch: int = 2, seq: int = 32, seed: int = 1) -> list[dict]:
+def lm_batches(n: int, batch: int = 2, seq: int = 32, seed: int = 1,
+               vocab: int = 128) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        t = torch.randint(0, 128, (batch, seq + 1), generator=g)
+        t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append({"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()})
     return out
 

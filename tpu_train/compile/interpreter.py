@@ -21,6 +21,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -71,8 +72,8 @@ def check_lowerings(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        if node.target is aten.copy_.default:
-            continue  # input mutation, handled by the interpreter
+        if node.target in (aten.copy_.default, OPTIMIZATION_BARRIER):
+            continue  # input mutation / checkpointing's fence: handled by the interpreter
         if isinstance(node.target, torch._ops.OpOverload) and registry.is_mutating(node.target):
             if functional_variant(node.target) is None:
                 missing.add(f"{node.target} (mutating, no functional form known)")
@@ -85,6 +86,26 @@ def check_lowerings(graph: torch.fx.Graph) -> None:
             "the traced training step uses ops with no lowering in tpu_train.ops: "
             + ", ".join(sorted(missing))
             + ". Add a lowering (see tpu_train/ops/registry.py) for each of them.")
+
+
+def fence(values: Sequence[Any]) -> list:
+    """The values, computed behind something XLA cannot see through.
+
+    ``optimization_barrier`` alone is not enough on every backend: XLA's CPU pipeline expands
+    barriers before its late CSE passes, which then merge a checkpointed region's
+    recomputation with its forward (measured: no memory saved). The values therefore also
+    pass through a conditional on ``last == last`` for the first element of the last value
+    (the incoming gradient): XLA cannot fold it (it is false for NaN), so it neither merges
+    what follows with the forward nor runs it before that gradient exists. The other branch
+    poisons floats with NaN, which is what a NaN gradient leads to anyway."""
+    values = tuple(jax.lax.optimization_barrier(tuple(values)))
+    probe = values[-1].reshape(-1)[0]
+
+    def poisoned(vs):
+        return tuple(jnp.full_like(v, jnp.nan) if jnp.issubdtype(v.dtype, jnp.floating) else v
+                     for v in vs)
+
+    return list(jax.lax.cond(probe == probe, lambda vs: vs, poisoned, values))
 
 
 def _constant_value(value: Any) -> Any:
@@ -182,6 +203,10 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
         target = node.target
         if target is operator.getitem:
             env[node] = args[0][args[1]]
+            continue
+        if target is OPTIMIZATION_BARRIER:
+            # Recomputed checkpoint regions start from fenced values (see .checkpointing).
+            env[node] = fence(args[0])
             continue
         if target is aten.copy_.default:
             destination = node.args[0]

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_unflatten
 
+from tpu_train.compile.checkpointing import traced_checkpoints
 from tpu_train.ops import registry
 
 # Decompositions are skipped for ops the lowering table covers directly: a lowered
@@ -125,7 +126,7 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
             diff, const)
         return list(grads) + [loss.detach().to(torch.float32), weight]
 
-    with fakes.mode:
+    with fakes.mode, traced_checkpoints(wrapper):
         gm = _trace(grad_step, diff_fakes + const_fakes + batch_fakes)
     return gm, weighted[-1]
 
