@@ -17,6 +17,12 @@ excluded), tokens/s at the median, trace + compile seconds, resident memory, the
 first and last step; and the compiled/jax ratios. Usage::
 
     python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager|compiled|jax] [--steps N]
+    python scripts/bench_train_step.py --isolated R [--only ...] [--steps N]
+
+``--isolated R`` measures what one process cannot separate: each mode runs alone in a fresh
+subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled,
+jax, ...), and the report gives per mode the min and median over rounds of the process's peak
+RSS and of trace + compile seconds, and the compiled/jax ratios of both.
 """
 
 from __future__ import annotations
@@ -255,9 +261,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--only", choices=MODES, action="append",
                         help="run only this mode (repeatable); default: all three interleaved")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--isolated", type=int, metavar="R", default=0,
+                        help="R rounds of one subprocess per mode: peak RSS and compile time")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (step 1 compiles and is not timed)")
+    if args.isolated:
+        return isolated(args)
     os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
     import torch
 
@@ -306,6 +316,37 @@ def main(argv=None) -> dict:
         c, j = report["modes"]["compiled"], report["modes"]["jax"]
         report["compiled_over_jax"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
                                        "median": round(c["median_s"] / j["median_s"], 3)}
+    print(json.dumps(report))
+    return report
+
+
+def isolated(args) -> dict:
+    """Each mode alone in its own process, interleaved over rounds (module docstring)."""
+    import subprocess
+
+    names = args.only or ["compiled", "jax"]
+    samples = {name: {"peak_rss_mb": [], "trace_compile_s": [], "median_s": []} for name in names}
+    for _ in range(args.isolated):
+        for name in names:
+            out = subprocess.run([sys.executable, __file__, "--only", name, "--steps",
+                                  str(args.steps), "--dtype", args.dtype],
+                                 check=True, capture_output=True, text=True).stdout
+            child = json.loads(out.strip().splitlines()[-1])
+            samples[name]["peak_rss_mb"].append(child["peak_rss_mb"])
+            samples[name]["trace_compile_s"].append(child["modes"][name]["trace_compile_s"])
+            samples[name]["median_s"].append(child["modes"][name]["median_s"])
+    report = {"workload": "W1", "dtype": args.dtype, "steps": args.steps,
+              "rounds": args.isolated, "modes": {}}
+    for name, figures in samples.items():
+        report["modes"][name] = {
+            key: {"min": round(min(v), 3), "median": round(statistics.median(v), 3),
+                  "all": [round(x, 3) for x in v]} for key, v in figures.items()}
+    if "compiled" in samples and "jax" in samples:
+        report["compiled_over_jax"] = {
+            key: {stat: round(report["modes"]["compiled"][key][stat]
+                              / report["modes"]["jax"][key][stat], 3)
+                  for stat in ("min", "median")}
+            for key in ("peak_rss_mb", "trace_compile_s")}
     print(json.dumps(report))
     return report
 
