@@ -12,7 +12,7 @@ from tpu_train.parallel import (LlamaActivationRule, PlanError, ShardingPlan, bu
                                 constrain, llama_plan, per_device_bytes)
 from tpu_train.parallel.jax_reference import param_shapes
 
-COLUMN = P("tensor", "fsdp")
+COLUMN = P(("tensor", "fsdp"), None)
 ROW = P("fsdp", "tensor")
 EXPECTED = {
     "tok_embeddings.weight": COLUMN,
@@ -49,8 +49,8 @@ def test_every_llama_parameter_has_the_documented_spec(tiny_model):
 
 
 @pytest.mark.parametrize("fsdp, tensor, wq, wo, norm", [
-    (True, False, P(None, "fsdp"), P("fsdp", None), P("fsdp")),
-    (False, True, P("tensor", None), P(None, "tensor"), P(None)),
+    (True, False, P(("fsdp",), None), P("fsdp", None), P("fsdp")),
+    (False, True, P(("tensor",), None), P(None, "tensor"), P(None)),
     (False, False, P(None, None), P(None, None), P(None)),
 ])
 def test_layouts_drop_axes(fsdp, tensor, wq, wo, norm):
@@ -62,9 +62,9 @@ def test_layouts_drop_axes(fsdp, tensor, wq, wo, norm):
 
 
 @pytest.mark.parametrize("degrees, local_wq, local_wo", [
-    ((1, 8, 1), (256, 32), (32, 256)),      # FSDP=8: model width split 8 ways
-    ((1, 4, 2), (128, 64), (64, 128)),      # TP=2 x FSDP=4
-    ((2, 2, 2), (128, 128), (128, 128)),    # DP=2 x FSDP=2 x TP=2
+    ((1, 8, 1), (32, 256), (32, 256)),      # FSDP=8: leading dimension split 8 ways
+    ((1, 4, 2), (32, 256), (64, 128)),      # TP=2 x FSDP=4: wq rows over tensor x fsdp
+    ((2, 2, 2), (64, 256), (128, 128)),     # DP=2 x FSDP=2 x TP=2
     ((8, 1, 1), (256, 256), (256, 256)),    # pure data parallelism: replicated
 ])
 def test_shardings_per_layout(tiny_model, degrees, local_wq, local_wo):
@@ -84,9 +84,9 @@ def test_place_gives_inspectable_global_arrays_and_divides_memory():
     plan = llama_plan()
     placed = plan.place(host, build_mesh(1, 8, 1))
     wq = placed["layers.0.attention.wq.weight"]
-    assert wq.shape == (256, 256) and wq.sharding.spec == P("tensor", "fsdp")
+    assert wq.shape == (256, 256) and wq.sharding.spec == COLUMN
     np.testing.assert_array_equal(np.asarray(wq), host["layers.0.attention.wq.weight"].numpy())
-    assert {s.data.shape for s in wq.addressable_shards} == {(256, 32)}
+    assert {s.data.shape for s in wq.addressable_shards} == {(32, 256)}
     bf16 = plan.place({"norm.weight": host["norm.weight"].to(torch.bfloat16)},
                       build_mesh(1, 8, 1))["norm.weight"]
     assert bf16.dtype == jax.numpy.bfloat16 and bf16.addressable_shards[0].data.shape == (32,)
@@ -103,8 +103,13 @@ def test_clear_errors_for_uncovered_or_indivisible_parameters():
     lenient = ShardingPlan([(r"wq", P("fsdp"))], default=P())
     assert lenient.spec_for("anything") == P()
     mesh = build_mesh(1, 8, 1)
+    # Column-parallel: rows over fsdp if they divide, else the fallback (fsdp on columns)...
+    assert plan.sharding_for("layers.0.attention.wq.weight", (16, 12), mesh).spec == COLUMN
+    assert plan.sharding_for("layers.0.attention.wq.weight", (12, 16), mesh).spec == \
+        P("tensor", "fsdp")
+    # ... and the error, when neither divides, is the last alternative's.
     with pytest.raises(PlanError, match=r"dimension 1 \(size 12\) is split 8 ways"):
-        plan.sharding_for("layers.0.attention.wq.weight", (16, 12), mesh)
+        plan.sharding_for("layers.0.attention.wq.weight", (12, 12), mesh)
     with pytest.raises(PlanError, match="has 2 entries but the parameter has shape"):
         plan.spec_for("output.weight", (16,))
     with pytest.raises(PlanError, match="which the mesh .* does not have"):
@@ -153,7 +158,7 @@ def test_step_shardings_for_a_compiled_step():
                          state_owners=[0, 0, 1, None], state_shapes=[(256, 256), (256, 256),
                                                                      (256,), ()],
                          num_consts=1, batch_shapes=[(8, 64), ()])
-    assert out.params[0].spec == P("tensor", "fsdp")
+    assert out.params[0].spec == COLUMN
     assert out.states[:3] == (out.params[0], out.params[0], out.params[1])
     assert out.states[3].spec == P() and out.consts[0].spec == P()
     assert out.batch[0].shard_shape((8, 64)) == (2, 64)

@@ -162,8 +162,8 @@ def check_model_divisibility(model_config: Any, shape: MeshShape) -> None:
     """Raise :class:`MeshError` if the Llama plan cannot shard ``model_config`` on ``shape``.
 
     Tensor parallelism splits query heads, key/value heads, the feed-forward hidden dimension
-    and the vocabulary; FSDP splits the model width ``dim`` of every weight (see
-    ``llama_plan``). Uneven shards are not padded: parameters are placed as global arrays,
+    and the vocabulary; FSDP splits the model width ``dim`` of every weight or the output rows
+    of column-parallel ones, whichever divides (see ``llama_plan``). Uneven shards are not padded: parameters are placed as global arrays,
     and ``jax.device_put`` requires every sharded dimension to divide evenly.
     """
     t, f = shape.tensor, shape.fsdp

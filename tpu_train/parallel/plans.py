@@ -52,6 +52,8 @@ class ShardingPlan:
     Args:
         rules: ``(pattern, spec)`` pairs. Patterns are matched with ``re.search``, so anchor
             them (``(^|\\.)norm\\.weight$``) to tolerate wrapper prefixes such as ``_orig_mod.``.
+            ``spec`` may be a list of specs in order of preference: a mesh gets the first one
+            that splits the parameter evenly (``spec_for`` names the first).
         activations: named activation specs (e.g. ``"hidden"``), for :func:`constrain`.
         default: spec for names no rule matches; ``None`` (the default) makes an unmatched
             name an error, so a new parameter is never silently replicated.
@@ -63,11 +65,15 @@ class ShardingPlan:
                  default: PartitionSpec | None = None, name: str = "plan"):
         self.name = name
         self.rules: list[tuple[re.Pattern, PartitionSpec]] = []
+        self._options: list[tuple[PartitionSpec, ...]] = []  # per rule, in preference order
         for pattern, spec in rules:
-            if not isinstance(spec, PartitionSpec):
-                raise PlanError(f"{name}: rule {pattern!r} needs a PartitionSpec, got {spec!r}")
+            options = tuple(spec) if isinstance(spec, list) else (spec,)
+            if not options or not all(isinstance(o, PartitionSpec) for o in options):
+                raise PlanError(f"{name}: rule {pattern!r} needs a PartitionSpec (or a list of "
+                                f"them, in order of preference), got {spec!r}")
             try:
-                self.rules.append((re.compile(pattern), spec))
+                self.rules.append((re.compile(pattern), options[0]))
+                self._options.append(options)
             except re.error as err:
                 raise PlanError(f"{name}: bad regex {pattern!r}: {err}") from None
         self.activations = dict(activations or {})
@@ -111,7 +117,21 @@ class ShardingPlan:
         arrays are not padded, and a clear error here beats XLA's at the first step.
         """
         shape = tuple(int(s) for s in shape)
-        spec = self.spec_for(name, shape)
+        first = self.spec_for(name, shape)
+        options = next((o for (regex, _), o in zip(self.rules, self._options)
+                        if regex.search(name)), (first,))
+        for spec in options[:-1]:  # a preferred layout that this mesh cannot split evenly
+            try:
+                return self._checked(name, shape, spec, mesh)
+            except PlanError:
+                continue
+        return self._checked(name, shape, options[-1], mesh)
+
+    def _checked(self, name: str, shape: tuple[int, ...], spec: PartitionSpec,
+                 mesh) -> NamedSharding:
+        if len(spec) > len(shape):
+            raise PlanError(f"{self.name}: spec {spec} for {name!r} has {len(spec)} entries but "
+                            f"the parameter has shape {shape}")
         for dim, entry in enumerate(spec):
             axes = _axes_of(entry)
             unknown = [a for a in axes if a not in mesh.shape]
