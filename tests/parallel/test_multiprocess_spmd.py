@@ -16,9 +16,11 @@ STEPS = 3
 REL = 1e-5
 
 
-def _run(world: int, devices_per_process: int, timeout: float):
+def _run(world: int, devices_per_process: int, timeout: float, checkpoint=None):
+    args = ["tests/parallel/workers/spmd_worker.py", str(STEPS)]
+    args += [str(checkpoint)] if checkpoint is not None else []
     outputs = run_ranks(
-        ["tests/parallel/workers/spmd_worker.py", str(STEPS)], world, timeout=timeout,
+        args, world, timeout=timeout,
         extra_env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"})
     results = []
     for code, log in outputs:
@@ -45,9 +47,28 @@ def _check(results, world, per_process):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_two_processes_two_devices_each_match_one_process():
-    _check(_run(2, 2, timeout=150), 2, 2)
+@pytest.mark.timeout(240)
+def test_two_processes_two_devices_each_match_one_process(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    _check(_run(2, 2, timeout=150, checkpoint=checkpoint), 2, 2)
+    # Each process wrote its own devices' shards: two data files, neither holding it all.
+    files = sorted(p for p in checkpoint.iterdir() if p.suffix == ".distcp")
+    assert [p.name for p in files] == ["__0_0.distcp", "__1_0.distcp"]
+    sizes = [p.stat().st_size for p in files]
+    assert min(sizes) > 0.3 * sum(sizes), sizes
+    # Saved by 2 processes on FSDP=4, restored by this one on TP=2 x FSDP=4: the next step
+    # gives the one-device run's next loss.
+    import tpu_train
+    from tests.parallel.spmd_model import batches
+    from tests.parallel.test_sharded_checkpoint import _fresh_step
+    from tpu_train.parallel.sharded_checkpoint import load_sharded
+
+    step = _fresh_step((1, 4, 2))
+    load_sharded(checkpoint, step)
+    batch = {k: v.to(tpu_train.device(0)) for k, v in batches(STEPS + 1)[STEPS].items()}
+    from tests.parallel.test_compiled_spmd import _train
+
+    assert float(step(batch)["loss"]) == pytest.approx(_train(None)[0][STEPS], rel=REL)
 
 
 @pytest.mark.slow
