@@ -23,6 +23,9 @@ from . import planner
 __all__ = ["compiled_step_analysis", "format_plan", "plan_job", "planning_config", "run_plan"]
 
 
+# Bounds the analysis child so a plan never hangs; a 70B model on 128 virtual devices has
+# needed more than 10 minutes on a loaded 2-core machine.
+CHILD_TIMEOUT_S = 1800.0
 ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
                            "--xla_llvm_disable_expensive_passes=true")
 
@@ -130,7 +133,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
 
 
 def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
-             timeout_s: float = 600.0) -> dict[str, Any]:
+             timeout_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """The plan of composed config ``cfg``: analytic figures, XLA's beside them, a verdict.
 
     Returns the analytic estimate's dict with ``xla`` (XLA's per-device memory and FLOPs of
