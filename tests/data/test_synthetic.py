@@ -41,11 +41,15 @@ def test_responses_are_correct_and_short(tokenizer):
 
 def test_prompt_shapes():
     rng = random.Random(0)
+    operands = set()
     for _ in range(200):
         add, rev, srt = (make_example(t, rng)["prompt"] for t in TASKS)
-        assert re.fullmatch(r"add \d{2,3}\+\d{2,3}\n", add)
+        assert re.fullmatch(r"add \d{1,2}\+\d{1,2}\n", add)
+        operands.update(int(n) for n in add[4:].split("+"))
         assert re.fullmatch(r"reverse [a-z]( [a-z]){2,5}\n", rev)
         assert re.fullmatch(r"sort [a-z]( [a-z]){2,5}\n", srt)
+    # One- and two-digit operands, with no leading zeros (written as Python prints them).
+    assert min(operands) < 10 and max(operands) > 89
     with pytest.raises(ValueError, match="unknown synthetic task 'multiply'"):
         make_example("multiply", rng)
 

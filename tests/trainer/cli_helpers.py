@@ -15,12 +15,16 @@ import torch
 
 from tpu_train import cli
 
-# A debug_tiny Llama on 2 x 32-token batches: a step takes well under a second on one core.
-TINY = [
+# A debug_tiny Llama on 2 x 32-token batches, eager on the CPU: a step takes well under a
+# second on one core and there is no compilation (several seconds per run).
+_TINY_SHAPES = [
     "data.batch_size=2", "data.seq_len=32", "trainer.val_every_n_steps=0",
     "logging.progress_bar=false", "logging.every_n_steps=1", "checkpoint.export_hf=false",
     "scheduler.warmup_steps=1",
 ]
+TINY = [*_TINY_SHAPES, "trainer.mode=eager", "trainer.device=cpu"]
+# The same with the compiled step on the tpu device (the schema's default mode).
+TINY_COMPILED = [*_TINY_SHAPES, "trainer.mode=compiled", "trainer.device=tpu"]
 
 
 @pytest.fixture

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+
+import pytest
 
 from tests.trainer.cli_helpers import TINY, read_metrics, run_in_process, start_subprocess
 from tpu_train.trainer.checkpoint import list_checkpoints
@@ -102,3 +105,30 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert len(events.Scalars("train/loss")) == 2
     # Every validation reads the validation file afresh: a loss at each of the two steps.
     assert [event.step for event in events.Scalars("val/loss")] == [1, 2]
+
+
+def test_compiled_run_validates_the_trained_weights(tmp_path):
+    """On the CPU client a compiled run validates a CPU copy of the model: the copy must hold
+    the weights the step trained (the exported ones), not the initial ones."""
+    import torch
+
+    from tests.trainer.cli_helpers import TINY_COMPILED
+    from tpu_train.data import PackedLoader, default_corpus_dir, load_tokenizer
+    from tpu_train.models import from_pretrained
+    from tpu_train.trainer.config import Precision
+    from tpu_train.trainer.evaluation import validation_loss
+
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(*TINY_COMPILED, "trainer.max_steps=2", "trainer.val_every_n_steps=2",
+                                  "trainer.val_batches=1", "recipe.eval.exact_match_examples=2",
+                                  "recipe.eval.max_new_tokens=4", "checkpoint.export_hf=true",
+                                  f"run.dir={run_dir}")
+    assert code == 0, err
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "val/loss" in line]
+    assert [record["step"] for record in logged] == [2] and "val/exact_match" in logged[0]
+    exported = from_pretrained(run_dir / "hf", dtype=torch.float32, device="cpu")
+    loader = PackedLoader(default_corpus_dir() / "tasks_heldout.jsonl", load_tokenizer(), 32, 2,
+                          num_epochs=1, drop_last=False)
+    expected = validation_loss(exported, loader, torch.device("cpu"), 1, Precision.fp32)["loss"]
+    assert logged[0]["val/loss"] == pytest.approx(expected, rel=1e-6)

@@ -5,13 +5,19 @@ Three sub-tasks, each a one-line prompt ending in a newline and a short response
 =========  ========================  ===========
 task       prompt                    response
 =========  ========================  ===========
-add        ``add 123+45\\n``         ``168``
+add        ``add 73+45\\n``          ``118``
 reverse    ``reverse c a t\\n``      ``t a c``
 sort       ``sort d b a\\n``         ``a b d``
 =========  ========================  ===========
 
 Letters are space separated so that each is one token of a byte-level BPE; digits are single
 tokens in the bundled tokenizer. Responses are at most 11 characters (< 20 tokens).
+
+Addition operands have one or two digits (0 to 99, :data:`ADD_MAX_OPERAND`) and the sum is
+written most-significant digit first, as usual.  With three-digit operands the tiny model of the
+embedded default (3.4 M parameters, minutes of CPU training) answered 1.5 % of held-out sums
+correctly while it solved most reversals and sorts; with two-digit operands it answers about a
+third of them (docs/recipes.md has the figures).
 
 Splits are decided by a hash of the prompt, not by the seed: an example is held out iff its
 prompt hashes into the held-out bucket, so train and held-out sets never overlap whatever the
@@ -30,6 +36,7 @@ from typing import Iterator, Sequence
 TASKS = ("add", "reverse", "sort")
 SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 10
+ADD_MAX_OPERAND = 99
 END_MARKERS = ("<|end_of_text|>", "<|eot_id|>", "\n")
 
 
@@ -46,7 +53,7 @@ def _letters(rng: random.Random) -> list[str]:
 def make_example(task: str, rng: random.Random) -> dict[str, str]:
     """One ``{"prompt", "response", "task"}`` example of ``task`` drawn with ``rng``."""
     if task == "add":
-        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        a, b = rng.randint(0, ADD_MAX_OPERAND), rng.randint(0, ADD_MAX_OPERAND)
         return {"prompt": f"add {a}+{b}\n", "response": str(a + b), "task": task}
     if task == "reverse":
         letters = _letters(rng)

@@ -5,14 +5,15 @@ from omegaconf import DictConfig
 from tpu_train.trainer import builders
 from tpu_train.trainer.config import Precision
 from tpu_train.trainer.errors import ConfigError
-from tpu_train.trainer.evaluation import exact_match_score, validation_loss
+from tpu_train.trainer.evaluation import evaluation_device, exact_match_score, validation_loss
 from tpu_train.trainer.inference import load_model_for_inference
 from tpu_train.trainer.validation import validate_config
 
 
 def run(cfg: DictConfig) -> None:
     validate_config(cfg)
-    device = builders.resolve_device(cfg.trainer.device)
+    # Op-by-op evaluation and sampling run on the CPU when the tpu device is the CPU client.
+    device = evaluation_device(builders.resolve_device(cfg.trainer.device))
     tokenizer = builders.build_tokenizer(cfg)
     _, val_path = builders.data_paths(cfg)
     if val_path is None:

@@ -4,6 +4,7 @@ import torch
 from omegaconf import DictConfig
 
 from tpu_train.trainer import builders
+from tpu_train.trainer.evaluation import evaluation_device
 from tpu_train.trainer.inference import load_model_for_inference
 from tpu_train.trainer.validation import validate_config
 
@@ -12,7 +13,8 @@ def run(cfg: DictConfig) -> None:
     from tpu_train.models import generate
 
     validate_config(cfg)
-    device = builders.resolve_device(cfg.trainer.device)
+    # Op-by-op evaluation and sampling run on the CPU when the tpu device is the CPU client.
+    device = evaluation_device(builders.resolve_device(cfg.trainer.device))
     tokenizer = builders.build_tokenizer(cfg)
     model, source = load_model_for_inference(cfg, tokenizer, device)
     print(f"model: {source}")
@@ -23,5 +25,5 @@ def run(cfg: DictConfig) -> None:
         out = generate(model, ids.to(device), options.max_new_tokens,
                        temperature=options.temperature, top_p=options.top_p,
                        eos_token_id=tokenizer.eos_id, generator=generator)
-        completion = tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special=True)
+        completion = tokenizer.decode(out[0, ids.shape[1]:].cpu().tolist(), skip_special=True)
         print(f"--- prompt: {prompt!r}\n{completion}")

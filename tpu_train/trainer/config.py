@@ -122,8 +122,10 @@ class LoggingConfig:
 class TrainerConfig:
     max_steps: int = 100
     seed: int = 0
-    mode: StepMode = StepMode.eager
-    device: str = "cpu"  # "cpu" or "tpu"
+    # The whole step as one XLA program on the tpu device (the JAX CPU client where there is no
+    # accelerator).  trainer.mode=eager trainer.device=cpu runs plain PyTorch, for debugging.
+    mode: StepMode = StepMode.compiled
+    device: str = "tpu"  # "cpu" or "tpu"
     precision: Precision = Precision.fp32
     grad_accum_steps: int = 1
     max_grad_norm: Optional[float] = 1.0  # null disables clipping

@@ -15,7 +15,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint import CheckpointManager, latest_checkpoint, read_checkpoint
 from .config import OnNonFinite, Precision, StepMode
 from .errors import ConfigError, TrainingStopped
-from .evaluation import exact_match_count, validation_loss
+from .evaluation import HostEvaluationModel, exact_match_count, runs_on_host_cpu, validation_loss
 from .lora import apply_lora, merge_lora
 from .metrics import (
     RunLogger, detect_device_kind, format_log_line, is_main_process, peak_bf16_tflops,
@@ -85,15 +85,18 @@ def train(cfg: DictConfig, lora: bool = False) -> Path:
     val_loader = builders.build_val_loader(cfg, tokenizer, val_path)
     exact_match_path = val_path if builders.first_record_kind(val_path) in ("instruction", "chat") else None
 
-    model = builders.build_model(cfg, tokenizer.vocab_size)
+    def with_adapters(model: torch.nn.Module) -> torch.nn.Module:
+        if lora:
+            try:
+                apply_lora(model, list(cfg.recipe.lora.targets), cfg.recipe.lora.rank,
+                           cfg.recipe.lora.alpha, cfg.recipe.lora.dropout)
+            except ValueError as exc:
+                raise ConfigError(f"recipe.lora.targets: {exc}") from exc
+        return model
+
+    model = with_adapters(builders.build_model(cfg, tokenizer.vocab_size))
     source = (str(cfg.model.checkpoint) if cfg.model.checkpoint is not None
               else f"random initialization (seed {trainer_cfg.seed})")
-    if lora:
-        try:
-            apply_lora(model, list(cfg.recipe.lora.targets), cfg.recipe.lora.rank,
-                       cfg.recipe.lora.alpha, cfg.recipe.lora.dropout)
-        except ValueError as exc:
-            raise ConfigError(f"recipe.lora.targets: {exc}") from exc
     if trainer_cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     model.to(device)
@@ -150,16 +153,22 @@ def train(cfg: DictConfig, lora: bool = False) -> Path:
         checkpoints.save(step, model.state_dict(), training_state)
 
     last_validation: dict = {}
+    host_model = (HostEvaluationModel(lambda: with_adapters(builders.build_model(
+        cfg, tokenizer.vocab_size, allow_checkpoint=False))) if runs_on_host_cpu(device) else None)
 
     def validate_now() -> None:
         values = {}
+        eval_model, eval_device = model, device
+        if host_model is not None:
+            eval_model, eval_device = host_model.refresh(model), torch.device("cpu")
         if val_loader is not None:
             # A fresh pass over the validation file each time (a loader is one stream).
             loader = builders.build_val_loader(cfg, tokenizer, val_path, probe=False)
-            values.update(validation_loss(model, loader, device, trainer_cfg.val_batches, precision))
+            values.update(validation_loss(eval_model, loader, eval_device, trainer_cfg.val_batches,
+                                          precision))
         scored = None
         if exact_match_path is not None:
-            scored = exact_match_count(model, tokenizer, exact_match_path, device,
+            scored = exact_match_count(eval_model, tokenizer, exact_match_path, eval_device,
                                        cfg.recipe.eval.exact_match_examples,
                                        cfg.recipe.eval.max_new_tokens)
             if scored is not None:

@@ -29,10 +29,11 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over the non-ignored labels of ``batch``."""
-    count = (batch["labels"] != IGNORE_INDEX).sum().clamp(min=1)
-    return causal_lm_loss_sum(model, batch) / count
+def causal_lm_loss_sum_and_count(model: torch.nn.Module,
+                                 batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, number of non-ignored labels): the compiled step divides the sums of all
+    micro-batches by their total count, the same token weighting as :class:`EagerStep`."""
+    return causal_lm_loss_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum()
 
 
 def autocast_context(device: torch.device, precision: Precision):
@@ -105,8 +106,9 @@ def build_train_step(mode: StepMode, model: torch.nn.Module, optimizer: torch.op
             "trainer.on_nan=skip is only supported with trainer.mode=eager (the compiled step "
             "applies its update inside one program); use trainer.on_nan=stop"
         )
-    compiled = compile_train_step(model, optimizer, causal_lm_loss, scheduler=scheduler,
-                                  max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps)
+    compiled = compile_train_step(model, optimizer, causal_lm_loss_sum_and_count,
+                                  scheduler=scheduler, max_grad_norm=max_grad_norm,
+                                  grad_accum_steps=grad_accum_steps)
 
     def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         # The compiled step accumulates internally: hand it the micro-batches joined.
