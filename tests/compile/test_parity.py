@@ -16,9 +16,11 @@ TOL = 1e-5
 STEPS = 20
 # Llama parameters after 20 AdamW steps: XLA's float32 kernels round differently from torch's,
 # and Adam amplifies that for near-zero gradients. Measured against a float64 CPU run of the
-# same 20 steps: CPU float32 1.3e-6, eager tpu 1.4e-5, compiled 1.1e-5 (worst tensor). The
-# compiled step is as close as eager tpu execution; the bound leaves 2x margin over that.
+# same 20 steps (worst tensor): CPU float32 1.3e-6, compiled 7.4e-6 (7.4e-6 from CPU float32;
+# 1.1e-5 before the compiled program stopped using XLA's YNNPACK dots), eager tpu 1.4e-5 —
+# eager ops still use them, so comparisons with eager tpu need the wider bound (2x margin).
 LLAMA_PARAM_TOL = 3e-5
+LLAMA_CPU_PARAM_TOL = 1e-5
 
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
@@ -55,11 +57,11 @@ def test_tiny_llama_matches_cpu(opt_name):
     metrics, compiled_model, _, step = run_compiled(model, make_opt, lm_loss, batches,
                                                     max_grad_norm=1.0)
     assert_losses_close([m["loss"] for m in metrics], cpu_losses, TOL)
-    assert_params_close(compiled_model, cpu_model, LLAMA_PARAM_TOL)
+    assert_params_close(compiled_model, cpu_model, LLAMA_CPU_PARAM_TOL)
     # The module's own tensors hold the update: state_dict and eager forward see it.
     state = compiled_model.state_dict()
     for name, value in cpu_model.state_dict().items():
-        assert relative_error(state[name], value) <= LLAMA_PARAM_TOL, name
+        assert relative_error(state[name], value) <= LLAMA_CPU_PARAM_TOL, name
     tokens = batches[0]["tokens"]
     eager_logits = compiled_model(tokens.to(DEVICE)).cpu()
     assert relative_error(eager_logits, cpu_model(tokens)) <= LLAMA_PARAM_TOL
