@@ -18,7 +18,7 @@ from tpu_train.compile import compile_train_step
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER, UnsupportedCheckpointError
 
 from .helpers import (DEVICE, OPTIMIZERS, assert_losses_close, assert_params_close, lm_batches,
-                      lm_loss, relative_error, run_compiled, tiny_llama)
+                      lm_loss, run_compiled, tiny_llama)
 
 
 class _WideBlock(torch.nn.Module):
