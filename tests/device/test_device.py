@@ -211,3 +211,15 @@ def test_storage_resize_keeps_memory_accounting():
     assert torch.tpu.memory_allocated(6) == before
     del x
     assert torch.tpu.memory_allocated(6) == before - 256 * 256 * 4
+
+
+def test_tolist_and_numpy_convert_like_cuda_tensors():
+    base = torch.arange(12, dtype=torch.float32).view(3, 4)
+    on_device = base.to(tpu_train.device(0))
+    # a non-contiguous view, an integer tensor and a 0-d tensor convert through host memory
+    assert on_device.t().tolist() == base.t().tolist()
+    assert on_device.long().tolist() == base.long().tolist()
+    assert on_device[1, 2].tolist() == 6.0
+    with pytest.raises(TypeError, match=r"can't convert tpu:0 device type tensor to numpy"):
+        on_device.numpy()
+    assert (on_device.numpy(force=True) == base.numpy()).all()

@@ -87,6 +87,17 @@ class TpuTensor(torch.Tensor):
             suffix += f", grad_fn=<{type(self.grad_fn).__name__}>"
         return body[:-1] + suffix + ")" if body.endswith(")") else body + suffix
 
+    def tolist(self):
+        # torch refuses tolist() on tensor subclasses; a device tensor converts like CUDA's:
+        # through host memory.
+        return to_host(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if force:
+            return to_host(self.detach()).numpy()
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use "
+                        f"Tensor.cpu() to copy the tensor to host memory first.")
+
     def __reduce_ex__(self, protocol):
         # Torch's own rebuild path for storage-less device tensors: honours map_location and
         # is allowed under torch.load(weights_only=True).
