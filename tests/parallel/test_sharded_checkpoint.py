@@ -66,3 +66,9 @@ def test_fsdp8_checkpoint_restores_onto_tp2_fsdp4(tmp_path):
 def test_restoring_a_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a sharded checkpoint"):
         load_sharded(tmp_path / "nothing", _train(MESHES["fsdp8"])[3])
+
+
+def test_saving_over_an_existing_checkpoint_is_refused(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FileExistsError, match="written once"):
+        save_sharded(tmp_path / "ckpt", _train(MESHES["fsdp8"])[3])

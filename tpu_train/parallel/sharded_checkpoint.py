@@ -198,10 +198,10 @@ def save_sharded(path: str | os.PathLike, step: Any) -> Path:
     group = _coordination_group()
     rank = dist.get_rank() if group is not None else 0
     tmp = path.with_name(path.name + ".tmp")
+    if path.exists():  # every process checks (shared storage), so none waits for a failed one
+        raise FileExistsError(f"{path} exists: a checkpoint directory is written once")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if path.exists():
-            raise FileExistsError(f"{path} exists: a checkpoint directory is written once")
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before its rename
     if group is not None:
         dist.barrier(group=group)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
