@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from tpu_train.compile import interpreter, tracing
@@ -49,6 +50,23 @@ class Program:
     in_shardings: Any = None  # SPMD only: what the executable's arguments must be placed as
 
 
+def place_global(value, sharding):
+    """``value`` (the same full array in every process) as a global array with ``sharding``.
+
+    In one process this is ``jax.device_put``. When the mesh spans several processes a device
+    cannot receive data from another process's array, so each process builds only the shards
+    on its own devices from its copy of the value (every process holds the same batch, the
+    same scalars, and the same initial parameters after a seeded initialization or a
+    checkpoint load).
+    """
+    if getattr(value, "sharding", None) == sharding:
+        return value
+    if sharding.is_fully_addressable or not getattr(value, "is_fully_addressable", True):
+        return jax.device_put(value, sharding)  # one process, or global to global (a reshard)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 class _PlacingExecutable:
     """A compiled SPMD step that first places its arguments as the program expects.
 
@@ -65,7 +83,12 @@ class _PlacingExecutable:
         self.in_shardings = in_shardings
 
     def __call__(self, *args):
-        placed = [jax.device_put(a, s) for a, s in zip(args, self.in_shardings)]
+        placed = []
+        for group, sharding in zip(args, self.in_shardings):
+            if isinstance(sharding, (list, tuple)):
+                placed.append([place_global(a, s) for a, s in zip(group, sharding)])
+            else:
+                placed.append(place_global(group, sharding))
         return self.compiled(*placed)
 
     def __getattr__(self, name):  # memory_analysis(), cost_analysis(), as_text() ...

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
+
+from tpu_train.compile.program import place_global
 
 from .plans import PlanError
 from .step_shardings import flat_storage_sharding
@@ -105,21 +106,9 @@ def place_inputs(args, in_shardings) -> list:
 
 
 def to_global(value, sharding):
-    """``value`` (the same full array in every process) as a global array with ``sharding``.
-
-    In one process this is ``jax.device_put``. When the mesh spans several processes, a
-    device cannot receive data from another process's array, so each process builds only the
-    shards on its own devices from its copy of the value (every process holds the same
-    initial parameters, as after a seeded initialization or a checkpoint load).
-    """
-    if getattr(value, "sharding", None) == sharding:
-        return value
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    if not getattr(value, "is_fully_addressable", True):
-        return jax.device_put(value, sharding)  # global to global: a reshard inside XLA
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    """``value`` (the same full array in every process) as a global array with ``sharding``
+    (see :func:`tpu_train.compile.program.place_global`)."""
+    return place_global(value, sharding)
 
 
 def storage_bytes_per_device(tensors) -> dict[Any, int]:

@@ -28,16 +28,6 @@ def main(steps: int, checkpoint_dir: str | None = None) -> None:
     from tpu_train.compile import compile_train_step
     from tpu_train.parallel import build_mesh, llama_plan, place_for_step
 
-    # The compiled step places its inputs with jax.device_put, which cannot put a one-device
-    # array (the learning-rate scalars, the batch) on a mesh spanning other processes; until
-    # the step does it through place_inputs, route it there.
-    from tpu_train.compile import program as program_mod
-    from tpu_train.parallel.compiled import place_inputs
-
-    def place_then_run(executable, *args):
-        return executable.compiled(*place_inputs(args, executable.in_shardings))
-
-    program_mod._PlacingExecutable.__call__ = place_then_run
     devices = jax.devices()
     model = init_model().to(tpu_train.device(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
