@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.trainer.cli_helpers import TINY, read_metrics, run_in_process, start_subprocess
+from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process, start_subprocess
 from tpu_train.trainer.checkpoint import list_checkpoints
 
 STEPS = 6
@@ -24,8 +24,9 @@ def _wait_for_step(process, run_dir, step, timeout=240.0):
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
-def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
-    common = [*TINY, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
+@pytest.mark.parametrize("mode", [TINY, TINY_COMPILED], ids=["eager_cpu", "compiled_tpu"])
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
+    common = [*mode, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
               "data.shuffle_buffer=16"]
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     code, _, err = run_in_process(*common, f"run.dir={reference_dir}")
