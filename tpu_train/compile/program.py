@@ -67,6 +67,18 @@ def place_global(value, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def place_step_inputs(args, in_shardings) -> list:
+    """A compiled SPMD step's positional groups (a list per group, or one array), each placed
+    as its ``in_shardings`` entry says (see :func:`place_global`)."""
+    placed = []
+    for group, sharding in zip(args, in_shardings):
+        if isinstance(sharding, (list, tuple)):
+            placed.append([place_global(a, s) for a, s in zip(group, sharding)])
+        else:
+            placed.append(place_global(group, sharding))
+    return placed
+
+
 class _PlacingExecutable:
     """A compiled SPMD step that first places its arguments as the program expects.
 
@@ -83,13 +95,7 @@ class _PlacingExecutable:
         self.in_shardings = in_shardings
 
     def __call__(self, *args):
-        placed = []
-        for group, sharding in zip(args, self.in_shardings):
-            if isinstance(sharding, (list, tuple)):
-                placed.append([place_global(a, s) for a, s in zip(group, sharding)])
-            else:
-                placed.append(place_global(group, sharding))
-        return self.compiled(*placed)
+        return self.compiled(*place_step_inputs(args, self.in_shardings))
 
     def __getattr__(self, name):  # memory_analysis(), cost_analysis(), as_text() ...
         return getattr(self.compiled, name)

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from tpu_train.compile.program import place_global
+from tpu_train.compile.program import place_global, place_step_inputs
 
 from .plans import PlanError
 from .step_shardings import flat_storage_sharding
@@ -89,26 +89,10 @@ def place_for_step(step: Any, mesh=None, plan=None) -> dict[str, Any]:
     return plan_shardings
 
 
-def place_inputs(args, in_shardings) -> list:
-    """A compiled SPMD step's arguments, each placed as its ``in_shardings`` entry says.
-
-    ``args`` and ``in_shardings`` are the executable's positional groups (a list per group
-    or a single array). Works when the mesh spans several processes, unlike a plain
-    ``jax.device_put`` of a one-device array (see :func:`to_global`).
-    """
-    placed = []
-    for group, sharding in zip(args, in_shardings):
-        if isinstance(sharding, (list, tuple)):
-            placed.append([to_global(a, s) for a, s in zip(group, sharding)])
-        else:
-            placed.append(to_global(group, sharding))
-    return placed
-
-
-def to_global(value, sharding):
-    """``value`` (the same full array in every process) as a global array with ``sharding``
-    (see :func:`tpu_train.compile.program.place_global`)."""
-    return place_global(value, sharding)
+# The compile layer places a step's inputs itself; these names are the parallel layer's API
+# for placing arrays outside a step (parameters before the first call, checkpoint restores).
+to_global = place_global
+place_inputs = place_step_inputs
 
 
 def storage_bytes_per_device(tensors) -> dict[Any, int]:
