@@ -8,6 +8,10 @@ on ``MASTER_PORT + 1`` (see :mod:`tpu_train.distributed.init`).
 Multi-host: run the same command on every host with ``--nnodes``, ``--node-rank`` and
 ``--coordinator host:port`` (the host of node 0; the port is torch's store, port+1 JAX's).
 
+On a TPU VM with ``--nproc`` > 1, each process is given its own chip through libtpu's
+environment (:mod:`tpu_train.distributed.tpu_env`); ``--tpu-env off`` leaves it out, ``on``
+sets it on a host where no chip is found (to inspect it).
+
 When a rank exits with a failure, the launcher stops the others (SIGTERM, then SIGKILL after
 ``--grace`` seconds) and exits with that rank's status; each rank runs in its own session so that
 nothing it started outlives the job. SIGINT/SIGTERM to the launcher stop every rank the same way.
@@ -22,6 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from tpu_train.distributed import tpu_env
 
 
 def _free_port_pair(host: str = "127.0.0.1") -> int:
@@ -49,6 +55,15 @@ def parse_args(argv=None):
                         help="host:port of node 0 (torch's store; port+1 is JAX's coordinator)")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    parser.add_argument("--tpu-env", choices=("auto", "on", "off"), default="auto",
+                        help="give each process its own TPU chip through libtpu's environment "
+                             "(auto: when the host has TPU chips and --nproc > 1)")
+    parser.add_argument("--tpu-host-bounds", default=os.environ.get("TPU_HOST_BOUNDS"),
+                        help="x,y,z grid of hosts of a multi-host slice (default: "
+                             "TPU_HOST_BOUNDS)")
+    parser.add_argument("--tpu-worker-hosts", default=os.environ.get("TPU_WORKER_HOSTNAMES"),
+                        help="comma-separated addresses of every host, in node-rank order "
+                             "(default: TPU_WORKER_HOSTNAMES)")
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -56,6 +71,17 @@ def parse_args(argv=None):
         parser.error("--coordinator host:port is required with --nnodes > 1")
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node-rank must be in [0, {args.nnodes})")
+    wanted = args.tpu_env == "on" or (args.tpu_env == "auto" and tpu_env.host_has_tpu_chips())
+    args.tpu_slice = None
+    if wanted and args.nproc > 1:
+        try:
+            args.tpu_slice = [
+                tpu_env.slice_env(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                                  local_rank=i, host_bounds=args.tpu_host_bounds,
+                                  worker_hosts=args.tpu_worker_hosts)
+                for i in range(args.nproc)]
+        except tpu_env.TpuEnvError as error:
+            parser.error(str(error))
     return args
 
 
@@ -65,6 +91,8 @@ def rank_env(args, local_rank: int, host: str, port: int) -> dict:
                WORLD_SIZE=str(args.nnodes * args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
                GROUP_RANK=str(args.node_rank), MASTER_ADDR=host, MASTER_PORT=str(port),
                PYTHONUNBUFFERED="1")
+    if getattr(args, "tpu_slice", None):
+        env = tpu_env.apply(env, args.tpu_slice[local_rank])
     return env
 
 
