@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tpu_train.compile import interpreter, tracing
-from tpu_train.device import rng
+from tpu_train.device import rng, runtime
 from tpu_train.device.tensor import TpuTensor, host_array, wrap
 from tpu_train.ops import registry
 
@@ -162,7 +162,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
             raise NotImplementedError("input mutation inside a tpu-compiled graph")
         return outputs
 
-    jitted = jax.jit(program)
+    jitted = jax.jit(program, compiler_options=runtime.compiler_options())
 
     @torch._dynamo.disable
     def run(*args):

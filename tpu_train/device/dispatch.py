@@ -311,7 +311,8 @@ def _compiled(lowering, func, treedef, static, out_dtypes, random):
             results.append(a)
         return results
 
-    compiled = (run if concrete else jax.jit(run), structure)
+    compiled = (run if concrete else jax.jit(run, compiler_options=runtime.compiler_options()),
+                structure)
     _JIT_CACHE[key] = compiled
     return compiled
 
