@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tpu_train.compile import interpreter, tracing
+from tpu_train.device import runtime
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -110,14 +111,6 @@ def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-# XLA's CPU backend hands float32 dots to the YNNPACK library by default, whose rounding
-# differs from torch's CPU kernels more than XLA's own dot emitter does. Measured on W1
-# (Llama-style, 20 AdamW steps, worst parameter tensor against CPU PyTorch): 2.1e-5 with the
-# library, 6.3e-6 without, at no measured speed cost. The CPU client is the stand-in for a
-# chip, where agreement with PyTorch matters more than a library choice.
-_CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
 def _platform(device, mesh) -> str | None:
     if device is not None:
         return getattr(device, "platform", None)
@@ -126,16 +119,10 @@ def _platform(device, mesh) -> str | None:
 
 
 def compile_lowered(lowered, platform: str | None):
-    """``lowered.compile()`` with the CPU options above where they apply (an XLA without the
-    option compiles with its defaults)."""
-    if platform != "cpu":
-        return lowered.compile()
-    try:
-        return lowered.compile(dict(_CPU_COMPILER_OPTIONS))
-    except Exception as error:  # noqa: BLE001 - an unknown option is reported as a runtime error
-        if "ynn_fusion_type" not in str(error):
-            raise
-        return lowered.compile()
+    """``lowered.compile()`` with the device runtime's CPU options where they apply (the eager
+    ops take the same ones, so a compiled step rounds like the ops it replaces)."""
+    options = runtime.cpu_compiler_options() if platform == "cpu" else {}
+    return lowered.compile(dict(options)) if options else lowered.compile()
 
 
 def _mutated_placeholders(gm: torch.fx.GraphModule) -> list[int]:
@@ -273,7 +260,13 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     def program(param_flat, state_flat, consts, batch, scalars_in, key=None):
         params = [a.reshape(s) for a, s in zip(param_flat, param_shapes)]
         if spmd:
-            params = [pin(p, s) for p, s in zip(params, shardings.params)]
+            # Stored on the plan's layout, used on its compute layout (FSDP's all-gather made
+            # explicit, see parallel.compute_sharding). Left to sharding propagation, XLA
+            # chose for Llama-3.1-70B on 128 devices (one 128-token sequence each) to keep
+            # the MLP weights split and replicate the batch instead: [16384, 28672] buffers
+            # of the global batch on every device, and 5x the compile time.
+            params = [pin(pin(p, s), c) for p, s, c in
+                      zip(params, shardings.params, shardings.compute_params)]
         if k == 1:
             grads, loss, weight, new_consts = gradients(params, list(consts), list(batch), key)
             grads, loss = normalise(grads, loss, weight)

@@ -79,8 +79,9 @@ def get_chip(name: str) -> Chip:
     return CHIPS[key]
 
 
-def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int]:
-    """Elements per chip: all parameters sharded; all gathered over ``fsdp``; one layer gathered.
+def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
+    """Elements per chip: all parameters sharded; all gathered over ``fsdp``; one layer
+    gathered; the largest single gathered tensor.
 
     "Gathered" means after the FSDP all-gather: still split over ``tensor``.
     """
@@ -89,7 +90,7 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int]:
 
     plan = llama_plan()
     sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
-    local = gathered = layer0 = 0
+    local = gathered = layer0 = largest = 0
     for name, dims in param_shapes(cfg).items():
         spec = plan.spec_for(name, dims)
         entries = tuple(spec) + (None,) * (len(dims) - len(spec))
@@ -100,9 +101,10 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int]:
             n_gathered *= d // math.prod(sizes[a] for a in axes if a != "fsdp")
         local += n
         gathered += n_gathered
+        largest = max(largest, n_gathered)
         if name.startswith("layers.0."):
             layer0 += n_gathered
-    return local, gathered, layer0
+    return local, gathered, layer0, largest
 
 
 def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
@@ -174,9 +176,10 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     evenly over ``data * fsdp``; a step runs ``grad_accum_steps`` of them (FLOPs scale, and
     a float32 gradient accumulator, sharded like the gradients, is added when it is > 1). Parameters and gradients take ``param_bytes`` each (fp32 master weights
     by default), AdamW two float32 moments; activations ``act_bytes`` each (2 under bf16
-    autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally needs the all-gathered (still
-    tensor-sharded) weights: all of them without checkpointing (the backward reuses the
-    forward's gathered weights), about two layers' worth with it. Returns a flat dict of
+    autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally
+    needs the all-gathered (still tensor-sharded) weights: all of them without checkpointing
+    (the backward reuses the forward's gathered weights), about two layers' worth with it;
+    and one unreduced gradient in flight (the largest of a layer's and a single tensor's). Returns a flat dict of
     figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
     from tpu_train.models import flops_per_token, num_params
@@ -191,17 +194,20 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         raise ValueError(f"grad_accum_steps must be a positive int, got {grad_accum_steps!r}")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
-    local, gathered, one_layer = _param_shards(cfg, shape)
+    local, gathered, one_layer, largest = _param_shards(cfg, shape)
     params = local * param_bytes
     grads = local * param_bytes
     optimizer = 2 * local * 4
     if shape.fsdp > 1:
-        # Gathered weights and their unreduced gradients: all layers, or (checkpointing) the
-        # embedding/head plus two layers at a time (one computing, one being prefetched).
+        # Gathered weights: the backward reads every layer's weights again, so without
+        # checkpointing all of them stay live from the forward; with it, the embedding/head
+        # plus two layers at a time (one computing, one being prefetched). Gradients are
+        # reduce-scattered as they are made: beside the weights only the largest unreduced
+        # gradient in flight (a layer's, or the embedding's / head's) is whole.
         live = gathered
         if activation_checkpointing:
             live = gathered - cfg.n_layers * one_layer + min(2, cfg.n_layers) * one_layer
-        fsdp_working = int(2 * live * param_bytes)
+        fsdp_working = int((live + max(one_layer, largest)) * param_bytes)
     else:
         fsdp_working = 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
