@@ -5,8 +5,9 @@
 
 all_reduce, all_gather and reduce_scatter of float32 tensors; tpu-group timings use tpu tensors
 (the CPU PJRT client here, gloo underneath), gloo timings use CPU tensors, in the same processes
-and interleaved repetition by repetition (tpu, gloo, tpu, gloo, ...), so that both see the same
-machine load. Bus bandwidth follows the usual convention: all_reduce moves 2(n-1)/n of the
+and interleaved repetition by repetition (tpu, tpu_native, gloo, tpu, ...), so that all see the
+same machine load; ``tpu_native`` is the same group with XLA's own psum/psum_scatter (what TPUs
+and GPUs run) instead of the CPU client's exchange formulation. Bus bandwidth follows the usual convention: all_reduce moves 2(n-1)/n of the
 buffer per rank, all_gather and reduce_scatter (n-1)/n of the full buffer. Prints ONE JSON line
 with the median and min over the repetitions (rank 0's clock; a barrier precedes each timing)
 and the 1-minute load average before and after each world; ``--table`` also prints a Markdown
@@ -44,6 +45,23 @@ def _collective(op, full, part, group, sync):
     return once
 
 
+# "tpu": the group as it runs (on the CPU client, all-reduce and reduce-scatter as an exchange
+# of chunks + local reduction); "tpu_native": XLA's own psum / psum_scatter on the same group,
+# the formulation TPUs and GPUs use; "gloo": torch's gloo group on CPU tensors.
+BACKENDS = ("tpu", "tpu_native", "gloo")
+
+
+def _native(run, mesh):
+    def once():
+        mesh.exchange_scatter = False
+        try:
+            run()
+        finally:
+            mesh.exchange_scatter = True
+
+    return once
+
+
 def worker(sizes_mb, reps):
     import torch
     import torch.distributed as dist
@@ -54,6 +72,7 @@ def worker(sizes_mb, reps):
     dist.init_process_group("tpu")
     n, rank = dist.get_world_size(), dist.get_rank()
     gloo = dist.new_group(backend="gloo")
+    mesh = dist.distributed_c10d._get_default_group()._mesh
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
               "reduce_scatter": (n - 1) / n}
     rows = []
@@ -61,15 +80,17 @@ def worker(sizes_mb, reps):
         numel = int(mb * 2**20 // 4)
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             runs = {}
-            for backend in ("tpu", "gloo"):
-                device, group = ("tpu", None) if backend == "tpu" else ("cpu", gloo)
+            for backend in BACKENDS:
+                device, group = ("cpu", gloo) if backend == "gloo" else ("tpu", None)
                 full = torch.ones(numel, device=device)
                 part = torch.ones(numel // n, device=device)
                 runs[backend] = _collective(op, full, part, group, device == "tpu")
+                if backend == "tpu_native":
+                    runs[backend] = _native(runs[backend], mesh)
                 runs[backend]()  # compile / warm up
-            times = {"tpu": [], "gloo": []}
+            times = {backend: [] for backend in BACKENDS}
             for _ in range(reps):
-                for backend in ("tpu", "gloo"):
+                for backend in BACKENDS:
                     dist.barrier(group=gloo)
                     start = time.perf_counter()
                     runs[backend]()
@@ -123,15 +144,18 @@ def main():
 def _table(rows, load) -> str:
     cell = {(r["world"], r["mb"], r["op"], r["backend"]): r for r in rows}
     ops = ("all_reduce", "reduce_scatter", "all_gather")
-    lines = ["| world | MB | " + " | ".join(f"{op} tpu / gloo (ratio)" for op in ops) + " |",
+    lines = ["| world | MB | " + " | ".join(f"{op} tpu / tpu_native / gloo (ratios to gloo)"
+                                           for op in ops) + " |",
              "|---|---|" + "---|" * len(ops)]
     for world, mb in sorted({(r["world"], r["mb"]) for r in rows}):
         cells = []
         for op in ops:
-            tpu, gloo = cell[(world, mb, op, "tpu")], cell[(world, mb, op, "gloo")]
-            cells.append(f"{tpu['min_ms']:.3g}/{tpu['median_ms']:.3g} vs "
+            tpu, native, gloo = (cell[(world, mb, op, b)] for b in BACKENDS)
+            cells.append(f"{tpu['min_ms']:.3g}/{tpu['median_ms']:.3g}, "
+                         f"{native['min_ms']:.3g}/{native['median_ms']:.3g} vs "
                          f"{gloo['min_ms']:.3g}/{gloo['median_ms']:.3g} "
-                         f"({tpu['median_ms'] / gloo['median_ms']:.2f}x)")
+                         f"({tpu['median_ms'] / gloo['median_ms']:.2f}x, "
+                         f"{native['median_ms'] / gloo['median_ms']:.2f}x)")
         lines.append(f"| {world} | {mb:g} | " + " | ".join(cells) + " |")
     loads = ", ".join(f"{w} procs {b}->{a}" for w, (b, a) in load.items())
     return "\n".join(lines) + f"\n\nms min/median; load average (1 min) {loads}"

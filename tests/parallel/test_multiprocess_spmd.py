@@ -71,7 +71,6 @@ def test_two_processes_two_devices_each_match_one_process(tmp_path):
     assert float(step(batch)["loss"]) == pytest.approx(_train(None)[0][STEPS], rel=REL)
 
 
-@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_four_processes_two_devices_each_match_one_process():

@@ -82,7 +82,7 @@ class GroupMesh:
         return [self.local(o) for o in outputs]
 
     def _program(self, kind, count, static):
-        key = (kind, count, static)
+        key = (kind, count, static, self.exchange_scatter)
         program = self._programs.get(key)
         if program is None:
             extra = {"exchange": self.exchange_scatter} if kind in _SCATTERING else {}
