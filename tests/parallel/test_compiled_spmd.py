@@ -6,6 +6,7 @@
 
 import copy
 import functools
+import re
 
 import jax
 import pytest
@@ -107,6 +108,22 @@ def test_fsdp8_divides_parameter_and_state_memory():
     assert len(per_device) == 8
     for device, nbytes in per_device.items():
         assert nbytes == pytest.approx(total / 8, rel=0.01), device
+
+
+def test_activations_are_pinned_by_the_plans_rule():
+    # The Llama plan's activation rule pins intermediates by shape: the batch split over
+    # (data, fsdp), attention heads and feed-forward units over tensor (the lowered program
+    # shows the constraints; the losses above show they change no value).
+    *_, step = _train(MESHES["tp2_fsdp4"])
+    (program,) = step.cache.entries.values()
+    constraints = re.findall(r"sharding_constraint %\w+ <@\w+, (\[[^\]]*\])> : tensor<([\dx]+)x",
+                             program.lowered.as_text())
+    batch, seq = _batches()[0]["tokens"].shape
+    specs = {spec for spec, _ in constraints}
+    heads = f"{batch}x{CFG.n_heads}x{seq}"
+    assert any(shape.startswith(heads) for _, shape in constraints), constraints[:5]
+    assert '[{"data", "fsdp"}, {"tensor"}, {?}, {?}]' in specs  # [batch, heads, seq, hd]
+    assert '[{"data", "fsdp"}, {?}, {"tensor"}]' in specs  # [batch, seq, ffn or vocab]
 
 
 def test_mesh_without_plan_is_an_error():

@@ -13,7 +13,7 @@ graph, producing one XLA program for the whole graph.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +162,8 @@ def _plain(value):
     return value
 
 
-def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
+def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
+              constrain: Callable[[Any], Any] | None = None):
     """Evaluate ``gm`` on JAX ``inputs`` (one per placeholder, in order).
 
     Returns ``(outputs, mutations)``: the graph's output structure with JAX values, and a dict
@@ -170,7 +171,8 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
     turns writes into graph inputs — e.g. a BatchNorm running statistic — into trailing
     ``copy_`` nodes).
     Random ops receive ``rng_key`` folded with a per-node counter, so each random node draws
-    an independent stream and the whole step is reproducible from one key.
+    an independent stream and the whole step is reproducible from one key. ``constrain``, if
+    given, is applied to every op's array result (SPMD steps pin activations with it).
     """
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -235,7 +237,10 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None):
             random_counter += 1
         result = lowering.fn(*args, **kwargs)
         if writes is None:
-            env[node] = _cast_to_torch_dtypes(result, _node_dtypes(node))
+            value = _cast_to_torch_dtypes(result, _node_dtypes(node))
+            if constrain is not None:
+                value = jax.tree_util.tree_map(constrain, value)
+            env[node] = value
             continue
         # A write into a tensor the graph reads: later nodes, and the caller for graph
         # inputs, see the new value (cast back to the written tensor's dtype).

@@ -143,6 +143,36 @@ def _state_owners(st) -> list[int]:
     return owners
 
 
+def _activation_constraint(plan, mesh, model, batch_fakes):
+    """The plan's activation rule as a function pinning one traced value (None: no rule).
+
+    The rule sees the micro-batch's ``[batch, seq]`` shape (the first batch input's) and
+    classifies intermediates by shape; values it does not name are left to XLA.
+    """
+    factory = getattr(plan, "activation_rule", None)
+    if factory is None or not batch_fakes:
+        return None
+    rule = factory(model, tuple(batch_fakes[0].shape))
+    if rule is None:
+        return None
+    jax_mesh = getattr(mesh, "jax_mesh", mesh)
+    cache: dict = {}
+
+    def constrain(value):
+        shape = getattr(value, "shape", None)
+        if shape is None or not hasattr(value, "dtype"):
+            return value
+        shape = tuple(shape)
+        if shape not in cache:
+            spec = rule(shape)
+            cache[shape] = None if spec is None else \
+                jax.sharding.NamedSharding(jax_mesh, spec)
+        sharding = cache[shape]
+        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+
+    return constrain
+
+
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
                   compile: bool = True) -> Program:
     """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
@@ -201,8 +231,11 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     grad_norm_node = [n for n in update_gm.graph.nodes if n.op == "output"][0].args[0][-1]
     grad_norm_dtype = grad_norm_node.meta["val"].dtype
 
+    constrain = _activation_constraint(plan, mesh, step.model, batch_fakes) if spmd else None
+
     def gradients(params, consts, batch, key):
-        outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key)
+        outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key,
+                                                   constrain=constrain)
         new_consts = [mutations.get(n_params + i, consts[i]) for i in range(n_consts)]
         return outputs[:-2], outputs[-2], outputs[-1], new_consts
 

@@ -84,9 +84,10 @@ def cpu_compiler_options() -> dict:
     """XLA options for programs compiled for the CPU client (empty when this XLA lacks them)."""
     jax = _jax()
     try:
-        probe = jax.jit(lambda x: x + 1, compiler_options=dict(_CPU_COMPILER_OPTIONS),
-                        backend="cpu")
-        probe(jax.numpy.zeros((), jax.numpy.float32)).block_until_ready()
+        probe = jax.jit(lambda x: x + 1, compiler_options=dict(_CPU_COMPILER_OPTIONS))
+        zero = jax.device_put(jax.numpy.zeros((), jax.numpy.float32),
+                              jax.local_devices(backend="cpu")[0])
+        probe(zero).block_until_ready()
     except Exception:  # noqa: BLE001 - an unknown option is reported as a runtime error
         return {}
     return dict(_CPU_COMPILER_OPTIONS)

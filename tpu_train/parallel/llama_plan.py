@@ -79,7 +79,14 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
     acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
             for k, spec in LLAMA_ACTIVATIONS.items()}
     name = "llama_plan" + ("" if fsdp and tensor else f"(fsdp={fsdp}, tensor={tensor})")
-    return ShardingPlan(rules, activations=acts, name=name)
+
+    def activation_rule(model, batch_shape):
+        config = getattr(model, "config", None)
+        if config is None or len(batch_shape) != 2:
+            return None  # not a Llama over [batch, seq] tokens: leave activations to XLA
+        return LlamaActivationRule(config, *batch_shape, tensor=tensor)
+
+    return ShardingPlan(rules, activations=acts, activation_rule=activation_rule, name=name)
 
 
 class LlamaActivationRule:
@@ -93,10 +100,11 @@ class LlamaActivationRule:
     beyond the batch split. Returns ``None`` for anything else (weights, scalars).
     """
 
-    def __init__(self, config: Any, batch: int, seq_len: int):
+    def __init__(self, config: Any, batch: int, seq_len: int, *, tensor: bool = True):
         self.config = config
         self.batch = int(batch)
         self.seq_len = int(seq_len)
+        self._tensor = "tensor" if tensor else _U
         widths = {config.ffn_hidden_dim, config.vocab_size} - {config.dim}
         self._tensor_last = widths
         self._heads = {config.n_heads, config.n_kv_heads}
@@ -110,7 +118,7 @@ class LlamaActivationRule:
             return None
         rest = [_U] * (len(shape) - 1)
         if lead == self.batch and len(shape) == 4 and shape[1] in self._heads:
-            rest[0] = "tensor"
+            rest[0] = self._tensor
         elif shape[-1] in self._tensor_last:
-            rest[-1] = "tensor"
+            rest[-1] = self._tensor
         return P(_B, *rest)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -55,6 +55,10 @@ class ShardingPlan:
             ``spec`` may be a list of specs in order of preference: a mesh gets the first one
             that splits the parameter evenly (``spec_for`` names the first).
         activations: named activation specs (e.g. ``"hidden"``), for :func:`constrain`.
+        activation_rule: ``(model, batch_shape) -> rule or None``, where ``rule(shape)`` gives
+            the spec of an intermediate value of that shape (or ``None``: left to XLA). The
+            compiled SPMD step pins every intermediate the rule names to that spec; a traced
+            step only sees shapes, so the rule classifies by shape.
         default: spec for names no rule matches; ``None`` (the default) makes an unmatched
             name an error, so a new parameter is never silently replicated.
         name: shown in messages and :meth:`describe`.
@@ -62,6 +66,7 @@ class ShardingPlan:
 
     def __init__(self, rules: Sequence[tuple[str, PartitionSpec]], *,
                  activations: Mapping[str, PartitionSpec] | None = None,
+                 activation_rule: Callable[[Any, tuple], Any] | None = None,
                  default: PartitionSpec | None = None, name: str = "plan"):
         self.name = name
         self.rules: list[tuple[re.Pattern, PartitionSpec]] = []
@@ -77,6 +82,7 @@ class ShardingPlan:
             except re.error as err:
                 raise PlanError(f"{name}: bad regex {pattern!r}: {err}") from None
         self.activations = dict(activations or {})
+        self.activation_rule = activation_rule
         self.default = default
 
     # -- specs -------------------------------------------------------------------------------
