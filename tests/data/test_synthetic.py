@@ -10,6 +10,8 @@ from tpu_train.data.corpus import TASKS_HELDOUT, TASKS_TRAIN, default_corpus_dir
 from tpu_train.data.synthetic import (
     SPLITS,
     TASKS,
+    add_prompt,
+    add_response,
     exact_match,
     extract_response,
     generate_examples,
@@ -25,7 +27,9 @@ def solve(prompt: str) -> str:
     task, _, rest = prompt.strip().partition(" ")
     if task == "add":
         a, b = rest.split("+")
-        return str(int(a) + int(b))
+        # Three digits, least-significant first.
+        total = int(a) + int(b)
+        return "".join(str(total // 10**i % 10) for i in range(3))
     letters = rest.split(" ")
     return " ".join(letters[::-1] if task == "reverse" else sorted(letters))
 
@@ -44,14 +48,23 @@ def test_prompt_shapes():
     operands = set()
     for _ in range(200):
         add, rev, srt = (make_example(t, rng)["prompt"] for t in TASKS)
-        assert re.fullmatch(r"add \d{1,2}\+\d{1,2}\n", add)
+        assert re.fullmatch(r"add \d{2}\+\d{2}\n", add)
         operands.update(int(n) for n in add[4:].split("+"))
         assert re.fullmatch(r"reverse [a-z]( [a-z]){2,5}\n", rev)
         assert re.fullmatch(r"sort [a-z]( [a-z]){2,5}\n", srt)
-    # One- and two-digit operands, with no leading zeros (written as Python prints them).
+    # Operands from 0 to 99, the one-digit ones written with a leading zero.
     assert min(operands) < 10 and max(operands) > 89
     with pytest.raises(ValueError, match="unknown synthetic task 'multiply'"):
         make_example("multiply", rng)
+
+
+def test_addition_format():
+    # Operands with two digits; the sum with three digits, least-significant digit first.
+    assert add_prompt(73, 45) == "add 73+45\n" and add_response(73, 45) == "811"
+    assert add_prompt(7, 5) == "add 07+05\n" and add_response(7, 5) == "210"
+    assert add_response(99, 99) == "891" and add_response(0, 0) == "000" and add_response(50, 50) == "001"
+    with pytest.raises(ValueError, match="operands must be 0 to 99: got 100 and 1"):
+        add_response(100, 1)
 
 
 def test_deterministic_by_seed():

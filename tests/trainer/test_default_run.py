@@ -16,9 +16,9 @@ from tpu_train.trainer.config import asset_path
 BASE = asset_path("base_model")
 HF_FILES = {"config.json", "model.safetensors", "generation_config.json"}
 # Mean loss of the base model on held-out task responses (prompts masked).  A randomly
-# initialized debug_tiny scores 6.30 on the same batches, the committed base model (1200
-# pretraining steps) 0.42.
-BASE_LOSS_BOUND = 0.6
+# initialized debug_tiny scores 6.33 on the same batches, the committed base model (1800
+# pretraining steps) 0.14.
+BASE_LOSS_BOUND = 0.3
 
 
 def _architecture(config) -> dict:

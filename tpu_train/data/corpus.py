@@ -5,7 +5,11 @@
 * ``handwritten.txt``      hand-written English paragraphs (one per line), the source of the rest;
 * ``pretrain.jsonl``       ``{"text": ...}`` records: those paragraphs, generated English
                            paragraphs and synthetic-task examples rendered as plain text
-                           (prompt followed by response), shuffled together; for pretraining;
+                           (prompt followed by response), shuffled together; for pretraining.
+                           Addition has a second, separately drawn set of examples
+                           (:data:`PRETRAIN_EXTRA_ADD_EXAMPLES`), so it makes up a little over
+                           half of the task examples: it is the sub-task the model is slowest
+                           to learn;
 * ``tasks_train.jsonl``    synthetic-task instruction records (train split), for fine-tuning;
 * ``tasks_heldout.jsonl``  synthetic-task instruction records (held-out split), for evaluation.
 
@@ -29,6 +33,8 @@ TASKS_HELDOUT = "tasks_heldout.jsonl"
 
 GENERATED_PARAGRAPHS = 1000
 PRETRAIN_TASK_EXAMPLES = 16000
+# Of the 8974 distinct training prompts of addition (the rest are held out).
+PRETRAIN_EXTRA_ADD_EXAMPLES = 8500
 FINETUNE_EXAMPLES = 8000
 HELDOUT_EXAMPLES = 600
 
@@ -48,6 +54,10 @@ def build_corpus(out_dir: str | Path | None = None, seed: int = 0) -> dict[str, 
     task_texts = [
         ex["prompt"] + ex["response"]
         for ex in synthetic.generate_examples(PRETRAIN_TASK_EXAMPLES, "train", seed=seed + 1)
+    ]
+    task_texts += [
+        ex["prompt"] + ex["response"]
+        for ex in synthetic.generate_examples(PRETRAIN_EXTRA_ADD_EXAMPLES, "train", seed=seed + 4, tasks=("add",))
     ]
     texts = paragraphs + task_texts
     random.Random(f"corpus:{seed}").shuffle(texts)

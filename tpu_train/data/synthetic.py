@@ -5,7 +5,7 @@ Three sub-tasks, each a one-line prompt ending in a newline and a short response
 =========  ========================  ===========
 task       prompt                    response
 =========  ========================  ===========
-add        ``add 73+45\\n``          ``118``
+add        ``add 73+45\\n``          ``811``
 reverse    ``reverse c a t\\n``      ``t a c``
 sort       ``sort d b a\\n``         ``a b d``
 =========  ========================  ===========
@@ -13,11 +13,17 @@ sort       ``sort d b a\\n``         ``a b d``
 Letters are space separated so that each is one token of a byte-level BPE; digits are single
 tokens in the bundled tokenizer. Responses are at most 11 characters (< 20 tokens).
 
-Addition operands have one or two digits (0 to 99, :data:`ADD_MAX_OPERAND`) and the sum is
-written most-significant digit first, as usual.  With three-digit operands the tiny model of the
-embedded default (3.4 M parameters, minutes of CPU training) answered 1.5 % of held-out sums
-correctly while it solved most reversals and sorts; with two-digit operands it answers about a
-third of them (docs/recipes.md has the figures).
+Addition: operands are 0 to 99 (:data:`ADD_MAX_OPERAND`), written with two digits
+(``add 07+45``), and the sum is written with three digits, **least-significant digit first**
+(73 + 45 = 118 is answered ``811``; 7 + 5 = 12 is answered ``210``). This is part of the task
+definition, not a formatting detail: written least-significant digit first, each answer digit
+depends on the two operand digits of its column and on the carry out of the column just written,
+so a left-to-right model can add column by column; written most-significant digit first, the
+first digit already needs the carry of every column below it. Fixed widths put every operand
+digit and answer digit at the same position in every example. With the sum written the usual way
+(unpadded, most-significant digit first) the embedded default run answered about a third of the
+held-out sums correctly, mostly off by one in the last digit (docs/recipes.md has the figures);
+the numbers involved, and so the arithmetic, are the same.
 
 Splits are decided by a hash of the prompt, not by the seed: an example is held out iff its
 prompt hashes into the held-out bucket, so train and held-out sets never overlap whatever the
@@ -37,6 +43,8 @@ TASKS = ("add", "reverse", "sort")
 SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 10
 ADD_MAX_OPERAND = 99
+ADD_OPERAND_DIGITS = 2
+ADD_SUM_DIGITS = 3
 END_MARKERS = ("<|end_of_text|>", "<|eot_id|>", "\n")
 
 
@@ -44,6 +52,18 @@ def split_of(prompt: str) -> str:
     """``"heldout"`` for the ~10 % of prompts whose hash lands in the held-out bucket, else ``"train"``."""
     bucket = int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:4], "big") % 100
     return "heldout" if bucket < HELDOUT_PERCENT else "train"
+
+
+def add_response(a: int, b: int) -> str:
+    """The answer to ``add a+b``: the sum with :data:`ADD_SUM_DIGITS` digits, least-significant first."""
+    if not (0 <= a <= ADD_MAX_OPERAND and 0 <= b <= ADD_MAX_OPERAND):
+        raise ValueError(f"addition operands must be 0 to {ADD_MAX_OPERAND}: got {a} and {b}")
+    return f"{a + b:0{ADD_SUM_DIGITS}d}"[::-1]
+
+
+def add_prompt(a: int, b: int) -> str:
+    """The prompt ``add a+b`` with each operand written with :data:`ADD_OPERAND_DIGITS` digits."""
+    return f"add {a:0{ADD_OPERAND_DIGITS}d}+{b:0{ADD_OPERAND_DIGITS}d}\n"
 
 
 def _letters(rng: random.Random) -> list[str]:
@@ -54,7 +74,7 @@ def make_example(task: str, rng: random.Random) -> dict[str, str]:
     """One ``{"prompt", "response", "task"}`` example of ``task`` drawn with ``rng``."""
     if task == "add":
         a, b = rng.randint(0, ADD_MAX_OPERAND), rng.randint(0, ADD_MAX_OPERAND)
-        return {"prompt": f"add {a}+{b}\n", "response": str(a + b), "task": task}
+        return {"prompt": add_prompt(a, b), "response": add_response(a, b), "task": task}
     if task == "reverse":
         letters = _letters(rng)
         return {"prompt": f"reverse {' '.join(letters)}\n", "response": " ".join(reversed(letters)), "task": task}
