@@ -102,7 +102,7 @@ def test_other_checkpoint_forms_train_the_same(plain_stack, mode):
 
 
 def test_trainer_activation_checkpointing_on_llama():
-    from tpu_train.trainer.activation_checkpointing import apply_activation_checkpointing
+    from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 
     model, batches = tiny_llama(), lm_batches(4)
     metrics, trained, _, _ = run_compiled(model, OPTIMIZERS["adamw"], lm_loss, batches,

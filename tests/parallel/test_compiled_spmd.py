@@ -75,6 +75,24 @@ def test_losses_match_one_device(layout):
         torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_activation_checkpointing_under_fsdp_matches_one_device():
+    # Checkpointed layers recompute from fenced inputs, and their weights are all-gathered
+    # again where the recomputation reads them (program.py): same losses as one device.
+    from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    steps = 3
+    reference = _train(None)[0][:steps]
+    model = copy.deepcopy(_base()).to(DEVICE)
+    assert apply_activation_checkpointing(model) == CFG.n_layers
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    step = compile_train_step(model, opt, _loss, mesh=build_mesh(1, 8, 1, model_config=CFG),
+                              plan=llama_plan())
+    place_for_step(step)
+    losses = [float(step({k: v.to(DEVICE) for k, v in b.items()})["loss"])
+              for b in _batches()[:steps]]
+    assert losses == pytest.approx(reference, rel=REL)
+
+
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_parameters_are_global_arrays_split_per_plan(layout):
     _, model, opt, step = _train(MESHES[layout])

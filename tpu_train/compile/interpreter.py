@@ -163,7 +163,8 @@ def _plain(value):
 
 
 def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
-              constrain: Callable[[Any], Any] | None = None):
+              constrain: Callable[[Any], Any] | None = None,
+              at_use: dict[int, Callable[[Any], Any]] | None = None):
     """Evaluate ``gm`` on JAX ``inputs`` (one per placeholder, in order).
 
     Returns ``(outputs, mutations)``: the graph's output structure with JAX values, and a dict
@@ -173,6 +174,10 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
     Random ops receive ``rng_key`` folded with a per-node counter, so each random node draws
     an independent stream and the whole step is reproducible from one key. ``constrain``, if
     given, is applied to every op's array result (SPMD steps pin activations with it).
+    ``at_use`` maps input positions to a function applied where an op *reads* that input (or
+    a fenced copy of it), not once at the top: SPMD steps all-gather FSDP weights with it, so
+    a checkpointed region's recomputation gathers its weights again instead of keeping the
+    forward's gathered copies alive until the backward.
     """
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -184,9 +189,17 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
         index_of[node] = i
     mutations: dict[int, Any] = {}
     random_counter = 0
+    # Values that carry an ``at_use`` input's storage layout: the input, and what a barrier
+    # passes through from it.
+    carries = {node: at_use[i] for i, node in enumerate(placeholders) if at_use and i in at_use}
 
     def load(arg):
         return env[arg] if isinstance(arg, torch.fx.Node) else arg
+
+    def load_for_use(arg):
+        if isinstance(arg, torch.fx.Node) and arg in carries:
+            return carries[arg](env[arg])
+        return load(arg)
 
     outputs = None
     for node in gm.graph.nodes:
@@ -200,16 +213,22 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
             break
         if node.op != "call_function":
             raise NotImplementedError(f"unexpected FX node kind {node.op} ({node.format_node()})")
-        args = tree_map(load, node.args)
-        kwargs = tree_map(load, node.kwargs)
         target = node.target
-        if target is operator.getitem:
-            env[node] = args[0][args[1]]
+        if target is operator.getitem or target is OPTIMIZATION_BARRIER:
+            args = tree_map(load, node.args)
+            if target is operator.getitem:
+                env[node] = args[0][args[1]]
+                source = node.args[0]
+                if isinstance(source, torch.fx.Node) and source.target is OPTIMIZATION_BARRIER:
+                    fenced = source.args[0][node.args[1]]
+                    if fenced in carries:
+                        carries[node] = carries[fenced]
+            else:
+                # Recomputed checkpoint regions start from fenced values (see .checkpointing).
+                env[node] = fence(args[0])
             continue
-        if target is OPTIMIZATION_BARRIER:
-            # Recomputed checkpoint regions start from fenced values (see .checkpointing).
-            env[node] = fence(args[0])
-            continue
+        args = tree_map(load_for_use, node.args)
+        kwargs = tree_map(load_for_use, node.kwargs)
         if target is aten.copy_.default:
             destination = node.args[0]
             if destination not in index_of:

@@ -68,9 +68,12 @@ class _Described:
 
 
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
-                           seq_len: int, overrides: dict | None = None) -> dict[str, Any]:
+                           seq_len: int, overrides: dict | None = None,
+                           activation_checkpointing: bool = False,
+                           precision: str = "fp32") -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step on this process's
-    devices (run it where ``len(jax.devices())`` equals the mesh size)."""
+    devices (run it where ``len(jax.devices())`` equals the mesh size), with the trainer's
+    activation checkpointing and bf16 autocast when asked."""
     import types
 
     import numpy as np
@@ -83,6 +86,9 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     from tpu_train.compile.functional_optim import adapter_for
     from tpu_train.models import Llama, get_config
 
+    from tpu_train.compile.autocast import autocast_region
+
+    from .activation_checkpointing import apply_activation_checkpointing
     from .llama_plan import llama_plan
     from .mesh import build_mesh
 
@@ -90,6 +96,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     mesh = build_mesh(data, fsdp, tensor, model_config=cfg)
     with torch.device("meta"):
         model = Llama(cfg)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
     device = tpu_train.device(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     adapter = adapter_for(optimizer)
@@ -119,8 +127,9 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                                  donate=True)
     scalars = np.zeros((1, adapter.num_scalars), np.float32)
     stages = _Stages()
-    prog = program_mod.build_program(step, st, None, scalars, None, stages, mesh=mesh,
-                                     plan=llama_plan())
+    with autocast_region(torch.bfloat16 if precision == "bf16" else None):
+        prog = program_mod.build_program(step, st, None, scalars, None, stages, mesh=mesh,
+                                         plan=llama_plan())
     compiled = prog.executable.compiled
     mem = compiled.memory_analysis()
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step"}
@@ -156,7 +165,10 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
                 ("tensor", cfg.parallel.tensor))}
     n = degrees["data"] * degrees["fsdp"] * degrees["tensor"]
     args = dict(model_name=cfg.model.name, batch=int(cfg.data.batch_size),
-                seq_len=int(cfg.data.seq_len), **degrees)
+                seq_len=int(cfg.data.seq_len),
+                activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
+                precision=str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)),
+                **degrees)
     cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
     try:
         env = planner.virtual_devices_env(n)

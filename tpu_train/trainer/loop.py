@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
+
 from . import builders
-from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint import CheckpointManager, latest_checkpoint, read_checkpoint
 from .config import OnNonFinite, Precision, StepMode
 from .errors import ConfigError, TrainingStopped

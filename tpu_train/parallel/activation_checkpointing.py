@@ -1,4 +1,8 @@
-"""Activation checkpointing per decoder layer, applied from outside the model."""
+"""Activation checkpointing per decoder layer, applied from outside the model.
+
+Like the sharding plans it is a transform of a plain model, kept beside them (the trainer and
+``tpu-train plan`` both apply it).
+"""
 
 from __future__ import annotations
 
