@@ -73,7 +73,7 @@ def test_default_fine_tunes_the_bundled_base_model():
     cfg = _compose([])
     assert cfg.model.name == "debug_tiny" and cfg.model.checkpoint == asset_path("base_model")
     assert (Path(cfg.model.checkpoint) / "config.json").is_file()
-    assert cfg.optim.lr == pytest.approx(3e-4) and cfg.trainer.max_steps != 100
+    assert cfg.optim.lr == pytest.approx(5e-4) and cfg.trainer.max_steps != 100
     assert cfg.trainer.cpu_threads == 1
     # Another model option drops the preset's training settings; the command line beats them.
     plain = _compose(["model=llama3_2_1b"])
