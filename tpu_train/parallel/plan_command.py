@@ -167,7 +167,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     args = dict(model_name=cfg.model.name, batch=int(cfg.data.batch_size),
                 seq_len=int(cfg.data.seq_len),
                 activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
-                precision=str(getattr(cfg.trainer.precision, "value", cfg.trainer.precision)),
+                precision=planner.precision_of(cfg),
                 **degrees)
     cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
     try:

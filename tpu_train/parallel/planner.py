@@ -250,6 +250,11 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     return result
 
 
+def precision_of(config: Any) -> str:
+    """``trainer.precision`` of a composed config as its name (``"fp32"`` or ``"bf16"``)."""
+    return str(getattr(config.trainer.precision, "value", config.trainer.precision))
+
+
 def estimate_from_config(config: Any, num_devices: int | None = None,
                          chip: str | None = None, mfu: float = ASSUMED_MFU) -> dict[str, Any]:
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
@@ -269,7 +274,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"parallel.data/fsdp/tensor = {degrees} contains -1: planning needs the chip "
                 f"count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees)
-    precision = getattr(config.trainer.precision, "value", config.trainer.precision)
+    precision = precision_of(config)
     return estimate(
         get_config(config.model.name), num_devices=num_devices, data=degrees[0],
         fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
