@@ -4,10 +4,10 @@
     python scripts/bench_collectives.py --worlds 2 --sizes-mb 1 16
 
 all_reduce, all_gather and reduce_scatter of float32 tensors; tpu-group timings use tpu tensors
-(the CPU PJRT client here, gloo underneath), gloo timings use CPU tensors, in the same processes
-and interleaved repetition by repetition (tpu, tpu_native, gloo, tpu, ...), so that all see the
-same machine load; ``tpu_native`` is the same group with XLA's own psum/psum_scatter (what TPUs
-and GPUs run) instead of the CPU client's exchange formulation. Bus bandwidth follows the usual convention: all_reduce moves 2(n-1)/n of the
+(the CPU PJRT client here), gloo timings use CPU tensors, in the same processes and interleaved
+repetition by repetition (tpu, tpu_native, gloo, tpu, ...), so that all see the same machine
+load; ``tpu_native`` is the same group with XLA's own psum/psum_scatter (what TPUs and GPUs run)
+instead of the CPU client's formulations (host_transport.py, collectives.py). Bus bandwidth follows the usual convention: all_reduce moves 2(n-1)/n of the
 buffer per rank, all_gather and reduce_scatter (n-1)/n of the full buffer. Prints ONE JSON line
 with the median and min over the repetitions (rank 0's clock; a barrier precedes each timing)
 and the 1-minute load average before and after each world; ``--table`` also prints a Markdown
@@ -45,19 +45,22 @@ def _collective(op, full, part, group, sync):
     return once
 
 
-# "tpu": the group as it runs (on the CPU client, all-reduce and reduce-scatter as an exchange
-# of chunks + local reduction); "tpu_native": XLA's own psum / psum_scatter on the same group,
-# the formulation TPUs and GPUs use; "gloo": torch's gloo group on CPU tensors.
+# "tpu": the group as it runs (on the CPU client: all-reduce over torch's gloo from staging
+# buffers, reduce-scatter as an exchange of chunks + local reduction); "tpu_native": XLA's own
+# psum / psum_scatter on the same group, what TPUs and GPUs run; "gloo": torch's gloo group on
+# CPU tensors.
 BACKENDS = ("tpu", "tpu_native", "gloo")
 
 
-def _native(run, mesh):
+def _native(run, group):
+    """``run`` with XLA's own collectives: psum_scatter, and psum instead of the host gloo."""
     def once():
-        mesh.exchange_scatter = False
+        saved = group._mesh.exchange_scatter, group._host
+        group._mesh.exchange_scatter, group._host = False, None
         try:
             run()
         finally:
-            mesh.exchange_scatter = True
+            group._mesh.exchange_scatter, group._host = saved
 
     return once
 
@@ -72,7 +75,7 @@ def worker(sizes_mb, reps):
     dist.init_process_group("tpu")
     n, rank = dist.get_world_size(), dist.get_rank()
     gloo = dist.new_group(backend="gloo")
-    mesh = dist.distributed_c10d._get_default_group()._mesh
+    tpu_group = dist.distributed_c10d._get_default_group()
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
               "reduce_scatter": (n - 1) / n}
     rows = []
@@ -86,7 +89,7 @@ def worker(sizes_mb, reps):
                 part = torch.ones(numel // n, device=device)
                 runs[backend] = _collective(op, full, part, group, device == "tpu")
                 if backend == "tpu_native":
-                    runs[backend] = _native(runs[backend], mesh)
+                    runs[backend] = _native(runs[backend], tpu_group)
                 runs[backend]()  # compile / warm up
             times = {backend: [] for backend in BACKENDS}
             for _ in range(reps):

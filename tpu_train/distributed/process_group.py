@@ -6,6 +6,8 @@ to this rank's device, reduced there and copied back). Every method takes the gr
 torch passes, runs one jitted program over the group's mesh (see :mod:`.collectives`), writes
 the results into the given tensors through their views (so DDP's bucket views and FSDP's
 all-gather outputs see them) and returns a Work fulfilled when the result arrays are ready.
+Where the devices are host CPUs, all-reduces run over torch's gloo instead (see
+:mod:`.host_transport`); on TPU and GPU every collective is XLA's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpu_train.distributed import host_transport
 from tpu_train.distributed import init as init_mod
 from tpu_train.distributed.collectives import GroupMesh, all_to_all_uneven
 from tpu_train.distributed.health import Completer, Health
@@ -104,6 +107,11 @@ class TpuProcessGroup(dist.ProcessGroup):
         if "health" not in _process:
             _process["health"] = Health(store, self._global_ranks[rank], self._global_ranks)
             _process["completer"] = Completer()
+        # All-reduces over torch's gloo where the devices are host CPUs (host_transport doc).
+        self._host = None
+        if device.platform == "cpu" and host_transport.transport() == "gloo":
+            self._host = host_transport.GlooAllReduce(
+                store, rank, size, timeout, group_id, device, self._device_index)
         self._health = _process["health"]
         self._completer = _process["completer"]
 
@@ -203,6 +211,10 @@ class TpuProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._count()
+        op = _op_name(reduce_op)
+        if self._host is not None and self._host.supports(tensors, op):
+            complete = self._host.launch(tensors, op, average=op == "avg")
+            return self._pending("all_reduce", tensors, complete)
         outputs = self._reduce([self._array(t) for t in tensors], reduce_op)
         return self._launch("all_reduce", list(zip(tensors, outputs)))
 
@@ -289,6 +301,15 @@ class TpuProcessGroup(dist.ProcessGroup):
         if getattr(self, "_coalescing", None) is not None:
             self._coalescing.append(future)
         return future
+
+    def _pending(self, what, tensors, complete):
+        """A Work done when ``complete()`` (a transport's wait-and-write) has run."""
+        future = self._future()
+        health, group, ranks = self._health, self._group_id, self._global_ranks
+        self._completer.submit(future, [], list(tensors), self._timeout_s,
+                               on_timeout=lambda: health.diagnose(group, ranks, what),
+                               finish=complete)
+        return TpuWork(future)
 
     def _done(self, arrays, what):
         """A Work for a rank that takes part in a collective but receives nothing."""

@@ -80,13 +80,8 @@ def scatter_formulations(rank, n):
         mesh.exchange_scatter, mesh._programs = saved
 
 
-def main():
-    global GLOO
-    dist.init_process_group("tpu")
-    rank, n = dist.get_rank(), dist.get_world_size()
-    GLOO = dist.new_group(backend="gloo")
-    last = n - 1
-
+def all_reduce_cases(rank, n, label):
+    """Every all_reduce case; ``label`` prefixes the case names."""
     # all_reduce: every op on floats, integer-only ops on ints
     for dtype, ops in [(torch.float32, ["SUM", "PRODUCT", "MIN", "MAX"]),
                        (torch.int32, ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]),
@@ -94,14 +89,14 @@ def main():
         for op in ops:
             runs = both(lambda ts, g: dist.all_reduce(ts[0], op=getattr(R, op), group=g),
                         [data(rank, (5, 3), dtype)])
-            compare(f"all_reduce {op} {dtype}", runs)
+            compare(f"{label}all_reduce {op} {dtype}", runs)
     # AVG (gloo has none: the oracle is gloo's SUM / n)
     x = data(rank, (7,), torch.float32)
     t = x.to("tpu")
     dist.all_reduce(t, op=R.AVG)
     want = x.clone()
     dist.all_reduce(want, group=GLOO)
-    check("all_reduce AVG", t, want / n)
+    check(f"{label}all_reduce AVG", t, want / n)
     # through a strided view: the base must see the result (DDP bucket views rely on it)
     base = data(rank, (4, 6), torch.float32)
     tb, gb = base.to("tpu"), base.clone()
@@ -109,16 +104,62 @@ def main():
     part = gb[:, 1::2].contiguous()  # gloo needs contiguous tensors: reduce a copy
     dist.all_reduce(part, group=GLOO)
     gb[:, 1::2] = part
-    check("all_reduce strided view", tb, gb)
+    check(f"{label}all_reduce strided view", tb, gb)
     x = data(rank, (9,), torch.bfloat16)
     runs = both(lambda ts, g: dist.all_reduce(ts[0], group=g), [x])
     # bf16 sums round after every hop, in an order each transport picks: with 4 ranks up to
     # 3 roundings (2^-8 relative each) apart, so allow 2^-5 of the magnitude
     for i, name in ((0, "tpu"), (1, "cpu")):
-        checked.append(f"all_reduce bf16[{name}]")
+        checked.append(f"{label}all_reduce bf16[{name}]")
         got, want = runs[i][0].cpu().float(), runs[2][0].float()
         if ((got - want).abs() > 2**-5 * want.abs().clamp_min(1)).any():
-            failures.append(f"all_reduce bf16[{name}]: {runs[i][0].cpu()} vs {runs[2][0]}")
+            failures.append(f"{label}all_reduce bf16[{name}]: {runs[i][0].cpu()} vs {runs[2][0]}")
+
+
+def all_reduce_transports(rank, n):
+    """All-reduces go through torch's gloo on the CPU client (host_transport.py): check that it
+    is really in use, then run every case through XLA's program too (what TPUs and GPUs run)."""
+    group = dist.distributed_c10d._get_default_group()
+    checked.append("cpu all_reduce transport")
+    if group._host is None:
+        failures.append("the CPU client does not all-reduce over gloo")
+    # A buffer XLA computed is reduced in its own memory; a tensor sharing its array with
+    # another keeps the other's value intact (the reduction copies).
+    x = data(rank, (6, 2), torch.float32)
+    want = x.clone()
+    dist.all_reduce(want, group=GLOO)
+    t = x.to("tpu") * 1
+    before = group._host.in_place
+    dist.all_reduce(t)
+    check("all_reduce in place: value", t, want)
+    checked.append("all_reduce in place: no copy")
+    if group._host.in_place != before + 1:
+        failures.append("an exclusively held XLA buffer was copied instead of reduced in place")
+    source = x.flatten().to("tpu") * 1
+    alias = torch.zeros(12, device="tpu")
+    alias.copy_(source)  # a whole flat copy_ shares the (immutable) array
+    checked.append("all_reduce of a tensor sharing its array: shared")
+    if alias._storage.buffer is not source._storage.buffer:
+        failures.append("copy_ no longer shares the array: this case tests nothing")
+    dist.all_reduce(alias)
+    check("all_reduce of a tensor sharing its array: result", alias, want.flatten())
+    check("all_reduce of a tensor sharing its array: the other tensor", source, x.flatten())
+    saved, group._host = group._host, None
+    try:
+        all_reduce_cases(rank, n, "xla ")
+    finally:
+        group._host = saved
+
+
+def main():
+    global GLOO
+    dist.init_process_group("tpu")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    GLOO = dist.new_group(backend="gloo")
+    last = n - 1
+
+    all_reduce_cases(rank, n, "")
+    all_reduce_transports(rank, n)
 
     # all_gather (list) and all_gather_into_tensor
     x = data(rank, (3, 2), torch.float32)

@@ -1,0 +1,63 @@
+"""The CPU client's gloo all-reduce, in one process: the transport setting, which tensors it
+takes, and the in-place reduction's ownership rule (the 2- and 4-process results against
+gloo are in test_collectives.py)."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpu_train  # noqa: F401
+from tpu_train.device import runtime
+from tpu_train.distributed import host_transport
+
+
+@pytest.fixture
+def single():
+    """A one-rank GlooAllReduce over an in-memory store."""
+    return host_transport.GlooAllReduce(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30),
+                                        "test", runtime.jax_device(0), 0)
+
+
+def test_the_transport_setting_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(host_transport.TRANSPORT_ENV, "XLA")
+    assert host_transport.transport() == "xla"
+    monkeypatch.setenv(host_transport.TRANSPORT_ENV, "nccl")
+    with pytest.raises(ValueError, match="TPU_TRAIN_CPU_ALLREDUCE='nccl'.*gloo, xla"):
+        host_transport.transport()
+
+
+def test_bool_tensors_and_unknown_ops_stay_with_xla(single):
+    assert single.supports([torch.ones(3, device="tpu")], "sum")
+    assert single.supports([torch.ones(3, dtype=torch.bfloat16), torch.ones(2)], "avg")
+    assert not single.supports([torch.ones(3, dtype=torch.bool, device="tpu")], "max")
+    assert not single.supports([torch.ones(3, dtype=torch.bool)], "max")
+    assert not single.supports([torch.ones(3, device="tpu")], "premul_sum")
+
+
+def test_an_array_computed_by_xla_is_reduced_in_its_own_memory(single):
+    tensor = torch.arange(6.0, device="tpu").reshape(2, 3) * 2
+    address = tensor._storage.buffer.unsafe_buffer_pointer()
+    single.launch([tensor], "sum", average=False)()
+    assert single.in_place == 1
+    assert tensor._storage.buffer.unsafe_buffer_pointer() == address
+    torch.testing.assert_close(tensor.cpu(), torch.arange(6.0).reshape(2, 3) * 2)
+
+
+def test_views_and_shared_arrays_are_copied_not_donated(single):
+    base = torch.arange(12.0, device="tpu") * 1
+    single.launch([base[2:8]], "avg", average=True)()  # a view: its storage is larger
+    other = torch.zeros(12, device="tpu")
+    other.copy_(base)  # now both storages hold the same array
+    assert other._storage.buffer is base._storage.buffer
+    single.launch([other], "max", average=False)()
+    assert single.in_place == 0
+    assert not base._storage.buffer.is_deleted()
+    torch.testing.assert_close(base.cpu(), torch.arange(12.0))
+    torch.testing.assert_close(other.cpu(), torch.arange(12.0))
+
+
+def test_average_needs_floating_point(single):
+    with pytest.raises(TypeError, match="AVG needs floating-point"):
+        single.launch([torch.ones(3, dtype=torch.int32, device="tpu")], "avg", average=True)
