@@ -111,7 +111,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._host = None
         if device.platform == "cpu" and host_transport.transport() == "gloo":
             self._host = host_transport.GlooAllReduce(
-                store, rank, size, timeout, group_id, device, self._device_index)
+                store, rank, size, datetime.timedelta(seconds=self._timeout_s), group_id,
+                device, self._device_index)
         self._health = _process["health"]
         self._completer = _process["completer"]
 
