@@ -93,6 +93,41 @@ def test_activation_checkpointing_under_fsdp_matches_one_device():
     assert losses == pytest.approx(reference, rel=REL)
 
 
+_GATHER_MEMORY_CHILD = '''
+import json
+from tpu_train.parallel.plan_command import compiled_step_analysis
+print(json.dumps({layers: compiled_step_analysis(
+    "debug_tiny", data=1, fsdp=8, tensor=1, batch=8, seq_len=16, overrides={"n_layers": layers},
+    activation_checkpointing=True)["temp_size_in_bytes"] for layers in (2, 6)}))
+'''
+
+
+def test_fsdp_gathers_under_checkpointing_do_not_pile_up():
+    # With checkpointed layers weights are gathered where ops read them, a chunk of reads
+    # (about a layer) at a time, each once the previous chunk has started; left free, XLA's
+    # CPU scheduler issued every layer's forward all-gathers first, and four more layers
+    # added four layers of gathered weights (+12.7 MB here). Measured in a child with the
+    # plan command's analysis flags.
+    import json
+    import subprocess
+    import sys
+
+    from tpu_train.models import get_config
+    from tpu_train.parallel import planner
+    from tpu_train.parallel.plan_command import ANALYSIS_ONLY_XLA_FLAGS
+
+    env = planner.virtual_devices_env(8)
+    env["XLA_FLAGS"] += " " + " ".join(ANALYSIS_ONLY_XLA_FLAGS)
+    out = subprocess.run([sys.executable, "-c", _GATHER_MEMORY_CHILD], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    temp = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    cfg = get_config("debug_tiny")
+    d, f, kv = cfg.dim, cfg.ffn_hidden_dim, cfg.n_kv_heads * cfg.head_dim
+    one_layer_gathered = 4 * (2 * d * d + 2 * d * kv + 3 * d * f)  # fp32, 3.1 MB
+    assert temp[6] - temp[2] < one_layer_gathered / 2, temp
+
+
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_parameters_are_global_arrays_split_per_plan(layout):
     _, model, opt, step = _train(MESHES[layout])

@@ -35,6 +35,10 @@ def test_fsdp_divides_the_sharded_state():
                     activation_checkpointing=True)
     assert ckpt["bytes_activations"] < eight["bytes_activations"] / 4
     assert ckpt["bytes_fsdp_gathered"] < eight["bytes_fsdp_gathered"] / 4
+    # with checkpointing: the head and two layers gathered, the head's gradient unreduced
+    head = cfg.vocab_size * cfg.dim
+    layer = (num_params(cfg) - 2 * head - cfg.dim) // cfg.n_layers
+    assert ckpt["bytes_fsdp_gathered"] == 4 * (head + 2 * layer + head)
     flash = estimate(cfg, num_devices=8, data=1, fsdp=8, batch=8, seq_len=1024,
                      flash_attention=True, act_bytes=2)
     assert flash["bytes_activations"] < eight["bytes_activations"] / 2

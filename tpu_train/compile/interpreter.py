@@ -108,6 +108,110 @@ def fence(values: Sequence[Any]) -> list:
     return list(jax.lax.cond(probe == probe, lambda vs: vs, poisoned, values))
 
 
+def after(values: Sequence[Any], anchor: Any) -> list:
+    """``values``, available to XLA only once ``anchor`` exists (the same elements).
+
+    A data dependency XLA cannot remove (see :func:`fence`): one conditional on
+    ``anchor[0] == anchor[0]``, false only for NaN, whose other branch poisons floats with
+    NaN, which a NaN activation leads to anyway. (Measured on an 8-layer 8B slice: an
+    ``optimization_barrier`` with the anchor, or ``value * (1 + 0 * anchor[0])``, left XLA's
+    CPU scheduler free to hoist the gathers: no memory saved.)
+    """
+    probe = anchor.reshape(-1)[0]
+
+    def poisoned(vs):
+        return tuple(jnp.full_like(v, jnp.nan) if jnp.issubdtype(v.dtype, jnp.floating) else v
+                     for v in vs)
+
+    return list(jax.lax.cond(probe == probe, lambda vs: vs, poisoned, tuple(values)))
+
+
+def _is_activation(value: Any) -> bool:
+    """A non-empty floating-point array (a single op result, not a tuple of them)."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and \
+        getattr(value, "size", 0) > 0
+
+
+def _carried(gm: torch.fx.GraphModule, placeholders, at_use: dict) -> dict:
+    """Nodes whose value is an ``at_use`` input: the input itself, and what a checkpoint
+    region's barrier passes through from it (the region reads its weights fenced)."""
+    carries = {node: at_use[i] for i, node in enumerate(placeholders) if i in at_use}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and source.target is OPTIMIZATION_BARRIER:
+                fenced = source.args[0][node.args[1]]
+                if fenced in carries:
+                    carries[node] = carries[fenced]
+    return carries
+
+
+# Ops reading at-use values per ordered chunk: about one Llama layer's weights (7 matrices,
+# 2 norms). Memory: about two chunks' gathered weights; compile time: one conditional per
+# chunk (one per read doubled XLA's CPU compile of a 32-layer 8B step).
+READS_PER_CHUNK = 8
+
+
+class _OrderedReads:
+    """Where the at-use values (FSDP weights) an op reads become available to XLA.
+
+    The ops that read them are taken in graph order in chunks of ``READS_PER_CHUNK``. When
+    chunk ``j`` starts, the weights it reads pass through one :func:`after` anchored on the
+    activation that was the latest when chunk ``j - 1`` started: chunk ``j``'s gathers can
+    overlap chunk ``j - 1``'s compute but not run earlier. Left free, XLA's CPU scheduler
+    issued every layer's forward all-gathers before the forward's first matmul (8B, 4 layers,
+    16 devices: all of them at instructions 243-264 of 1523, the first dot at 281), so all
+    gathered weights were live at the peak and activation checkpointing saved none of them.
+    Values first computed inside a chunk (a recomputed region's fenced weights) are already
+    ordered by their fence and are read as they are.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, carries: dict):
+        self._chunk_of: dict = {}
+        self._sources: list[list] = []
+        reads = 0
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target in (operator.getitem,
+                                                              OPTIMIZATION_BARRIER):
+                continue
+            read = [a for a in tree_flatten((node.args, node.kwargs))[0]
+                    if isinstance(a, torch.fx.Node) and a in carries]
+            if not read:
+                continue
+            chunk = reads // READS_PER_CHUNK
+            reads += 1
+            if chunk == len(self._sources):
+                self._sources.append([])
+            self._chunk_of[node] = chunk
+            self._sources[chunk] += [a for a in read if a not in self._sources[chunk]]
+        self._latest = None  # the latest activation computed so far
+        self._starts: dict[int, Any] = {}  # chunk -> the latest activation when it started
+        self._current = -1
+        self._gated: dict = {}
+
+    def enter(self, node, env):
+        """Called before ``node`` runs."""
+        chunk = self._chunk_of.get(node)
+        if chunk is None or chunk == self._current:
+            return
+        self._current = chunk
+        self._starts[chunk] = self._latest
+        anchor = self._starts.get(chunk - 1)
+        ready = [s for s in self._sources[chunk] if s in env]
+        self._gated = {}
+        if anchor is not None and ready:
+            self._gated = dict(zip(ready, after([env[s] for s in ready], anchor)))
+
+    def value(self, source, env):
+        return self._gated.get(source, env[source])
+
+    def saw(self, value):
+        """Called with each op's result."""
+        if _is_activation(value):
+            self._latest = value
+
+
 def _constant_value(value: Any) -> Any:
     """A graph constant (``get_attr``) as a JAX value."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -177,7 +281,9 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
     ``at_use`` maps input positions to a function applied where an op *reads* that input (or
     a fenced copy of it), not once at the top: SPMD steps all-gather FSDP weights with it, so
     a checkpointed region's recomputation gathers its weights again instead of keeping the
-    forward's gathered copies alive until the backward.
+    forward's gathered copies alive until the backward. Those reads are also ordered (see
+    :class:`_OrderedReads`): without that XLA's CPU scheduler issued every layer's forward
+    all-gathers before the first matmul.
     """
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -189,16 +295,15 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
         index_of[node] = i
     mutations: dict[int, Any] = {}
     random_counter = 0
-    # Values that carry an ``at_use`` input's storage layout: the input, and what a barrier
-    # passes through from it.
-    carries = {node: at_use[i] for i, node in enumerate(placeholders) if at_use and i in at_use}
+    carries = _carried(gm, placeholders, at_use or {})
+    order = _OrderedReads(gm, carries) if carries else None
 
     def load(arg):
         return env[arg] if isinstance(arg, torch.fx.Node) else arg
 
     def load_for_use(arg):
         if isinstance(arg, torch.fx.Node) and arg in carries:
-            return carries[arg](env[arg])
+            return carries[arg](order.value(arg, env))
         return load(arg)
 
     outputs = None
@@ -218,15 +323,12 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
             args = tree_map(load, node.args)
             if target is operator.getitem:
                 env[node] = args[0][args[1]]
-                source = node.args[0]
-                if isinstance(source, torch.fx.Node) and source.target is OPTIMIZATION_BARRIER:
-                    fenced = source.args[0][node.args[1]]
-                    if fenced in carries:
-                        carries[node] = carries[fenced]
             else:
                 # Recomputed checkpoint regions start from fenced values (see .checkpointing).
                 env[node] = fence(args[0])
             continue
+        if order is not None:
+            order.enter(node, env)
         args = tree_map(load_for_use, node.args)
         kwargs = tree_map(load_for_use, node.kwargs)
         if target is aten.copy_.default:
@@ -260,6 +362,8 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
             if constrain is not None:
                 value = jax.tree_util.tree_map(constrain, value)
             env[node] = value
+            if order is not None:
+                order.saw(value)
             continue
         # A write into a tensor the graph reads: later nodes, and the caller for graph
         # inputs, see the new value (cast back to the written tensor's dtype).

@@ -178,7 +178,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     by default), AdamW two float32 moments; activations ``act_bytes`` each (2 under bf16
     autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally
     needs the all-gathered (still tensor-sharded) weights: all of them without checkpointing
-    (the backward reuses the forward's gathered weights), about two layers' worth with it;
+    (the backward reuses the forward's gathered weights), the largest tensor and two layers'
+    with it;
     and one unreduced gradient in flight (the largest of a layer's and a single tensor's). Returns a flat dict of
     figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
@@ -200,13 +201,15 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     optimizer = 2 * local * 4
     if shape.fsdp > 1:
         # Gathered weights: the backward reads every layer's weights again, so without
-        # checkpointing all of them stay live from the forward; with it, the embedding/head
-        # plus two layers at a time (one computing, one being prefetched). Gradients are
-        # reduce-scattered as they are made: beside the weights only the largest unreduced
-        # gradient in flight (a layer's, or the embedding's / head's) is whole.
+        # checkpointing all of them stay live from the forward. With it the compiled step
+        # gathers weights where ops read them, about a layer's worth at a time, each gathered
+        # while the previous one computes (compile/interpreter.py): the largest tensor
+        # (embedding or head) plus two layers. Gradients are reduce-scattered as they are
+        # made: beside the weights only the largest unreduced gradient in flight (a layer's,
+        # or the embedding's / head's) is whole.
         live = gathered
         if activation_checkpointing:
-            live = gathered - cfg.n_layers * one_layer + min(2, cfg.n_layers) * one_layer
+            live = min(gathered, largest + min(2, cfg.n_layers) * one_layer)
         fsdp_working = int((live + max(one_layer, largest)) * param_bytes)
     else:
         fsdp_working = 0
