@@ -184,7 +184,9 @@ class _OrderedReads:
             if chunk == len(self._sources):
                 self._sources.append([])
             self._chunk_of[node] = chunk
-            self._sources[chunk] += [a for a in read if a not in self._sources[chunk]]
+            for source in read:
+                if source not in self._sources[chunk]:
+                    self._sources[chunk].append(source)
         self._latest = None  # the latest activation computed so far
         self._starts: dict[int, Any] = {}  # chunk -> the latest activation when it started
         self._current = -1

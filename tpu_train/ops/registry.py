@@ -98,6 +98,11 @@ def lowered_ops() -> list[torch._ops.OpOverload]:
     return sorted(_TABLE, key=str)
 
 
+def lowering_count() -> int:
+    """How many overloads have a lowering (it only grows: a cache key for derived tables)."""
+    return len(_TABLE)
+
+
 def _is_mutating(op: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
 
