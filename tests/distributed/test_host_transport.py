@@ -61,3 +61,13 @@ def test_views_and_shared_arrays_are_copied_not_donated(single):
 def test_average_needs_floating_point(single):
     with pytest.raises(TypeError, match="AVG needs floating-point"):
         single.launch([torch.ones(3, dtype=torch.int32, device="tpu")], "avg", average=True)
+
+
+def test_empty_scalar_and_bf16_tensors(single):
+    empty = torch.ones(0, 3, device="tpu") * 1
+    scalar = torch.tensor(2.5, device="tpu") * 1
+    half = torch.arange(5.0, device="tpu").to(torch.bfloat16) * 1
+    single.launch([empty, scalar, half], "sum", average=False)()
+    assert empty.shape == (0, 3)
+    assert scalar.item() == 2.5
+    torch.testing.assert_close(half.cpu(), torch.arange(5.0).to(torch.bfloat16))
