@@ -39,7 +39,7 @@ def test_bool_tensors_and_unknown_ops_stay_with_xla(single):
 def test_an_array_computed_by_xla_is_reduced_in_its_own_memory(single):
     tensor = torch.arange(6.0, device="tpu").reshape(2, 3) * 2
     address = tensor._storage.buffer.unsafe_buffer_pointer()
-    single.launch([tensor], "sum", average=False)()
+    single.launch([tensor], "sum")()
     assert single.in_place == 1
     assert tensor._storage.buffer.unsafe_buffer_pointer() == address
     torch.testing.assert_close(tensor.cpu(), torch.arange(6.0).reshape(2, 3) * 2)
@@ -47,11 +47,11 @@ def test_an_array_computed_by_xla_is_reduced_in_its_own_memory(single):
 
 def test_views_and_shared_arrays_are_copied_not_donated(single):
     base = torch.arange(12.0, device="tpu") * 1
-    single.launch([base[2:8]], "avg", average=True)()  # a view: its storage is larger
+    single.launch([base[2:8]], "avg")()  # a view: its storage is larger
     other = torch.zeros(12, device="tpu")
     other.copy_(base)  # now both storages hold the same array
     assert other._storage.buffer is base._storage.buffer
-    single.launch([other], "max", average=False)()
+    single.launch([other], "max")()
     assert single.in_place == 0
     assert not base._storage.buffer.is_deleted()
     torch.testing.assert_close(base.cpu(), torch.arange(12.0))
@@ -60,14 +60,14 @@ def test_views_and_shared_arrays_are_copied_not_donated(single):
 
 def test_average_needs_floating_point(single):
     with pytest.raises(TypeError, match="AVG needs floating-point"):
-        single.launch([torch.ones(3, dtype=torch.int32, device="tpu")], "avg", average=True)
+        single.launch([torch.ones(3, dtype=torch.int32, device="tpu")], "avg")
 
 
 def test_empty_scalar_and_bf16_tensors(single):
     empty = torch.ones(0, 3, device="tpu") * 1
     scalar = torch.tensor(2.5, device="tpu") * 1
     half = torch.arange(5.0, device="tpu").to(torch.bfloat16) * 1
-    single.launch([empty, scalar, half], "sum", average=False)()
+    single.launch([empty, scalar, half], "sum")()
     assert empty.shape == (0, 3)
     assert scalar.item() == 2.5
     torch.testing.assert_close(half.cpu(), torch.arange(5.0).to(torch.bfloat16))

@@ -24,7 +24,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,11 +33,10 @@ TRANSPORTS = ("gloo", "xla")
 _R = dist.ReduceOp
 _GLOO_OPS = {"sum": _R.SUM, "product": _R.PRODUCT, "min": _R.MIN, "max": _R.MAX,
              "band": _R.BAND, "bor": _R.BOR, "bxor": _R.BXOR}
-# Element types gloo reduces (bool and the rest run XLA's program).
+# Element types gloo reduces (bool and the rest run XLA's program). A tpu tensor's storage
+# type is one of these too (64-bit types may be stored as 32-bit ones).
 _GLOO_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                 torch.uint8, torch.int32, torch.int64}
-_GLOO_STORAGE = {np.dtype(d) for d in (np.float32, np.float64, np.float16, jnp.bfloat16,
-                                       np.int8, np.uint8, np.int32, np.int64)}
 
 # Identity with its input donated: the output is the input's memory, owned by nobody else.
 _take_over = jax.jit(lambda x: x, donate_argnums=0)
@@ -66,24 +64,22 @@ class GlooAllReduce:
         self.in_place = 0  # reductions done in the tensor's own memory, without a copy
 
     def supports(self, tensors, op: str) -> bool:
-        from tpu_train.device.tensor import TpuTensor, storage_dtype
+        from tpu_train.device.tensor import TpuTensor
 
         if op not in _GLOO_OPS and op != "avg":
             return False
-        for tensor in tensors:
-            if isinstance(tensor, TpuTensor):
-                buffer = tensor._storage.buffer
-                if (np.dtype(storage_dtype(tensor.dtype)) not in _GLOO_STORAGE
-                        or buffer.devices() != {self._device}):
-                    return False
-            elif tensor.dtype not in _GLOO_DTYPES:
-                return False
-        return True
+        # A tpu tensor must live on this rank's device alone (not a sharded SPMD array).
+        return all(t.dtype in _GLOO_DTYPES and (not isinstance(t, TpuTensor)
+                                                or t._storage.buffer.devices() == {self._device})
+                   for t in tensors)
 
-    def launch(self, tensors, op: str, average: bool):
-        """Start reducing ``tensors`` (tpu or CPU); returns ``complete()``, which waits for
-        gloo and makes the results the tensors' values (through their views)."""
+    def launch(self, tensors, op: str):
+        """Start reducing ``tensors`` (tpu or CPU) with ``op`` (a key of ``_GLOO_OPS`` or
+        ``"avg"``); returns ``complete()``, which waits for gloo and makes the results the
+        tensors' values (through their views)."""
         from tpu_train.device.tensor import TpuTensor
+
+        average = op == "avg"
 
         if average and any(not t.dtype.is_floating_point for t in tensors):
             raise TypeError("ReduceOp.AVG needs floating-point tensors on the tpu backend")

@@ -159,12 +159,8 @@ class TpuProcessGroup(dist.ProcessGroup):
                 with torch.no_grad():
                     tensor.copy_(value.reshape(tensor.shape))
 
-        future = self._future()
-        health = self._health
-        self._completer.submit(
-            future, [a for _, a in writes], [t for t, _ in writes], self._timeout_s,
-            on_timeout=lambda: health.diagnose(group, ranks, what), finish=finish)
-        return TpuWork(future)
+        return self._work(what, [a for _, a in writes], [t for t, _ in writes], finish,
+                          group, ranks)
 
     def _run(self, kind, blocks, mesh=None, group=None, ranks=None, what=None, **static):
         """``mesh.run`` under the dispatch deadline (see health.Completer.dispatching)."""
@@ -214,8 +210,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._count()
         op = _op_name(reduce_op)
         if self._host is not None and self._host.supports(tensors, op):
-            complete = self._host.launch(tensors, op, average=op == "avg")
-            return self._pending("all_reduce", tensors, complete)
+            complete = self._host.launch(tensors, op)
+            return self._work("all_reduce", [], list(tensors), finish=complete)
         outputs = self._reduce([self._array(t) for t in tensors], reduce_op)
         return self._launch("all_reduce", list(zip(tensors, outputs)))
 
@@ -303,22 +299,20 @@ class TpuProcessGroup(dist.ProcessGroup):
             self._coalescing.append(future)
         return future
 
-    def _pending(self, what, tensors, complete):
-        """A Work done when ``complete()`` (a transport's wait-and-write) has run."""
+    def _work(self, what, arrays, result, finish=None, group=None, ranks=None):
+        """A Work whose Future gets ``result`` once ``arrays`` are ready and ``finish()`` (a
+        transport's wait-and-write) has run; failed, naming the lost ranks, at the timeout."""
         future = self._future()
-        health, group, ranks = self._health, self._group_id, self._global_ranks
-        self._completer.submit(future, [], list(tensors), self._timeout_s,
+        health = self._health
+        group, ranks = group or self._group_id, ranks or self._global_ranks
+        self._completer.submit(future, list(arrays), result, self._timeout_s,
                                on_timeout=lambda: health.diagnose(group, ranks, what),
-                               finish=complete)
+                               finish=finish)
         return TpuWork(future)
 
     def _done(self, arrays, what):
         """A Work for a rank that takes part in a collective but receives nothing."""
-        future = self._future()
-        health, group, ranks = self._health, self._group_id, self._global_ranks
-        self._completer.submit(future, list(arrays), [], self._timeout_s,
-                               on_timeout=lambda: health.diagnose(group, ranks, what))
-        return TpuWork(future)
+        return self._work(what, arrays, [])
 
     # -- all-to-all ------------------------------------------------------------------------------
 
@@ -379,11 +373,7 @@ class TpuProcessGroup(dist.ProcessGroup):
                               what=what, pairs=((source_index, 1 - source_index),))
         if dst == self.rank():
             return self._launch(what, [(tensor, result)], group=pair_name, ranks=ranks)
-        future = self._future()
-        health = self._health
-        self._completer.submit(future, [result], [], self._timeout_s,
-                               on_timeout=lambda: health.diagnose(pair_name, ranks, what))
-        return TpuWork(future)
+        return self._work(what, [result], [], group=pair_name, ranks=ranks)
 
     def send(self, tensors, dst, tag=0):
         works = [self._p2p(t, self.rank(), dst, "send") for t in tensors]
