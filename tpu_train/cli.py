@@ -16,7 +16,10 @@ Usage::
                                                  # per-chip memory and step time of a pod
                                                  # config: analytic and XLA's, no chips needed
 
-Recipes (``recipe=NAME``; each ``configs/recipe/NAME.yaml`` starts with the command that runs it):
+Recipes (``recipe=NAME``): the scripts in the top-level ``recipes/`` (installed as the
+``tpu_train_recipes`` package); each ``configs/recipe/NAME.yaml`` starts with the command that
+runs it. ``recipe=./my_recipe.py`` runs a user's copy of one: it composes the config its
+``RECIPE_CONFIG`` names (default ``llama_finetune``) and calls its ``main(cfg)``.
 
 * ``llama_pretrain``: random initialization, WSD schedule; ``model.checkpoint`` must be unset.
 * ``llama_finetune`` (default): all parameters train; ``model.checkpoint`` (a Hugging Face
@@ -46,8 +49,12 @@ Errors in the configuration or the data are reported as one line,
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+import runpy
 import sys
+from importlib import resources
 from pathlib import Path
 
 import hydra
@@ -57,19 +64,85 @@ from tpu_train.trainer.config import register_schema
 from tpu_train.trainer.config_errors import describe_composition_error
 from tpu_train.trainer.errors import ConfigError, TrainingStopped
 
-# ``configs/`` sits next to the package (editable install).  Hydra would resolve a relative
-# path against the *package* when the app is started from an installed console script, so the
-# path is made absolute here.
-CONFIG_DIR = str((Path(__file__).resolve().parent / ".." / "configs").resolve())
+# configs/ and recipes/ sit at the top of the source tree and are installed as the packages
+# tpu_train_configs and tpu_train_recipes (see pyproject.toml), so the same lookup works from a
+# checkout, an editable install and a wheel. Hydra wants an absolute config path.
+CONFIG_PACKAGE, RECIPES_PACKAGE = "tpu_train_configs", "tpu_train_recipes"
+_SOURCE_TREE = Path(__file__).resolve().parent.parent
+if importlib.util.find_spec(CONFIG_PACKAGE) is None:
+    # A source checkout that was not pip-installed: the packages are its top-level folders.
+    _spec = importlib.util.spec_from_file_location(
+        CONFIG_PACKAGE, _SOURCE_TREE / "configs" / "__init__.py")
+    sys.modules[CONFIG_PACKAGE] = importlib.util.module_from_spec(_spec)
+    _spec = importlib.util.spec_from_file_location(
+        RECIPES_PACKAGE, _SOURCE_TREE / "recipes" / "__init__.py")
+    sys.modules[RECIPES_PACKAGE] = importlib.util.module_from_spec(_spec)
+CONFIG_DIR = str(resources.files(CONFIG_PACKAGE))
+DEFAULT_RECIPE_CONFIG = "llama_finetune"
 
 EXIT_BAD_INPUT = 2
 PLAN_COMMAND = "plan"
 EXIT_STOPPED = 1
+_SCRIPT_OVERRIDE = "recipe.script"
+
+
+def recipe_names() -> list[str]:
+    """The recipes shipped with tpu_train (``recipe=NAME``)."""
+    return sorted(entry.name[:-3] for entry in resources.files(RECIPES_PACKAGE).iterdir()
+                  if entry.name.endswith(".py") and not entry.name.startswith("_"))
+
+
+def _recipe_script(cfg: DictConfig) -> Path:
+    if cfg.recipe.script is not None:
+        return Path(cfg.recipe.script)
+    name = cfg.recipe.name
+    if name not in recipe_names():
+        raise ConfigError(
+            f"recipe.name={name!r} is not a recipe; valid names: {', '.join(recipe_names())} "
+            "(select one with recipe=NAME, or run your own with recipe=./my_recipe.py)")
+    return Path(str(resources.files(RECIPES_PACKAGE) / f"{name}.py"))
+
+
+def run_recipe(cfg: DictConfig) -> None:
+    """Run the recipe script of ``cfg`` (``recipe.script``, else ``recipes/<recipe.name>.py``)."""
+    script = _recipe_script(cfg)
+    namespace = runpy.run_path(str(script), run_name="tpu_train_recipe")
+    main = namespace.get("main")
+    if not callable(main):
+        raise ConfigError(f"{script} defines no main(cfg); a recipe script needs one")
+    main(cfg)
+
+
+def _declared_config(script: Path) -> str:
+    """The ``RECIPE_CONFIG = "..."`` of a recipe script (read without running it)."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe={script}: cannot read the recipe script ({exc})") from exc
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and getattr(node.targets[0], "id", None) == "RECIPE_CONFIG"
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return node.value.value
+    return DEFAULT_RECIPE_CONFIG
+
+
+def _script_overrides(argv: list[str]) -> list[str]:
+    """``recipe=path/to/file.py`` becomes ``recipe=<its RECIPE_CONFIG> recipe.script=<path>``."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key == "recipe" and sep and value.endswith(".py"):
+            script = Path(value).expanduser().resolve()
+            if not script.is_file():
+                raise ConfigError(f"recipe={value}: no such recipe script")
+            out += [f"recipe={_declared_config(script)}", f"{_SCRIPT_OVERRIDE}={script}"]
+        else:
+            out.append(arg)
+    return out
 
 
 def _run_job(cfg: DictConfig) -> None:
-    from tpu_train.recipes import run_recipe
-
     # Errors are reported here rather than after Hydra's job wrapper, which would print an
     # extra "Error executing job" line first.
     try:
@@ -79,10 +152,8 @@ def _run_job(cfg: DictConfig) -> None:
 
 
 def _run_plan_job(cfg: DictConfig) -> None:
-    from tpu_train.parallel.plan_command import plan_job
-
     try:
-        plan_job(cfg)
+        runpy.run_path(str(resources.files(RECIPES_PACKAGE) / "plan.py"))["main"](cfg)
     except (ValueError, KeyError) as exc:  # bad degrees, batch, chip or model name
         _exit_for(ConfigError(str(exc).strip("'\"")))
     except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
@@ -93,13 +164,9 @@ def _is_bad_input(exc: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(exc, (ConfigError, HydraException, OmegaConfBaseException)):
-        return True
-    try:
-        from tpu_train.data.errors import DataError
-    except ImportError:
-        return False
-    return isinstance(exc, DataError)
+    from tpu_train.data.errors import DataError
+
+    return isinstance(exc, (ConfigError, HydraException, OmegaConfBaseException, DataError))
 
 
 def main() -> None:
@@ -108,12 +175,14 @@ def main() -> None:
     # Hydra prints its own multi-line reports unless asked to re-raise; we want one line.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     job, saved_argv = _run_job, sys.argv
-    if len(sys.argv) > 1 and sys.argv[1] == PLAN_COMMAND:
-        # ``tpu-train plan <overrides>``: the same config tree, a different job; Hydra parses
-        # the rest of the command line as usual.
-        job, sys.argv = _run_plan_job, [sys.argv[0], *sys.argv[2:]]
-    app = hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")(job)
     try:
+        args = _script_overrides(sys.argv[1:])
+        if args and args[0] == PLAN_COMMAND:
+            # ``tpu-train plan <overrides>``: the same config tree, the plan recipe; Hydra
+            # parses the rest of the command line as usual.
+            job, args = _run_plan_job, args[1:]
+        sys.argv = [sys.argv[0], *args]
+        app = hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")(job)
         app()
     except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
         _exit_for(exc)

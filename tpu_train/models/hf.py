@@ -338,7 +338,8 @@ def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[lis
 def save_pretrained(model: Llama, path: str | Path,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *,
                     bos_token_id: int | None = None,
-                    eos_token_id: int | list[int] | None = None) -> None:
+                    eos_token_id: int | list[int] | None = None,
+                    state_dict: dict | None = None) -> None:
     """Write ``model`` as a Hugging Face Llama directory loadable by
     ``transformers.LlamaForCausalLM.from_pretrained`` (and by :func:`from_pretrained`).
 
@@ -348,6 +349,8 @@ def save_pretrained(model: Llama, path: str | Path,
     removed first so that a stale index or shard cannot shadow the new one. Parameters may
     live on any device; each shard is gathered to the CPU in turn. ``bos_token_id`` and
     ``eos_token_id`` default to those of the checkpoint the model was loaded from, if any.
+    ``state_dict`` (whole CPU tensors by parameter name) replaces the parameters' values, for a
+    model whose parameters are sharded over devices this process cannot read.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
@@ -361,6 +364,8 @@ def save_pretrained(model: Llama, path: str | Path,
     bos_token_id = bos_token_id if bos_token_id is not None else inherited.get("bos_token_id")
     eos_token_id = eos_token_id if eos_token_id is not None else inherited.get("eos_token_id")
     params = dict(model.named_parameters())
+    if state_dict is not None:
+        params = {name: state_dict[name] for name in params}
     dtype = model.tok_embeddings.weight.dtype
     hf_config = config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
                              eos_token_id=eos_token_id)

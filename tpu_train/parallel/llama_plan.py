@@ -75,6 +75,9 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
         (r"(^|\.)feed_forward\.w2\.weight$", row),
         (r"(^|\.)(attention_norm|ffn_norm|norm)\.weight$", P(f)),
         (r"(^|\.)output\.weight$", column),
+        # LoRA adapters (rank x in, out x rank) are small next to the frozen weight they adapt:
+        # replicated, so their update needs no gather.
+        (r"\.lora_[ab]$", P()),
     ]
     acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
             for k, spec in LLAMA_ACTIVATIONS.items()}

@@ -5,7 +5,12 @@ Layout of one checkpoint, ``<run.dir>/checkpoints/step_00000050/``:
 * ``model.safetensors``: the model's state dict (tensors only; loading runs no code);
 * ``training_state.pt``: optimizer, scheduler, data-loader position and RNG states, read back
   with ``torch.load(weights_only=True)``;
-* ``meta.json``: the step and format version.
+* ``meta.json``: the step, the format version and the layout.
+
+A job of several processes on one SPMD mesh writes the *sharded* layout instead: ``sharded/``
+holds parameters and optimizer moments in ``torch.distributed.checkpoint`` format, every
+process writing the shards on its own devices, and ``training_state.pt`` the rest (written by
+process 0). Both layouts resume on any mesh and any number of processes.
 
 A checkpoint is written into a hidden temporary directory, every file and the directory are
 fsynced, and only then is it renamed to ``step_N``.  A crash at any point leaves either the
@@ -31,6 +36,8 @@ CHECKPOINTS_SUBDIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
 TRAINING_STATE_FILE = "training_state.pt"
 META_FILE = "meta.json"
+SHARDED_DIR = "sharded"
+FULL_LAYOUT, SHARDED_LAYOUT = "full", "sharded"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TEMP_PREFIX = ".tmp-"
@@ -68,7 +75,13 @@ def _fsync_dir(path: Path) -> None:
 
 def is_checkpoint(path: Path) -> bool:
     """True when ``path`` is a complete checkpoint directory of this format."""
-    return (path / META_FILE).is_file() and (path / MODEL_FILE).is_file()
+    return (path / META_FILE).is_file() and (
+        (path / MODEL_FILE).is_file() or (path / SHARDED_DIR / ".metadata").is_file())
+
+
+def checkpoint_layout(path: Path) -> str:
+    """``full`` (one model file) or ``sharded`` (written by several processes)."""
+    return FULL_LAYOUT if (Path(path) / MODEL_FILE).is_file() else SHARDED_LAYOUT
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -102,22 +115,55 @@ def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Te
     temporary.mkdir()
     try:
         save_file(model_state, str(temporary / MODEL_FILE))
-        torch.save(training_state, temporary / TRAINING_STATE_FILE)
-        meta = {"format": FORMAT_VERSION, "step": step, "torch": torch.__version__}
-        (temporary / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        for name in (MODEL_FILE, TRAINING_STATE_FILE, META_FILE):
-            _fsync_file(temporary / name)
-        _fsync_dir(temporary)
-        os.rename(temporary, final)
-        _fsync_dir(directory)
+        _finish(temporary, final, step, training_state, FULL_LAYOUT, (MODEL_FILE,))
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return final
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(model state, training state, meta) of a checkpoint; executes no code from the files."""
+def _finish(temporary: Path, final: Path, step: int, training_state: dict, layout: str,
+            written: tuple[str, ...]) -> None:
+    """Write the training state and meta into ``temporary``, fsync, rename to ``final``."""
+    torch.save(training_state, temporary / TRAINING_STATE_FILE)
+    meta = {"format": FORMAT_VERSION, "step": step, "layout": layout, "torch": torch.__version__}
+    (temporary / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    for name in (*written, TRAINING_STATE_FILE, META_FILE):
+        if (temporary / name).is_file():
+            _fsync_file(temporary / name)
+    _fsync_dir(temporary)
+    os.rename(temporary, final)
+    _fsync_dir(final.parent)
+
+
+def write_sharded_checkpoint(directory: Path, step: int, save_shards, training_state: dict,
+                             world) -> Path:
+    """Every process of ``world`` calls this; ``save_shards(path)`` writes this process's shards
+    (a collective). Process 0 then adds the training state and renames the directory."""
+    from .world import barrier
+
+    final = directory / step_dir_name(step)
+    if final.exists():  # every process sees the same (shared) directory
+        return final
+    # One name all processes agree on; a leftover of a crashed save is removed first.
+    temporary = directory / f"{_TEMP_PREFIX}{step_dir_name(step)}"
+    if world.is_main:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    barrier(world)
+    save_shards(temporary / SHARDED_DIR)
+    if world.is_main:
+        _finish(temporary, final, step, training_state, SHARDED_LAYOUT, ())
+    barrier(world)
+    return final
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor] | None, dict, dict]:
+    """(model state, training state, meta) of a checkpoint; executes no code from the files.
+
+    The model state is None for the sharded layout: its tensors are read into the placed
+    step (``tpu_train.parallel.sharded_checkpoint.load_sharded(path / SHARDED_DIR, step)``).
+    """
     path = Path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(
@@ -129,7 +175,8 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
             f"{path}: checkpoint format {meta.get('format')!r} is not supported "
             f"(this version reads format {FORMAT_VERSION})"
         )
-    model_state = load_file(str(path / MODEL_FILE))
+    model_state = (load_file(str(path / MODEL_FILE))
+                   if checkpoint_layout(path) == FULL_LAYOUT else None)
     training_state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
     return model_state, training_state, meta
 
@@ -139,6 +186,9 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META_FILE})")
+    if checkpoint_layout(path) == SHARDED_LAYOUT:
+        raise ValueError(f"{path} is a sharded checkpoint; start from its run's hf/ export, or "
+                         "resume the run itself with run.dir")
     return load_file(str(path / MODEL_FILE))
 
 
@@ -183,6 +233,14 @@ class CheckpointManager:
             name=f"checkpoint-step-{step}", daemon=False,
         )
         self._thread.start()
+
+    def save_sharded(self, step: int, save_shards, training_state: dict, world) -> None:
+        """A sharded checkpoint (every process calls it; see :func:`write_sharded_checkpoint`)."""
+        self.wait()
+        self.last_saved = write_sharded_checkpoint(self.directory, step, save_shards,
+                                                   to_cpu(training_state), world)
+        if self.is_writer:
+            self._prune()
 
     def _write_in_background(self, step: int, model_state: dict, training_state: dict) -> None:
         try:

@@ -32,6 +32,14 @@ class Precision(Enum):
     bf16 = "bf16"
 
 
+class ParamDtype(Enum):
+    """How weights are stored: fp32 (master weights, the default) or bf16 (half the memory;
+    the optimizer then updates bf16 weights, which loses small updates)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class OnNonFinite(Enum):
     """What a non-finite loss does: stop the run, or drop that update and continue."""
 
@@ -127,6 +135,7 @@ class TrainerConfig:
     mode: StepMode = StepMode.compiled
     device: str = "tpu"  # "cpu" or "tpu"
     precision: Precision = Precision.fp32
+    param_dtype: ParamDtype = ParamDtype.fp32
     grad_accum_steps: int = 1
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
     activation_checkpointing: bool = False
@@ -179,6 +188,8 @@ class EvalConfig:
 @dataclass
 class RecipeConfig:
     name: str = "llama_finetune"
+    # A recipe script run instead of recipes/<name>.py (``tpu-train recipe=./my_recipe.py``).
+    script: Optional[str] = None
     lora: LoraConfig = field(default_factory=LoraConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -34,17 +34,16 @@ class HostEvaluationModel:
     """A CPU model of the same architecture whose weights are refreshed from the trained one.
 
     ``make_model`` builds the (randomly initialized) CPU model once; :meth:`refresh` copies the
-    current parameters and buffers into it before each evaluation.
+    trained model's current state (whole CPU tensors) into it before each evaluation.
     """
 
     def __init__(self, make_model):
         self._make_model = make_model
         self._model: torch.nn.Module | None = None
 
-    def refresh(self, trained: torch.nn.Module) -> torch.nn.Module:
+    def refresh(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         if self._model is None:
             self._model = self._make_model()
-        state = {key: value.detach().cpu() for key, value in trained.state_dict().items()}
         self._model.load_state_dict(state)
         return self._model
 

@@ -95,6 +95,3 @@ def merge_lora(model: nn.Module) -> nn.Module:
         parameter.requires_grad_(True)
     return model
 
-
-def lora_parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b")))

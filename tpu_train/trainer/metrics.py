@@ -151,6 +151,12 @@ class RunLogger:
             self._log_file.write(text + "\n")
             self._log_file.flush()
 
+    def log_only(self, text: str) -> None:
+        """Into ``train.log`` only (e.g. the resolved config: too long for the console)."""
+        if self._log_file is not None:
+            self._log_file.write(text.rstrip("\n") + "\n")
+            self._log_file.flush()
+
     def advance(self, steps: int = 1, loss: float | None = None) -> None:
         if self._bar is None:
             return

@@ -1,19 +1,18 @@
-"""Training steps: an eager PyTorch step, and the compiled one from ``tpu_train.compile``.
+"""The causal-LM loss and the eager training step (the compiled one is built in ``setup``).
 
-Both have the signature ``step(micro_batches) -> dict[str, Tensor]`` with ``loss``,
+Both steps have the signature ``step(micro_batches) -> dict[str, Tensor]`` with ``loss``,
 ``grad_norm`` and ``lr`` (the lr used by this update), so the loop does not care which runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .config import Precision, StepMode
-from .errors import ConfigError
+from .config import Precision
 
 IGNORE_INDEX = -100
 
@@ -53,7 +52,8 @@ class EagerStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler, device: torch.device, precision: Precision,
-                 max_grad_norm: float | None, skip_non_finite: bool):
+                 max_grad_norm: float | None, skip_non_finite: bool,
+                 data_parallel_size: int = 1, tensor_parallel_size: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -61,23 +61,40 @@ class EagerStep:
         self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.skip_non_finite = skip_non_finite
+        self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def _sum_over_processes(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the data-parallel ranks (each tensor-parallel group holds the
+        same rows, so the sum over all processes counts every row ``tensor`` times)."""
+        if self.data_parallel_size * self.tensor_parallel_size == 1:
+            return value
+        import torch.distributed as dist
+
+        total = value.detach().to("cpu", torch.float64).reshape(1).clone()
+        dist.all_reduce(total)
+        return (total / self.tensor_parallel_size).reshape(())
 
     def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         self.model.train()
         lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
-        total_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-        total_tokens = max(total_tokens, 1)
+        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+        total_tokens = max(int(self._sum_over_processes(torch.tensor(local_tokens))), 1)
+        # FSDP averages gradients over the data-parallel ranks; each rank's share of the
+        # global token-weighted loss is scaled up by their number to undo that mean.
         loss_total = torch.zeros((), device=self.device)
         for batch in micro_batches:
             with autocast_context(self.device, self.precision):
                 loss_sum = causal_lm_loss_sum(self.model, batch)
-            (loss_sum / total_tokens).backward()
+            (loss_sum * self.data_parallel_size / total_tokens).backward()
             loss_total = loss_total + loss_sum.detach()
-        loss = loss_total / total_tokens
+        loss = self._sum_over_processes(loss_total).to(torch.float32) / total_tokens \
+            if self.data_parallel_size * self.tensor_parallel_size > 1 else loss_total / total_tokens
         # An infinite max norm measures without clipping (the scale factor is exactly 1).
         max_norm = float("inf") if self.max_grad_norm is None else self.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
+        grad_norm = _whole(grad_norm)
         finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
         if finite or not self.skip_non_finite:
             self.optimizer.step()
@@ -86,33 +103,8 @@ class EagerStep:
         return {"loss": loss, "grad_norm": grad_norm.detach(), "lr": lr}
 
 
-def build_train_step(mode: StepMode, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler, device: torch.device, precision: Precision,
-                     max_grad_norm: float | None, grad_accum_steps: int,
-                     skip_non_finite: bool) -> Callable:
-    """The step for ``trainer.mode``; the compiled one needs ``tpu_train.compile``."""
-    if mode is StepMode.eager:
-        return EagerStep(model, optimizer, scheduler, device, precision, max_grad_norm,
-                         skip_non_finite)
-    try:
-        from tpu_train.compile import compile_train_step
-    except ImportError as exc:
-        raise ConfigError(
-            "trainer.mode=compiled needs tpu_train.compile.compile_train_step, which is not "
-            f"available in this installation ({exc}); use trainer.mode=eager"
-        ) from exc
-    if skip_non_finite:
-        raise ConfigError(
-            "trainer.on_nan=skip is only supported with trainer.mode=eager (the compiled step "
-            "applies its update inside one program); use trainer.on_nan=stop"
-        )
-    compiled = compile_train_step(model, optimizer, causal_lm_loss_sum_and_count,
-                                  scheduler=scheduler, max_grad_norm=max_grad_norm,
-                                  grad_accum_steps=grad_accum_steps)
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor (the norm of sharded gradients) as an ordinary tensor."""
+    from torch.distributed.tensor import DTensor
 
-    def step(micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # The compiled step accumulates internally: hand it the micro-batches joined.
-        batch = {key: torch.cat([b[key] for b in micro_batches]) for key in micro_batches[0]}
-        return compiled(batch)
-
-    return step
+    return value.full_tensor() if isinstance(value, DTensor) else value

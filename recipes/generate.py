@@ -1,21 +1,28 @@
-"""``recipe=generate``: print continuations of ``recipe.generate.prompts``."""
+"""Greedy or sampled continuations of ``recipe.generate.prompts``.
+
+    tpu-train recipe=generate model.checkpoint=runs/llama_finetune/<stamp>/hf \
+              'recipe.generate.prompts=["add 12+30\n"]' recipe.generate.temperature=0.7
+
+The model is ``model.checkpoint``, else the newest checkpoint in ``run.dir``, else random
+weights (a smoke test).
+"""
 
 import torch
 from omegaconf import DictConfig
 
-from tpu_train.trainer import builders
+from tpu_train import trainer
+from tpu_train.models import generate
 from tpu_train.trainer.evaluation import evaluation_device
 from tpu_train.trainer.inference import load_model_for_inference
-from tpu_train.trainer.validation import validate_config
+
+RECIPE_CONFIG = "generate"
 
 
-def run(cfg: DictConfig) -> None:
-    from tpu_train.models import generate
-
-    validate_config(cfg)
-    # Op-by-op evaluation and sampling run on the CPU when the tpu device is the CPU client.
-    device = evaluation_device(builders.resolve_device(cfg.trainer.device))
-    tokenizer = builders.build_tokenizer(cfg)
+def main(cfg: DictConfig) -> None:
+    job = trainer.start(cfg)
+    # Op-by-op sampling runs on the CPU when the tpu device is the CPU client.
+    device = evaluation_device(job.device)
+    tokenizer = trainer.build_tokenizer(cfg)
     model, source = load_model_for_inference(cfg, tokenizer, device)
     print(f"model: {source}")
     options = cfg.recipe.generate

@@ -1,0 +1,239 @@
+"""``fit``: the training loop every training recipe ends with.
+
+It steps until ``trainer.max_steps``, logs (process 0 only), validates, saves checkpoints
+(sharded when several processes share one mesh), stops cleanly on SIGINT/SIGTERM, and at the
+end exports the model in Hugging Face format.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import OmegaConf
+
+from . import builders
+from .checkpoint import CheckpointManager, latest_checkpoint
+from .config import OnNonFinite
+from .errors import TrainingStopped
+from .evaluation import HostEvaluationModel, exact_match_count, runs_on_host_cpu, validation_loss
+from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
+from .parallelism import Parallelism, bytes_per_device, peak_bytes_per_device
+from .rng import capture_rng_state
+from .setup import Data, Job, TrainStep
+from .state import full_model_state, full_optimizer_state, hyperparameters
+from .summary import describe_compilation, start_summary, final_summary
+
+SAVED_CONFIG_FILE = "config.yaml"
+
+
+class _StopRequest:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _Validator:
+    """Validation loss and exact match of the model being trained, on a host copy where the
+    device is the CPU client or the model is spread over a mesh (op-by-op decoding)."""
+
+    def __init__(self, job: Job, parallel: Parallelism, model, tokenizer, data: Data,
+                 make_host_model: Callable[[], torch.nn.Module], logger: RunLogger):
+        self.job, self.parallel, self.model, self.tokenizer, self.data = \
+            job, parallel, model, tokenizer, data
+        self.logger = logger
+        on_host = runs_on_host_cpu(job.device) or parallel.sharded
+        self.host = HostEvaluationModel(make_host_model) if on_host else None
+        self.last: dict = {}
+
+    def enabled(self) -> bool:
+        return self.data.has_val_loss or self.data.exact_match_path is not None
+
+    def __call__(self, step: int) -> None:
+        cfg = self.job.cfg
+        values = {}
+        model, device = self.model, self.job.device
+        if self.host is not None:
+            model = self.host.refresh(full_model_state(self.model, self.parallel))
+            device = torch.device("cpu")
+        if self.data.has_val_loss:
+            # A fresh pass over the validation file each time (a loader is one stream).
+            loader = builders.build_val_loader(cfg, self.tokenizer, self.data.val_path, probe=False)
+            values.update(validation_loss(model, loader, device, cfg.trainer.val_batches,
+                                          self.job.precision))
+        scored = None
+        if self.data.exact_match_path is not None:
+            scored = exact_match_count(model, self.tokenizer, self.data.exact_match_path, device,
+                                       cfg.recipe.eval.exact_match_examples,
+                                       cfg.recipe.eval.max_new_tokens)
+            if scored is not None:
+                values["exact_match"] = scored[0]
+        if values:
+            self.logger.scalars("val", values, step)
+            self.logger.line(f"step {step}/{cfg.trainer.max_steps} | validation | "
+                             + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        self.last = {"step": step, "values": values, "examples": scored[1] if scored else 0}
+
+
+def _save(job: Job, parallel: Parallelism, step_fn: TrainStep, model, optimizer, scheduler,
+          data: Data, checkpoints: CheckpointManager, step: int) -> None:
+    """A checkpoint of ``step``: sharded when several processes share one SPMD mesh, else one
+    whole copy written by process 0 (every process calls this)."""
+    state = {"scheduler": scheduler.state_dict(), "data": data.train.state_dict(),
+             "rng": capture_rng_state(job.device)}
+    if parallel.layout == "spmd" and job.world.distributed:
+        from tpu_train.parallel.sharded_checkpoint import save_sharded
+
+        state["param_groups"] = hyperparameters(optimizer)
+        checkpoints.save_sharded(step, lambda path: save_sharded(path, step_fn.compiled), state,
+                                 job.world)
+        return
+    model_state = full_model_state(model, parallel)
+    state["optimizer"] = full_optimizer_state(model, optimizer, parallel)
+    checkpoints.save(step, model_state, state)
+
+
+def _write_config(job: Job) -> None:
+    config_file = job.run_dir / SAVED_CONFIG_FILE
+    if not config_file.exists():
+        config_file.write_text(OmegaConf.to_yaml(job.cfg, resolve=True))
+
+
+def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer, scheduler, data: Data, tokenizer, *,
+        start_step: int, resumed_from: Path | None, source: str,
+        make_host_model: Callable[[], torch.nn.Module],
+        export_model: Callable[[], torch.nn.Module] | None = None) -> Path:
+    """Train from ``start_step`` to ``trainer.max_steps``; returns the run directory.
+
+    ``make_host_model`` builds a fresh CPU model of the same architecture (validation on the
+    host); ``export_model`` gives the model to export (e.g. LoRA merged), default ``model``.
+    Raises :class:`TrainingStopped` on a non-finite loss with ``trainer.on_nan=stop``.
+    """
+    cfg, trainer = job.cfg, job.cfg.trainer
+    main = job.world.is_main
+    # Everything is built and checked; from here on the run directory is written.
+    if main:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(job)
+    checkpoints = CheckpointManager(job.run_dir, cfg.checkpoint.keep_last,
+                                    cfg.checkpoint.async_save, is_writer=main)
+    checkpoints.remove_stale_temporaries()
+    logger = RunLogger(job.run_dir, main, cfg.logging.tensorboard, cfg.logging.progress_bar,
+                       trainer.max_steps, start_step)
+    validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
+    on_nan = OnNonFinite(trainer.on_nan)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * trainer.grad_accum_steps
+    peak = peak_bf16_tflops(detect_device_kind(job.device))
+    from tpu_train.models import flops_per_token
+
+    flops = flops_per_token(model.config, cfg.data.seq_len)
+    step = start_step
+    try:
+        logger.log_only(OmegaConf.to_yaml(cfg, resolve=True))
+        for line in start_summary(job, parallel, model, optimizer, data, source, resumed_from,
+                                  bytes_per_device(parallel, model, optimizer)):
+            logger.line(line)
+        if peak is None:
+            logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")
+        batches = iter(data.train)
+        stopped_by = None
+        compilations = 0
+        with _StopRequest() as stop:
+            while step < trainer.max_steps and stop.signal_name is None:
+                micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
+                started = time.perf_counter()
+                out = step_fn(micro)
+                loss = float(out["loss"])
+                elapsed = time.perf_counter() - started
+                records = step_fn.compiled.compilations if step_fn.compiled is not None else []
+                for record in records[compilations:]:
+                    logger.line(describe_compilation(record))
+                compilations = len(records)
+                if not math.isfinite(loss) and on_nan is OnNonFinite.stop:
+                    checkpoints.wait()
+                    last = latest_checkpoint(job.run_dir)
+                    raise TrainingStopped(
+                        f"loss is {loss} at step {step + 1}; the last good checkpoint is "
+                        f"{last if last else 'none (no checkpoint was saved yet)'}. Lower optim.lr, "
+                        "check the data, or set trainer.on_nan=skip")
+                step += 1
+                scalars = {"loss": loss, "lr": float(out["lr"]),
+                           "grad_norm": float(out["grad_norm"]), "step_time_s": elapsed,
+                           "tokens_per_s": tokens_per_step / max(elapsed, 1e-9)}
+                if peak is not None:
+                    scalars["mfu"] = scalars["tokens_per_s"] * flops / (peak * 1e12)
+                logger.scalars("train", scalars, step)
+                if step == start_step + 1:
+                    _log_memory(logger, parallel, model, optimizer, step)
+                logger.advance(1, loss)
+                if not math.isfinite(loss):
+                    logger.line(f"step {step}: loss is {loss}; update skipped (trainer.on_nan=skip)")
+                if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
+                    logger.line(format_log_line(step, trainer.max_steps, scalars))
+                if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
+                    validate(step)
+                if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
+                    _save(job, parallel, step_fn, model, optimizer, scheduler, data,
+                          checkpoints, step)
+            stopped_by = stop.signal_name
+            if stopped_by is not None:
+                _save(job, parallel, step_fn, model, optimizer, scheduler, data, checkpoints, step)
+        checkpoints.wait()
+        export_dir = None
+        if stopped_by is not None:
+            logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved, rerun the "
+                        "same command to resume")
+        else:
+            # The final model is always validated (a resumed, already finished run included).
+            if (trainer.val_every_n_steps and validate.last.get("step") != step
+                    and validate.enabled()):
+                validate(step)
+            if cfg.checkpoint.export_hf:
+                export_dir = job.run_dir / "hf"
+                _export(export_model() if export_model else model, parallel, export_dir,
+                        tokenizer, main)
+        logger.line(final_summary(job.run_dir, logger, step, trainer.max_steps,
+                                  latest_checkpoint(job.run_dir), export_dir, validate.last, source))
+    finally:
+        logger.close()
+    return job.run_dir
+
+
+def _log_memory(logger: RunLogger, parallel: Parallelism, model, optimizer, step: int) -> None:
+    """``system/param_bytes_per_device`` (parameters + optimizer state, the busiest device)
+    and the backend's peak, where it reports one; after the first step, when the optimizer
+    state exists in every mode."""
+    values = {"param_bytes_per_device": float(bytes_per_device(parallel, model, optimizer))}
+    peak = peak_bytes_per_device()
+    if peak is not None:
+        values["peak_bytes_per_device"] = float(peak)
+    logger.scalars("system", values, step)
+
+
+def _export(model: torch.nn.Module, parallel: Parallelism, directory: Path, tokenizer,
+            main: bool) -> None:
+    """Hugging Face export of the whole model, written by process 0 (all gather for it)."""
+    from tpu_train.models import save_pretrained
+
+    state = full_model_state(model, parallel)
+    if main:
+        save_pretrained(model, directory, eos_token_id=tokenizer.eos_id, state_dict=state)

@@ -1,0 +1,218 @@
+"""The building blocks a training recipe assembles, in the order it calls them.
+
+    job = start(cfg)                                     # checks, processes, seed, device
+    tokenizer = build_tokenizer(cfg)
+    data = build_data(job, tokenizer)
+    model = build_model(job, tokenizer)                  # on the CPU
+    parallel = parallelize(job, model)                   # mesh + plan, or FSDP2/TP; on device
+    optimizer, scheduler = build_optimizer(...), build_scheduler(...)
+    step = build_train_step(job, parallel, model, optimizer, scheduler)
+    start_step = resume(job, parallel, step, model, optimizer, scheduler, data)
+    fit(job, parallel, step, model, optimizer, scheduler, data, ...)
+
+Nothing here writes to the run directory: a bad configuration fails before the run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from omegaconf import DictConfig
+
+from . import builders
+from .checkpoint import SHARDED_DIR, checkpoint_layout, latest_checkpoint, read_checkpoint
+from .config import OnNonFinite, ParamDtype, Precision, StepMode
+from .errors import ConfigError
+from .parallelism import Parallelism, setup_parallelism
+from .rng import restore_rng_state, seed_everything
+from .state import load_full_state, restore_hyperparameters
+from .step import EagerStep, causal_lm_loss_sum_and_count
+from .validation import validate_config
+from .world import World, start_processes
+
+
+@dataclasses.dataclass
+class Job:
+    """What every block needs to know about this run."""
+
+    cfg: DictConfig
+    world: World
+    device: torch.device
+    run_dir: Path
+    mode: StepMode
+    precision: Precision
+
+
+@dataclasses.dataclass
+class Data:
+    """The training stream and what validation reads."""
+
+    train: Any
+    val_path: Path | None
+    has_val_loss: bool
+    exact_match_path: Path | None
+
+
+def resolve_run_dir(cfg: DictConfig) -> Path:
+    """``run.dir``; in a Hydra multirun, the job's own ``<run.dir>/<job number>``."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.run.dir)
+
+
+def start(cfg: DictConfig) -> Job:
+    """Check the configuration, join the job's processes, seed, and pick the device."""
+    validate_config(cfg)
+    world = start_processes()
+    trainer = cfg.trainer
+    device = builders.resolve_device(trainer.device)
+    if trainer.cpu_threads is not None:
+        torch.set_num_threads(trainer.cpu_threads)
+    seed_everything(trainer.seed)
+    return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
+               Precision(trainer.precision))
+
+
+def build_tokenizer(cfg: DictConfig):
+    return builders.build_tokenizer(cfg)
+
+
+def build_data(job: Job, tokenizer) -> Data:
+    """The endless training loader (every process reads the same global batches; each feeds
+    its own rows, see :meth:`Parallelism.place_batch`) and the validation files."""
+    cfg = job.cfg
+    train_path, val_path = builders.data_paths(cfg)
+    train = builders.build_train_loader(cfg, tokenizer, train_path)
+    has_val_loss = builders.build_val_loader(cfg, tokenizer, val_path) is not None
+    kind = builders.first_record_kind(val_path)
+    return Data(train, val_path, has_val_loss,
+                val_path if kind in ("instruction", "chat") else None)
+
+
+def build_model(job: Job, tokenizer, from_checkpoint: bool = True) -> torch.nn.Module:
+    """The configured Llama on the CPU (``model.checkpoint`` loaded when set)."""
+    return builders.build_model(job.cfg, tokenizer.vocab_size, allow_checkpoint=from_checkpoint)
+
+
+def describe_source(cfg: DictConfig) -> str:
+    return (str(cfg.model.checkpoint) if cfg.model.checkpoint is not None
+            else f"random initialization (seed {cfg.trainer.seed})")
+
+
+def parallelize(job: Job, model: torch.nn.Module) -> Parallelism:
+    """Resolve ``parallel.*``, store the weights in ``trainer.param_dtype`` and put the model on
+    the device (sharded per device for ``trainer.mode=eager`` under a launcher)."""
+    if ParamDtype(job.cfg.trainer.param_dtype) is ParamDtype.bf16:
+        model.to(torch.bfloat16)
+    parallel = setup_parallelism(job.cfg, model, job.world, job.device)
+    if parallel.layout != "per_device":
+        model.to(job.device)
+    return parallel
+
+
+def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
+    from .optim import build_optimizer as build
+
+    return build(model, cfg.optim)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig):
+    from .schedules import build_scheduler as build
+
+    return build(optimizer, cfg.scheduler, cfg.trainer.max_steps)
+
+
+class TrainStep:
+    """``step(host micro-batches) -> {"loss", "grad_norm", "lr"}`` in any layout.
+
+    ``compiled`` is the ``CompiledTrainStep`` (None in eager mode); :meth:`place` puts its
+    parameters and optimizer state on the mesh (before the first call, after a full resume).
+    """
+
+    def __init__(self, parallel: Parallelism, run: Callable, compiled=None):
+        self.parallel = parallel
+        self.compiled = compiled
+        self._run = run
+
+    def place(self) -> None:
+        if self.parallel.layout == "spmd":
+            from tpu_train.parallel import place_for_step
+
+            place_for_step(self.compiled)
+
+    def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict:
+        return self._run(self.parallel.place_batch(micro_batches))
+
+
+def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, scheduler,
+                     loss_fn=causal_lm_loss_sum_and_count) -> TrainStep:
+    """The eager step, or the whole step compiled into one program (on the mesh if any)."""
+    trainer = job.cfg.trainer
+    skip = OnNonFinite(trainer.on_nan) is OnNonFinite.skip
+    if job.mode is StepMode.eager:
+        _, size = parallel.data_parallel_rank()
+        eager = EagerStep(model, optimizer, scheduler, job.device, job.precision,
+                          trainer.max_grad_norm, skip, data_parallel_size=size,
+                          tensor_parallel_size=parallel.shape.tensor if parallel.sharded else 1)
+        return TrainStep(parallel, eager)
+    if skip:
+        raise ConfigError(
+            "trainer.on_nan=skip is only supported with trainer.mode=eager (the compiled step "
+            "applies its update inside one program); use trainer.on_nan=stop")
+    from tpu_train.compile import compile_train_step
+
+    autocast = torch.bfloat16 if job.precision is Precision.bf16 else None
+    compiled = compile_train_step(
+        model, optimizer, loss_fn, scheduler=scheduler, max_grad_norm=trainer.max_grad_norm,
+        grad_accum_steps=trainer.grad_accum_steps, mesh=parallel.mesh, plan=parallel.plan,
+        autocast_dtype=autocast)
+    if parallel.layout == "spmd":
+        return TrainStep(parallel, compiled, compiled)
+
+    def run(micro_batches):
+        # The compiled step accumulates internally: hand it the micro-batches joined.
+        return compiled({k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]})
+
+    return TrainStep(parallel, run, compiled)
+
+
+def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, scheduler, data: Data) -> tuple[int, Path | None]:
+    """Load the newest checkpoint of ``run.dir`` if there is one, and place the step.
+
+    Returns (the step to continue from, the checkpoint or None). Either layout restores onto
+    any mesh and process count.
+    """
+    found = latest_checkpoint(job.run_dir)
+    if found is None:
+        step.place()
+        return 0, None
+    model_state, training_state, meta = read_checkpoint(found)
+    try:
+        if model_state is not None:
+            load_full_state(model, optimizer, parallel, model_state, training_state["optimizer"])
+            step.place()
+        else:
+            if step.compiled is None or parallel.layout != "spmd":
+                raise ValueError("a sharded checkpoint resumes with trainer.mode=compiled")
+            from tpu_train.parallel.sharded_checkpoint import load_sharded
+
+            step.place()
+            load_sharded(found / SHARDED_DIR, step.compiled)
+            restore_hyperparameters(optimizer, training_state["param_groups"])
+        scheduler.load_state_dict(training_state["scheduler"])
+        data.train.load_state_dict(training_state["data"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"run.dir={str(job.run_dir)!r} holds a checkpoint of a different configuration "
+            f"({checkpoint_layout(found)} layout: {str(exc).splitlines()[0]}); use a new "
+            "run.dir or the original settings") from exc
+    restore_rng_state(training_state["rng"], job.device)
+    return int(meta["step"]), found

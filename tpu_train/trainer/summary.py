@@ -1,0 +1,113 @@
+"""What a run says about itself: the opening block, compile events and the closing block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .metrics import RunLogger
+from .parallelism import Parallelism
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, trainable), each parameter counted once at its global size."""
+    seen, total, trainable = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
+
+
+def _device_line(job, parallel: Parallelism) -> str:
+    text = f"{job.device.type}"
+    if job.device.type == "tpu":
+        from tpu_train.device.runtime import platform
+
+        text += f" ({platform()} platform)"
+    return f"{text} | {parallel.describe()}"
+
+
+def _precision_line(job) -> str:
+    from .config import ParamDtype, Precision
+
+    compute = ("bf16 autocast (matmuls in bf16, reductions in fp32)"
+               if job.precision is Precision.bf16 else "fp32")
+    weights = ParamDtype(job.cfg.trainer.param_dtype).value
+    return f"{compute}; weights and optimizer state stored in {weights}"
+
+
+def start_summary(job, parallel: Parallelism, model: torch.nn.Module, optimizer, data,
+                  source: str, resumed_from: Path | None, state_bytes: int) -> list[str]:
+    """The lines printed before the first step."""
+    cfg = job.cfg
+    total, trainable = _parameter_counts(model)
+    batch, seq, accum = cfg.data.batch_size, cfg.data.seq_len, cfg.trainer.grad_accum_steps
+    per_step = batch * seq * accum
+    rows_here = batch // parallel.shape.batch_shards if parallel.sharded else batch
+    budget = per_step * cfg.trainer.max_steps
+    resumed = f" (resumed from {resumed_from.name})" if resumed_from is not None else ""
+    memory = f"{_bytes(state_bytes)} of parameters + optimizer state on the busiest device"
+    if not any(optimizer.state.values()):
+        memory = (f"{_bytes(state_bytes)} of parameters on the busiest device (the optimizer "
+                  "state is allocated at the first step)")
+    return [
+        f"run dir: {job.run_dir}{resumed}",
+        f"model: {cfg.model.name}, {_count(total)} parameters ({_count(trainable)} trainable), "
+        f"from {source}",
+        f"data: global batch {batch} x {seq} tokens x {accum} accumulation = {per_step:,} "
+        f"tokens/step ({rows_here} rows per data-parallel shard); budget "
+        f"{cfg.trainer.max_steps} steps = {budget:,} tokens",
+        f"device: {_device_line(job, parallel)}",
+        f"precision: {_precision_line(job)}; step: {job.mode.value}",
+        f"memory: {memory}",
+    ]
+
+
+def describe_compilation(record) -> str:
+    """``compiled the train step in 9.8 s (trace 2.1, lower 0.9, XLA 6.8): first call``."""
+    return (f"compiled the train step in {record.total_s:.1f} s (trace {record.trace_s:.1f}, "
+            f"lower {record.lower_s:.1f}, XLA {record.compile_s:.1f}): {record.cause}")
+
+
+def final_summary(run_dir: Path, logger: RunLogger, step: int, max_steps: int,
+                  checkpoint: Path | None, export_dir: Path | None, validation: dict,
+                  source: str) -> str:
+    """The closing block: where everything is, and the final validation figures."""
+    rows = [("run dir", str(run_dir)), ("started from", source),
+            ("train log", str(run_dir / "train.log")),
+            ("tensorboard", f"{logger.tensorboard_dir} (tensorboard --logdir {logger.tensorboard_dir})"
+             if logger.tensorboard_dir.is_dir() else "off (logging.tensorboard=false)"),
+            ("checkpoint", str(checkpoint) if checkpoint else "none"),
+            ("hf export", str(export_dir) if export_dir else "none")]
+    values = validation.get("values") or {}
+    if validation.get("step") == step and values:
+        figures = []
+        if "exact_match" in values:
+            figures.append(f"exact match {values['exact_match']:.1%} on "
+                           f"{validation['examples']} held-out examples")
+        if "loss" in values:
+            figures.append(f"loss {values['loss']:.4f}")
+        rows.append((f"validation at step {step}", ", ".join(figures)))
+    width = max(len(key) for key, _ in rows)
+    lines = [f"finished step {step}/{max_steps}" if step >= max_steps
+             else f"stopped at step {step}/{max_steps}"]
+    lines += [f"  {key + ':':<{width + 1}} {value}" for key, value in rows]
+    return "\n".join(lines)
