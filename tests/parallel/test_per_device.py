@@ -1,0 +1,139 @@
+"""``parallelize_per_device``: FSDP2 and DTensor TP over the tpu group, one process per device.
+
+Four processes, one virtual CPU device each, train the tiny Llama of ``spmd_model`` for 5 AdamW
+steps in eager mode; the losses must be the single-process eager run's, FSDP must really shard
+the parameters, and full state dicts must round trip onto a freshly sharded model. The
+validation errors (wrong degrees, no launcher, indivisible heads, unknown model) run here in one
+process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.distributed.harness import ROOT, free_port_pair, run_ranks
+from tpu_train.models import Llama, LlamaConfig
+from tpu_train.parallel.mesh import MeshError
+from tpu_train.parallel.per_device import parallelize_per_device, resolve_per_device_shape
+
+WORKER = "tests/parallel/workers/per_device_worker.py"
+WORLD = 4
+CASES = ["fsdp=4", "tensor=2,fsdp=2"]
+REL = 1e-5
+
+
+def _results_from(out_dir):
+    return sorted((r for p in out_dir.glob("result-*.json") for r in [json.loads(p.read_text())]),
+                  key=lambda results: results[0]["batch_rank"] if results else 0)
+
+
+def _check(per_rank, cases, launcher):
+    assert len(per_rank) == WORLD
+    by_case = {case: [results[i] for results in per_rank] for i, case in enumerate(cases)}
+    for case, ranks in by_case.items():
+        reference = next(r["reference"] for r in ranks if "reference" in r)
+        assert reference[-1] < reference[0] - 1e-3, reference  # it trained
+        for r in ranks:
+            assert r["launcher"] == launcher and r["world"] == WORLD, r
+            assert r["losses"] == pytest.approx(reference, rel=REL), (case, r, reference)
+            for key in ("all", "rank0"):
+                assert r[f"{key}_model_equal"] and r[f"{key}_optim_equal"], (case, key, r)
+                assert r[f"{key}_next_loss"] == pytest.approx(r["next_loss"], rel=1e-6), r
+            assert r["rank0_only_empty_elsewhere"] and r["rank0_matches_all"], r
+        if case == "fsdp=4":
+            assert all(r["shard_bytes"] <= 0.3 * r["full_bytes"] for r in ranks), ranks
+        assert sorted({r["batch_rank"] for r in ranks}) == \
+            list(range(WORLD // (2 if "tensor=2" in case else 1)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_fsdp_and_tensor_parallel_match_one_process(tmp_path):
+    outputs = run_ranks([WORKER, str(tmp_path), *CASES], WORLD, timeout=260,
+                        extra_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    for code, log in outputs:
+        assert code == 0, log[-4000:]
+    _check(_results_from(tmp_path), CASES, "other")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_under_torchrun(tmp_path):
+    """The same worker under ``torch.distributed.run`` (FSDP only: the launcher is the point)."""
+    port = free_port_pair()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_TRAIN_PLATFORM="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+         "--master-addr", "127.0.0.1", "--master-port", str(port), WORKER, str(tmp_path),
+         "fsdp=4"],
+        env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=170)
+    except subprocess.TimeoutExpired:
+        out = "timed out"
+    finally:
+        _kill(proc, tmp_path)
+    assert proc.returncode == 0, out[-4000:]
+    _check(_results_from(tmp_path), ["fsdp=4"], "torchrun")
+
+
+def _kill(proc, piddir):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # torchrun gives each rank a session of its own: end those by their recorded pid
+    for path in piddir.glob("pid-*"):
+        try:
+            os.kill(int(path.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+TINY = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64,
+                   ffn_hidden_dim=48, max_seq_len=8)
+
+
+def test_degrees_without_a_launcher_say_what_to_launch():
+    with pytest.raises(MeshError, match=r"parallel.fsdp=4 in trainer.mode=eager needs 4 "
+                                        r"processes.*--nproc-per-node 4.*--nproc 4"):
+        resolve_per_device_shape(data=1, fsdp=4, tensor=1)
+    with pytest.raises(MeshError, match=r"parallel.fsdp=2, parallel.tensor=2 .* needs 4"):
+        resolve_per_device_shape(data=1, fsdp=2, tensor=2)
+
+
+def test_one_process_without_degrees_is_a_no_op():
+    model = Llama(TINY)
+    before = [p for p in model.parameters()]
+    par = parallelize_per_device(model, data=-1, fsdp=1, tensor=1)
+    assert par.shape.sizes == (1, 1, 1) and par.mesh is None and par.batch_rank == 0
+    assert [p for p in model.parameters()] == before
+
+
+def test_unknown_model_names_its_type():
+    with pytest.raises(MeshError, match=r"no per-device parallel plan for model type Linear"):
+        parallelize_per_device(torch.nn.Linear(2, 2), data=1, fsdp=1, tensor=1)
+
+
+def test_degrees_are_checked_against_the_world_and_the_model(monkeypatch):
+    import tpu_train.parallel.per_device as per_device
+
+    monkeypatch.setattr(per_device, "_world_size", lambda: 4)
+    assert resolve_per_device_shape(data=1, fsdp=-1, tensor=2).sizes == (1, 2, 2)
+    with pytest.raises(MeshError, match=r"1 \* 2 \* 1 = 2, but there are 4 devices.*world size 4"):
+        resolve_per_device_shape(data=1, fsdp=2, tensor=1)
+    with pytest.raises(MeshError, match=r"parallel.tensor=4 .* n_kv_heads=2"):
+        resolve_per_device_shape(data=1, fsdp=1, tensor=4, model_config=TINY)
+    # FSDP2 pads uneven shards: fsdp need not divide the width
+    odd = LlamaConfig(dim=40, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64,
+                      ffn_hidden_dim=48, max_seq_len=8)
+    monkeypatch.setattr(per_device, "_world_size", lambda: 8)
+    assert resolve_per_device_shape(data=1, fsdp=8, tensor=1, model_config=odd).fsdp == 8
