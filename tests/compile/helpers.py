@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tpu_train
+from tests import tolerances
 from tpu_train.compile import compile_train_step
 
 DEVICE = tpu_train.device(0)
@@ -117,13 +118,45 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
-def assert_params_close(model, reference, tol: float):
+def optimizer_lr(make_opt) -> float:
+    return make_opt([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"]
+
+
+def param_bound(opt_name: str, initial: torch.nn.Module, steps: int, reduction: int,
+                dtype: torch.dtype = torch.float32):
+    """The largest RMS-per-element difference allowed on each parameter after ``steps`` steps of
+    OPTIMIZERS[opt_name] (see tests/tolerances.py): Adam/AdamW by lr * steps, SGD relative to the
+    accumulated update p_N - p_0 (``initial`` holds p_0). Returns bound(name, reference)."""
+    if opt_name in ("adam", "adamw"):
+        lr = optimizer_lr(OPTIMIZERS[opt_name])
+        return lambda name, ref: tolerances.param_atol(dtype, lr, steps, reduction=reduction,
+                                                       numel=ref.numel())
+    start = {name: p.detach().cpu().double() for name, p in initial.named_parameters()}
+    rtol = tolerances.update_rtol(dtype, steps, reduction)
+    return lambda name, ref: rtol * _rms(ref.detach().cpu().double() - start[name])
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.norm() / max(t.numel(), 1) ** 0.5)
+
+
+def assert_params_within(model, reference, bound):
+    """Every parameter's RMS difference from the reference within ``bound(name, reference)``
+    (e.g. from ``param_bound``)."""
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        limit = bound(name, q)
+        err = _rms(p.detach().cpu().double() - q.detach().cpu().double())
+        assert err <= limit, f"{name}: RMS difference {err:.2e} > {limit:.2e}"
+
+
+def assert_params_close(model, reference, rtol: float):
+    """Every parameter within ``rtol`` normwise relative error of the reference's."""
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         err = relative_error(p, q)
-        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.1e}"
 
 
-def assert_losses_close(actual, expected, tol: float):
+def assert_losses_close(actual, expected, rtol: float):
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= tol * abs(e), f"step {i + 1}: loss {a} vs {e}"
+        assert abs(a - e) <= rtol * abs(e), f"step {i + 1}: loss {a} vs {e} (rtol {rtol:.1e})"
