@@ -1,7 +1,9 @@
 """One rank of ``parallelize_per_device`` training: FSDP2 / TP over the tpu group, eager.
 
 Usage: ``per_device_worker.py OUT_DIR CASE [CASE ...]`` with CASE like ``fsdp=4`` or
-``tensor=2,fsdp=2`` (degrees not named are 1; one may be ``-1``). Every rank owns one device
+``tensor=2,fsdp=2/rank0`` (degrees not named are 1; one may be ``-1``; after ``/``, which
+checkpoint loads to check: ``all`` (every rank passes the full dicts), ``rank0`` (broadcast from
+rank 0), ``both`` (the default) or ``none``). Every rank owns one device
 (``tpu:0``). For each case: the tiny Llama of ``spmd_model`` trained for 5 AdamW steps on the
 global batch split over the batch axes; the loss averaged over the ranks; the bytes of this
 rank's parameter shards; then a checkpoint round trip through the full-state-dict helpers onto
@@ -80,8 +82,8 @@ def equal_trees(a, b) -> bool:
     return a == b
 
 
-def round_trip(model, opt, degrees, next_batch, par) -> dict:
-    """Save full state dicts, load them onto a fresh sharded model; compare, take a step."""
+def round_trip(model, opt, degrees, next_batch, par, loads) -> dict:
+    """Save full state dicts, load them onto fresh sharded models; compare, take a step."""
     msd = full_model_state_dict(model, rank0_only=False)
     osd = full_optimizer_state_dict(model, opt, rank0_only=False)
     msd0 = full_model_state_dict(model)  # rank 0 only
@@ -90,8 +92,9 @@ def round_trip(model, opt, degrees, next_batch, par) -> dict:
     out = {"rank0_only_empty_elsewhere": rank0 or (msd0 == {} and osd0 == {}),
            "rank0_matches_all": not rank0 or (equal_trees(msd0, msd) and equal_trees(osd0, osd))}
     # two fresh copies: one loaded from every rank's dicts, one broadcast from rank 0's
-    for name, (m_sd, o_sd, from0) in {"all": (msd, osd, False),
-                                      "rank0": (msd0, osd0, True)}.items():
+    sources = {"all": (msd, osd, False), "rank0": (msd0, osd0, True)}
+    for name in loads:
+        m_sd, o_sd, from0 = sources[name]
         fresh, fresh_par, fresh_opt = sharded_model(degrees, seed=7)
         load_full_model_state_dict(fresh, m_sd, from_rank0=from0)
         load_full_optimizer_state_dict(fresh, fresh_opt, o_sd, from_rank0=from0)
@@ -111,8 +114,10 @@ def reference(data) -> list:
 
 
 def run_case(case: str) -> dict:
+    spec, _, loads = case.partition("/")
+    loads = {"": ["all", "rank0"], "both": ["all", "rank0"], "none": []}.get(loads, [loads])
     degrees = {"data": 1, "fsdp": 1, "tensor": 1}
-    degrees.update({k: int(v) for k, v in (kv.split("=") for kv in case.split(","))})
+    degrees.update({k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
     data = batches(STEPS + 1)
     start = time.perf_counter()
     model, par, opt = sharded_model(degrees)
@@ -121,9 +126,14 @@ def run_case(case: str) -> dict:
               "batch_rank": par.batch_rank, "shard_bytes": shard_bytes(model),
               "full_bytes": shard_bytes(init_model()),
               "train_s": time.perf_counter() - start}
-    result.update(round_trip(model, opt, degrees, data[STEPS], par))
+    start = time.perf_counter()
+    if loads:
+        result.update(round_trip(model, opt, degrees, data[STEPS], par, loads))
+    result["round_trip_s"] = time.perf_counter() - start
     if dist.get_rank() == 0:
+        start = time.perf_counter()
         result["reference"] = reference(data[:STEPS])
+        result["reference_s"] = time.perf_counter() - start
     return result
 
 
@@ -131,9 +141,12 @@ def main():
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     (out_dir / f"pid-{rank}").write_text(str(os.getpid()))
+    start = time.perf_counter()
     dist.init_process_group("tpu")
+    init_s = time.perf_counter() - start
     launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "other"
-    results = [dict(run_case(case), launcher=launcher, world=dist.get_world_size())
+    results = [dict(run_case(case), launcher=launcher, world=dist.get_world_size(),
+                    init_s=init_s)
                for case in sys.argv[2:]]
     (out_dir / f"result-{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
