@@ -28,6 +28,7 @@ def bad_data(tmp_path_factory):
     return root
 
 
+_COMPILED = ["trainer.mode=compiled", "trainer.device=tpu"]
 BAD_CONFIGS = {
     "unknown_key": (["trainer.maxsteps=3"], "section 'trainer' has keys"),
     "unknown_top_level": (["trainr.seed=1"], "the top level has keys"),
@@ -41,12 +42,15 @@ BAD_CONFIGS = {
     "zero_steps": (["trainer.max_steps=0"], "trainer.max_steps must be >= 1"),
     "negative_lr": (["optim.lr=-1"], "optim.lr must be > 0"),
     "bad_beta": (["optim.beta2=1.5"], "optim.beta1 and optim.beta2"),
-    "warmup_too_long": (["scheduler.warmup_steps=500", "trainer.max_steps=5"], "scheduler.warmup_steps"),
+    "negative_warmup": (["scheduler.warmup_steps=-1"], "scheduler.warmup_steps must be >= 0"),
+    "added_unknown_key": (["+trainer.foo=1"], "trainer.foo is not a setting"),
+    "added_unknown_section": (["+bogus_section.x=2"], "bogus_section is not a setting"),
+    "bad_profile_steps": (["logging.profile_steps=[3,2]"], "logging.profile_steps must be"),
     "keep_last_zero": (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
     "every_n_zero": (["checkpoint.every_n_steps=0"], "checkpoint.every_n_steps must be >= 1"),
     "bad_parallel": (["parallel.fsdp=0"], "parallel.fsdp must be -1 (infer) or >= 1"),
     "two_inferred_axes": (["parallel.fsdp=-1"], "at most one of parallel.data"),
-    "parallel_needs_compiled": (["parallel.fsdp=2"], "need the SPMD compiled step"),
+    "eager_parallel_needs_processes": (["parallel.fsdp=2"], "launch torchrun --nproc-per-node 2"),
     "bad_device": (["trainer.device=gpu"], "valid devices: cpu, tpu"),
     "cpu_threads_zero": (["trainer.cpu_threads=0"], "trainer.cpu_threads must be >= 1 or null"),
     "compiled_on_cpu": (["trainer.mode=compiled"], "trainer.mode=compiled needs trainer.device=tpu"),
@@ -60,6 +64,16 @@ BAD_CONFIGS = {
     "bad_format": (["data.format=csv"], "valid formats: auto, text, instruction, chat"),
     "bad_override_syntax": (["trainer.max_steps=["], "trainer.max_steps"),
     "resume_with_other_seq_len": (["data.seq_len=16"], "holds a checkpoint of a different configuration"),
+    # The compiled step on the session's 8 virtual devices: every mesh mismatch is bad input.
+    "mesh_larger_than_devices": ([*_COMPILED, "parallel.data=1", "parallel.fsdp=16"],
+                                 "= 16, but there are 8 devices"),
+    "mesh_not_dividing_devices": ([*_COMPILED, "parallel.tensor=3"],
+                                  "multiply to 3, which does not divide the 8 devices"),
+    "tensor_not_dividing_kv_heads": ([*_COMPILED, "parallel.data=1", "parallel.fsdp=2",
+                                      "parallel.tensor=4"], "does not divide n_kv_heads=2"),
+    "batch_not_splitting_over_mesh": ([*_COMPILED, "data.batch_size=4"],
+                                      "data.batch_size=4 (the global batch) does not split over "
+                                      "parallel.data * fsdp = 8 * 1 = 8 ways"),
     "temperature": (["recipe=generate", "recipe.generate.temperature=-1"], "temperature must be >= 0"),
 }
 
@@ -121,5 +135,5 @@ def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
     assert code == 0, err
     for job in ("0", "1"):
         assert (base / job / "checkpoints" / "step_00000001" / "meta.json").is_file()
-    seeds = [(base / job / "config.yaml").read_text() for job in ("0", "1")]
+    seeds = [(base / job / "run_config.yaml").read_text() for job in ("0", "1")]
     assert "seed: 1" in seeds[0] and "seed: 2" in seeds[1]

@@ -23,8 +23,11 @@ _TINY_SHAPES = [
     "scheduler.warmup_steps=1",
 ]
 TINY = [*_TINY_SHAPES, "trainer.mode=eager", "trainer.device=cpu"]
-# The same with the compiled step on the tpu device (the schema's default mode).
-TINY_COMPILED = [*_TINY_SHAPES, "trainer.mode=compiled", "trainer.device=tpu"]
+# The same with the compiled step on the tpu device (the schema's default mode). The default
+# parallel.data=-1 spreads it over the session's 8 virtual devices as data parallelism, so the
+# global batch is 8 rows (one per device).
+TINY_COMPILED = [*_TINY_SHAPES, "trainer.mode=compiled", "trainer.device=tpu",
+                 "data.batch_size=8"]
 
 
 @pytest.fixture

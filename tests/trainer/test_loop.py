@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.tolerances import rtol_for
 from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process, start_subprocess
 from tpu_train.trainer.checkpoint import list_checkpoints
 
@@ -129,7 +130,10 @@ def test_compiled_run_validates_the_trained_weights(tmp_path):
               if "val/loss" in line]
     assert [record["step"] for record in logged] == [2] and "val/exact_match" in logged[0]
     exported = from_pretrained(run_dir / "hf", dtype=torch.float32, device="cpu")
-    loader = PackedLoader(default_corpus_dir() / "tasks_heldout.jsonl", load_tokenizer(), 32, 2,
+    loader = PackedLoader(default_corpus_dir() / "tasks_heldout.jsonl", load_tokenizer(), 32, 8,
                           num_epochs=1, drop_last=False)
     expected = validation_loss(exported, loader, torch.device("cpu"), 1, Precision.fp32)["loss"]
-    assert logged[0]["val/loss"] == pytest.approx(expected, rel=1e-6)
+    # Both are PyTorch on the CPU over the same weights; only the batching of the sums may
+    # differ: fp32 rounding of a forward (768-wide feed-forward, 4 layers deep).
+    assert logged[0]["val/loss"] == pytest.approx(
+        expected, rel=rtol_for(torch.float32, reduction=768, depth=4))

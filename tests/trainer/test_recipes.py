@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.tolerances import loss_rtol
 from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -33,8 +35,10 @@ def test_training_recipe_matches_golden_losses(recipe, tmp_path):
         golden_file.write_text(json.dumps({"steps": STEPS, "losses": losses}, indent=2) + "\n")
     golden = json.loads(golden_file.read_text())
     assert golden["steps"] == STEPS
-    # Tolerance only for summation-order differences between CPU builds.
-    assert losses == pytest.approx(golden["losses"], rel=1e-5)
+    # Summation-order differences between CPU builds: fp32 rounding of STEPS steps of
+    # debug_tiny (longest reduction: the 768-wide feed-forward, 4 layers deep).
+    assert losses == pytest.approx(golden["losses"],
+                                   rel=loss_rtol(torch.float32, STEPS, reduction=768, depth=4))
     assert (run_dir / "hf" / "config.json").is_file()
 
 

@@ -1,5 +1,8 @@
 """``python -m tpu_train.launch --nproc N script.py args...``: one process per device.
 
+``-m module`` runs a module instead of a script, as ``python -m`` does:
+``python -m tpu_train.launch --nproc 2 -m tpu_train.cli parallel.fsdp=-1 ...``.
+
 Sets torch's launch environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for each process, so the script calls
 ``dist.init_process_group("tpu")`` exactly as under torchrun. The JAX coordinator then listens
@@ -64,7 +67,9 @@ def parse_args(argv=None):
     parser.add_argument("--tpu-worker-hosts", default=os.environ.get("TPU_WORKER_HOSTNAMES"),
                         help="comma-separated addresses of every host, in node-rank order "
                              "(default: TPU_WORKER_HOSTNAMES)")
-    parser.add_argument("script")
+    parser.add_argument("-m", dest="module", default=None,
+                        help="run this module (python -m MODULE) instead of a script")
+    parser.add_argument("script", nargs="?", default=None)
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nnodes > 1 and not args.coordinator:
@@ -96,6 +101,17 @@ def rank_env(args, local_rank: int, host: str, port: int) -> dict:
     return env
 
 
+def _die_with_launcher() -> None:
+    """In the child: be killed when the launcher dies, even by SIGKILL (which it cannot
+    forward), so that no rank outlives its job. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def stop(procs, grace: float) -> None:
     """SIGTERM every live rank's session, SIGKILL what is left after ``grace`` seconds."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
@@ -117,7 +133,13 @@ def main(argv=None) -> int:
         port = int(port)
     else:
         host, port = "127.0.0.1", _free_port_pair()
-    command = [sys.executable, "-u", args.script, *args.script_args]
+    target = ["-m", args.module] if args.module else []
+    rest = [args.script] if args.script is not None else []
+    if not target and not rest:
+        print("python -m tpu_train.launch: error: give a script to run, or -m MODULE",
+              file=sys.stderr)
+        return 2
+    command = [sys.executable, "-u", *target, *rest, *args.script_args]
     procs = []
     stopping = {"signal": None}
 
@@ -128,7 +150,8 @@ def main(argv=None) -> int:
     try:
         for local_rank in range(args.nproc):
             procs.append(subprocess.Popen(command, env=rank_env(args, local_rank, host, port),
-                                          start_new_session=True))
+                                          start_new_session=True,
+                                          preexec_fn=_die_with_launcher))
         while True:
             if stopping["signal"] is not None:
                 print(f"[tpu_train.launch] got signal {stopping['signal']}; stopping all ranks",

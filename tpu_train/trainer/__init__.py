@@ -16,7 +16,7 @@ _BLOCKS = {
     "build_tokenizer": "setup", "build_data": "setup", "build_model": "setup",
     "describe_source": "setup", "parallelize": "setup", "build_optimizer": "setup",
     "build_scheduler": "setup", "build_train_step": "setup", "resume": "setup",
-    "fit": "fit", "Parallelism": "parallelism", "ConfigError": "errors",
+    "fit": "loop", "Parallelism": "parallelism", "ConfigError": "errors",
     "TrainingStopped": "errors", "World": "world",
 }
 

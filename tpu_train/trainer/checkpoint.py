@@ -103,6 +103,22 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+SUPERSEDED_SUBDIR = "superseded"
+
+
+def supersede_later(run_dir: str | Path, step: int) -> list[Path]:
+    """Move the checkpoints after ``step`` to ``checkpoints/superseded/`` (a run resumed from an
+    earlier step must never resume from them again, and nothing is deleted)."""
+    moved = []
+    for found_step, path in list_checkpoints(run_dir):
+        if found_step > step:
+            target = path.parent / SUPERSEDED_SUBDIR / f"{path.name}-{uuid.uuid4().hex[:8]}"
+            target.parent.mkdir(exist_ok=True)
+            os.rename(path, target)
+            moved.append(target)
+    return moved
+
+
 def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Tensor],
                      training_state: dict) -> Path:
     """Write one checkpoint atomically into ``directory/step_N`` and return its path."""

@@ -117,6 +117,11 @@ class CheckpointConfig:
     keep_last: int = 2
     async_save: bool = False  # copy to CPU, then write on a background thread
     export_hf: bool = True  # write a Hugging Face directory at the end of training
+    # Resume from this step's checkpoint instead of the newest; later ones are moved aside to
+    # checkpoints/superseded/ (kept, never resumed from).
+    load_step: Optional[int] = None
+    # false: refuse a run.dir that holds checkpoints (start fresh in a new run.dir instead).
+    resume: bool = True
 
 
 @dataclass
@@ -124,6 +129,9 @@ class LoggingConfig:
     every_n_steps: int = 10
     tensorboard: bool = True
     progress_bar: bool = True
+    # [first, last] steps to profile (PyTorch host trace + XLA device trace) into the
+    # TensorBoard directory's profile plugin; null: no profiling.
+    profile_steps: Optional[List[int]] = None
 
 
 @dataclass

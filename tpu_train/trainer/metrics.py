@@ -151,6 +151,30 @@ class RunLogger:
             self._log_file.write(text + "\n")
             self._log_file.flush()
 
+    def config(self, cfg) -> None:
+        """The resolved config as TensorBoard text, and its scalar settings as hparams (the
+        HParams tab compares runs by them)."""
+        if self._writer is None:
+            return
+        from omegaconf import OmegaConf
+        from torch.utils.tensorboard.summary import hparams
+
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+        self._writer.add_text("config", "```yaml\n" + text + "```", 0)
+        flat = {}
+
+        def walk(node, prefix):
+            for key, value in node.items():
+                if isinstance(value, dict):
+                    walk(value, f"{prefix}{key}.")
+                elif isinstance(value, (bool, int, float, str)):
+                    flat[f"{prefix}{key}"] = value
+
+        walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+        experiment, start, end = hparams(flat, {"train/loss": 0.0})
+        for summary in (experiment, start, end):
+            self._writer.file_writer.add_summary(summary)
+
     def log_only(self, text: str) -> None:
         """Into ``train.log`` only (e.g. the resolved config: too long for the console)."""
         if self._log_file is not None:

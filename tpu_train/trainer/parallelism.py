@@ -190,13 +190,15 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
                           f"{world.size} processes)") from exc
     if shape.num_devices == 1:
         return Parallelism("single", shape, world, device)
-    _check_model(model, shape)
     _check_batch(cfg, shape)
     from tpu_train.parallel.per_device import parallelize_per_device
 
-    device_mesh = parallelize_per_device(model, data=shape.data, fsdp=shape.fsdp,
-                                         tensor=shape.tensor)
-    return Parallelism("per_device", shape, world, device, device_mesh=device_mesh)
+    try:
+        built = parallelize_per_device(model, data=shape.data, fsdp=shape.fsdp,
+                                       tensor=shape.tensor)
+    except (MeshError, PlanError) as exc:
+        raise ConfigError(str(exc)) from exc
+    return Parallelism("per_device", shape, world, device, device_mesh=built.mesh)
 
 
 def local_bytes(tensors) -> int:

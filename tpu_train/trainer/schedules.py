@@ -65,12 +65,20 @@ class WarmupConstant:
 def lr_multiplier(cfg: SchedulerConfig, max_steps: int):
     """The schedule named by ``cfg`` for a run of ``max_steps`` optimizer steps."""
     name = ScheduleName(cfg.name) if not isinstance(cfg.name, ScheduleName) else cfg.name
+    warmup = effective_warmup(cfg, max_steps)
     if name is ScheduleName.warmup_cosine:
-        return WarmupCosine(cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+        return WarmupCosine(warmup, max_steps, cfg.min_lr_ratio)
     if name is ScheduleName.wsd:
-        return WarmupStableDecay(cfg.warmup_steps, max_steps, cfg.min_lr_ratio,
-                                 cfg.decay_fraction)
-    return WarmupConstant(cfg.warmup_steps)
+        return WarmupStableDecay(warmup, max_steps, cfg.min_lr_ratio, cfg.decay_fraction)
+    return WarmupConstant(warmup)
+
+
+def effective_warmup(cfg: SchedulerConfig, max_steps: int) -> int:
+    """``scheduler.warmup_steps``, clamped to a tenth of a run shorter than the warmup (a
+    5-step smoke run keeps a warmup instead of failing or never reaching the peak lr)."""
+    if cfg.warmup_steps <= max_steps:
+        return cfg.warmup_steps
+    return max(1, max_steps // 10)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig,

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from . import builders
-from .checkpoint import SHARDED_DIR, checkpoint_layout, latest_checkpoint, read_checkpoint
+from .checkpoint import SHARDED_DIR, checkpoint_layout, list_checkpoints, read_checkpoint
 from .config import OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
 from .parallelism import Parallelism, setup_parallelism
@@ -183,6 +183,23 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
     return TrainStep(parallel, run, compiled)
 
 
+def checkpoint_to_resume(job: Job) -> Path | None:
+    """The newest checkpoint of ``run.dir``, or ``checkpoint.load_step``'s; None to start."""
+    options = job.cfg.checkpoint
+    found = dict(list_checkpoints(job.run_dir))
+    if found and not options.resume:
+        raise ConfigError(
+            f"run.dir={str(job.run_dir)!r} holds checkpoints (newest {found[max(found)].name}) "
+            "and checkpoint.resume=false; choose a new run.dir to start fresh")
+    if options.load_step is None:
+        return found[max(found)] if found else None
+    if options.load_step not in found:
+        raise ConfigError(
+            f"checkpoint.load_step={options.load_step}: run.dir={str(job.run_dir)!r} has no "
+            f"checkpoint of that step; it has steps {sorted(found) or 'none'}")
+    return found[options.load_step]
+
+
 def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Module,
            optimizer: torch.optim.Optimizer, scheduler, data: Data) -> tuple[int, Path | None]:
     """Load the newest checkpoint of ``run.dir`` if there is one, and place the step.
@@ -190,7 +207,7 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
     Returns (the step to continue from, the checkpoint or None). Either layout restores onto
     any mesh and process count.
     """
-    found = latest_checkpoint(job.run_dir)
+    found = checkpoint_to_resume(job)
     if found is None:
         step.place()
         return 0, None

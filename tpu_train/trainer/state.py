@@ -35,7 +35,8 @@ def full_model_state(model: torch.nn.Module, parallel: Parallelism) -> dict[str,
     if parallel.layout == "per_device":
         from tpu_train.parallel.per_device import full_model_state_dict
 
-        return full_model_state_dict(model)
+        # Every process gets the whole state: each validates on its own host copy.
+        return full_model_state_dict(model, rank0_only=False)
     return {key: _host_tensor(value) for key, value in model.state_dict().items()}
 
 
@@ -45,7 +46,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     if parallel.layout == "per_device":
         from tpu_train.parallel.per_device import full_optimizer_state_dict
 
-        return full_optimizer_state_dict(model, optimizer)
+        return full_optimizer_state_dict(model, optimizer)  # process 0 writes it
     state = optimizer.state_dict()
     state["state"] = {index: {k: _host_tensor(v) if isinstance(v, torch.Tensor) else v
                               for k, v in values.items()}
@@ -57,9 +58,11 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     parallel: Parallelism, model_state: dict, optimizer_state: dict) -> None:
     """Load whole state dicts into ``model``/``optimizer`` in their current layout."""
     if parallel.layout == "per_device":
-        from tpu_train.parallel.per_device import load_full_state_dicts
+        from tpu_train.parallel.per_device import (load_full_model_state_dict,
+                                                    load_full_optimizer_state_dict)
 
-        load_full_state_dicts(model, optimizer, model_state, optimizer_state)
+        load_full_model_state_dict(model, model_state)
+        load_full_optimizer_state_dict(model, optimizer, optimizer_state)
         return
     model.load_state_dict(model_state)
     optimizer.load_state_dict(optimizer_state)

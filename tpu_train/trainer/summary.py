@@ -68,12 +68,19 @@ def start_summary(job, parallel: Parallelism, model: torch.nn.Module, optimizer,
     if not any(optimizer.state.values()):
         memory = (f"{_bytes(state_bytes)} of parameters on the busiest device (the optimizer "
                   "state is allocated at the first step)")
-    return [
+    from .schedules import effective_warmup
+
+    warmup = effective_warmup(cfg.scheduler, cfg.trainer.max_steps)
+    notes = []
+    if warmup != cfg.scheduler.warmup_steps:
+        notes.append(f"note: scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than "
+                     f"the {cfg.trainer.max_steps}-step run; warming up over {warmup} step(s)")
+    return notes + [
         f"run dir: {job.run_dir}{resumed}",
         f"model: {cfg.model.name}, {_count(total)} parameters ({_count(trainable)} trainable), "
         f"from {source}",
         f"data: global batch {batch} x {seq} tokens x {accum} accumulation = {per_step:,} "
-        f"tokens/step ({rows_here} rows per data-parallel shard); budget "
+        f"tokens/step ({rows_here} row{'s' if rows_here != 1 else ''} per data-parallel shard); budget "
         f"{cfg.trainer.max_steps} steps = {budget:,} tokens",
         f"device: {_device_line(job, parallel)}",
         f"precision: {_precision_line(job)}; step: {job.mode.value}",

@@ -29,6 +29,36 @@ def _positive(cfg: DictConfig, key: str) -> None:
     _require(value is not None and value >= 1, f"{key} must be >= 1, got {value}")
 
 
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """``+section.key=...`` adds keys the schema does not know (Hydra's ``+`` bypasses struct
+    mode): such a typo must fail like a misspelt existing key instead of being ignored."""
+    import dataclasses
+
+    from .config import Config
+
+    def walk(node, schema, prefix: str) -> None:
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        for key in node.keys():
+            path = f"{prefix}{key}"
+            if key not in fields:
+                raise ConfigError(
+                    f"{path} is not a setting (added with +{path}=...?); valid keys of "
+                    f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(fields))}")
+            sub = _dataclass_of(schema, key)
+            if sub is not None and isinstance(node[key], DictConfig):
+                walk(node[key], sub, f"{path}.")
+
+    walk(cfg, Config, "")
+
+
+def _dataclass_of(schema, key: str):
+    import dataclasses
+    import typing
+
+    hint = typing.get_type_hints(schema).get(key)
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
     from omegaconf import OmegaConf
@@ -61,9 +91,8 @@ def validate_config(cfg: DictConfig) -> None:
     _require(optim.eps > 0, f"optim.eps must be > 0, got {optim.eps}")
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
     _require(optim.name == "adamw", f"optim.name={optim.name!r} is not supported; valid names: adamw")
-    _require(0 <= sched.warmup_steps <= trainer.max_steps,
-             f"scheduler.warmup_steps must be in [0, trainer.max_steps={trainer.max_steps}], "
-             f"got {sched.warmup_steps}")
+    _require(sched.warmup_steps >= 0,
+             f"scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}")
     _require(0 <= sched.min_lr_ratio <= 1,
              f"scheduler.min_lr_ratio must be in [0, 1], got {sched.min_lr_ratio}")
     if ScheduleName(sched.name) is ScheduleName.wsd:
@@ -93,6 +122,13 @@ def validate_config(cfg: DictConfig) -> None:
         value = data[key]
         _require(value is None or Path(value).exists(),
                  f"data.{key}={value!r} does not exist; give an existing path or null for the bundled one")
+    profile = cfg.logging.profile_steps
+    _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
+             f"logging.profile_steps must be [first, last] with 1 <= first <= last, got "
+             f"{None if profile is None else list(profile)}")
+    _require(cfg.checkpoint.load_step is None or cfg.checkpoint.load_step >= 1,
+             f"checkpoint.load_step must be >= 1 or null (the newest), got {cfg.checkpoint.load_step}")
+    _reject_unknown_keys(cfg)
     lora = cfg.recipe.lora
     _require(lora.rank >= 1, f"recipe.lora.rank must be >= 1, got {lora.rank}")
     _require(lora.alpha > 0, f"recipe.lora.alpha must be > 0, got {lora.alpha}")

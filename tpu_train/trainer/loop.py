@@ -1,4 +1,4 @@
-"""``fit``: the training loop every training recipe ends with.
+"""``fit``, the training loop every training recipe ends with.
 
 It steps until ``trainer.max_steps``, logs (process 0 only), validates, saves checkpoints
 (sharded when several processes share one mesh), stops cleanly on SIGINT/SIGTERM, and at the
@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from . import builders
-from .checkpoint import CheckpointManager, latest_checkpoint
+from .checkpoint import CheckpointManager, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import TrainingStopped
 from .evaluation import HostEvaluationModel, exact_match_count, runs_on_host_cpu, validation_loss
@@ -28,7 +28,9 @@ from .setup import Data, Job, TrainStep
 from .state import full_model_state, full_optimizer_state, hyperparameters
 from .summary import describe_compilation, start_summary, final_summary
 
-SAVED_CONFIG_FILE = "config.yaml"
+# Not config.yaml: ``--config-dir RUN --config-name config`` would then pick it instead of the
+# packaged primary config.
+SAVED_CONFIG_FILE = "run_config.yaml"
 
 
 class _StopRequest:
@@ -49,6 +51,40 @@ class _StopRequest:
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class _ProfileWindow:
+    """Traces steps ``first..last`` of ``logging.profile_steps`` (host and device) into the
+    TensorBoard directory: ``tensorboard --logdir <run.dir>/tensorboard``, Profile tab."""
+
+    def __init__(self, steps, logger: RunLogger):
+        self.steps = tuple(steps) if steps else None
+        self.logger = logger
+        self._active = None
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0] and self.logger.enabled:
+            from tpu_train.compile.profiling import profile
+
+            self._active = profile(str(self.logger.tensorboard_dir))
+            self._active.__enter__()
+
+    def after(self, step: int) -> None:
+        if self._active is not None and step == self.steps[1]:
+            self._stop()
+            self.logger.line(f"profiled steps {self.steps[0]}-{self.steps[1]}: "
+                             f"tensorboard --logdir {self.logger.tensorboard_dir} (Profile tab)")
+
+    def _stop(self) -> None:
+        active, self._active = self._active, None
+        active.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._active is not None:  # the run ended inside the window
+            self._stop()
 
 
 class _Validator:
@@ -112,9 +148,13 @@ def _save(job: Job, parallel: Parallelism, step_fn: TrainStep, model, optimizer,
 
 
 def _write_config(job: Job) -> None:
+    """The resolved config, composable again: ``tpu-train --config-dir RUN --config-name
+    run_config`` re-runs (resumes) this run with exactly these settings."""
     config_file = job.run_dir / SAVED_CONFIG_FILE
     if not config_file.exists():
-        config_file.write_text(OmegaConf.to_yaml(job.cfg, resolve=True))
+        header = ("# tpu-train --config-dir <this directory> --config-name run_config\n"
+                  "defaults:\n  - config\n  - _self_\n")
+        config_file.write_text(header + OmegaConf.to_yaml(job.cfg, resolve=True))
 
 
 def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Module,
@@ -131,9 +171,12 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
     cfg, trainer = job.cfg, job.cfg.trainer
     main = job.world.is_main
     # Everything is built and checked; from here on the run directory is written.
+    superseded = []
     if main:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         _write_config(job)
+        if resumed_from is not None:
+            superseded = supersede_later(job.run_dir, start_step)
     checkpoints = CheckpointManager(job.run_dir, cfg.checkpoint.keep_last,
                                     cfg.checkpoint.async_save, is_writer=main)
     checkpoints.remove_stale_temporaries()
@@ -149,6 +192,9 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
     step = start_step
     try:
         logger.log_only(OmegaConf.to_yaml(cfg, resolve=True))
+        logger.config(cfg)
+        for path in superseded:
+            logger.line(f"moved {path.name.rsplit('-', 1)[0]} (after the resumed step) to {path}")
         for line in start_summary(job, parallel, model, optimizer, data, source, resumed_from,
                                   bytes_per_device(parallel, model, optimizer)):
             logger.line(line)
@@ -157,13 +203,16 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
         batches = iter(data.train)
         stopped_by = None
         compilations = 0
-        with _StopRequest() as stop:
+        profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
+        with _StopRequest() as stop, profiler:
             while step < trainer.max_steps and stop.signal_name is None:
                 micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
+                profiler.before(step + 1)
                 started = time.perf_counter()
                 out = step_fn(micro)
                 loss = float(out["loss"])
                 elapsed = time.perf_counter() - started
+                profiler.after(step + 1)
                 records = step_fn.compiled.compilations if step_fn.compiled is not None else []
                 for record in records[compilations:]:
                     logger.line(describe_compilation(record))

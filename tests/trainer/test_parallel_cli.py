@@ -1,0 +1,232 @@
+"""``tpu-train`` itself on a mesh: sharding plans, bf16, several processes, one model.
+
+Every run here goes through the command line (in this process, or launched as a user would:
+``python -m tpu_train.launch`` / ``torchrun``). The reference is the same command on ONE
+device, run in a child process whose JAX sees a single CPU device (this session has 8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tolerances import loss_rtol
+from tests.trainer.cli_helpers import read_metrics, run_in_process
+
+STEPS = 6
+# Sharded programs differ from one device's only in how their sums are split: fp32 rounding of
+# STEPS steps of debug_tiny (longest reduction: the 768-wide feed-forward, 4 layers deep).
+REL = loss_rtol(torch.float32, STEPS, reduction=768, depth=4)
+# bf16 autocast against fp32: the acceptance figure for "the same training, in bf16" (a
+# behaviour, not a rounding bound: bf16's own bound exceeds 100 % over 6 steps).
+BF16_REL = 0.02
+COMMON = [
+    "recipe=llama_pretrain", "model=debug_tiny", "data.batch_size=8", "data.seq_len=32",
+    "trainer.val_every_n_steps=0", "logging.progress_bar=false", "logging.every_n_steps=1",
+    "checkpoint.export_hf=false", "scheduler.warmup_steps=1", f"trainer.max_steps={STEPS}",
+    "trainer.mode=compiled", "trainer.device=tpu",
+]
+LAYOUTS = {
+    "fsdp8": ["parallel.data=1", "parallel.fsdp=8", "parallel.tensor=1"],
+    "tp2_fsdp4": ["parallel.data=1", "parallel.fsdp=4", "parallel.tensor=2"],
+    "dp2_fsdp2_tp2": ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"],
+}
+
+
+def _env(devices_per_process: int) -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+
+
+def _losses(run_dir: Path) -> list[float]:
+    metrics = read_metrics(run_dir)
+    return [metrics[step]["train/loss"] for step in range(1, STEPS + 1)]
+
+
+def _param_bytes(run_dir: Path) -> float:
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "system/param_bytes_per_device" in record:
+            return record["system/param_bytes_per_device"]
+    raise AssertionError("no system/param_bytes_per_device in metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """(losses, parameter + optimizer bytes) of the command on one device."""
+    run_dir = tmp_path_factory.mktemp("one_device") / "run"
+    done = subprocess.run([sys.executable, "-m", "tpu_train.cli", *COMMON, "parallel.data=-1",
+                           f"run.dir={run_dir}"], env=_env(1), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=1 fsdp=1 tensor=1 (1 device, 1 process)" in done.stdout
+    losses = _losses(run_dir)
+    assert losses[-1] < losses[0]  # it trained: not six copies of one loss
+    return losses, _param_bytes(run_dir)
+
+
+_RESULTS: dict[str, list[float]] = {}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mesh_from_the_command_line_matches_one_device(layout, one_device, tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process(*COMMON, *LAYOUTS[layout], f"run.dir={run_dir}")
+    assert code == 0, err
+    degrees = dict(item.split("=") for item in LAYOUTS[layout])
+    assert (f"mesh data={degrees['parallel.data']} fsdp={degrees['parallel.fsdp']} "
+            f"tensor={degrees['parallel.tensor']} (8 devices, 1 process), SPMD plan llama_plan"
+            in out), out
+    losses = _losses(run_dir)
+    _RESULTS[layout] = losses
+    assert losses == pytest.approx(one_device[0], rel=REL)
+    if layout == "fsdp8":
+        # Parameters and AdamW moments split 8 ways (norm scales too): 1/8 of one device's.
+        assert _param_bytes(run_dir) <= 0.15 * one_device[1], (_param_bytes(run_dir), one_device)
+
+
+def test_bf16_is_what_the_compiled_program_computes_in(one_device, tmp_path):
+    """The trainer's blocks, as the recipe assembles them, with trainer.precision=bf16: the
+    lowered program multiplies bf16 operands, and the loss curve follows fp32's closely
+    without being the same numbers."""
+    from hydra import compose, initialize_config_dir
+
+    from tpu_train import cli, trainer
+    from tpu_train.trainer.config import register_schema
+
+    register_schema()
+    overrides = [*COMMON, *LAYOUTS["fsdp8"], "trainer.precision=bf16", f"run.dir={tmp_path}"]
+    with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    job = trainer.start(cfg)
+    tokenizer = trainer.build_tokenizer(cfg)
+    data = trainer.build_data(job, tokenizer)
+    model = trainer.build_model(job, tokenizer)
+    parallel = trainer.parallelize(job, model)
+    optimizer = trainer.build_optimizer(model, cfg)
+    scheduler = trainer.build_scheduler(optimizer, cfg)
+    step = trainer.build_train_step(job, parallel, model, optimizer, scheduler)
+    step.place()
+    batches = iter(data.train)
+    losses = [float(step([next(batches)])["loss"]) for _ in range(STEPS)]
+    (program,) = step.compiled.cache.entries.values()
+    text = program.lowered.as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and sum("bf16" in line for line in dots) >= len(dots) // 2, dots[:4]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    fp32 = one_device[0]
+    assert losses == pytest.approx(fp32, rel=BF16_REL)
+    assert losses != fp32
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _processes_naming(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _assert_one_writer(run_dir: Path) -> None:
+    """Process 0 alone wrote the run: one opening block and one row per step."""
+    log = (run_dir / "train.log").read_text()
+    assert log.count("run dir: ") == 1, log
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "train/loss" in r]) == STEPS
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_two_processes_train_one_model_then_resume_on_one(one_device, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "tpu_train.launch", "--nproc", "2", "-m", "tpu_train.cli",
+               *COMMON, *LAYOUTS["fsdp8"], "checkpoint.every_n_steps=2", f"run.dir={run_dir}"]
+    output = open(tmp_path / "launcher.log", "w")
+    launcher = subprocess.Popen(command, env=_env(4), stdout=output, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints" / "step_00000002").is_dir()
+                  or launcher.poll() is not None, 300, "the step-2 checkpoint")
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        # The ranks die with their launcher (nothing outlives the job).
+        _wait_for(lambda: not _processes_naming(str(run_dir)), 30, "the ranks to exit")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        output.close()
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert meta["layout"] == "sharded", meta
+    shards = sorted(p.name for p in (checkpoint / "sharded").iterdir() if p.suffix == ".distcp")
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each process wrote its own shards
+    first = read_metrics(run_dir)
+    assert 2 <= max(first) < STEPS, (sorted(first), (tmp_path / "launcher.log").read_text()[-3000:])
+    # Resumed by ONE process over all 8 devices: the run continues with the same losses.
+    code, out, err = run_in_process(*COMMON, *LAYOUTS["fsdp8"], "checkpoint.every_n_steps=2",
+                                    f"run.dir={run_dir}")
+    assert code == 0, err
+    assert "(resumed from step_" in out
+    assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_torchrun_two_processes_one_run_dir(one_device, tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "tpu_train.cli", *COMMON, *LAYOUTS["tp2_fsdp4"],
+               f"run.dir={run_dir}"]
+    done = subprocess.run(command, env=_env(4), capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "(8 devices, 2 processes)" in done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    _assert_one_writer(run_dir)
+    assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
+
+
+EAGER = [*COMMON[:-2], "trainer.mode=eager", "trainer.device=tpu"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_torchrun_eager_fsdp2_over_the_tpu_group_matches_one_device(tmp_path):
+    """One device per process: PyTorch's own FSDP2 over the project's ``tpu`` process group."""
+    reference = tmp_path / "one_device"
+    code, out, err = run_in_process(*EAGER, f"run.dir={reference}")
+    assert code == 0, err
+    run_dir = tmp_path / "fsdp4"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "4", "-m", "tpu_train.cli", *EAGER, "parallel.data=1",
+               "parallel.fsdp=4", f"run.dir={run_dir}"]
+    done = subprocess.run(command, env=_env(1), capture_output=True, text=True, timeout=380)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "mesh data=1 fsdp=4 tensor=1 (4 devices, 4 processes), FSDP2" in done.stdout
+    _assert_one_writer(run_dir)
+    assert _losses(run_dir) == pytest.approx(_losses(reference), rel=REL)
+    # Parameters and AdamW moments: each process holds a quarter (FSDP2 pads uneven shards).
+    assert _param_bytes(run_dir) <= 0.3 * _param_bytes(reference)

@@ -1,0 +1,74 @@
+"""A run that tells the user what it is doing, and the config switches around resuming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.trainer.cli_helpers import TINY, one_thread, read_metrics, run_in_process, snapshot  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_start_summary_tensorboard_hparams_and_profile(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=3", "scheduler.warmup_steps=10",
+                                    "logging.profile_steps=[2,3]", f"run.dir={run_dir}")
+    assert code == 0, err
+    # A warmup longer than the run is shortened, and the run says so.
+    assert "note: scheduler.warmup_steps=10 is longer than the 3-step run" in out
+    for field in ("model: debug_tiny, 3.4 M parameters (3.4 M trainable)",
+                  "global batch 2 x 32 tokens x 1 accumulation = 64 tokens/step",
+                  "budget 3 steps = 192 tokens", "device: cpu | mesh data=1 fsdp=1 tensor=1",
+                  "precision: fp32", "memory: ", "profiled steps 2-3"):
+        assert field in out, (field, out)
+    # The resolved config goes to the log file, not the console.
+    log = (run_dir / "train.log").read_text()
+    assert "max_steps: 3" in log and "max_steps: 3" not in out
+    events = EventAccumulator(str(run_dir / "tensorboard"),
+                              size_guidance={"tensors": 0}).Reload()
+    assert "config/text_summary" in events.Tags()["tensors"]
+    plugins = events.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" in plugins and "_hparams_/session_start_info" in plugins
+    traces = list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert traces, sorted(p.name for p in (run_dir / "tensorboard").rglob("*"))
+
+
+def test_load_step_supersedes_later_checkpoints_and_resumes_exactly(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*TINY, "trainer.max_steps=4", "checkpoint.every_n_steps=2", f"run.dir={run_dir}"]
+    code, _, err = run_in_process(*common)
+    assert code == 0, err
+    first = {step: record["train/loss"] for step, record in read_metrics(run_dir).items()}
+
+    before = snapshot(run_dir)
+    code, _, err = run_in_process(*common, "checkpoint.load_step=3")
+    assert code == 2 and "has steps [2, 4]" in err, err
+    code, _, err = run_in_process(*common, "checkpoint.resume=false")
+    assert code == 2 and "checkpoint.resume=false" in err and len(err.splitlines()) == 1, err
+    assert snapshot(run_dir) == before
+
+    code, out, err = run_in_process(*common, "checkpoint.load_step=2")
+    assert code == 0, err
+    assert "(resumed from step_00000002)" in out
+    assert [p.name.split("-")[0] for p in (run_dir / "checkpoints" / "superseded").iterdir()] \
+        == ["step_00000004"]
+    again = {step: record["train/loss"] for step, record in read_metrics(run_dir).items()}
+    assert again == first  # steps 3 and 4 replayed bit for bit
+
+
+def test_saved_run_config_reruns_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(*TINY, "trainer.max_steps=2", "trainer.seed=5",
+                                  f"run.dir={run_dir}")
+    assert code == 0, err
+    saved = (run_dir / "run_config.yaml").read_text()
+    assert saved.startswith("# tpu-train --config-dir") and "seed: 5" in saved
+    assert not (run_dir / "config.yaml").exists()
+    code, out, err = run_in_process("--config-dir", str(run_dir), "--config-name", "run_config")
+    assert code == 0, err
+    # The same run: it resumes the finished checkpoint instead of starting a new one.
+    assert "(resumed from step_00000002)" in out and "finished step 2/2" in out
