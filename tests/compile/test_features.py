@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tpu_train  # noqa: F401
+from tpu_train.device import storage_of
 from tpu_train.compile import MissingLoweringError, UnsupportedOptimizerError, compile_train_step
 
 from tests.tolerances import loss_rtol, param_atol, rtol_for
@@ -106,7 +107,7 @@ def test_parameters_that_are_views_into_one_buffer():
         setattr(module, name, torch.nn.Parameter(flat[offset:offset + n].view_as(p)))
         offset += n
     params = list(model.parameters())
-    assert all(p._storage is flat._storage for p in params)
+    assert all(storage_of(p) is storage_of(flat) for p in params)
     make_opt = OPTIMIZERS["adamw"]
     step = compile_train_step(model, make_opt(model.parameters()), mlp_loss)
     batches = mlp_batches(3)
@@ -122,13 +123,13 @@ def test_parameters_that_are_views_into_one_buffer():
 
 def test_without_donation_old_arrays_stay_valid():
     model = mlp().to(DEVICE)
-    old = model[0].weight._storage.buffer
+    old = storage_of(model[0].weight).buffer
     step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
                               donate=False)
     step(to_device(mlp_batches(1)[0]))
     assert not old.is_deleted()
     model_donated = mlp().to(DEVICE)
-    old = model_donated[0].weight._storage.buffer
+    old = storage_of(model_donated[0].weight).buffer
     compile_train_step(model_donated, torch.optim.SGD(model_donated.parameters(), lr=0.1),
                        mlp_loss)(to_device(mlp_batches(1)[0]))
     assert old.is_deleted()

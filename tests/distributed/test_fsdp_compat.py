@@ -8,6 +8,7 @@ import torch
 
 import tpu_train  # noqa: F401
 import tpu_train.distributed  # noqa: F401
+from tpu_train.device import storage_of
 from tpu_train.distributed import fsdp_compat
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
@@ -23,10 +24,10 @@ def test_free_then_alloc_keeps_views_and_geometry():
     base = torch.arange(12.0).to("tpu")
     view = base[4:].view(2, 4)  # what FSDP's unsharded parameter is to its all-gather output
     fsdp_compat.free_storage(base)
-    assert base._storage.numel == 0 and view._storage is base._storage
+    assert storage_of(base).numel == 0 and storage_of(view) is storage_of(base)
     assert base.shape == (12,) and view.shape == (2, 4) and view.storage_offset() == 4
     fsdp_compat.alloc_storage(base)
-    assert base._storage.numel == 12
+    assert storage_of(base).numel == 12
     base.copy_(torch.arange(12.0, 24.0))  # as the all-gather writes it
     assert torch.equal(view.cpu(), torch.arange(16.0, 24.0).view(2, 4))
     fsdp_compat.alloc_storage(base)  # already allocated: contents stay

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tpu_train  # noqa: F401
-from tpu_train.device import runtime
+from tpu_train.device import runtime, storage_of
 from tpu_train.distributed import host_transport
 
 
@@ -38,10 +38,10 @@ def test_bool_tensors_and_unknown_ops_stay_with_xla(single):
 
 def test_an_array_computed_by_xla_is_reduced_in_its_own_memory(single):
     tensor = torch.arange(6.0, device="tpu").reshape(2, 3) * 2
-    address = tensor._storage.buffer.unsafe_buffer_pointer()
+    address = storage_of(tensor).buffer.unsafe_buffer_pointer()
     single.launch([tensor], "sum")()
     assert single.in_place == 1
-    assert tensor._storage.buffer.unsafe_buffer_pointer() == address
+    assert storage_of(tensor).buffer.unsafe_buffer_pointer() == address
     torch.testing.assert_close(tensor.cpu(), torch.arange(6.0).reshape(2, 3) * 2)
 
 
@@ -50,10 +50,10 @@ def test_views_and_shared_arrays_are_copied_not_donated(single):
     single.launch([base[2:8]], "avg")()  # a view: its storage is larger
     other = torch.zeros(12, device="tpu")
     other.copy_(base)  # now both storages hold the same array
-    assert other._storage.buffer is base._storage.buffer
+    assert storage_of(other).buffer is storage_of(base).buffer
     single.launch([other], "max")()
     assert single.in_place == 0
-    assert not base._storage.buffer.is_deleted()
+    assert not storage_of(base).buffer.is_deleted()
     torch.testing.assert_close(base.cpu(), torch.arange(12.0))
     torch.testing.assert_close(other.cpu(), torch.arange(12.0))
 

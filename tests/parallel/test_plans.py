@@ -149,7 +149,7 @@ def test_activation_rule_classifies_by_shape():
 
 
 def test_step_shardings_for_a_compiled_step():
-    from tpu_train.parallel.step_shardings import step_shardings
+    from tpu_train.parallel import step_shardings
 
     mesh = build_mesh(2, 2, 2)
     names = ["layers.0.attention.wq.weight", "norm.weight"]

@@ -14,11 +14,13 @@ import torch
 
 import tpu_train
 from tpu_train.compile import compile_train_step
+from tpu_train.device import storage_of
 from tpu_train.parallel import build_mesh, llama_plan, place_for_step
 from tpu_train.parallel.sharded_checkpoint import load_sharded, save_sharded, step_state
 
 from tests.parallel.spmd_model import CFG, batches, init_model, loss_fn
 from tests.parallel.test_compiled_spmd import MESHES, _train
+from tests.tolerances import loss_rtol
 
 DEVICE = tpu_train.device(0)
 
@@ -55,12 +57,14 @@ def test_fsdp8_checkpoint_restores_onto_tp2_fsdp4(tmp_path):
         for key, value in before.items():
             np.testing.assert_array_equal(restored[key], value, err_msg=key)
         # The restored arrays keep the target layout.
-        wq = step.model.layers[0].attention.wq.weight._storage.buffer
+        wq = storage_of(step.model.layers[0].attention.wq.weight).buffer
         assert len(wq.sharding.device_set) == 8
         assert step.adapter.step_count(step.optimizer.param_groups[0]) == 10
         losses[layout] = float(step(next_batch)["loss"])
-    # Same values, same batch; only the order of the sharded sums differs between layouts.
-    assert losses["tp2_fsdp4"] == pytest.approx(losses["fsdp8"], rel=1e-6)
+    # Same values, same batch; only the order of the sharded sums differs between layouts:
+    # one float32 step, longest reduction 128 (vocab, SwiGLU hidden, 8 x 16 tokens).
+    assert losses["tp2_fsdp4"] == pytest.approx(losses["fsdp8"],
+                                                rel=loss_rtol(torch.float32, 1, 128))
 
 
 def test_restoring_a_missing_checkpoint_is_a_clear_error(tmp_path):

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from tpu_train.device.tensor import storage_of
+
 __all__ = ["OptimizerAdapter", "adapter_for", "UnsupportedOptimizerError"]
 
 
@@ -125,7 +127,7 @@ class AdamAdapter(OptimizerAdapter):
         # wrote (anything else — a loaded state dict, an eager step — is read once).
         if step_t.device.type != "cpu":
             known = self._device_steps.get(id(step_t))
-            if known is not None and known[0] is step_t._storage.buffer:
+            if known is not None and known[0] is storage_of(step_t).buffer:
                 return known[1]
         return int(_scalar(step_t))
 
@@ -150,8 +152,9 @@ class AdamAdapter(OptimizerAdapter):
                 # the group (JAX arrays are immutable, so sharing is safe).
                 if shared_device_value is None:
                     shared_device_value = torch.tensor(value, dtype=step_t.dtype).to(step_t.device)
-                step_t._storage.buffer = shared_device_value._storage.buffer
-                self._device_steps[id(step_t)] = (step_t._storage.buffer, int(step))
+                buffer = storage_of(shared_device_value).buffer
+                storage_of(step_t).buffer = buffer
+                self._device_steps[id(step_t)] = (buffer, int(step))
 
     def host_scalars(self, group, step):
         lr = _scalar(group["lr"])

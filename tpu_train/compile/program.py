@@ -8,9 +8,9 @@ gradient norm and learning rate. Gradient accumulation runs the gradient graph u
 micro-batches.
 
 SPMD (``mesh`` and ``plan`` given): the program is jitted with ``in_shardings`` /
-``out_shardings`` from :func:`tpu_train.parallel.step_shardings`. The ``tpu`` storages stay flat
+``out_shardings`` from :func:`tpu_train.compile.spmd.step_shardings`. The ``tpu`` storages stay flat
 (the device layer's invariant), so each parameter / state buffer is a flat *global* array split
-over the same mesh axes as its plan spec (:func:`tpu_train.parallel.flat_storage_sharding`):
+over the same mesh axes as its plan spec (:func:`tpu_train.compile.spmd.flat_storage_sharding`):
 every device holds ``1 / ways`` of it. Inside the program the flat buffers are reshaped to their
 natural shapes and pinned to the plan's sharding, so the forward, backward and update run on the
 plan's layout (XLA reshuffles between the two layouts at the program's edges), and the new
@@ -27,11 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 from tpu_train.compile import interpreter, tracing
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
+from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
+                                    step_shardings)
 from tpu_train.device import runtime
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
@@ -51,57 +52,37 @@ class Program:
     update_graph: torch.fx.GraphModule
     lowered: Any = None  # the ``jax.stages.Lowered`` (cost and memory analysis)
     in_shardings: Any = None  # SPMD only: what the executable's arguments must be placed as
+    seconds: dict = dataclasses.field(default_factory=dict)  # trace / lower / compile (if timed)
+
+    def analysis(self) -> dict[str, Any]:
+        """XLA's per-device memory and cost figures of the compiled program
+        (:func:`compiled_analysis`)."""
+        if self.executable is None:
+            raise ValueError("the program was lowered with compile=False: nothing to analyse")
+        return compiled_analysis(self.executable)
 
 
-def place_global(value, sharding):
-    """``value`` (the same full array in every process) as a global array with ``sharding``.
+def compiled_analysis(compiled) -> dict[str, Any]:
+    """XLA's per-device memory and cost of a compiled program (``jax.stages.Compiled``).
 
-    In one process this is ``jax.device_put``. When the mesh spans several processes a device
-    cannot receive data from another process's array, so each process builds only the shards
-    on its own devices from its copy of the value (every process holds the same batch, the
-    same scalars, and the same initial parameters after a seeded initialization or a
-    checkpoint load).
+    ``bytes_peak_estimate`` is arguments + temporaries + outputs that do not alias a donated
+    argument: what one device must hold at once.
     """
-    if getattr(value, "sharding", None) == sharding:
-        return value
-    if sharding.is_fully_addressable or not getattr(value, "is_fully_addressable", True):
-        return jax.device_put(value, sharding)  # one process, or global to global (a reshard)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def place_step_inputs(args, in_shardings) -> list:
-    """A compiled SPMD step's positional groups (a list per group, or one array), each placed
-    as its ``in_shardings`` entry says (see :func:`place_global`)."""
-    placed = []
-    for group, sharding in zip(args, in_shardings):
-        if isinstance(sharding, (list, tuple)):
-            placed.append([place_global(a, s) for a, s in zip(group, sharding)])
-        else:
-            placed.append(place_global(group, sharding))
-    return placed
-
-
-class _PlacingExecutable:
-    """A compiled SPMD step that first places its arguments as the program expects.
-
-    The caller hands in whatever the ``tpu`` tensors hold: batches and constants on one device,
-    the RNG key on one device, parameters on one device before their first step. A compiled
-    executable accepts only arrays with exactly its input shardings, so each argument is
-    ``device_put`` to its sharding; arrays already placed that way (parameters and optimizer
-    state after the first step, which the step writes back as global arrays) pass through
-    without a copy.
-    """
-
-    def __init__(self, compiled, in_shardings):
-        self.compiled = compiled
-        self.in_shardings = in_shardings
-
-    def __call__(self, *args):
-        return self.compiled(*place_step_inputs(args, self.in_shardings))
-
-    def __getattr__(self, name):  # memory_analysis(), cost_analysis(), as_text() ...
-        return getattr(self.compiled, name)
+    mem = compiled.memory_analysis()
+    out: dict[str, Any] = {}
+    if mem is not None:
+        for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                    "temp_size_in_bytes", "generated_code_size_in_bytes"):
+            out[key] = int(getattr(mem, key, 0) or 0)
+        out["bytes_peak_estimate"] = (out["argument_size_in_bytes"] + out["temp_size_in_bytes"]
+                                      + out["output_size_in_bytes"] - out["alias_size_in_bytes"])
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # one dict per computation on some backends
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    out["flops_per_device"] = float(cost.get("flops", 0.0))
+    out["bytes_accessed_per_device"] = float(cost.get("bytes accessed", 0.0))
+    return out
 
 
 def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
@@ -149,53 +130,49 @@ def _has_checkpointed_regions(gm: torch.fx.GraphModule) -> bool:
     return any(node.target is OPTIMIZATION_BARRIER for node in gm.graph.nodes)
 
 
-def _activation_constraint(plan, mesh, model, batch_fakes):
-    """The plan's activation rule as a function pinning one traced value (None: no rule).
+def _key_dtype():
+    """The dtype of a typed PRNG key (the program's optional last argument)."""
+    return jax.random.key(0).dtype
 
-    The rule sees the micro-batch's ``[batch, seq]`` shape (the first batch input's) and
-    classifies intermediates by shape; values it does not name are left to XLA.
-    """
-    factory = getattr(plan, "activation_rule", None)
-    if factory is None or not batch_fakes:
-        return None
-    rule = factory(model, tuple(batch_fakes[0].shape))
-    if rule is None:
-        return None
-    jax_mesh = getattr(mesh, "jax_mesh", mesh)
-    cache: dict = {}
 
-    def constrain(value):
-        shape = getattr(value, "shape", None)
-        if shape is None or not hasattr(value, "dtype"):
-            return value
-        shape = tuple(shape)
-        if shape not in cache:
-            spec = rule(shape)
-            cache[shape] = None if spec is None else \
-                jax.sharding.NamedSharding(jax_mesh, spec)
-        sharding = cache[shape]
-        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, scalar) -> list:
+    """The step's arguments as shapes, dtypes and the given shardings only: nothing is
+    allocated to lower and compile. Parameters and states go in as their flat storages."""
 
-    return constrain
+    def described(tensors, shapes, shardings):
+        return [jax.ShapeDtypeStruct(tuple(shape), storage_dtype(t.dtype), sharding=s)
+                for t, shape, s in zip(tensors, shapes, shardings)]
+
+    args = [described(st.params, [(p.numel(),) for p in st.params], params),
+            described(st.states, [(t.numel(),) for t in st.states], states),
+            described(st.consts, [tuple(c.shape) for c in st.consts], consts),
+            described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves], batch),
+            jax.ShapeDtypeStruct(tuple(scalars.shape), jnp.float32, sharding=scalar)]
+    if random:
+        args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=scalar))
+    return args
 
 
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
                   compile: bool = True) -> Program:
     """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
 
+    ``step`` has the fields of :class:`tpu_train.compile.lowering.StepDefinition`.
     ``mesh`` and ``plan`` (both or neither) compile an SPMD program (module docstring).
-    ``values`` may be None in SPMD mode: inputs are described from ``st``'s shapes and dtypes
-    alone. ``compile=False`` stops after lowering (``Program.executable`` is then None).
+    ``values`` may be None: inputs are then described from ``st``'s shapes and dtypes alone
+    (on ``device`` without a mesh). ``compile=False`` stops after lowering
+    (``Program.executable`` is then None).
     """
     if (mesh is None) != (plan is None):
         raise ValueError("an SPMD step needs both mesh= and plan= (got only "
                          f"{'mesh' if plan is None else 'plan'})")
     spmd = mesh is not None
-    if values is None and not spmd:
-        raise ValueError("values=None (abstract lowering) needs a mesh and a plan")
     fakes = tracing.FakeFactory()
     k = step.grad_accum_steps
-    tpu_device = st.params[0].device
+    # Tracing happens on the tpu device whatever the tensors are (a planner's model lives on
+    # ``meta``); where the program runs comes from ``device`` or the mesh.
+    first = st.params[0].device
+    tpu_device = first if first.type == "tpu" else torch.device("tpu", 0)
 
     def fake(t, shape=None):
         return fakes.like(t.shape if shape is None else shape, t.dtype, tpu_device)
@@ -237,7 +214,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     grad_norm_node = [n for n in update_gm.graph.nodes if n.op == "output"][0].args[0][-1]
     grad_norm_dtype = grad_norm_node.meta["val"].dtype
 
-    constrain = _activation_constraint(plan, mesh, step.model, batch_fakes) if spmd else None
+    constrain = activation_constraint(plan, mesh, step.model, batch_fakes) if spmd else None
 
     def gradients(params, consts, batch, key):
         outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key,
@@ -284,8 +261,6 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     state_shapes = [tuple(t.shape) for t in st.states]
     shardings = None
     if spmd:
-        from tpu_train.parallel import flat_storage_sharding, step_shardings
-
         shardings = step_shardings(
             plan, mesh, param_names=st.param_names, param_shapes=param_shapes,
             state_owners=_state_owners(st), state_shapes=state_shapes, num_consts=n_consts,
@@ -297,7 +272,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         return jax.lax.with_sharding_constraint(value, sharding)
 
     # Weights are stored on the plan's layout and used on its compute layout: FSDP's
-    # all-gather made explicit (parallel.compute_sharding). Left to sharding propagation, XLA
+    # all-gather made explicit (spmd.compute_sharding). Left to sharding propagation, XLA
     # chose for Llama-3.1-70B on 128 devices (one 128-token sequence each) to keep the MLP
     # weights split and replicate the batch instead: [16384, 28672] buffers of the global
     # batch on every device, and 5x the compile time. With checkpointed regions the gather is
@@ -336,15 +311,19 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                 loss, outputs[-1], scalars_in[0, 0])
 
     donate = (0, 1) if step.donate else ()
-    key_dtype = jax.random.key(0).dtype
     if not spmd:
         jitted = jax.jit(program, donate_argnums=donate)
-        args = [values["params"], values["states"], values["consts"], values["batch"],
-                jax.device_put(scalars, device)]
-        if random:
-            args.append(jax.ShapeDtypeStruct(
-                (), key_dtype, sharding=jax.sharding.SingleDeviceSharding(device)))
         in_shardings = None
+        one = jax.sharding.SingleDeviceSharding(device)
+        if values is None:
+            args = _abstract_inputs(st, scalars, random, [one] * len(st.params),
+                                    [one] * len(st.states), [one] * n_consts,
+                                    [one] * len(st.batch_leaves), one)
+        else:
+            args = [values["params"], values["states"], values["consts"], values["batch"],
+                    jax.device_put(scalars, device)]
+            if random:
+                args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=one))
     else:
         rep = shardings.replicated
         in_shardings = [flat_params, flat_states, list(shardings.consts), list(shardings.batch),
@@ -352,27 +331,12 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         out_shardings = (flat_params, flat_states, [rep] * len(mutated), rep, rep, rep)
         jitted = jax.jit(program, in_shardings=tuple(in_shardings),
                          out_shardings=out_shardings, donate_argnums=donate)
-
-        def abstract(shape, dtype, sharding):
-            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
-
-        def described(tensors, shapes, group_shardings):
-            return [abstract(shape, storage_dtype(t.dtype), s)
-                    for t, shape, s in zip(tensors, shapes, group_shardings)]
-
-        # Only shapes, dtypes and shardings: nothing is allocated to lower and compile.
-        args = [described(st.params, [(p.numel(),) for p in st.params], flat_params),
-                described(st.states, [(t.numel(),) for t in st.states], flat_states),
-                described(st.consts, [tuple(c.shape) for c in st.consts], shardings.consts),
-                described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves],
-                          shardings.batch),
-                abstract(scalars.shape, jnp.float32, rep)]
-        if random:
-            args.append(abstract((), key_dtype, rep))
+        args = _abstract_inputs(st, scalars, random, flat_params, flat_states, shardings.consts,
+                                shardings.batch, rep)
     lowered = stages.time("lower", jitted.lower, *args)
     executable = stages.time("compile", compile_lowered, lowered,
                              _platform(device, mesh)) if compile else None
     if spmd and executable is not None:
-        executable = _PlacingExecutable(executable, in_shardings)
+        executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm,
                    lowered=lowered, in_shardings=in_shardings)

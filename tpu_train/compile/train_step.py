@@ -11,65 +11,26 @@ program as an input: lr schedules never recompile.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten_with_path
 
-from tpu_train.compile import autocast as autocast_mod
 from tpu_train.compile import cache as cache_mod
-from tpu_train.compile import program as program_mod
 from tpu_train.compile.functional_optim import adapter_for
-from tpu_train.device import rng
-from tpu_train.device import storage as storage_mod
-from tpu_train.device.tensor import TpuTensor, host_array, wrap
-from tpu_train.device import runtime
+from tpu_train.compile.lowering import (StepInputs, check_step_settings, collect_step_inputs,
+                                        host_scalars, lower_collected, step_autocast_dtype)
+from tpu_train.device import rng, runtime
+from tpu_train.device.tensor import (TpuTensor, host_array, owns_whole_storage, storage_of, wrap,
+                                     write_elements)
 from tpu_train.ops import matmul as matmul_mod
 
 __all__ = ["compile_train_step", "CompiledTrainStep"]
 
 
-def _is_whole_storage(t: TpuTensor) -> bool:
-    """True when ``t`` is exactly its storage's buffer (its new value can replace it)."""
-    return (t.storage_offset() == 0 and t.numel() == t._storage.numel
-            and storage_mod.is_contiguous(tuple(t.shape), t.stride()))
-
-
 def _placement(array) -> Any:
     sharding = getattr(array, "sharding", None)
     return sharding
-
-
-def _key_name(path) -> str:
-    parts = []
-    for entry in path:
-        if hasattr(entry, "key"):
-            parts.append(f"[{entry.key!r}]")
-        elif hasattr(entry, "idx"):
-            parts.append(f"[{entry.idx}]")
-        else:
-            parts.append(f"[{entry}]")
-    return "batch" + "".join(parts)
-
-
-@dataclasses.dataclass
-class _StepState:
-    """The tensors one call reads, in program order, with their names."""
-
-    params: list  # optimizer params that receive gradients, group by group
-    param_names: list
-    group_sizes: list
-    states: list  # flat optimizer state tensors
-    state_names: list
-    state_counts: list  # per param
-    consts: list  # other module params, buffers and frozen optimizer params
-    const_names: list
-    batch_leaves: list
-    batch_names: list
-    batch_spec: Any
 
 
 class CompiledTrainStep:
@@ -78,10 +39,7 @@ class CompiledTrainStep:
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
                  name=None, mesh=None, plan=None, autocast_dtype=None):
-        if grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        check_step_settings(max_grad_norm, grad_accum_steps)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -93,7 +51,7 @@ class CompiledTrainStep:
         self.plan = plan
         self.adapter = adapter_for(optimizer)
         self.autocast_dtype = autocast_dtype
-        autocast_mod.step_autocast_dtype(autocast_dtype)  # reject a bad dtype up front
+        step_autocast_dtype(autocast_dtype)  # reject a bad dtype up front
         self.cache = cache_mod.CompileCache(
             name or f"train step of {type(model).__name__}", warn_after=warn_after)
         self._names: dict[int, str] = {}
@@ -108,50 +66,11 @@ class CompiledTrainStep:
             name = self._names.get(id(tensor), f"<unnamed tensor {id(tensor):x}>")
         return name
 
-    def _collect(self, batch) -> _StepState:
-        params, names, sizes, states, state_names, counts = [], [], [], [], [], []
-        in_optimizer = set()
-        for group in self.optimizer.param_groups:
-            keys = self.adapter.state_keys_for(group)
-            size = 0
-            for p in group["params"]:
-                in_optimizer.add(id(p))
-                if not p.requires_grad:
-                    continue
-                self.adapter.ensure_state(p, group)
-                params.append(p)
-                names.append(self._name_of(p))
-                state = self.optimizer.state[p]
-                for key in keys:
-                    states.append(state[key])
-                    state_names.append(f'optimizer state "{key}" of "{names[-1]}"')
-                counts.append(len(keys))
-                size += 1
-            sizes.append(size)
-        consts, const_names = [], []
-        for name, t in self.model.named_parameters():
-            if id(t) not in in_optimizer or not t.requires_grad:
-                consts.append(t)
-                const_names.append(name)
-        for name, t in self.model.named_buffers():
-            consts.append(t)
-            const_names.append(name)
-        # torch's pytree (not JAX's, which sorts dict keys) so that leaf order matches the
-        # spec the traced function unflattens with.
-        leaves_with_paths, torch_spec = tree_flatten_with_path(batch)
-        if not leaves_with_paths:
-            raise ValueError("the batch holds no tensors")
-        batch_leaves, batch_names = [], []
-        for path, leaf in leaves_with_paths:
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{_key_name(path)} is a {type(leaf).__name__}; the batch may "
-                                "only hold tensors (pass constants through loss_fn instead)")
-            batch_leaves.append(leaf)
-            batch_names.append(_key_name(path))
-        return _StepState(params, names, sizes, states, state_names, counts, consts,
-                          const_names, batch_leaves, batch_names, torch_spec)
+    def _collect(self, batch) -> StepInputs:
+        return collect_step_inputs(self.model, self.optimizer, self.adapter, batch,
+                                   self._name_of)
 
-    def _device_index(self, st: _StepState) -> int:
+    def _device_index(self, st: StepInputs) -> int:
         indices = {t.device.index for t in st.params + st.states + st.consts
                    if isinstance(t, TpuTensor)}
         indices |= {t.device.index for t in st.batch_leaves if isinstance(t, TpuTensor)}
@@ -166,7 +85,7 @@ class CompiledTrainStep:
 
     # ------------------------------------------------------------------ signature
 
-    def _signature(self, st: _StepState, values: dict,
+    def _signature(self, st: StepInputs, values: dict,
                    autocast_dtype: torch.dtype | None) -> cache_mod.Signature:
         inputs = []
 
@@ -203,9 +122,9 @@ class CompiledTrainStep:
         device = runtime.jax_device(index)
         whole = self._donatable(st)
         n_params = len(st.params)
-        param_arrays = [t._storage.buffer if w else t.jax_value().reshape(-1)
+        param_arrays = [storage_of(t).buffer if w else t.jax_value().reshape(-1)
                         for t, w in zip(st.params, whole[:n_params])]
-        state_arrays = [t._storage.buffer if w else t.jax_value().reshape(-1)
+        state_arrays = [storage_of(t).buffer if w else t.jax_value().reshape(-1)
                         for t, w in zip(st.states, whole[n_params:])]
         const_arrays = [t.jax_value() for t in st.consts]
         batch_arrays = [t.jax_value() if isinstance(t, TpuTensor)
@@ -218,19 +137,14 @@ class CompiledTrainStep:
                     f"{name} has shape {tuple(t.shape)}: with grad_accum_steps="
                     f"{self.grad_accum_steps} every batch tensor's first dim must be a multiple "
                     "of it (micro-batches are consecutive slices along dim 0)")
-        autocast_dtype = autocast_mod.step_autocast_dtype(self.autocast_dtype)
-        signature = self._signature(st, values, autocast_dtype)
+        autocast_dtype = step_autocast_dtype(self.autocast_dtype)
+        signature = self._signature(st, values, autocast_dtype)  # records the autocast state
         groups = self.optimizer.param_groups
-        steps = [self.adapter.step_count(g) + 1 for g in groups]
-        scalars = np.array([self.adapter.host_scalars(g, s) for g, s in zip(groups, steps)],
-                           dtype=np.float32).reshape(len(groups), self.adapter.num_scalars)
+        scalars, steps = host_scalars(self.optimizer, self.adapter)
 
         def build(stages):
-            # The loss is traced under this autocast state (the update graph disables autocast
-            # itself), whatever region surrounds the call: the signature records it.
-            with autocast_mod.autocast_region(autocast_dtype):
-                return program_mod.build_program(self, st, values, scalars, device, stages,
-                                                 mesh=self.mesh, plan=self.plan)
+            return lower_collected(self, st, scalars, stages, values=values, device=device,
+                                   mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype)
 
         entry = self.cache.get_or_build(signature, build)
         args = [param_arrays, state_arrays, const_arrays, batch_arrays,
@@ -241,8 +155,7 @@ class CompiledTrainStep:
         self._write_back(st.params, whole[:n_params], new_params)
         self._write_back(st.states, whole[n_params:], new_states)
         for position, value in zip(entry.mutated_consts, new_consts):
-            t = st.consts[position]
-            storage_mod.write(t._storage, tuple(t.shape), t.stride(), t.storage_offset(), value)
+            write_elements(st.consts[position], value)
         for group, step in zip(groups, steps):
             self.adapter.set_step_count(group, step)
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
@@ -257,7 +170,7 @@ class CompiledTrainStep:
                 "lr": wrap(lr, torch.float32, index)}
 
     @staticmethod
-    def _donatable(st: _StepState) -> tuple:
+    def _donatable(st: StepInputs) -> tuple:
         """Per param / state tensor: may its storage buffer be passed (and donated) as is?
 
         Only when the tensor is its whole storage and no other input reads that storage: a
@@ -267,18 +180,18 @@ class CompiledTrainStep:
         uses: dict[int, int] = {}
         for t in st.params + st.states + st.consts + st.batch_leaves:
             if isinstance(t, TpuTensor):
-                uses[id(t._storage)] = uses.get(id(t._storage), 0) + 1
-        return tuple(_is_whole_storage(t) and uses[id(t._storage)] == 1
+                storage = storage_of(t)
+                uses[id(storage)] = uses.get(id(storage), 0) + 1
+        return tuple(owns_whole_storage(t) and uses[id(storage_of(t))] == 1
                      for t in st.params + st.states)
 
     @staticmethod
     def _write_back(tensors, whole_flags, new_values):
         for t, whole, value in zip(tensors, whole_flags, new_values):
             if whole:
-                t._storage.buffer = value
+                storage_of(t).buffer = value
             else:
-                storage_mod.write(t._storage, tuple(t.shape), t.stride(), t.storage_offset(),
-                                  value.reshape(tuple(t.shape)))
+                write_elements(t, value.reshape(tuple(t.shape)))
 
     # ------------------------------------------------------------------ introspection
 

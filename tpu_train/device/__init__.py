@@ -5,6 +5,7 @@
 """
 
 from tpu_train.device.runtime import device_count, platform, runtime_info
-from tpu_train.device.tensor import TpuTensor
+from tpu_train.device.tensor import TpuTensor, owns_whole_storage, storage_of, write_elements
 
-__all__ = ["TpuTensor", "device_count", "platform", "runtime_info"]
+__all__ = ["TpuTensor", "device_count", "owns_whole_storage", "platform", "runtime_info",
+           "storage_of", "write_elements"]

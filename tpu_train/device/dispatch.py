@@ -39,12 +39,6 @@ SYNC_ENV = "TPU_TRAIN_SYNC"
 _sync = os.environ.get(SYNC_ENV, "") not in ("", "0")
 
 
-def set_sync(enabled: bool) -> None:
-    """Wait for every op to finish before returning (what ``TPU_TRAIN_SYNC=1`` sets)."""
-    global _sync
-    _sync = bool(enabled)
-
-
 def dispatch(func, args, kwargs):
     from tpu_train.device import fallback, mutation, special_ops
 

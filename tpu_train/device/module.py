@@ -279,7 +279,7 @@ def get_amp_supported_dtype() -> list:
     # torch.autocast("tpu") calls this on entering every region: the first call installs the
     # AutocastPrivateUse1 kernels (without them every op under autocast fails), so plain
     # `import tpu_train` does not pay for them.
-    from tpu_train.compile import autocast
+    from tpu_train.device import autocast
 
     autocast.register()
     return [torch.bfloat16, torch.float16]

@@ -17,14 +17,9 @@ from tpu_train.ops.dtypes import storage_dtype
 
 aten = torch.ops.aten
 
-# SDPA backend index torch asks a custom device to choose (torch.nn.attention.SDPBackend).
-_SDP_MATH, _SDP_OVERRIDEABLE = 0, 4
-_sdp_backend = {"choice": _SDP_OVERRIDEABLE}
-
-
-def use_fused_attention(enabled: bool) -> None:
-    """Route ``scaled_dot_product_attention`` to the fused op lowered for this device."""
-    _sdp_backend["choice"] = _SDP_OVERRIDEABLE if enabled else _SDP_MATH
+# The SDPA backend (torch.nn.attention.SDPBackend index) this device asks torch for: the
+# "overrideable" fused op, lowered here, which is the hook for a TPU flash-attention kernel.
+_SDP_OVERRIDEABLE = 4
 
 
 def _to_copy(func, args, kwargs):
@@ -60,7 +55,7 @@ def _local_scalar_dense(func, args, kwargs):
 
 
 def _fused_sdp_choice(func, args, kwargs):
-    return _sdp_backend["choice"]
+    return _SDP_OVERRIDEABLE
 
 
 def _is_pinned(func, args, kwargs):

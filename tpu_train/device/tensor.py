@@ -144,6 +144,37 @@ def _defer_backward_error(func, args, kwargs, error):
     return torch.utils._pytree.tree_map(placeholder, meta)
 
 
+# -- storage access for the layers above (compile, distributed, parallel) -------------------
+# A tpu tensor's storage is one flat buffer shared by all its views; layers that place,
+# donate or checkpoint buffers go through these instead of the tensor's private attribute.
+
+
+def storage_of(tensor: torch.Tensor) -> Storage:
+    """The storage behind a tpu tensor (``storage_of(t).buffer`` is its flat ``jax.Array``,
+    which may be read or replaced; every view of the storage sees a replacement)."""
+    if not isinstance(tensor, TpuTensor):
+        where = getattr(tensor, "device", None)
+        raise TypeError(f"expected a tensor on the tpu device, got a {type(tensor).__name__} on "
+                        f"{where}: move it (for a model: before creating its optimizer) to the "
+                        "tpu device first")
+    return tensor._storage
+
+
+def owns_whole_storage(tensor: torch.Tensor) -> bool:
+    """True when the tpu tensor is exactly its storage's buffer, in order: its new value can
+    replace the buffer, and a split of the buffer is a split of the tensor."""
+    storage = storage_of(tensor)
+    return (tensor.storage_offset() == 0 and tensor.numel() == storage.numel
+            and storage_mod.is_contiguous(tuple(tensor.shape), tuple(tensor.stride())))
+
+
+def write_elements(tensor: torch.Tensor, value: jax.Array) -> None:
+    """Write ``value`` (the tensor's shape) into the storage elements the tpu tensor covers,
+    in place: the tensor and every view sharing those elements see it."""
+    storage_mod.write(storage_of(tensor), tuple(tensor.shape), tuple(tensor.stride()),
+                      tensor.storage_offset(), value)
+
+
 def wrap(value: jax.Array, dtype: torch.dtype, device_index: int, shape=None) -> TpuTensor:
     """A fresh contiguous tensor holding ``value`` (cast to the storage dtype of ``dtype``)."""
     shape = tuple(value.shape) if shape is None else tuple(shape)

@@ -26,14 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-try:  # jax >= 0.7 exports shard_map at the top level, with check_vma
-    from jax import shard_map as _shard_map
-
-    _CHECK = {"check_vma": False}
-except ImportError:  # older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-    _CHECK = {"check_rep": False}
+from jax import shard_map as _shard_map
 
 AXIS = "ranks"
 
@@ -90,7 +83,7 @@ class GroupMesh:
             per_block = lambda *xs: tuple(body(x) for x in xs)  # noqa: E731
             specs = tuple(P(AXIS) for _ in range(count))
             program = jax.jit(_shard_map(per_block, mesh=self.mesh, in_specs=specs,
-                                         out_specs=specs, **_CHECK))
+                                         out_specs=specs, check_vma=False))
             self._programs[key] = program
         return program
 

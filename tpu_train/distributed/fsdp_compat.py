@@ -54,23 +54,21 @@ def alloc_storage(tensor: torch.Tensor) -> None:
     Contents are unspecified after a free, as with ``resize_``: FSDP2 overwrites them with
     the all-gather result. A storage that still holds data keeps its prefix when grown.
     """
-    from tpu_train.device.tensor import TpuTensor
+    from tpu_train.device.tensor import TpuTensor, storage_of
 
     if not isinstance(tensor, TpuTensor):
         return _state["original"]["alloc_storage"](tensor)
-    storage = tensor._storage
-    needed = _storage_extent(tensor)
-    storage.resize(needed)
+    storage_of(tensor).resize(_storage_extent(tensor))
     return None
 
 
 def free_storage(tensor: torch.Tensor) -> None:
     """Drop ``tensor``'s device memory, keeping its geometry (FSDP2's ``free_storage``)."""
-    from tpu_train.device.tensor import TpuTensor
+    from tpu_train.device.tensor import TpuTensor, storage_of
 
     if not isinstance(tensor, TpuTensor):
         return _state["original"]["free_storage"](tensor)
-    tensor._storage.resize(0)
+    storage_of(tensor).resize(0)
     return None
 
 

@@ -64,13 +64,13 @@ class GlooAllReduce:
         self.in_place = 0  # reductions done in the tensor's own memory, without a copy
 
     def supports(self, tensors, op: str) -> bool:
-        from tpu_train.device.tensor import TpuTensor
+        from tpu_train.device.tensor import TpuTensor, storage_of
 
         if op not in _GLOO_OPS and op != "avg":
             return False
         # A tpu tensor must live on this rank's device alone (not a sharded SPMD array).
         return all(t.dtype in _GLOO_DTYPES and (not isinstance(t, TpuTensor)
-                                                or t._storage.buffer.devices() == {self._device})
+                                                or storage_of(t).buffer.devices() == {self._device})
                    for t in tensors)
 
     def launch(self, tensors, op: str):
@@ -111,11 +111,10 @@ class GlooAllReduce:
         """Memory only this reduction may write, holding ``tensor``'s elements, as a torch
         view; and the function that makes it the tensor's value once reduced."""
         from tpu_train.device.mutation import assign
-        from tpu_train.device.tensor import wrap
+        from tpu_train.device.tensor import owns_whole_storage, storage_of, wrap
 
-        storage = tensor._storage
-        whole = (tensor.storage_offset() == 0 and tensor.is_contiguous()
-                 and tensor.numel() == storage.numel)
+        storage = storage_of(tensor)
+        whole = owns_whole_storage(tensor)
         # 2 references: the storage's and getrefcount's argument. More: another storage or
         # a caller shares this array, and donating it would delete their value.
         if whole and sys.getrefcount(storage.buffer) == 2:

@@ -67,13 +67,10 @@ def collective_timeout(requested: datetime.timedelta | None = None) -> float:
     if requested is None:
         return DEFAULT_TIMEOUT_S
     seconds = requested.total_seconds()
-    try:
-        from torch.distributed.constants import default_pg_timeout
+    from torch.distributed.constants import default_pg_timeout
 
-        if abs(seconds - default_pg_timeout.total_seconds()) < 1:
-            return DEFAULT_TIMEOUT_S
-    except ImportError:
-        pass
+    if abs(seconds - default_pg_timeout.total_seconds()) < 1:
+        return DEFAULT_TIMEOUT_S
     return seconds
 
 

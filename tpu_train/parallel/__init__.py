@@ -15,12 +15,14 @@ the whole training step is compiled::
 (analytically, and from XLA's own analysis of an ahead-of-time compile).
 """
 
+from tpu_train.compile.spmd import (StepShardings, compute_sharding, flat_storage_sharding,
+                                    step_shardings)
+
 from .compiled import place_for_step, place_inputs, storage_bytes_per_device, to_global
 from .llama_plan import LLAMA_ACTIVATIONS, LlamaActivationRule, llama_plan
 from .mesh import (AXES, BATCH_AXES, MeshError, MeshShape, build_mesh, check_model_divisibility,
                    mesh_from_config, resolve_mesh_shape)
 from .plans import PlanError, ShardingPlan, constrain, per_device_bytes
-from .step_shardings import StepShardings, compute_sharding, flat_storage_sharding, step_shardings
 
 __all__ = [
     "AXES",

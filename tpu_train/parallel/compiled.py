@@ -15,24 +15,11 @@ from typing import Any
 
 import jax
 
-from tpu_train.compile.program import place_global, place_step_inputs
-
-from .plans import PlanError
-from .step_shardings import flat_storage_sharding
+from tpu_train.compile.spmd import (PlanError, flat_storage_sharding, place_global,
+                                    place_step_inputs)
+from tpu_train.device import TpuTensor, owns_whole_storage, storage_of
 
 __all__ = ["place_for_step", "place_inputs", "storage_bytes_per_device", "to_global"]
-
-
-def _storage(tensor):
-    storage = getattr(tensor, "_storage", None)
-    if storage is None:
-        raise TypeError(f"expected a tensor on the tpu device, got one on {tensor.device}: "
-                        "move the model (and create the optimizer) on the tpu device first")
-    return storage
-
-
-def _whole(tensor) -> bool:
-    return tensor.storage_offset() == 0 and tensor.numel() == _storage(tensor).numel
 
 
 def place_for_step(step: Any, mesh=None, plan=None) -> dict[str, Any]:
@@ -58,9 +45,10 @@ def place_for_step(step: Any, mesh=None, plan=None) -> dict[str, Any]:
     plan_shardings: dict[str, Any] = {}
 
     def claim(tensor, sharding):
-        storage = _storage(tensor)
+        storage = storage_of(tensor)
         users.setdefault(id(storage), set()).add(id(tensor))
-        targets.setdefault(id(storage), (storage, sharding if _whole(tensor) else replicated))
+        whole = owns_whole_storage(tensor)
+        targets.setdefault(id(storage), (storage, sharding if whole else replicated))
 
     for group in step.optimizer.param_groups:
         keys = step.adapter.state_keys_for(group)
@@ -80,7 +68,7 @@ def place_for_step(step: Any, mesh=None, plan=None) -> dict[str, Any]:
                 state = step.optimizer.state[p][key]
                 claim(state, flat if tuple(state.shape) == tuple(p.shape) else replicated)
     for t in list(step.model.parameters()) + list(step.model.buffers()):
-        if getattr(t, "_storage", None) is not None:
+        if isinstance(t, TpuTensor):
             claim(t, replicated)
     for key, (storage, sharding) in targets.items():
         if len(users[key]) > 1:  # tied weights: the step passes them as copies, not split buffers
@@ -99,7 +87,7 @@ def storage_bytes_per_device(tensors) -> dict[Any, int]:
     """Bytes each device holds of the storages of ``tensors`` (each storage counted once)."""
     seen, totals = set(), {}
     for t in tensors:
-        storage = _storage(t)
+        storage = storage_of(t)
         if id(storage) in seen:
             continue
         seen.add(id(storage))

@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+# The mesh axes a batch is split over: the compile layer's SPMD placement defines them.
+from tpu_train.compile.spmd import BATCH_AXES
+
 __all__ = [
     "AXES",
     "BATCH_AXES",
@@ -41,8 +44,6 @@ __all__ = [
 ]
 
 AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
-# The batch dimension of activations is split over both data-parallel axes.
-BATCH_AXES: tuple[str, str] = ("data", "fsdp")
 
 
 class MeshError(ValueError):
@@ -248,11 +249,3 @@ def mesh_from_config(parallel: Any, model_config: Any = None, devices=None):
                       dcn_data=get("dcn_data", None), dcn_fsdp=get("dcn_fsdp", 1) or 1,
                       model_config=model_config)
 
-
-def mesh_shape_of(mesh) -> MeshShape:
-    """The :class:`MeshShape` of a mesh built here (DCN split not recoverable: reported as 1)."""
-    missing = [a for a in AXES if a not in mesh.shape]
-    if missing:
-        raise MeshError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}; build it with "
-                        f"tpu_train.parallel.build_mesh")
-    return MeshShape(mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"])

@@ -37,36 +37,6 @@ ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
                            "--xla_disable_hlo_passes=cpu-all-reduce-combiner")
 
 
-class _Stages:
-    """The minimal stage timer ``build_program`` expects."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.graph_nodes = 0
-
-    def time(self, name, fn, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-class _Described:
-    """Shape, dtype and device of a tensor that is never allocated (what tracing reads)."""
-
-    def __init__(self, shape, dtype, device):
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = dtype
-        self.device = device
-
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
                            seq_len: int, overrides: dict | None = None,
                            activation_checkpointing: bool = False,
@@ -74,19 +44,11 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     """XLA's memory and cost analysis of the compiled PyTorch Llama step on this process's
     devices (run it where ``len(jax.devices())`` equals the mesh size), with the trainer's
     activation checkpointing and bf16 autocast when asked."""
-    import types
-
-    import numpy as np
     import torch
     import torch.nn.functional as F
-    from torch.utils._pytree import tree_flatten
 
-    import tpu_train
-    from tpu_train.compile import program as program_mod
-    from tpu_train.compile.functional_optim import adapter_for
+    from tpu_train.compile import lower_train_step
     from tpu_train.models import Llama, get_config
-
-    from tpu_train.compile.autocast import autocast_region
 
     from .activation_checkpointing import apply_activation_checkpointing
     from .llama_plan import llama_plan
@@ -94,57 +56,24 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
 
     cfg = get_config(model_name, **(overrides or {}))
     mesh = build_mesh(data, fsdp, tensor, model_config=cfg)
+    # Nothing is allocated: the model, its optimizer state and the batch live on ``meta``.
     with torch.device("meta"):
         model = Llama(cfg)
+        batch = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
+                 "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    device = tpu_train.device(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    adapter = adapter_for(optimizer)
 
     def loss_fn(m, b):
         logits = m(b["tokens"])
         return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
 
-    params, names, states, counts = [], [], [], []
-    keys = adapter.state_keys_for(optimizer.param_groups[0])
-    for name, p in model.named_parameters():
-        params.append(_Described(p.shape, p.dtype, device))
-        names.append(name)
-        states.extend(_Described(p.shape, torch.float32, device) for _ in keys)
-        counts.append(len(keys))
-    consts = [_Described(b.shape, b.dtype, device) for _, b in model.named_buffers()]
-    const_names = [n for n, _ in model.named_buffers()]
-    leaves = {"tokens": _Described((batch, seq_len), torch.int64, device),
-              "labels": _Described((batch, seq_len), torch.int64, device)}
-    batch_leaves, spec = tree_flatten(leaves)
-    st = types.SimpleNamespace(params=params, param_names=names, group_sizes=[len(params)],
-                               states=states, state_counts=counts, consts=consts,
-                               const_names=const_names, batch_leaves=batch_leaves,
-                               batch_spec=spec)
-    step = types.SimpleNamespace(model=model, loss_fn=loss_fn, optimizer=optimizer,
-                                 adapter=adapter, grad_accum_steps=1, max_grad_norm=None,
-                                 donate=True)
-    scalars = np.zeros((1, adapter.num_scalars), np.float32)
-    stages = _Stages()
-    with autocast_region(torch.bfloat16 if precision == "bf16" else None):
-        prog = program_mod.build_program(step, st, None, scalars, None, stages, mesh=mesh,
-                                         plan=llama_plan())
-    compiled = prog.executable.compiled
-    mem = compiled.memory_analysis()
+    program = lower_train_step(model, optimizer, loss_fn, batch, mesh=mesh, plan=llama_plan(),
+                               autocast_dtype=torch.bfloat16 if precision == "bf16" else None)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step"}
-    for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                "temp_size_in_bytes", "generated_code_size_in_bytes"):
-        out[key] = int(getattr(mem, key, 0) or 0) if mem is not None else 0
-    out["bytes_peak_estimate"] = (out["argument_size_in_bytes"] + out["temp_size_in_bytes"]
-                                  + out["output_size_in_bytes"] - out["alias_size_in_bytes"])
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    cost = cost or {}
-    out["flops_per_device"] = float(cost.get("flops", 0.0))
-    out["bytes_accessed_per_device"] = float(cost.get("bytes accessed", 0.0))
-    out["seconds"] = stages.seconds
+    out.update(program.analysis())
+    out["seconds"] = program.seconds
     return out
 
 

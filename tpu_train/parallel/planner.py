@@ -296,22 +296,9 @@ def xla_analysis(jitted, *abstract_args) -> dict[str, Any]:
     allocated). ``bytes_peak_estimate`` is arguments + temporaries + outputs that do not
     alias a donated argument: what one device must hold at once.
     """
-    compiled = jitted.lower(*abstract_args).compile()
-    mem = compiled.memory_analysis()
-    out: dict[str, Any] = {}
-    if mem is not None:
-        for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                    "temp_size_in_bytes", "generated_code_size_in_bytes"):
-            out[key] = int(getattr(mem, key, 0) or 0)
-        out["bytes_peak_estimate"] = (out["argument_size_in_bytes"] + out["temp_size_in_bytes"]
-                                      + out["output_size_in_bytes"] - out["alias_size_in_bytes"])
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
-        cost = cost[0] if cost else {}
-    cost = cost or {}
-    out["flops_per_device"] = float(cost.get("flops", 0.0))
-    out["bytes_accessed_per_device"] = float(cost.get("bytes accessed", 0.0))
-    return out
+    from tpu_train.compile.program import compiled_analysis
+
+    return compiled_analysis(jitted.lower(*abstract_args).compile())
 
 
 def _reference_xla(cfg: Any, shape: MeshShape, batch: int, seq_len: int,

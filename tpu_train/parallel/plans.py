@@ -19,7 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, get_abstract_mesh
+
+# Defined by the compile layer, which raises it too when a plan does not fit a step.
+from tpu_train.compile.spmd import PlanError
 
 __all__ = [
     "PlanError",
@@ -27,10 +30,6 @@ __all__ = [
     "constrain",
     "per_device_bytes",
 ]
-
-
-class PlanError(ValueError):
-    """A parameter the plan does not cover, or a spec that does not fit its array or mesh."""
 
 
 def _shape_of(value: Any) -> tuple[int, ...]:
@@ -228,13 +227,8 @@ def constrain(x, spec: PartitionSpec | None, mesh=None):
     if spec is None:
         return x
     if mesh is None:
-        try:
-            from jax.sharding import get_abstract_mesh
-
-            abstract = get_abstract_mesh()
-            if abstract is None or abstract.empty:
-                return x
-        except ImportError:  # older JAX: only an explicit mesh applies
+        abstract = get_abstract_mesh()
+        if abstract is None or abstract.empty:
             return x
         return jax.lax.with_sharding_constraint(x, spec)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

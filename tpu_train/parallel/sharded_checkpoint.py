@@ -36,17 +36,18 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from tpu_train.device import TpuTensor, owns_whole_storage, storage_of
+
 __all__ = ["load_sharded", "save_sharded", "step_state"]
 
 _STEP_KEY = "optimizer.group{}.step"
 
 
 def _storage(tensor):
-    storage = getattr(tensor, "_storage", None)
-    if storage is None or tensor.storage_offset() != 0 or tensor.numel() != storage.numel:
+    if not isinstance(tensor, TpuTensor) or not owns_whole_storage(tensor):
         raise ValueError("sharded checkpoints need tpu tensors that own their whole storage "
                          "(place the step with place_for_step first)")
-    return storage
+    return storage_of(tensor)
 
 
 def step_state(step: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 
 import tpu_train  # noqa: F401
 import tpu_train.distributed  # noqa: F401
+from tpu_train.device import storage_of
 
 R = dist.ReduceOp
 failures, checked = [], []
@@ -139,7 +140,7 @@ def all_reduce_transports(rank, n):
     alias = torch.zeros(12, device="tpu")
     alias.copy_(source)  # a whole flat copy_ shares the (immutable) array
     checked.append("all_reduce of a tensor sharing its array: shared")
-    if alias._storage.buffer is not source._storage.buffer:
+    if storage_of(alias).buffer is not storage_of(source).buffer:
         failures.append("copy_ no longer shares the array: this case tests nothing")
     dist.all_reduce(alias)
     check("all_reduce of a tensor sharing its array: result", alias, want.flatten())

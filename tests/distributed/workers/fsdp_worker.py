@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import tpu_train  # noqa: F401
 import tpu_train.distributed  # noqa: F401
+from tpu_train.device import storage_of
 from tpu_train.models import Llama, LlamaConfig
 
 STEPS = 5
@@ -78,7 +79,7 @@ def unsharded_freed(model) -> bool:
         for tensor in state.all_gather_outputs:
             if isinstance(tensor, TpuTensor):
                 found = True
-                if tensor._storage.numel != 0:
+                if storage_of(tensor).numel != 0:
                     return False
     return found
 

@@ -1,10 +1,11 @@
-"""Shardings for the inputs and outputs of a compiled training step.
+"""SPMD placement of a compiled training step over a device mesh.
 
 A compiled step takes lists of parameters, optimizer-state tensors, constants (buffers such as
 RoPE tables) and batch tensors, and returns the new parameters and state. Under SPMD its
-``jax.jit`` needs an ``in_shardings``/``out_shardings`` entry for each; this module derives them
-from a :class:`~tpu_train.parallel.plans.ShardingPlan` so a step compiler only has to say which
-parameter each state tensor belongs to:
+``jax.jit`` needs an ``in_shardings``/``out_shardings`` entry for each; :func:`step_shardings`
+derives them from a sharding plan (``tpu_train.parallel.ShardingPlan``, or anything with its
+``sharding_for(name, shape, mesh)``), so a step compiler only has to say which parameter each
+state tensor belongs to:
 
 * parameter ``i`` → the plan's sharding of its name;
 * a state tensor shaped like its parameter (AdamW moments) → the parameter's sharding; any
@@ -13,20 +14,34 @@ parameter each state tensor belongs to:
 * batch tensors → leading (batch) dimension split over ``(data, fsdp)``, the rest replicated.
 
 Arrays must keep their natural shapes: a flattened ``[out * in]`` buffer cannot carry a
-``[tensor, fsdp]`` tiling.
+``[tensor, fsdp]`` tiling; :func:`flat_storage_sharding` says how the flat storage buffers
+are split instead. This module also places a step's inputs as its executable expects
+(:func:`place_global`) and pins activations per the plan's rule.
+
+It belongs to the compile layer (the parallel layer builds meshes and plans on top of it and
+re-exports these names), so that compiling a step never imports ``tpu_train.parallel``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .mesh import BATCH_AXES
-from .plans import PlanError, ShardingPlan
+__all__ = ["BATCH_AXES", "PlanError", "StepShardings", "activation_constraint",
+           "compute_sharding", "flat_storage_sharding", "place_global", "place_step_inputs",
+           "PlacingExecutable", "step_shardings"]
 
-__all__ = ["StepShardings", "compute_sharding", "flat_storage_sharding", "step_shardings"]
+# The batch dimension of activations is split over both data-parallel mesh axes.
+BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+
+
+class PlanError(ValueError):
+    """A parameter the plan does not cover, or a spec that does not fit its array or mesh."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +58,7 @@ class StepShardings:
     compute_params: tuple[NamedSharding, ...] = ()
 
 
-def step_shardings(plan: ShardingPlan, mesh, *, param_names: Sequence[str],
+def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
                    param_shapes: Sequence[Sequence[int]],
                    state_owners: Sequence[int | None] = (),
                    state_shapes: Sequence[Sequence[int]] = (),
@@ -134,3 +149,84 @@ def flat_storage_sharding(sharding: NamedSharding) -> NamedSharding:
     if not axes:
         return NamedSharding(sharding.mesh, PartitionSpec())
     return NamedSharding(sharding.mesh, PartitionSpec(tuple(axes)))
+
+
+def place_global(value, sharding):
+    """``value`` (the same full array in every process) as a global array with ``sharding``.
+
+    In one process this is ``jax.device_put``. When the mesh spans several processes a device
+    cannot receive data from another process's array, so each process builds only the shards
+    on its own devices from its copy of the value (every process holds the same batch, the
+    same scalars, and the same initial parameters after a seeded initialization or a
+    checkpoint load).
+    """
+    if getattr(value, "sharding", None) == sharding:
+        return value
+    if sharding.is_fully_addressable or not getattr(value, "is_fully_addressable", True):
+        return jax.device_put(value, sharding)  # one process, or global to global (a reshard)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_step_inputs(args, in_shardings) -> list:
+    """A compiled SPMD step's positional groups (a list per group, or one array), each placed
+    as its ``in_shardings`` entry says (see :func:`place_global`)."""
+    placed = []
+    for group, sharding in zip(args, in_shardings):
+        if isinstance(sharding, (list, tuple)):
+            placed.append([place_global(a, s) for a, s in zip(group, sharding)])
+        else:
+            placed.append(place_global(group, sharding))
+    return placed
+
+
+class PlacingExecutable:
+    """A compiled SPMD step that first places its arguments as the program expects.
+
+    The caller hands in whatever the ``tpu`` tensors hold: batches and constants on one device,
+    the RNG key on one device, parameters on one device before their first step. A compiled
+    executable accepts only arrays with exactly its input shardings, so each argument is
+    ``device_put`` to its sharding; arrays already placed that way (parameters and optimizer
+    state after the first step, which the step writes back as global arrays) pass through
+    without a copy.
+    """
+
+    def __init__(self, compiled, in_shardings):
+        self.compiled = compiled
+        self.in_shardings = in_shardings
+
+    def __call__(self, *args):
+        return self.compiled(*place_step_inputs(args, self.in_shardings))
+
+    def __getattr__(self, name):  # memory_analysis(), cost_analysis(), as_text() ...
+        return getattr(self.compiled, name)
+
+
+def activation_constraint(plan, mesh, model, batch_fakes):
+    """The plan's activation rule as a function pinning one traced value (None: no rule).
+
+    The rule sees the micro-batch's ``[batch, seq]`` shape (the first batch input's) and
+    classifies intermediates by shape; values it does not name are left to XLA.
+    """
+    factory = getattr(plan, "activation_rule", None)
+    if factory is None or not batch_fakes:
+        return None
+    rule = factory(model, tuple(batch_fakes[0].shape))
+    if rule is None:
+        return None
+    jax_mesh = getattr(mesh, "jax_mesh", mesh)
+    cache: dict = {}
+
+    def constrain(value):
+        shape = getattr(value, "shape", None)
+        if shape is None or not hasattr(value, "dtype"):
+            return value
+        shape = tuple(shape)
+        if shape not in cache:
+            spec = rule(shape)
+            cache[shape] = None if spec is None else \
+                jax.sharding.NamedSharding(jax_mesh, spec)
+        sharding = cache[shape]
+        return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
+
+    return constrain

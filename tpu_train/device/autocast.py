@@ -20,7 +20,8 @@ float64 tensors and tensors on other devices are never cast, as in PyTorch.
 The kernels cast under an exclusion of the autocast key and then call the op again, so the
 casts are ordinary ``_to_copy`` ops: in eager mode they run like any other op, under
 ``make_fx`` they are traced into the graph (that is how ``compile_train_step(...,
-autocast_dtype=torch.bfloat16)`` gets a mixed-precision program) and autograd
+autocast_dtype=torch.bfloat16)`` gets a mixed-precision program: see
+``tpu_train.compile.lowering.autocast_region``) and autograd
 differentiates through them (gradients of float32 parameters stay float32).
 
 Unlike CUDA autocast there is no cache of cast weights: each use of a float32 parameter in
@@ -36,7 +37,7 @@ import threading
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["register", "LOWER_PRECISION_OPS", "FLOAT32_OPS", "PROMOTE_OPS"]
+__all__ = ["DEVICE_TYPE", "register", "LOWER_PRECISION_OPS", "FLOAT32_OPS", "PROMOTE_OPS"]
 
 DEVICE_TYPE = "tpu"
 
@@ -136,26 +137,3 @@ def register() -> None:
                     kernels.impl(qualified, _kernel(op, policy), _KEY)
         _libraries.extend([fallback, kernels])
 
-
-def step_autocast_dtype(explicit: torch.dtype | None) -> torch.dtype | None:
-    """The autocast dtype a compiled step traces its loss with.
-
-    ``explicit`` (``compile_train_step(autocast_dtype=...)``) wins; without it, an
-    ``torch.autocast("tpu", ...)`` region active around the step call is honoured, as eager
-    code under the same ``with`` block would be. ``None``: no autocast.
-    """
-    if explicit is not None:
-        if explicit not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"autocast_dtype must be torch.bfloat16 or torch.float16, got {explicit}")
-        return explicit
-    if torch.is_autocast_enabled(DEVICE_TYPE):
-        return torch.get_autocast_dtype(DEVICE_TYPE)
-    return None
-
-
-def autocast_region(dtype: torch.dtype | None):
-    """A context that enables autocast on the tpu device with ``dtype``, or disables it."""
-    register()
-    if dtype is None:
-        return torch.autocast(DEVICE_TYPE, enabled=False)
-    return torch.autocast(DEVICE_TYPE, dtype=dtype)

@@ -1,0 +1,226 @@
+"""Lowering a PyTorch training step to one XLA program, without running it.
+
+:func:`lower_train_step` is the public entry: from a model, an optimizer, a loss function and
+a batch it traces forward, backward, clipping and the optimizer update and returns the lowered
+(and, by default, compiled) :class:`~tpu_train.compile.program.Program`, whose
+:meth:`~tpu_train.compile.program.Program.analysis` gives XLA's per-device memory and FLOPs.
+``compile_train_step`` goes through the same :func:`collect_step_inputs` and
+:func:`lower_collected`, adding a compile cache and the write-back of the results.
+
+Only shapes and dtypes are read where no values are needed: a model built on the ``meta``
+device, a batch of ``meta`` tensors and a mesh of virtual devices lower a pod-sized step on a
+laptop (what ``tpu-train plan`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten_with_path
+
+from tpu_train.compile import cache as cache_mod
+from tpu_train.compile import program as program_mod
+from tpu_train.compile.functional_optim import OptimizerAdapter, adapter_for
+from tpu_train.device import autocast, runtime
+
+__all__ = ["StepDefinition", "StepInputs", "autocast_region", "check_step_settings",
+           "collect_step_inputs", "host_scalars", "lower_collected", "lower_train_step",
+           "step_autocast_dtype"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDefinition:
+    """What one training step computes (``CompiledTrainStep`` carries the same fields)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[torch.nn.Module, Any], Any]
+    adapter: OptimizerAdapter
+    max_grad_norm: float | None = None
+    grad_accum_steps: int = 1
+    donate: bool = True
+
+
+def check_step_settings(max_grad_norm: float | None, grad_accum_steps: int) -> None:
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """The tensors one step reads, in program order, with their names."""
+
+    params: list  # optimizer params that receive gradients, group by group
+    param_names: list
+    group_sizes: list
+    states: list  # flat optimizer state tensors
+    state_names: list
+    state_counts: list  # per param
+    consts: list  # other module params, buffers and frozen optimizer params
+    const_names: list
+    batch_leaves: list
+    batch_names: list
+    batch_spec: Any
+
+
+def batch_key_name(path) -> str:
+    """``batch['tokens']``-style name of a batch leaf from its pytree path."""
+    parts = []
+    for entry in path:
+        if hasattr(entry, "key"):
+            parts.append(f"[{entry.key!r}]")
+        elif hasattr(entry, "idx"):
+            parts.append(f"[{entry.idx}]")
+        else:
+            parts.append(f"[{entry}]")
+    return "batch" + "".join(parts)
+
+
+def _batch_leaves(batch) -> tuple[list, list, Any]:
+    # torch's pytree (not JAX's, which sorts dict keys) so that leaf order matches the spec
+    # the traced function unflattens with.
+    leaves_with_paths, torch_spec = tree_flatten_with_path(batch)
+    if not leaves_with_paths:
+        raise ValueError("the batch holds no tensors")
+    leaves, names = [], []
+    for path, leaf in leaves_with_paths:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{batch_key_name(path)} is a {type(leaf).__name__}; the batch may "
+                            "only hold tensors (pass constants through loss_fn instead)")
+        leaves.append(leaf)
+        names.append(batch_key_name(path))
+    return leaves, names, torch_spec
+
+
+def collect_step_inputs(model, optimizer, adapter: OptimizerAdapter, batch,
+                        name_of: Callable[[torch.Tensor], str]) -> StepInputs:
+    """Read the step's tensors from the user's objects (creating missing optimizer state, as
+    the optimizer's first step would)."""
+    params, names, sizes, states, state_names, counts = [], [], [], [], [], []
+    in_optimizer = set()
+    for group in optimizer.param_groups:
+        keys = adapter.state_keys_for(group)
+        size = 0
+        for p in group["params"]:
+            in_optimizer.add(id(p))
+            if not p.requires_grad:
+                continue
+            adapter.ensure_state(p, group)
+            params.append(p)
+            names.append(name_of(p))
+            state = optimizer.state[p]
+            for key in keys:
+                states.append(state[key])
+                state_names.append(f'optimizer state "{key}" of "{names[-1]}"')
+            counts.append(len(keys))
+            size += 1
+        sizes.append(size)
+    consts, const_names = [], []
+    for name, t in model.named_parameters():
+        if id(t) not in in_optimizer or not t.requires_grad:
+            consts.append(t)
+            const_names.append(name)
+    for name, t in model.named_buffers():
+        consts.append(t)
+        const_names.append(name)
+    leaves, leaf_names, spec = _batch_leaves(batch)
+    return StepInputs(params, names, sizes, states, state_names, counts, consts, const_names,
+                      leaves, leaf_names, spec)
+
+
+def host_scalars(optimizer, adapter: OptimizerAdapter) -> tuple[np.ndarray, list[int]]:
+    """The next step's per-group host scalars (lr, bias corrections...) and step counts."""
+    groups = optimizer.param_groups
+    steps = [adapter.step_count(g) + 1 for g in groups]
+    scalars = np.array([adapter.host_scalars(g, s) for g, s in zip(groups, steps)],
+                       dtype=np.float32).reshape(len(groups), adapter.num_scalars)
+    return scalars, steps
+
+
+def step_autocast_dtype(explicit: torch.dtype | None) -> torch.dtype | None:
+    """The autocast dtype a compiled step traces its loss with.
+
+    ``explicit`` (``compile_train_step(autocast_dtype=...)``) wins; without it, an
+    ``torch.autocast("tpu", ...)`` region active around the step call is honoured, as eager
+    code under the same ``with`` block would be. ``None``: no autocast.
+    """
+    if explicit is not None:
+        if explicit not in (torch.bfloat16, torch.float16):
+            raise ValueError("autocast_dtype must be torch.bfloat16 or torch.float16, got "
+                             f"{explicit}")
+        return explicit
+    if torch.is_autocast_enabled(autocast.DEVICE_TYPE):
+        return torch.get_autocast_dtype(autocast.DEVICE_TYPE)
+    return None
+
+
+def autocast_region(dtype: torch.dtype | None):
+    """A context that enables autocast on the tpu device with ``dtype``, or disables it."""
+    autocast.register()
+    if dtype is None:
+        return torch.autocast(autocast.DEVICE_TYPE, enabled=False)
+    return torch.autocast(autocast.DEVICE_TYPE, dtype=dtype)
+
+
+def lower_collected(step, inputs: StepInputs, scalars: np.ndarray,
+                    stages: cache_mod.TimedStages, *, values: dict | None = None, device=None,
+                    mesh=None, plan=None, autocast_dtype: torch.dtype | None = None,
+                    compile: bool = True) -> program_mod.Program:
+    """Trace and lower (and compile) ``step`` for already collected ``inputs``.
+
+    ``step``: a :class:`StepDefinition` or a ``CompiledTrainStep``. The loss is traced under
+    ``autocast_dtype`` (the update graph disables autocast itself), whatever autocast region
+    surrounds the call. ``values`` (the arrays the step will be called with) may be None:
+    inputs are then described from their shapes and dtypes alone.
+    """
+    with autocast_region(autocast_dtype):
+        return program_mod.build_program(step, inputs, values, scalars, device, stages,
+                                         mesh=mesh, plan=plan, compile=compile)
+
+
+def _tensor_names(model) -> Callable[[torch.Tensor], str]:
+    names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
+    names.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
+    return lambda t: names.get(id(t), f"<unnamed tensor {id(t):x}>")
+
+
+def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     loss_fn: Callable[[torch.nn.Module, Any], Any], batch, *, mesh=None,
+                     plan=None, max_grad_norm: float | None = None, grad_accum_steps: int = 1,
+                     donate: bool = True, autocast_dtype: torch.dtype | None = None,
+                     compile: bool = True) -> program_mod.Program:
+    """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
+
+    Args are those of ``compile_train_step``; ``batch`` is a pytree of tensors whose shapes
+    and dtypes are read (``meta`` tensors will do). The model may live on the ``tpu`` device
+    or on ``meta``: nothing is read from its values, and missing optimizer state is created
+    like the parameters (``meta`` for a ``meta`` model). ``mesh`` and ``plan`` (both or neither)
+    lower the SPMD program over the mesh; without them the program is for the model's ``tpu``
+    device (``tpu:0`` for a ``meta`` model). ``compile=False`` stops after lowering.
+
+    Returns the :class:`~tpu_train.compile.program.Program`: ``lowered`` (``jax.stages.Lowered``),
+    ``executable`` (None without compile), ``analysis()`` (XLA's memory and FLOPs per device)
+    and ``seconds`` (trace / lower / compile).
+    """
+    check_step_settings(max_grad_norm, grad_accum_steps)
+    adapter = adapter_for(optimizer)
+    step = StepDefinition(model, optimizer, loss_fn, adapter, max_grad_norm,
+                          int(grad_accum_steps), bool(donate))
+    inputs = collect_step_inputs(model, optimizer, adapter, batch, _tensor_names(model))
+    if not inputs.params:
+        raise ValueError("the optimizer holds no parameter that requires grad")
+    scalars, _ = host_scalars(optimizer, adapter)
+    first = inputs.params[0].device
+    index = (first.index or 0) if first.type == "tpu" else 0  # a meta model: tpu:0
+    device = None if mesh is not None else runtime.jax_device(index)
+    stages = cache_mod.TimedStages()
+    program = lower_collected(step, inputs, scalars, stages, device=device, mesh=mesh, plan=plan,
+                              autocast_dtype=step_autocast_dtype(autocast_dtype),
+                              compile=compile)
+    program.seconds = dict(stages.seconds)
+    return program
