@@ -43,6 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tpu_train  # noqa: E402,F401  (registers the tpu device)
+from tpu_train.device import TpuTensor, storage_of  # noqa: E402
 
 SIZES = {"small": 128, "medium": 1024}
 OPS = ("add", "matmul", "softmax")
@@ -54,9 +55,7 @@ OPS = ("add", "matmul", "softmax")
 
 
 def _buffers(tensor: torch.Tensor):
-    storage = getattr(tensor, "_storage", None)
-    buffer = getattr(storage, "buffer", None)
-    return buffer
+    return storage_of(tensor).buffer if isinstance(tensor, TpuTensor) else None
 
 
 def wait_tpu(*tensors: torch.Tensor) -> None:

@@ -107,8 +107,10 @@ class TorchMode:
     def block(self, loss):
         import jax
 
-        jax.block_until_ready([p._storage.buffer for p in self.model.parameters()]
-                              + [loss._storage.buffer])
+        from tpu_train.device import storage_of
+
+        jax.block_until_ready([storage_of(p).buffer for p in self.model.parameters()]
+                              + [storage_of(loss).buffer])
 
 
 class EagerMode(TorchMode):
