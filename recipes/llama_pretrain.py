@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
             "use recipe=llama_finetune to start from a checkpoint, or set model.checkpoint=null")
     job = trainer.start(cfg)
     tokenizer = trainer.build_tokenizer(cfg)
-    data = trainer.build_data(job, tokenizer)  # the bundled prose corpus unless data.path
+    data = trainer.build_data(job, tokenizer, bundled="prose")  # unless data.path is set
 
     model = trainer.build_model(job, tokenizer)  # seeded random initialization
     if cfg.trainer.activation_checkpointing:

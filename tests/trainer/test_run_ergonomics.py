@@ -16,8 +16,11 @@ def test_start_summary_tensorboard_hparams_and_profile(tmp_path):
 
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(*TINY, "trainer.max_steps=3", "scheduler.warmup_steps=10",
-                                    "logging.profile_steps=[2,3]", f"run.dir={run_dir}")
+                                    "logging.profile_steps=[2,3]", "logging.progress_bar=true",
+                                    f"run.dir={run_dir}")
     assert code == 0, err
+    # Output that is not a terminal gets no progress bar (its redraws would garble a log file).
+    assert "it/s" not in err and "step/s" not in err and "\r" not in err, err
     # A warmup longer than the run is shortened, and the run says so.
     assert "note: scheduler.warmup_steps=10 is longer than the 3-step run" in out
     for field in ("model: debug_tiny, 3.4 M parameters (3.4 M trainable)",
@@ -72,3 +75,27 @@ def test_saved_run_config_reruns_the_run(tmp_path):
     assert code == 0, err
     # The same run: it resumes the finished checkpoint instead of starting a new one.
     assert "(resumed from step_00000002)" in out and "finished step 2/2" in out
+
+
+def test_a_copied_recipe_runs_with_its_own_changes(tmp_path, monkeypatch):
+    from tpu_train import cli
+
+    shipped = cli.recipe_names()
+    assert shipped == ["eval", "generate", "llama_finetune", "llama_lora", "llama_pretrain",
+                       "plan"]
+    from importlib import resources
+
+    source = resources.files(cli.RECIPES_PACKAGE) / "llama_finetune.py"
+    mine = tmp_path / "my_recipe.py"
+    mine.write_text(source.read_text().replace(
+        "    job = trainer.start(cfg)", "    print('my recipe runs')\n    job = trainer.start(cfg)"))
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process("recipe=./my_recipe.py", *TINY, "trainer.max_steps=1",
+                                    f"run.dir={run_dir}")
+    assert code == 0, err
+    assert "my recipe runs" in out and "finished step 1/1" in out
+    assert f"script: {mine}" in (run_dir / "run_config.yaml").read_text()
+
+    code, _, err = run_in_process("recipe=./missing.py", *TINY)
+    assert code == 2 and "recipe=./missing.py: no such recipe script" in err, err

@@ -15,7 +15,9 @@ from omegaconf import DictConfig
 from .checkpoint import is_checkpoint, read_model_state
 from .errors import ConfigError
 
-PRETRAIN_RECIPE = "llama_pretrain"
+# The bundled corpus's training files: prose for pretraining, the synthetic instruction task
+# (validated on tasks_heldout.jsonl) for fine-tuning. A recipe names the one it trains on.
+BUNDLED_TRAIN_FILES = {"prose": "pretrain.jsonl", "tasks": "tasks_train.jsonl"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,15 +37,16 @@ def resolve_device(name: str) -> torch.device:
     raise ConfigError(f"trainer.device={name!r} is not a device; valid devices: cpu, tpu")
 
 
-def data_paths(cfg: DictConfig) -> tuple[Path, Path | None]:
-    """(training file, validation file or None); ``data.path: null`` means the bundled corpus."""
+def data_paths(cfg: DictConfig, bundled: str = "tasks") -> tuple[Path, Path | None]:
+    """(training file, validation file or None); ``data.path: null`` means the bundled corpus's
+    ``bundled`` training file (:data:`BUNDLED_TRAIN_FILES`)."""
     from tpu_train.data import default_corpus_dir
 
     if cfg.data.path is not None:
         val = Path(cfg.data.val_path) if cfg.data.val_path is not None else None
         return Path(cfg.data.path), val
     corpus = default_corpus_dir()
-    train = corpus / ("pretrain.jsonl" if cfg.recipe.name == PRETRAIN_RECIPE else "tasks_train.jsonl")
+    train = corpus / BUNDLED_TRAIN_FILES[bundled]
     val = Path(cfg.data.val_path) if cfg.data.val_path is not None else corpus / "tasks_heldout.jsonl"
     return train, val
 

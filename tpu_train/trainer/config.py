@@ -104,7 +104,8 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Mesh degrees; -1 means infer from the number of devices (checked by the parallel layer)."""
+    """Mesh degrees; -1 means "the devices left over" (one axis at most). ``data=-1``, the
+    default, yields to an explicit ``fsdp=-1`` or ``tensor=-1`` (data is then 1)."""
 
     data: int = -1
     fsdp: int = 1

@@ -204,6 +204,8 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
         stopped_by = None
         compilations = 0
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
+        if step_fn.compiled is not None and step < trainer.max_steps:
+            logger.line("tracing and compiling the train step (once per input shape) ...")
         with _StopRequest() as stop, profiler:
             while step < trainer.max_steps and stop.signal_name is None:
                 micro = [next(batches) for _ in range(trainer.grad_accum_steps)]

@@ -117,7 +117,9 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
-        if progress_bar and total_steps > initial_step:
+        # Only on a terminal: in a redirected file the bar's redraws would interleave with
+        # the log lines.
+        if progress_bar and total_steps > initial_step and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial_step, unit="step",

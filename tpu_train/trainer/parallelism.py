@@ -118,7 +118,12 @@ def process_rows(sharding, shape: tuple[int, ...]) -> slice:
 
 
 def _degrees(cfg: DictConfig) -> dict[str, int]:
-    return {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "tensor")}
+    """``parallel.*``; ``data=-1`` (the default) yields to an explicit ``fsdp=-1`` or
+    ``tensor=-1``, so ``parallel.fsdp=-1`` alone means "FSDP over every device"."""
+    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "tensor")}
+    if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["tensor"]):
+        degrees["data"] = 1
+    return degrees
 
 
 def _resolve(num_devices: int, degrees: dict[str, int], what: str) -> MeshShape:

@@ -83,11 +83,15 @@ def build_tokenizer(cfg: DictConfig):
     return builders.build_tokenizer(cfg)
 
 
-def build_data(job: Job, tokenizer) -> Data:
+def build_data(job: Job, tokenizer, bundled: str = "tasks") -> Data:
     """The endless training loader (every process reads the same global batches; each feeds
-    its own rows, see :meth:`Parallelism.place_batch`) and the validation files."""
+    its own rows, see :meth:`Parallelism.place_batch`) and the validation files.
+
+    ``data.path: null`` trains on the bundled corpus's ``bundled`` file: ``"tasks"`` (the
+    synthetic instruction task) or ``"prose"`` (for pretraining).
+    """
     cfg = job.cfg
-    train_path, val_path = builders.data_paths(cfg)
+    train_path, val_path = builders.data_paths(cfg, bundled)
     train = builders.build_train_loader(cfg, tokenizer, train_path)
     has_val_loss = builders.build_val_loader(cfg, tokenizer, val_path) is not None
     kind = builders.first_record_kind(val_path)

@@ -102,8 +102,10 @@ def validate_config(cfg: DictConfig) -> None:
         degree = cfg.parallel[axis]
         _require(degree == -1 or degree >= 1,
                  f"parallel.{axis} must be -1 (infer) or >= 1, got {degree}")
-    _require(list(cfg.parallel.values()).count(-1) <= 1,
-             "at most one of parallel.data, parallel.fsdp, parallel.tensor may be -1 (infer)")
+    # data=-1 (the default) yields to an explicit fsdp=-1 or tensor=-1 (trainer.parallelism).
+    _require(not (cfg.parallel.fsdp == -1 and cfg.parallel.tensor == -1),
+             "at most one of parallel.fsdp and parallel.tensor may be -1 (infer from the device "
+             "count); set the other explicitly")
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
     if cfg.model.checkpoint is not None:
