@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.distributed.harness import ROOT, free_port_pair
+from tests.tolerances import rtol_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
@@ -57,7 +59,9 @@ def _check(code, out, results, pids, leftovers, launcher):
     for r in results:
         assert r["launcher"] == launcher and r["world"] == WORLD and r["backend"] == "tpu", r
         assert r["all_reduce_ok"], r
-        assert r["grad_rel"] < 1e-5, r
+        # One float32 backward of Linear(6, 3) on 4 rows (longest reduction: the MSE over
+        # 4 x 3 = 12 outputs), then averaged over the ranks (a second reduction).
+        assert r["grad_rel"] < rtol_for(torch.float32, 12, depth=2), r
     assert len(pids) == WORLD and not leftovers, "rank processes outlived the launcher"
 
 
