@@ -16,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 
 import tpu_train  # noqa: F401
 import tpu_train.distributed  # noqa: F401
+from tests.tolerances import rtol_for  # the harness puts the repository root on PYTHONPATH
 from tpu_train.device import storage_of
 
 R = dist.ReduceOp
@@ -25,8 +26,12 @@ failures, checked = [], []
 def check(name, got, want):
     got = got.cpu() if got.device.type != "cpu" else got
     checked.append(name)
+    # A float32 collective reduces over the ranks (length world): rtol_for(float32, world);
+    # absolutely, relative to the sum of the magnitudes (~world for unit-normal data).
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tol = rtol_for(torch.float32, world)
     ok = got.shape == want.shape and got.dtype == want.dtype and (
-        torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6)
+        torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * world)
         if want.is_floating_point() else torch.equal(got, want))
     if not ok:
         failures.append(f"{name}: got {got.flatten()[:6].tolist()} want {want.flatten()[:6].tolist()}")
