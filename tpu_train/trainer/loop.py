@@ -157,6 +157,107 @@ def _write_config(job: Job) -> None:
         config_file.write_text(header + OmegaConf.to_yaml(job.cfg, resolve=True))
 
 
+class _Throughput:
+    """Tokens per second and, where the chip's peak is known, MFU of one step."""
+
+    def __init__(self, job: Job, model: torch.nn.Module, logger: RunLogger):
+        from tpu_train.models import flops_per_token
+
+        cfg = job.cfg
+        self.tokens_per_step = (cfg.data.batch_size * cfg.data.seq_len
+                                * cfg.trainer.grad_accum_steps)
+        self.flops = flops_per_token(model.config, cfg.data.seq_len)
+        self.peak = peak_bf16_tflops(detect_device_kind(job.device))
+        if self.peak is None:
+            logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")
+
+    def scalars(self, out: dict, loss: float, elapsed: float) -> dict[str, float]:
+        scalars = {"loss": loss, "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
+                   "step_time_s": elapsed,
+                   "tokens_per_s": self.tokens_per_step / max(elapsed, 1e-9)}
+        if self.peak is not None:
+            scalars["mfu"] = scalars["tokens_per_s"] * self.flops / (self.peak * 1e12)
+        return scalars
+
+
+class _Run:
+    """One call of :func:`fit`: the state the loop's phases share."""
+
+    def __init__(self, job: Job, parallel: Parallelism, step_fn: TrainStep, model, optimizer,
+                 scheduler, data: Data, start_step: int):
+        self.job, self.parallel, self.step_fn = job, parallel, step_fn
+        self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
+        self.step = start_step
+        self.start_step = start_step
+        self.compilations = 0
+        cfg = job.cfg
+        self.checkpoints = CheckpointManager(job.run_dir, cfg.checkpoint.keep_last,
+                                             cfg.checkpoint.async_save, is_writer=job.world.is_main)
+        self.checkpoints.remove_stale_temporaries()
+        self.logger = RunLogger(job.run_dir, job.world.is_main, cfg.logging.tensorboard,
+                                cfg.logging.progress_bar, cfg.trainer.max_steps, start_step)
+
+    def save(self) -> None:
+        _save(self.job, self.parallel, self.step_fn, self.model, self.optimizer, self.scheduler,
+              self.data, self.checkpoints, self.step)
+
+    def _log_compilations(self) -> None:
+        records = self.step_fn.compiled.compilations if self.step_fn.compiled is not None else []
+        for record in records[self.compilations:]:
+            self.logger.line(describe_compilation(record))
+        self.compilations = len(records)
+
+    def _stop_on_non_finite(self, loss: float) -> None:
+        if math.isfinite(loss) or OnNonFinite(self.job.cfg.trainer.on_nan) is not OnNonFinite.stop:
+            return
+        self.checkpoints.wait()
+        last = latest_checkpoint(self.job.run_dir)
+        raise TrainingStopped(
+            f"loss is {loss} at step {self.step + 1}; the last good checkpoint is "
+            f"{last if last else 'none (no checkpoint was saved yet)'}. Lower optim.lr, "
+            "check the data, or set trainer.on_nan=skip")
+
+    def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
+        """Step to ``trainer.max_steps``; returns the signal that stopped it early, if any."""
+        cfg, trainer, logger = self.job.cfg, self.job.cfg.trainer, self.logger
+        batches = iter(self.data.train)
+        profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
+        if self.step_fn.compiled is not None and self.step < trainer.max_steps:
+            logger.line("tracing and compiling the train step (once per input shape) ...")
+        with _StopRequest() as stop, profiler:
+            while self.step < trainer.max_steps and stop.signal_name is None:
+                micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
+                profiler.before(self.step + 1)
+                started = time.perf_counter()
+                out = self.step_fn(micro)
+                loss = float(out["loss"])
+                elapsed = time.perf_counter() - started
+                profiler.after(self.step + 1)
+                self._log_compilations()
+                self._stop_on_non_finite(loss)
+                self.step += 1
+                self._after_step(throughput.scalars(out, loss, elapsed), validate)
+            if stop.signal_name is not None:
+                self.save()
+            return stop.signal_name
+
+    def _after_step(self, scalars: dict[str, float], validate: _Validator) -> None:
+        cfg, trainer, step, logger = self.job.cfg, self.job.cfg.trainer, self.step, self.logger
+        logger.scalars("train", scalars, step)
+        if step == self.start_step + 1:
+            _log_memory(logger, self.parallel, self.model, self.optimizer, step)
+        logger.advance(1, scalars["loss"])
+        if not math.isfinite(scalars["loss"]):
+            logger.line(f"step {step}: loss is {scalars['loss']}; update skipped "
+                        "(trainer.on_nan=skip)")
+        if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
+            logger.line(format_log_line(step, trainer.max_steps, scalars))
+        if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
+            validate(step)
+        if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
+            self.save()
+
+
 def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Module,
         optimizer: torch.optim.Optimizer, scheduler, data: Data, tokenizer, *,
         start_step: int, resumed_from: Path | None, source: str,
@@ -177,19 +278,8 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
         _write_config(job)
         if resumed_from is not None:
             superseded = supersede_later(job.run_dir, start_step)
-    checkpoints = CheckpointManager(job.run_dir, cfg.checkpoint.keep_last,
-                                    cfg.checkpoint.async_save, is_writer=main)
-    checkpoints.remove_stale_temporaries()
-    logger = RunLogger(job.run_dir, main, cfg.logging.tensorboard, cfg.logging.progress_bar,
-                       trainer.max_steps, start_step)
-    validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
-    on_nan = OnNonFinite(trainer.on_nan)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * trainer.grad_accum_steps
-    peak = peak_bf16_tflops(detect_device_kind(job.device))
-    from tpu_train.models import flops_per_token
-
-    flops = flops_per_token(model.config, cfg.data.seq_len)
-    step = start_step
+    run = _Run(job, parallel, step_fn, model, optimizer, scheduler, data, start_step)
+    logger = run.logger
     try:
         logger.log_only(OmegaConf.to_yaml(cfg, resolve=True))
         logger.config(cfg)
@@ -198,58 +288,10 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
         for line in start_summary(job, parallel, model, optimizer, data, source, resumed_from,
                                   bytes_per_device(parallel, model, optimizer)):
             logger.line(line)
-        if peak is None:
-            logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")
-        batches = iter(data.train)
-        stopped_by = None
-        compilations = 0
-        profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
-        if step_fn.compiled is not None and step < trainer.max_steps:
-            logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest() as stop, profiler:
-            while step < trainer.max_steps and stop.signal_name is None:
-                micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
-                profiler.before(step + 1)
-                started = time.perf_counter()
-                out = step_fn(micro)
-                loss = float(out["loss"])
-                elapsed = time.perf_counter() - started
-                profiler.after(step + 1)
-                records = step_fn.compiled.compilations if step_fn.compiled is not None else []
-                for record in records[compilations:]:
-                    logger.line(describe_compilation(record))
-                compilations = len(records)
-                if not math.isfinite(loss) and on_nan is OnNonFinite.stop:
-                    checkpoints.wait()
-                    last = latest_checkpoint(job.run_dir)
-                    raise TrainingStopped(
-                        f"loss is {loss} at step {step + 1}; the last good checkpoint is "
-                        f"{last if last else 'none (no checkpoint was saved yet)'}. Lower optim.lr, "
-                        "check the data, or set trainer.on_nan=skip")
-                step += 1
-                scalars = {"loss": loss, "lr": float(out["lr"]),
-                           "grad_norm": float(out["grad_norm"]), "step_time_s": elapsed,
-                           "tokens_per_s": tokens_per_step / max(elapsed, 1e-9)}
-                if peak is not None:
-                    scalars["mfu"] = scalars["tokens_per_s"] * flops / (peak * 1e12)
-                logger.scalars("train", scalars, step)
-                if step == start_step + 1:
-                    _log_memory(logger, parallel, model, optimizer, step)
-                logger.advance(1, loss)
-                if not math.isfinite(loss):
-                    logger.line(f"step {step}: loss is {loss}; update skipped (trainer.on_nan=skip)")
-                if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
-                    logger.line(format_log_line(step, trainer.max_steps, scalars))
-                if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
-                    validate(step)
-                if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
-                    _save(job, parallel, step_fn, model, optimizer, scheduler, data,
-                          checkpoints, step)
-            stopped_by = stop.signal_name
-            if stopped_by is not None:
-                _save(job, parallel, step_fn, model, optimizer, scheduler, data, checkpoints, step)
-        checkpoints.wait()
-        export_dir = None
+        validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
+        stopped_by = run.train(validate, _Throughput(job, model, logger))
+        run.checkpoints.wait()
+        step, export_dir = run.step, None
         if stopped_by is not None:
             logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved, rerun the "
                         "same command to resume")

@@ -59,6 +59,26 @@ def _dataclass_of(schema, key: str):
     return hint if dataclasses.is_dataclass(hint) else None
 
 
+def _validate_parallel(cfg: DictConfig) -> None:
+    for axis in ("data", "fsdp", "tensor"):
+        degree = cfg.parallel[axis]
+        _require(degree == -1 or degree >= 1,
+                 f"parallel.{axis} must be -1 (infer) or >= 1, got {degree}")
+    # data=-1 (the default) yields to an explicit fsdp=-1 or tensor=-1 (trainer.parallelism).
+    _require(not (cfg.parallel.fsdp == -1 and cfg.parallel.tensor == -1),
+             "at most one of parallel.fsdp and parallel.tensor may be -1 (infer from the device "
+             "count); set the other explicitly")
+
+
+def _validate_logging_and_checkpoint(cfg: DictConfig) -> None:
+    profile = cfg.logging.profile_steps
+    _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
+             f"logging.profile_steps must be [first, last] with 1 <= first <= last, got "
+             f"{None if profile is None else list(profile)}")
+    _require(cfg.checkpoint.load_step is None or cfg.checkpoint.load_step >= 1,
+             f"checkpoint.load_step must be >= 1 or null (the newest), got {cfg.checkpoint.load_step}")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
     from omegaconf import OmegaConf
@@ -98,14 +118,7 @@ def validate_config(cfg: DictConfig) -> None:
     if ScheduleName(sched.name) is ScheduleName.wsd:
         _require(0 < sched.decay_fraction <= 1,
                  f"scheduler.decay_fraction must be in (0, 1], got {sched.decay_fraction}")
-    for axis in ("data", "fsdp", "tensor"):
-        degree = cfg.parallel[axis]
-        _require(degree == -1 or degree >= 1,
-                 f"parallel.{axis} must be -1 (infer) or >= 1, got {degree}")
-    # data=-1 (the default) yields to an explicit fsdp=-1 or tensor=-1 (trainer.parallelism).
-    _require(not (cfg.parallel.fsdp == -1 and cfg.parallel.tensor == -1),
-             "at most one of parallel.fsdp and parallel.tensor may be -1 (infer from the device "
-             "count); set the other explicitly")
+    _validate_parallel(cfg)
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
     if cfg.model.checkpoint is not None:
@@ -124,12 +137,7 @@ def validate_config(cfg: DictConfig) -> None:
         value = data[key]
         _require(value is None or Path(value).exists(),
                  f"data.{key}={value!r} does not exist; give an existing path or null for the bundled one")
-    profile = cfg.logging.profile_steps
-    _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
-             f"logging.profile_steps must be [first, last] with 1 <= first <= last, got "
-             f"{None if profile is None else list(profile)}")
-    _require(cfg.checkpoint.load_step is None or cfg.checkpoint.load_step >= 1,
-             f"checkpoint.load_step must be >= 1 or null (the newest), got {cfg.checkpoint.load_step}")
+    _validate_logging_and_checkpoint(cfg)
     _reject_unknown_keys(cfg)
     lora = cfg.recipe.lora
     _require(lora.rank >= 1, f"recipe.lora.rank must be >= 1, got {lora.rank}")
