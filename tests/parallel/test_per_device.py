@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import ROOT, free_port_pair
+from tests.tolerances import loss_rtol
 from tpu_train.models import Llama, LlamaConfig
 from tpu_train.parallel.mesh import MeshError
 from tpu_train.parallel.per_device import parallelize_per_device, resolve_per_device_shape
@@ -25,7 +26,12 @@ WORKER = "tests/parallel/workers/per_device_worker.py"
 WORLD = 4
 # After "/": the checkpoint load checked (see the worker); one of each keeps the test short.
 CASES = ["fsdp=4/rank0", "tensor=2,fsdp=2/all"]
-REL = 1e-5
+# Float32 (tests/tolerances.py): 5 AdamW steps of spmd_model's tiny Llama (longest reduction
+# 128: vocab, SwiGLU hidden, 8 x 16 tokens), split over ranks. The step after a checkpoint
+# load starts from equal values (checked): only that one step's rounding differs.
+STEPS, SPMD_N = 5, 128
+REL = loss_rtol(torch.float32, STEPS, SPMD_N)
+NEXT_REL = loss_rtol(torch.float32, 1, SPMD_N)
 
 
 def _results_from(out_dir):
@@ -45,7 +51,7 @@ def _check(per_rank, cases, launcher):
             loads = [key for key in ("all", "rank0") if key in case.partition("/")[2]]
             for key in loads:
                 assert r[f"{key}_model_equal"] and r[f"{key}_optim_equal"], (case, key, r)
-                assert r[f"{key}_next_loss"] == pytest.approx(r["next_loss"], rel=1e-6), r
+                assert r[f"{key}_next_loss"] == pytest.approx(r["next_loss"], rel=NEXT_REL), r
             if loads:
                 assert r["rank0_only_empty_elsewhere"] and r["rank0_matches_all"], r
         if case.startswith("fsdp=4"):
