@@ -49,8 +49,10 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
   (a few ulp of the dtype: derived from its resolution, not a machine); those calls are left
   as they are. The OpInfo harness (tests/ops/opinfo_harness.py) takes each op's own
   per-dtype ``toleranceOverride`` from torch's OpInfo database, but its fallback
-  DEFAULT_TOLERANCES and GRAD_TOLERANCE_SCALE, and the single-op tests' tolerances in
-  tests/ops, are still hand-picked per dtype, not yet derived here.
+  DEFAULT_TOLERANCES and GRAD_TOLERANCE_SCALE, lowering_check's default, test_pointwise's
+  ``tolerance(dtype)`` (shared by the pointwise and reduction tests) and the linear-algebra
+  tolerances are still hand-picked per dtype, not yet derived here; test_matmul's products
+  are (``tolerances(dtype, k)`` there).
 """
 
 from __future__ import annotations
