@@ -67,15 +67,23 @@ def start_subprocess(*overrides: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+def _strict_constant(name: str):
+    raise ValueError(f"metrics.jsonl is not strict JSON: it holds {name}")
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
-    """Last record per step of ``metrics.jsonl`` (a resumed run re-logs the replayed steps)."""
+    """The train record of each step of ``metrics.jsonl``, read as strict JSON (a resumed run
+    truncates the rows after its step, so each step appears once); a non-finite value, written
+    as ``null`` with a ``<key>_nonfinite`` flag, is read back as that float."""
     records: dict[int, dict] = {}
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return records
     for line in path.read_text().splitlines():
         if line.strip():
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_strict_constant)
+            for key in [k for k in record if k.endswith("_nonfinite")]:
+                record[key[: -len("_nonfinite")]] = float(record.pop(key))
             if "train/loss" in record:
                 records[record["step"]] = record
     return records

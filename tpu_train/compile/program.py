@@ -3,7 +3,10 @@
 ``program(params, states, consts, batch, scalars[, key])`` takes the parameters and optimizer
 state as flat buffers (exactly the ``tpu`` storages' buffers, so donation lets XLA update them
 in place) and returns the new flat buffers, the new values of mutated buffers, and the loss,
-gradient norm and learning rate. Gradient accumulation runs the gradient graph under
+gradient norm and learning rate. With ``skip_non_finite`` (a field of the step) it also
+returns a ``finite`` flag (loss and gradient norm both finite), and when the flag is false the
+"new" parameters, optimizer state and mutated buffers are the old ones (``jnp.where`` in the
+same program: a non-finite update never leaves it). Gradient accumulation runs the gradient graph under
 ``lax.scan`` over micro-batches: program size and compile time do not grow with the number of
 micro-batches.
 
@@ -215,6 +218,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     grad_norm_dtype = grad_norm_node.meta["val"].dtype
 
     constrain = activation_constraint(plan, mesh, step.model, batch_fakes) if spmd else None
+    skip = bool(getattr(step, "skip_non_finite", False))
 
     def gradients(params, consts, batch, key):
         outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key,
@@ -307,8 +311,18 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             flat_grads = [g.reshape(-1) for g in grads]
             outputs, _ = interpreter.run_graph(
                 update_gm, list(param_flat) + flat_grads + list(state_flat) + [scalars_in])
-        return (outputs[:n_params], outputs[n_params:-1], [new_consts[p] for p in mutated],
-                loss, outputs[-1], scalars_in[0, 0])
+        new_params, new_states = outputs[:n_params], outputs[n_params:-1]
+        changed = [new_consts[p] for p in mutated]
+        if not skip:
+            return new_params, new_states, changed, loss, outputs[-1], scalars_in[0, 0]
+        finite = jnp.isfinite(loss) & jnp.isfinite(outputs[-1])
+
+        def keep(new, old):
+            return [jnp.where(finite, n, o.reshape(n.shape)) for n, o in zip(new, old)]
+
+        return (keep(new_params, param_flat), keep(new_states, state_flat),
+                keep(changed, [consts[p] for p in mutated]), loss, outputs[-1],
+                scalars_in[0, 0], finite)
 
     donate = (0, 1) if step.donate else ()
     if not spmd:
@@ -328,7 +342,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         rep = shardings.replicated
         in_shardings = [flat_params, flat_states, list(shardings.consts), list(shardings.batch),
                         rep] + ([rep] if random else [])
-        out_shardings = (flat_params, flat_states, [rep] * len(mutated), rep, rep, rep)
+        out_shardings = (flat_params, flat_states, [rep] * len(mutated), rep, rep, rep) \
+            + ((rep,) if skip else ())
         jitted = jax.jit(program, in_shardings=tuple(in_shardings),
                          out_shardings=out_shardings, donate_argnums=donate)
         args = _abstract_inputs(st, scalars, random, flat_params, flat_states, shardings.consts,

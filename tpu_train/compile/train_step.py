@@ -7,6 +7,12 @@ and swaps the results into the existing ``tpu`` tensors' storages, so ``model.st
 ``optimizer.state_dict()``, eager code and checkpoints see the update. The scheduler (if
 any) is stepped after the update, as in an eager loop, and its learning rate reaches the
 program as an input: lr schedules never recompile.
+
+``skip_non_finite=True`` checks the loss and the gradient norm inside the program and applies
+the update only when both are finite (the old parameters and state are kept otherwise, in
+the same program). A skipped step does not advance the optimizer's step count (as an eager
+loop that skips ``optimizer.step()``); the scheduler still steps, so the lr stays aligned with
+the data. The result then has a ``finite`` flag; reading it costs one host sync per step.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ class CompiledTrainStep:
 
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
-                 name=None, mesh=None, plan=None, autocast_dtype=None):
+                 name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False):
         check_step_settings(max_grad_norm, grad_accum_steps)
+        self.skip_non_finite = bool(skip_non_finite)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -101,6 +108,7 @@ class CompiledTrainStep:
                     ("max_grad_norm", self.max_grad_norm),
                     ("grad_accum_steps", self.grad_accum_steps),
                     ("donate", self.donate),
+                    ("skip_non_finite", self.skip_non_finite),
                     ("optimizer param group sizes", tuple(st.group_sizes)),
                     ("params that own their storage", values["whole"]),
                     ("autocast dtype", autocast_dtype),
@@ -151,13 +159,15 @@ class CompiledTrainStep:
                 jax.device_put(scalars, device)]
         if entry.random:
             args.append(rng.next_key(index))
-        new_params, new_states, new_consts, loss, grad_norm, lr = entry.executable(*args)
+        new_params, new_states, new_consts, loss, grad_norm, lr, *flag = entry.executable(*args)
         self._write_back(st.params, whole[:n_params], new_params)
         self._write_back(st.states, whole[n_params:], new_states)
         for position, value in zip(entry.mutated_consts, new_consts):
             write_elements(st.consts[position], value)
-        for group, step in zip(groups, steps):
-            self.adapter.set_step_count(group, step)
+        applied = bool(flag[0]) if flag else True  # a host sync only when skipping
+        if applied:  # a skipped update leaves the step counts (and so bias corrections) as is
+            for group, step in zip(groups, steps):
+                self.adapter.set_step_count(group, step)
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
         # optimizer step before their own (and do not warn that the order is wrong).
         self.optimizer._opt_called = True
@@ -165,9 +175,12 @@ class CompiledTrainStep:
             self.scheduler.step()
         # The gradient norm is always measured (it is almost free next to the update), also
         # without clipping, so the metrics have the same keys in every configuration.
-        return {"loss": wrap(loss, torch.float32, index),
-                "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index),
-                "lr": wrap(lr, torch.float32, index)}
+        out = {"loss": wrap(loss, torch.float32, index),
+               "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index),
+               "lr": wrap(lr, torch.float32, index)}
+        if flag:
+            out["finite"] = torch.tensor(applied)
+        return out
 
     @staticmethod
     def _donatable(st: StepInputs) -> tuple:
@@ -207,7 +220,8 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        grad_accum_steps: int = 1, donate: bool = True,
                        warn_after: int = cache_mod.DEFAULT_WARN_AFTER,
                        mesh=None, plan=None,
-                       autocast_dtype: torch.dtype | None = None) -> CompiledTrainStep:
+                       autocast_dtype: torch.dtype | None = None,
+                       skip_non_finite: bool = False) -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -234,12 +248,17 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer update stay float32. Without it, a ``torch.autocast("tpu", ...)`` region
             active around the step call is honoured the same way (its dtype is part of the
             compile signature).
+        skip_non_finite: apply the update only when the loss and the gradient norm are both
+            finite, decided inside the program (the old parameters, optimizer state and step
+            counts are kept otherwise; the scheduler still steps). Adds a host-side ``finite``
+            flag to the result (one host sync per step).
 
     Returns:
-        ``step(batch) -> {"loss", "grad_norm", "lr"}``, device tensors (no host sync). ``batch``
-        is any pytree (dict, tuple, list) of tensors.
+        ``step(batch) -> {"loss", "grad_norm", "lr"}`` (plus ``"finite"`` with
+        ``skip_non_finite``), device tensors (no host sync without ``skip_non_finite``).
+        ``batch`` is any pytree (dict, tuple, list) of tensors.
     """
     return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,
                              max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
                              donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
-                             autocast_dtype=autocast_dtype)
+                             autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite)

@@ -5,7 +5,8 @@ Layout of one checkpoint, ``<run.dir>/checkpoints/step_00000050/``:
 * ``model.safetensors``: the model's state dict (tensors only; loading runs no code);
 * ``training_state.pt``: optimizer, scheduler, data-loader position and RNG states, read back
   with ``torch.load(weights_only=True)``;
-* ``meta.json``: the step, the format version and the layout.
+* ``meta.json``: the step, the format version, the layout and the SHA-256 of every other file
+  of the checkpoint (``files``: relative path -> hex digest). It is written last.
 
 A job of several processes on one SPMD mesh writes the *sharded* layout instead: ``sharded/``
 holds parameters and optimizer moments in ``torch.distributed.checkpoint`` format, every
@@ -16,11 +17,20 @@ A checkpoint is written into a hidden temporary directory, every file and the di
 fsynced, and only then is it renamed to ``step_N``.  A crash at any point leaves either the
 complete checkpoint or a temporary directory that :meth:`CheckpointManager.latest` ignores and
 the next writer deletes.
+
+Integrity: :func:`verify_checkpoint` re-hashes every file listed in ``meta.json`` and names
+what is wrong (a missing, truncated or altered file, an unreadable ``meta.json``); resuming
+falls back, with a warning, to the newest intact checkpoint. Checkpoints written before the
+checksums existed (no ``files`` in ``meta.json``) still load: only the presence of their files
+is checked. A checkpoint is only written from finite parameters and optimizer state
+(:func:`non_finite_tensors`, checked by the training loop before it saves).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -84,6 +94,84 @@ def checkpoint_layout(path: Path) -> str:
     return FULL_LAYOUT if (Path(path) / MODEL_FILE).is_file() else SHARDED_LAYOUT
 
 
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of one file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``directory`` except ``meta.json``."""
+    return {str(p.relative_to(directory).as_posix()): file_sha256(p)
+            for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.relative_to(directory).as_posix() != META_FILE}
+
+
+def read_meta(path: Path) -> dict:
+    """``meta.json`` of checkpoint ``path``; ValueError naming the problem when unreadable."""
+    try:
+        meta = json.loads((Path(path) / META_FILE).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{META_FILE} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{META_FILE} is unreadable ({exc})") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise ValueError(f"{META_FILE} is not a checkpoint description")
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when checkpoint ``path`` is intact, else what is wrong with it (one line).
+
+    Every file listed in ``meta.json`` must exist with its recorded SHA-256. A checkpoint
+    written before the checksums existed has no ``files`` entry: only its files' presence is
+    checked (it loads unverified).
+    """
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+    except ValueError as exc:
+        return str(exc)
+    if meta.get("format") != FORMAT_VERSION:
+        return f"checkpoint format {meta.get('format')!r} is not supported"
+    files = meta.get("files")
+    if files is None:  # an older checkpoint: no checksums recorded
+        required = ([MODEL_FILE] if meta.get("layout", FULL_LAYOUT) == FULL_LAYOUT
+                    else [f"{SHARDED_DIR}/.metadata"]) + [TRAINING_STATE_FILE]
+        missing = [name for name in required if not (path / name).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    if not isinstance(files, dict) or TRAINING_STATE_FILE not in files:
+        return f"{META_FILE} lists no valid files"
+    for name, expected in sorted(files.items()):
+        target = path / name
+        if not target.is_file():
+            return f"{name} is missing"
+        if file_sha256(target) != expected:
+            return f"{name} does not match its SHA-256 in {META_FILE} (truncated or altered)"
+    return None
+
+
+def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """Names (dotted paths) of the floating-point tensors in ``state`` holding a NaN or inf."""
+    found = []
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point() and state.numel() and \
+                not bool(torch.isfinite(state.detach()).all()):
+            found.append(prefix or "<tensor>")
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            found += non_finite_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for index, value in enumerate(state):
+            found += non_finite_tensors(value, f"{prefix}[{index}]")
+    elif isinstance(state, float) and not math.isfinite(state):
+        found.append(prefix or "<float>")
+    return found
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``run_dir``, oldest first."""
     root = Path(run_dir) / CHECKPOINTS_SUBDIR
@@ -101,6 +189,31 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under ``run_dir``, or None."""
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step_N`` directory under ``run_dir``, oldest first, damaged ones included.
+
+    A ``step_N`` name only ever appears by the rename that ends a complete save, so a
+    directory here that is not intact (:func:`verify_checkpoint`) was damaged afterwards.
+    """
+    root = Path(run_dir) / CHECKPOINTS_SUBDIR
+    if not root.is_dir():
+        return []
+    return sorted((int(match.group(1)), entry) for entry in root.iterdir()
+                  if (match := _STEP_DIR.match(entry.name)) and entry.is_dir())
+
+
+def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint that passes :func:`verify_checkpoint` or None, the newer damaged
+    ones with what is wrong with each, newest first)."""
+    damaged = []
+    for _, path in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
 
 
 SUPERSEDED_SUBDIR = "superseded"
@@ -142,11 +255,15 @@ def _finish(temporary: Path, final: Path, step: int, training_state: dict, layou
             written: tuple[str, ...]) -> None:
     """Write the training state and meta into ``temporary``, fsync, rename to ``final``."""
     torch.save(training_state, temporary / TRAINING_STATE_FILE)
-    meta = {"format": FORMAT_VERSION, "step": step, "layout": layout, "torch": torch.__version__}
-    (temporary / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    for name in (*written, TRAINING_STATE_FILE, META_FILE):
+    for name in (*written, TRAINING_STATE_FILE):
         if (temporary / name).is_file():
             _fsync_file(temporary / name)
+    # Hashed from the disk once every file (every process's shards included) is complete:
+    # the sums describe what a resume will read back. meta.json is written last.
+    meta = {"format": FORMAT_VERSION, "step": step, "layout": layout, "torch": torch.__version__,
+            "files": checksums(temporary)}
+    (temporary / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _fsync_file(temporary / META_FILE)
     _fsync_dir(temporary)
     os.rename(temporary, final)
     _fsync_dir(final.parent)
@@ -185,7 +302,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor] | None, d
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint (expected {META_FILE} and {MODEL_FILE})"
         )
-    meta = json.loads((path / META_FILE).read_text())
+    meta = read_meta(path)
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: checkpoint format {meta.get('format')!r} is not supported "

@@ -17,7 +17,9 @@ import torch
 from omegaconf import OmegaConf
 
 from . import builders
-from .checkpoint import CheckpointManager, latest_checkpoint, supersede_later
+from .checkpoint import (FULL_LAYOUT, MODEL_FILE, TRAINING_STATE_FILE, CheckpointManager,
+                         checkpoint_layout, latest_checkpoint, latest_intact_checkpoint,
+                         non_finite_tensors, supersede_later)
 from .config import OnNonFinite
 from .errors import TrainingStopped
 from .evaluation import HostEvaluationModel, exact_match_count, runs_on_host_cpu, validation_loss
@@ -129,21 +131,66 @@ class _Validator:
         self.last = {"step": step, "values": values, "examples": scored[1] if scored else 0}
 
 
+def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:
+    """The newest intact checkpoint of ``run_dir`` (its SHA-256 sums verified), as text for a
+    stop message. Checkpoints are only written from finite state; with ``read_back`` a full
+    one is also read and checked to hold finite values (process 0 only: each would read it)."""
+    from safetensors.torch import load_file
+
+    path, _ = latest_intact_checkpoint(run_dir)
+    if path is None:
+        return "none (no checkpoint was saved yet)"
+    if read_back and checkpoint_layout(path) == FULL_LAYOUT:
+        state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+        bad = non_finite_tensors(load_file(str(path / MODEL_FILE))) + \
+            non_finite_tensors(state.get("optimizer", {}), "optimizer")
+        if bad:
+            return f"{path} (WARNING: it holds non-finite values in {bad[0]})"
+    return f"{path} (verified)"
+
+
+def _check_finite_state(job: Job, model_state: dict | None, optimizer_state, step_fn: TrainStep,
+                        step: int) -> None:
+    """Refuse to checkpoint NaN/inf parameters or optimizer state: stop naming the last good
+    checkpoint instead (a run resumed from a non-finite checkpoint could never recover)."""
+    if model_state is not None:
+        bad = non_finite_tensors(model_state) + non_finite_tensors(optimizer_state, "optimizer")
+    else:  # the sharded layout: every process reduces over the global arrays
+        import jax.numpy as jnp
+
+        from tpu_train.parallel.sharded_checkpoint import step_state
+
+        bad = [name for name, storage in step_state(step_fn.compiled).items()
+               if jnp.issubdtype(storage.buffer.dtype, jnp.floating)
+               and not bool(jnp.all(jnp.isfinite(storage.buffer)))]
+    if bad:
+        raise TrainingStopped(
+            f"the parameters or optimizer state hold non-finite values at step {step} "
+            f"({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint "
+            f"was written. The last good checkpoint is "
+            f"{last_good_checkpoint(job.run_dir, job.world.is_main)}")
+
+
 def _save(job: Job, parallel: Parallelism, step_fn: TrainStep, model, optimizer, scheduler,
           data: Data, checkpoints: CheckpointManager, step: int) -> None:
     """A checkpoint of ``step``: sharded when several processes share one SPMD mesh, else one
-    whole copy written by process 0 (every process calls this)."""
+    whole copy written by process 0 (every process calls this). Only finite parameters and
+    optimizer state are ever written (:class:`TrainingStopped` otherwise)."""
     state = {"scheduler": scheduler.state_dict(), "data": data.train.state_dict(),
              "rng": capture_rng_state(job.device)}
     if parallel.layout == "spmd" and job.world.distributed:
         from tpu_train.parallel.sharded_checkpoint import save_sharded
 
+        checkpoints.wait()
+        _check_finite_state(job, None, None, step_fn, step)
         state["param_groups"] = hyperparameters(optimizer)
         checkpoints.save_sharded(step, lambda path: save_sharded(path, step_fn.compiled), state,
                                  job.world)
         return
     model_state = full_model_state(model, parallel)
     state["optimizer"] = full_optimizer_state(model, optimizer, parallel)
+    checkpoints.wait()
+    _check_finite_state(job, model_state, state["optimizer"], step_fn, step)
     checkpoints.save(step, model_state, state)
 
 
@@ -196,6 +243,10 @@ class _Run:
         self.checkpoints.remove_stale_temporaries()
         self.logger = RunLogger(job.run_dir, job.world.is_main, cfg.logging.tensorboard,
                                 cfg.logging.progress_bar, cfg.trainer.max_steps, start_step)
+        # metrics.jsonl ends at the resumed step (rows after it are replayed, not duplicated);
+        # the count of skipped updates carries on from its last row.
+        last = self.logger.truncate_metrics_after(start_step)
+        self.skipped_updates = int(last.get("train/skipped_updates") or 0)
 
     def save(self) -> None:
         _save(self.job, self.parallel, self.step_fn, self.model, self.optimizer, self.scheduler,
@@ -207,14 +258,19 @@ class _Run:
             self.logger.line(describe_compilation(record))
         self.compilations = len(records)
 
-    def _stop_on_non_finite(self, loss: float) -> None:
-        if math.isfinite(loss) or OnNonFinite(self.job.cfg.trainer.on_nan) is not OnNonFinite.stop:
+    def _stop_on_non_finite(self, loss: float, grad_norm: float, finite: bool) -> None:
+        """With ``trainer.on_nan=stop``: stop on a non-finite loss or gradient norm. The step
+        did not apply that update (both steps check before updating), so nothing non-finite
+        reached the parameters."""
+        if finite or OnNonFinite(self.job.cfg.trainer.on_nan) is not OnNonFinite.stop:
             return
         self.checkpoints.wait()
-        last = latest_checkpoint(self.job.run_dir)
+        what = f"loss is {loss}" if not math.isfinite(loss) else \
+            f"gradient norm is {grad_norm} (loss {loss})"
         raise TrainingStopped(
-            f"loss is {loss} at step {self.step + 1}; the last good checkpoint is "
-            f"{last if last else 'none (no checkpoint was saved yet)'}. Lower optim.lr, "
+            f"{what} at step {self.step + 1}; the update was not applied. The last good "
+            f"checkpoint is {last_good_checkpoint(self.job.run_dir, self.job.world.is_main)}. "
+            "Lower optim.lr, "
             "check the data, or set trainer.on_nan=skip")
 
     def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
@@ -231,25 +287,33 @@ class _Run:
                 started = time.perf_counter()
                 out = self.step_fn(micro)
                 loss = float(out["loss"])
+                grad_norm = float(out["grad_norm"])
+                finite = (bool(out["finite"]) if "finite" in out
+                          else math.isfinite(loss) and math.isfinite(grad_norm))
                 elapsed = time.perf_counter() - started
                 profiler.after(self.step + 1)
                 self._log_compilations()
-                self._stop_on_non_finite(loss)
+                self._stop_on_non_finite(loss, grad_norm, finite)
                 self.step += 1
-                self._after_step(throughput.scalars(out, loss, elapsed), validate)
+                if not finite:
+                    self.skipped_updates += 1
+                scalars = throughput.scalars(out, loss, elapsed)
+                scalars["skipped_updates"] = float(self.skipped_updates)
+                self._after_step(scalars, finite, validate)
             if stop.signal_name is not None:
                 self.save()
             return stop.signal_name
 
-    def _after_step(self, scalars: dict[str, float], validate: _Validator) -> None:
+    def _after_step(self, scalars: dict[str, float], finite: bool, validate: _Validator) -> None:
         cfg, trainer, step, logger = self.job.cfg, self.job.cfg.trainer, self.step, self.logger
         logger.scalars("train", scalars, step)
         if step == self.start_step + 1:
             _log_memory(logger, self.parallel, self.model, self.optimizer, step)
         logger.advance(1, scalars["loss"])
-        if not math.isfinite(scalars["loss"]):
-            logger.line(f"step {step}: loss is {scalars['loss']}; update skipped "
-                        "(trainer.on_nan=skip)")
+        if not finite:
+            logger.line(f"step {step}: loss is {scalars['loss']}, gradient norm "
+                        f"{scalars['grad_norm']}; update skipped (trainer.on_nan=skip; "
+                        f"{self.skipped_updates} skipped so far)")
         if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
             logger.line(format_log_line(step, trainer.max_steps, scalars))
         if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
@@ -283,6 +347,8 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
     try:
         logger.log_only(OmegaConf.to_yaml(cfg, resolve=True))
         logger.config(cfg)
+        for note in job.notes:
+            logger.log_only(note)
         for path in superseded:
             logger.line(f"moved {path.name.rsplit('-', 1)[0]} (after the resumed step) to {path}")
         for line in start_summary(job, parallel, model, optimizer, data, source, resumed_from,
@@ -324,9 +390,8 @@ def _log_memory(logger: RunLogger, parallel: Parallelism, model, optimizer, step
 
 def _export(model: torch.nn.Module, parallel: Parallelism, directory: Path, tokenizer,
             main: bool) -> None:
-    """Hugging Face export of the whole model, written by process 0 (all gather for it)."""
-    from tpu_train.models import save_pretrained
-
+    """Hugging Face export of the whole model and its tokenizer, written by process 0 (all
+    gather for it)."""
     state = full_model_state(model, parallel)
     if main:
-        save_pretrained(model, directory, eos_token_id=tokenizer.eos_id, state_dict=state)
+        builders.export_pretrained(model, directory, tokenizer, state_dict=state)

@@ -7,6 +7,7 @@ it (the CPU, an unlisted accelerator) gets no MFU at all rather than a guessed o
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,22 @@ def is_main_process() -> bool:
     return process_rank() == 0
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_record(step: int, values: dict[str, float]) -> dict:
+    """One ``metrics.jsonl`` row: strict JSON, so a NaN or inf value is written as ``null``
+    and flagged beside it (``"train/loss": null, "train/loss_nonfinite": "nan"``)."""
+    record: dict = {"step": step}
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            record[key] = None
+            record[f"{key}_nonfinite"] = repr(value)  # "nan", "inf" or "-inf"
+        else:
+            record[key] = value
+    return record
+
+
 def format_log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
     """``step 10/100 | loss 5.2311 | lr 3.00e-04 | ...``: one line a human can scan."""
     parts = [f"step {step}/{max_steps}"]
@@ -129,18 +146,52 @@ class RunLogger:
     def tensorboard_dir(self) -> Path:
         return self.run_dir / "tensorboard"
 
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / METRICS_FILE
+
     def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
-        """TensorBoard scalars ``prefix/key``, and one exact JSON line in ``metrics.jsonl``."""
+        """TensorBoard scalars ``prefix/key``, and one exact, strict JSON line in
+        ``metrics.jsonl`` (:func:`metrics_record`: a NaN or inf is written as ``null`` with a
+        ``<key>_nonfinite`` flag)."""
         if not self.enabled:
             return
-        record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}}
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        record = metrics_record(step, {f"{prefix}/{k}": v for k, v in values.items()})
+        with open(self.metrics_path, "a", encoding="utf-8") as handle:
             # json writes floats with repr(): they read back bit for bit.
-            handle.write(json.dumps(record) + "\n")
+            handle.write(json.dumps(record, allow_nan=False) + "\n")
         if self._writer is None:
             return
         for key, value in values.items():
             self._writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def truncate_metrics_after(self, step: int) -> dict:
+        """Drop the rows of ``metrics.jsonl`` after ``step`` (a run resumed from ``step``
+        logs those steps again) and unreadable rows (a line cut by a crash); the file is
+        rewritten atomically (process 0 only). Returns the last kept row with train scalars
+        ({} if none)."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return {}
+        kept, last, changed = [], {}, False
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                keep = isinstance(record, dict) and int(record["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if not keep:
+                changed = True
+                continue
+            kept.append(line)
+            if "train/loss" in record:
+                last = record
+        if changed:
+            temporary = self.metrics_path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
+            temporary.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+            with open(temporary, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.metrics_path)
+        return last
 
     def line(self, text: str) -> None:
         if not self.enabled:

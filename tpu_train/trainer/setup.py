@@ -16,6 +16,7 @@ Nothing here writes to the run directory: a bad configuration fails before the r
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,8 @@ import torch
 from omegaconf import DictConfig
 
 from . import builders
-from .checkpoint import SHARDED_DIR, checkpoint_layout, list_checkpoints, read_checkpoint
+from .checkpoint import (SHARDED_DIR, checkpoint_dirs, checkpoint_layout, latest_intact_checkpoint,
+                         read_checkpoint, verify_checkpoint)
 from .config import OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
 from .parallelism import Parallelism, setup_parallelism
@@ -44,6 +46,8 @@ class Job:
     run_dir: Path
     mode: StepMode
     precision: Precision
+    # Lines for train.log found before it exists (e.g. a damaged checkpoint passed over).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -157,26 +161,28 @@ class TrainStep:
 def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler,
                      loss_fn=causal_lm_loss_sum_and_count) -> TrainStep:
-    """The eager step, or the whole step compiled into one program (on the mesh if any)."""
+    """The eager step, or the whole step compiled into one program (on the mesh if any).
+
+    Both check the loss and the gradient norm before updating and apply no update when either
+    is not finite (the compiled step inside its program), whatever ``trainer.on_nan``: with
+    ``skip`` the loop goes on (and counts the skip), with ``stop`` it stops. So a non-finite
+    update never reaches the parameters or a checkpoint.
+    """
     trainer = job.cfg.trainer
-    skip = OnNonFinite(trainer.on_nan) is OnNonFinite.skip
+    assert OnNonFinite(trainer.on_nan) in (OnNonFinite.skip, OnNonFinite.stop)
     if job.mode is StepMode.eager:
         _, size = parallel.data_parallel_rank()
         eager = EagerStep(model, optimizer, scheduler, job.device, job.precision,
-                          trainer.max_grad_norm, skip, data_parallel_size=size,
+                          trainer.max_grad_norm, skip_non_finite=True, data_parallel_size=size,
                           tensor_parallel_size=parallel.shape.tensor if parallel.sharded else 1)
         return TrainStep(parallel, eager)
-    if skip:
-        raise ConfigError(
-            "trainer.on_nan=skip is only supported with trainer.mode=eager (the compiled step "
-            "applies its update inside one program); use trainer.on_nan=stop")
     from tpu_train.compile import compile_train_step
 
     autocast = torch.bfloat16 if job.precision is Precision.bf16 else None
     compiled = compile_train_step(
         model, optimizer, loss_fn, scheduler=scheduler, max_grad_norm=trainer.max_grad_norm,
         grad_accum_steps=trainer.grad_accum_steps, mesh=parallel.mesh, plan=parallel.plan,
-        autocast_dtype=autocast)
+        autocast_dtype=autocast, skip_non_finite=True)
     if parallel.layout == "spmd":
         return TrainStep(parallel, compiled, compiled)
 
@@ -188,20 +194,46 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
 
 
 def checkpoint_to_resume(job: Job) -> Path | None:
-    """The newest checkpoint of ``run.dir``, or ``checkpoint.load_step``'s; None to start."""
+    """The newest intact checkpoint of ``run.dir``, or ``checkpoint.load_step``'s; None to start.
+
+    Every candidate is verified against the SHA-256 sums in its ``meta.json``
+    (:func:`~tpu_train.trainer.checkpoint.verify_checkpoint`; checkpoints written before the
+    sums existed load unverified). A damaged newest checkpoint is never used: a warning names
+    it, what is wrong and the older intact one resumed instead (recorded in ``job.notes`` for
+    ``train.log`` too). A damaged ``checkpoint.load_step``, or no intact checkpoint at all, is
+    a :class:`ConfigError`.
+    """
     options = job.cfg.checkpoint
-    found = dict(list_checkpoints(job.run_dir))
+    found = dict(checkpoint_dirs(job.run_dir))
     if found and not options.resume:
         raise ConfigError(
             f"run.dir={str(job.run_dir)!r} holds checkpoints (newest {found[max(found)].name}) "
             "and checkpoint.resume=false; choose a new run.dir to start fresh")
-    if options.load_step is None:
-        return found[max(found)] if found else None
-    if options.load_step not in found:
+    if options.load_step is not None:
+        if options.load_step not in found:
+            raise ConfigError(
+                f"checkpoint.load_step={options.load_step}: run.dir={str(job.run_dir)!r} has no "
+                f"checkpoint of that step; it has steps {sorted(found) or 'none'}")
+        chosen = found[options.load_step]
+        problem = verify_checkpoint(chosen)
+        if problem is not None:
+            raise ConfigError(f"checkpoint.load_step={options.load_step}: {chosen} is damaged "
+                              f"({problem}); choose another step or delete it")
+        return chosen
+    if not found:
+        return None
+    chosen, damaged = latest_intact_checkpoint(job.run_dir)
+    if chosen is None:
         raise ConfigError(
-            f"checkpoint.load_step={options.load_step}: run.dir={str(job.run_dir)!r} has no "
-            f"checkpoint of that step; it has steps {sorted(found) or 'none'}")
-    return found[options.load_step]
+            f"run.dir={str(job.run_dir)!r}: every checkpoint is damaged (newest "
+            f"{damaged[0][0].name}: {damaged[0][1]}); choose a new run.dir to start fresh")
+    for path, problem in damaged:
+        note = (f"warning: checkpoint {path} is damaged ({problem}); resuming from the newest "
+                f"intact one, {chosen}")
+        job.notes.append(note)
+        if job.world.is_main:
+            print(f"tpu-train: {note}", file=sys.stderr, flush=True)
+    return chosen
 
 
 def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Module,
@@ -215,7 +247,12 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
     if found is None:
         step.place()
         return 0, None
-    model_state, training_state, meta = read_checkpoint(found)
+    try:
+        model_state, training_state, meta = read_checkpoint(found)
+    except Exception as exc:  # noqa: BLE001 - an unverified (older) checkpoint that is damaged
+        raise ConfigError(f"cannot read checkpoint {found} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); choose "
+                          "another checkpoint.load_step or a new run.dir") from exc
     try:
         if model_state is not None:
             load_full_state(model, optimizer, parallel, model_state, training_state["optimizer"])

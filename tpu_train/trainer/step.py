@@ -1,7 +1,9 @@
 """The causal-LM loss and the eager training step (the compiled one is built in ``setup``).
 
 Both steps have the signature ``step(micro_batches) -> dict[str, Tensor]`` with ``loss``,
-``grad_norm`` and ``lr`` (the lr used by this update), so the loop does not care which runs.
+``grad_norm``, ``lr`` (the lr used by this update) and ``finite`` (were the loss and the
+gradient norm finite, i.e. was the update applied when skipping), so the loop does not care
+which runs.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ class EagerStep:
     """Forward, loss, backward over the micro-batches, clip, optimizer and scheduler step.
 
     With ``skip_non_finite`` a step whose loss or gradient norm is not finite applies no
-    update (the gradients are dropped, the schedule still advances so the step count stays
-    aligned with the data).
+    update (the gradients are dropped and the optimizer's step count does not advance; the
+    schedule still advances so the lr stays aligned with the data). The trainer always skips:
+    ``trainer.on_nan=stop`` then stops, so a non-finite update never reaches the parameters.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -100,7 +103,8 @@ class EagerStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {"loss": loss, "grad_norm": grad_norm.detach(), "lr": lr}
+        return {"loss": loss, "grad_norm": grad_norm.detach(), "lr": lr,
+                "finite": torch.tensor(finite)}
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
