@@ -6,14 +6,20 @@ Two file formats are supported:
   bundled 512-token default;
 * SentencePiece ``tokenizer.model`` (read with ``sentencepiece``), e.g. Llama 2.
 
-``load_tokenizer(path)`` accepts either file or a directory holding one of them.
+``load_tokenizer(path)`` accepts either file or a directory holding one of them. The special
+tokens (bos/eos/pad) come from the files Hugging Face keeps next to it when they exist
+(``tokenizer_config.json``, then ``special_tokens_map.json``, then ``generation_config.json``),
+else from the usual token names. ``Tokenizer.save_pretrained(directory)`` writes the files
+``transformers.AutoTokenizer`` reads.
 """
 
 from __future__ import annotations
 
 import abc
+import json
+import shutil
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from tpu_train.data.errors import DataError
 
@@ -29,6 +35,53 @@ DEFAULT_SPECIAL_TOKENS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, 
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_ROLES = ("bos", "eos", "pad")
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"not readable JSON ({exc})", path) from None
+    if not isinstance(data, dict):
+        raise DataError(f"expected a JSON object, got {type(data).__name__}", path)
+    return data
+
+
+def _token_text(value) -> str | None:
+    """``"<s>"`` or transformers' serialized AddedToken ``{"content": "<s>", ...}``."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def read_special_tokens(directory: str | Path) -> dict[str, tuple[str | int, Path]]:
+    """``{"bos"|"eos"|"pad": (token text or id, file it came from)}`` for the roles that
+    ``tokenizer_config.json``, ``special_tokens_map.json`` or ``generation_config.json`` (in this
+    order of precedence) in ``directory`` name. A list of eos ids gives its first."""
+    directory = Path(directory)
+    found: dict[str, tuple[str | int, Path]] = {}
+    for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE):
+        path = directory / name
+        if path.is_file():
+            data = _read_json_object(path)
+            for role in SPECIAL_ROLES:
+                text = _token_text(data.get(f"{role}_token"))
+                if text is not None and role not in found:
+                    found[role] = (text, path)
+    path = directory / GENERATION_CONFIG_FILE
+    if path.is_file():
+        data = _read_json_object(path)
+        for role in SPECIAL_ROLES:
+            value = data.get(f"{role}_token_id")
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if isinstance(value, int) and not isinstance(value, bool) and role not in found:
+                found[role] = (value, path)
+    return found
 
 
 def default_tokenizer_path() -> Path:
@@ -80,6 +133,58 @@ class Tokenizer(abc.ABC):
     def pad_id(self) -> int:
         return self._pad_id
 
+    @abc.abstractmethod
+    def _piece_id(self, token: str) -> int | None:
+        """Id of the vocabulary entry ``token`` (any token, special or not), or None."""
+
+    @abc.abstractmethod
+    def _piece(self, token_id: int) -> str:
+        """Text of the vocabulary entry ``token_id``."""
+
+    def _resolve_specials(self, special_tokens: Mapping[str, tuple[str | int, Path]] | None) -> dict:
+        """``{role: id}`` for the roles named in ``special_tokens``; a clear error for a token
+        the vocabulary lacks."""
+        ids = {}
+        for role, (value, source) in (special_tokens or {}).items():
+            if isinstance(value, str):
+                token_id = self._piece_id(value)
+                if token_id is None:
+                    raise DataError(f"{source.name} names {role} token {value!r}, which is not in "
+                                    f"the tokenizer's vocabulary", self.path)
+            else:
+                token_id = value
+                if not 0 <= token_id < self.vocab_size:
+                    raise DataError(f"{source.name} gives {role}_token_id={value}, outside the "
+                                    f"tokenizer's {self.vocab_size} ids", self.path)
+            ids[role] = token_id
+        return ids
+
+    def save_pretrained(self, directory: str | Path) -> list[Path]:
+        """Write the tokenizer file and ``tokenizer_config.json`` / ``special_tokens_map.json``
+        (the source's, with this tokenizer's bos/eos/pad filled in) into ``directory``, so that
+        ``transformers.AutoTokenizer.from_pretrained(directory)`` loads it. Returns the paths."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / self.path.name
+        if target.resolve() != self.path.resolve():
+            shutil.copyfile(self.path, target)
+        tokens = {f"{role}_token": self._piece(getattr(self, f"{role}_id")) for role in SPECIAL_ROLES}
+        written = [target]
+        for name, defaults in ((TOKENIZER_CONFIG_FILE, self._tokenizer_config_defaults()),
+                               (SPECIAL_TOKENS_MAP_FILE, {})):
+            source = self.path.parent / name
+            data = _read_json_object(source) if source.is_file() else dict(defaults)
+            for key, text in tokens.items():
+                if _token_text(data.get(key)) is None:
+                    data[key] = text
+            (directory / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                                          encoding="utf-8")
+            written.append(directory / name)
+        return written
+
+    def _tokenizer_config_defaults(self) -> dict:
+        return {}
+
     def token_id(self, token: str) -> int:
         """Id of a special token; a clear error if this vocabulary lacks it."""
         try:
@@ -113,7 +218,8 @@ class Tokenizer(abc.ABC):
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path,
+                 special_tokens: Mapping[str, tuple[str | int, Path]] | None = None):
         from tokenizers import Tokenizer as _RustTokenizer
 
         self.path = Path(path)
@@ -127,10 +233,22 @@ class HFTokenizer(Tokenizer):
             for idx, added in self._tok.get_added_tokens_decoder().items()
             if added.special
         }
-        self._bos_id = self._pick(BEGIN_OF_TEXT, "<s>", "[BOS]", "<bos>")
-        self._eos_id = self._pick(END_OF_TEXT, "</s>", "[EOS]", "<eos>", "<|endoftext|>")
-        pad = self._find(PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+        given = self._resolve_specials(special_tokens)
+        self._bos_id = given["bos"] if "bos" in given else self._pick(
+            BEGIN_OF_TEXT, "<s>", "[BOS]", "<bos>")
+        self._eos_id = given["eos"] if "eos" in given else self._pick(
+            END_OF_TEXT, "</s>", "[EOS]", "<eos>", "<|endoftext|>")
+        pad = given.get("pad", self._find(PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>"))
         self._pad_id = self._eos_id if pad is None else pad
+
+    def _piece_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def _piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
+    def _tokenizer_config_defaults(self) -> dict:
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
 
     def _find(self, *names: str) -> int | None:
         for name in names:
@@ -170,7 +288,8 @@ class HFTokenizer(Tokenizer):
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece ``tokenizer.model`` read with the ``sentencepiece`` library."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path,
+                 special_tokens: Mapping[str, tuple[str | int, Path]] | None = None):
         import sentencepiece
 
         self.path = Path(path)
@@ -179,11 +298,14 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp.Load(str(self.path))
         except Exception as exc:
             raise DataError(f"cannot read SentencePiece model: {exc}", self.path) from exc
-        if self._sp.bos_id() < 0 or self._sp.eos_id() < 0:
+        given = self._resolve_specials(special_tokens)
+        bos = given.get("bos", self._sp.bos_id())
+        eos = given.get("eos", self._sp.eos_id())
+        if bos < 0 or eos < 0:
             raise DataError("SentencePiece model defines no BOS or EOS piece; both are required", self.path)
-        self._bos_id = self._sp.bos_id()
-        self._eos_id = self._sp.eos_id()
-        self._pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self._eos_id
+        self._bos_id, self._eos_id = bos, eos
+        pad = given.get("pad", self._sp.pad_id())
+        self._pad_id = pad if pad >= 0 else self._eos_id
         # Control pieces (<s>, </s>, ...) plus markup-like user-defined pieces such as
         # "<|eot_id|>"; sentencepiece exposes no direct "user defined" query.
         self._special = {}
@@ -196,6 +318,16 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._sp.GetPieceSize()
+
+    def _piece_id(self, token: str) -> int | None:
+        token_id = self._sp.PieceToId(token)
+        return None if token_id == self._sp.unk_id() and token != self._sp.IdToPiece(token_id) else token_id
+
+    def _piece(self, token_id: int) -> str:
+        return self._sp.IdToPiece(token_id)
+
+    def _tokenizer_config_defaults(self) -> dict:
+        return {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}
 
     @property
     def special_ids(self) -> dict[str, int]:
@@ -229,6 +361,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
     ``None`` loads the bundled default. The file type is chosen by name (``.json`` -> Hugging
     Face, ``.model`` -> SentencePiece); a directory is searched for ``tokenizer.json`` first.
+    Special tokens named by the Hugging Face files beside it are used (:func:`read_special_tokens`).
     """
     if path is None:
         path = default_tokenizer_path()
@@ -236,7 +369,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if path.is_dir():
         for name, cls in ((HF_TOKENIZER_FILE, HFTokenizer), (SENTENCEPIECE_FILE, SentencePieceTokenizer)):
             if (path / name).is_file():
-                return cls(path / name)
+                return cls(path / name, read_special_tokens(path))
         raise DataError(
             f"no tokenizer found in this directory: expected {HF_TOKENIZER_FILE} (Hugging Face) or "
             f"{SENTENCEPIECE_FILE} (SentencePiece)",
@@ -249,9 +382,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             path,
         )
     if path.suffix == ".json":
-        return HFTokenizer(path)
+        return HFTokenizer(path, read_special_tokens(path.parent))
     if path.suffix == ".model":
-        return SentencePieceTokenizer(path)
+        return SentencePieceTokenizer(path, read_special_tokens(path.parent))
     raise DataError(
         f"unrecognised tokenizer file type {path.suffix!r}: expected a .json (Hugging Face) or "
         ".model (SentencePiece) file",

@@ -36,7 +36,7 @@ Hugging Face checkpoints (safetensors, single file or sharded with an index)::
 the file and tensor at fault. ``save_pretrained`` output loads with
 ``transformers.LlamaForCausalLM.from_pretrained`` and keeps the loaded checkpoint's bos/eos
 ids unless others are given. ``config_from_hf`` / ``config_to_hf``
-translate config dicts.
+translate config dicts; ``read_config(dir)`` reads and checks a directory's config.json.
 
 Generation::
 
@@ -50,7 +50,8 @@ Generation::
 
 from .config import CONFIGS, LlamaConfig, RopeScaling, flops_per_token, get_config, num_params
 from .generation import generate, sample_next_token
-from .hf import config_from_hf, config_to_hf, from_pretrained, hf_name, save_pretrained
+from .hf import (config_from_hf, config_to_hf, from_pretrained, hf_name, read_config,
+                 save_pretrained)
 from .kv_cache import KVCache
 from .llama import Attention, FeedForward, Llama, RMSNorm, TransformerBlock, init_weights
 from .rope import apply_rotary, inverse_frequencies, rope_tables
@@ -76,6 +77,7 @@ __all__ = [
     "init_weights",
     "inverse_frequencies",
     "num_params",
+    "read_config",
     "rope_tables",
     "sample_next_token",
     "save_pretrained",

@@ -24,6 +24,7 @@ __all__ = [
     "config_to_hf",
     "from_pretrained",
     "hf_name",
+    "read_config",
     "save_pretrained",
 ]
 
@@ -54,7 +55,7 @@ _TOP_NAMES = {
 }
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
-_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id")
+_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Present in some older exports; derived from the config, so safe to skip.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -155,6 +156,39 @@ def config_from_hf(hf: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_config(path: str | Path) -> tuple[dict, LlamaConfig]:
+    """(the raw config.json dict, its :class:`LlamaConfig`) of a Hugging Face directory.
+
+    Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the file: no
+    config.json, unreadable JSON, another architecture (its ``architectures``), a missing
+    field or an unsupported option.
+    """
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{config_path} not found: expected a Hugging Face Llama directory containing "
+            "config.json and safetensors weights"
+        )
+    hf = _read_json(config_path)
+    try:
+        cfg = config_from_hf(hf, source=str(config_path))
+    except (TypeError, ValueError) as err:
+        if str(err).startswith(str(config_path)):
+            raise
+        raise ValueError(f"{config_path}: {err}") from None
+    return hf, cfg
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -258,13 +292,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     """
     directory = Path(path)
     config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"{config_path} not found: from_pretrained expects a Hugging Face Llama directory "
-            "containing config.json and safetensors weights"
-        )
-    hf = json.loads(config_path.read_text())
-    cfg = config_from_hf(hf, source=str(config_path))
+    hf, cfg = read_config(directory)
     if max_seq_len is not None:
         cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
     dtype = dtype if dtype is not None else _dtype_from_hf(hf, config_path)
@@ -315,6 +343,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     model.reset_rope_tables()
     # Kept so that save_pretrained of a fine-tuned model writes the same special tokens.
     model.hf_special_tokens = {k: hf[k] for k in _SPECIAL_TOKEN_KEYS if hf.get(k) is not None}
+    generation = directory / GENERATION_CONFIG_FILE
+    model.hf_generation_config = _read_json(generation) if generation.is_file() else None
     return model
 
 
@@ -334,11 +364,29 @@ def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[lis
     return shards
 
 
+def _generation_config(inherited: dict | None, bos_token_id, eos_token_id, pad_token_id) -> dict:
+    """generation_config.json: the loaded checkpoint's (sampling settings kept) with our ids."""
+    generation = dict(inherited) if inherited else {"_from_model_config": True}
+    if bos_token_id is not None:
+        generation["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        stops = generation.get("eos_token_id")
+        stops = stops if isinstance(stops, list) else [stops]
+        # A checkpoint that stops on several ids (Llama 3 instruct) keeps them all.
+        wanted = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+        if not set(wanted) <= set(stops):
+            generation["eos_token_id"] = eos_token_id
+    if pad_token_id is not None:
+        generation["pad_token_id"] = pad_token_id
+    return generation
+
+
 @torch.no_grad()
 def save_pretrained(model: Llama, path: str | Path,
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *,
                     bos_token_id: int | None = None,
                     eos_token_id: int | list[int] | None = None,
+                    pad_token_id: int | None = None,
                     state_dict: dict | None = None) -> None:
     """Write ``model`` as a Hugging Face Llama directory loadable by
     ``transformers.LlamaForCausalLM.from_pretrained`` (and by :func:`from_pretrained`).
@@ -347,8 +395,10 @@ def save_pretrained(model: Llama, path: str | Path,
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the
     weights exceed ``max_shard_bytes``. Weight files left by an earlier save in ``path`` are
     removed first so that a stale index or shard cannot shadow the new one. Parameters may
-    live on any device; each shard is gathered to the CPU in turn. ``bos_token_id`` and
-    ``eos_token_id`` default to those of the checkpoint the model was loaded from, if any.
+    live on any device; each shard is gathered to the CPU in turn. ``bos_token_id``,
+    ``eos_token_id`` and ``pad_token_id`` default to those of the checkpoint the model was
+    loaded from, if any; so does generation_config.json (its sampling settings are kept, and
+    its list of stop ids when it already holds ``eos_token_id``).
     ``state_dict`` (whole CPU tensors by parameter name) replaces the parameters' values, for a
     model whose parameters are sharded over devices this process cannot read.
     """
@@ -362,19 +412,22 @@ def save_pretrained(model: Llama, path: str | Path,
 
     inherited = getattr(model, "hf_special_tokens", {})
     bos_token_id = bos_token_id if bos_token_id is not None else inherited.get("bos_token_id")
-    eos_token_id = eos_token_id if eos_token_id is not None else inherited.get("eos_token_id")
+    stops = inherited.get("eos_token_id")
+    if eos_token_id is None or (isinstance(stops, list) and isinstance(eos_token_id, int)
+                                and eos_token_id in stops):
+        eos_token_id = stops  # a checkpoint that stops on several ids keeps them all
+    pad_token_id = pad_token_id if pad_token_id is not None else inherited.get("pad_token_id")
     params = dict(model.named_parameters())
     if state_dict is not None:
         params = {name: state_dict[name] for name in params}
     dtype = model.tok_embeddings.weight.dtype
     hf_config = config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
                              eos_token_id=eos_token_id)
+    if pad_token_id is not None:
+        hf_config["pad_token_id"] = pad_token_id
     (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {"_from_model_config": True}
-    if bos_token_id is not None:
-        generation["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        generation["eos_token_id"] = eos_token_id
+    generation = _generation_config(getattr(model, "hf_generation_config", None),
+                                    bos_token_id, eos_token_id, pad_token_id)
     (directory / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
 
     sizes = [(name, p.numel() * p.element_size()) for name, p in params.items()]

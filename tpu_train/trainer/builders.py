@@ -6,7 +6,6 @@ existing run untouched.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -51,10 +50,60 @@ def data_paths(cfg: DictConfig, bundled: str = "tasks") -> tuple[Path, Path | No
     return train, val
 
 
-def build_tokenizer(cfg: DictConfig):
-    from tpu_train.data import load_tokenizer
+def hf_checkpoint(cfg: DictConfig) -> Path | None:
+    """``model.checkpoint`` when it is a Hugging Face directory (not one of our ``step_N``)."""
+    checkpoint = cfg.model.checkpoint
+    if checkpoint is None or is_checkpoint(Path(checkpoint)):
+        return None
+    return Path(checkpoint)
 
-    return load_tokenizer(cfg.data.tokenizer)
+
+def is_bundled_model(directory: Path) -> bool:
+    """Whether ``directory`` is the base model shipped in tpu_train/assets (bundled tokenizer)."""
+    from .config import asset_path
+
+    return directory.resolve() == Path(asset_path("base_model")).resolve()
+
+
+def model_config(cfg: DictConfig):
+    """The architecture to build: a Hugging Face ``model.checkpoint``'s config.json, else the
+    named preset ``model.name``. Bad checkpoint directories are one-line ConfigErrors."""
+    from tpu_train.models import get_config, read_config
+
+    directory = hf_checkpoint(cfg)
+    if directory is None:
+        return get_config(cfg.model.name)
+    try:
+        return read_config(directory)[1]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.checkpoint: {exc}") from None
+
+
+def build_tokenizer(cfg: DictConfig):
+    """``data.tokenizer``; else a Hugging Face ``model.checkpoint``'s own tokenizer
+    (tokenizer.json, else tokenizer.model, with its special tokens); else the bundled one (the
+    bundled base model's, and the one for training from scratch). A tokenizer that can produce
+    ids beyond the model's embedding rows is a ConfigError."""
+    from tpu_train.data.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, load_tokenizer
+
+    path, where = cfg.data.tokenizer, "data.tokenizer"
+    directory = hf_checkpoint(cfg)
+    if path is None and directory is not None and not is_bundled_model(directory):
+        if not any((directory / name).is_file() for name in (HF_TOKENIZER_FILE, SENTENCEPIECE_FILE)):
+            raise ConfigError(
+                f"model.checkpoint={str(directory)!r} holds no tokenizer ({HF_TOKENIZER_FILE} or "
+                f"{SENTENCEPIECE_FILE}); add the checkpoint's tokenizer files or set data.tokenizer")
+        path, where = directory, "the tokenizer of model.checkpoint"
+    tokenizer = load_tokenizer(path)
+    rows = model_config(cfg).vocab_size
+    if tokenizer.vocab_size > rows:
+        model = (f"model.checkpoint ({directory / 'config.json'})" if directory is not None
+                 else f"model {cfg.model.name}")
+        raise ConfigError(
+            f"{where} ({tokenizer.path}) has {tokenizer.vocab_size} tokens but {model} has "
+            f"vocab_size {rows} embedding rows: ids >= {rows} would be out of range; use the "
+            "model's own tokenizer")
+    return tokenizer
 
 
 def build_train_loader(cfg: DictConfig, tokenizer, path: Path):
@@ -103,36 +152,31 @@ def first_record_kind(path: Path | None) -> str | None:
     return None
 
 
-def _architecture(config) -> dict:
-    fields = dataclasses.asdict(config)
-    fields.pop("max_seq_len", None)
-    fields.pop("rope_scaling", None)
-    return fields
-
-
 def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True):
-    """The Llama of ``model.name`` on the CPU, loaded from ``model.checkpoint`` when set.
+    """The Llama on the CPU: the architecture of a Hugging Face ``model.checkpoint`` (its
+    config.json) or of the named preset ``model.name``; loaded from ``model.checkpoint`` when
+    set and ``allow_checkpoint``, else seeded random initialization.
 
-    ``model.checkpoint`` may be a Hugging Face directory or one of our ``step_N`` checkpoints;
-    either way only the parameters are loaded.
+    ``model.checkpoint`` may be a Hugging Face directory or one of our ``step_N`` checkpoints
+    (of the ``model.name`` architecture); either way only the parameters are loaded.
     """
-    from tpu_train.models import Llama, from_pretrained, get_config
+    from tpu_train.models import Llama, from_pretrained
 
-    config = get_config(cfg.model.name)
+    config = model_config(cfg)
+    directory = hf_checkpoint(cfg)
     if vocab_size > config.vocab_size:
+        model = (f"model.checkpoint ({directory / 'config.json'})" if directory is not None
+                 else f"model {cfg.model.name}")
         raise ConfigError(
-            f"the tokenizer has {vocab_size} tokens but model {cfg.model.name} has vocab_size "
+            f"the tokenizer has {vocab_size} tokens but {model} has vocab_size "
             f"{config.vocab_size}; use a matching data.tokenizer or model"
         )
     checkpoint = cfg.model.checkpoint if allow_checkpoint else None
-    if checkpoint is not None and not is_checkpoint(Path(checkpoint)):
-        model = from_pretrained(checkpoint, dtype=torch.float32, device="cpu")
-        if _architecture(model.config) != _architecture(config):
-            raise ConfigError(
-                f"model.checkpoint={checkpoint!r} holds a different architecture than "
-                f"model={cfg.model.name}; select the matching model group option"
-            )
-        return model
+    if checkpoint is not None and directory is not None:
+        try:
+            return from_pretrained(directory, dtype=torch.float32, device="cpu")
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
     with torch.device("meta"):
         model = Llama(config)
     model.init_weights(seed=cfg.trainer.seed, device="cpu")
@@ -146,3 +190,21 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
                 f"{str(exc).splitlines()[0]}"
             ) from exc
     return model
+
+
+def export_pretrained(model, directory: Path, tokenizer, state_dict: dict | None = None) -> None:
+    """The run's Hugging Face export: weights, config.json and generation_config.json with the
+    tokenizer's special ids, and the tokenizer files, all world-readable, so that
+    ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load ``directory``."""
+    import stat
+
+    from tpu_train.models import save_pretrained
+
+    save_pretrained(model, directory, bos_token_id=tokenizer.bos_id,
+                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                    state_dict=state_dict)
+    tokenizer.save_pretrained(directory)
+    readable = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(path.stat().st_mode | readable)

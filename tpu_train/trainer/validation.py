@@ -129,9 +129,15 @@ def validate_config(cfg: DictConfig) -> None:
     _require(data.format in DATA_FORMATS,
              f"data.format={data.format!r} is not a format; valid formats: {', '.join(DATA_FORMATS)}")
     _require(data.seq_len >= 2, f"data.seq_len must be >= 2, got {data.seq_len}")
-    model_max = CONFIGS[cfg.model.name].max_seq_len
+    from .builders import hf_checkpoint, model_config
+
+    # The architecture of a Hugging Face model.checkpoint (its config.json, read and checked
+    # here), else the named preset.
+    model_max = model_config(cfg).max_seq_len
+    where = (f"model.checkpoint's config.json" if hf_checkpoint(cfg) is not None
+             else cfg.model.name)
     _require(data.seq_len <= model_max,
-             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({cfg.model.name})")
+             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where})")
     _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
     for key in ("path", "val_path", "tokenizer"):
         value = data[key]
