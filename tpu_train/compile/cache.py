@@ -6,7 +6,8 @@ input (named like ``batch["tokens"]``, ``param "layers.0.wq.weight"``,
 (optimizer hyper-parameters, ``max_grad_norm``, train/eval mode...). Every compilation is
 logged on the ``tpu_train.compile`` logger with its cause — the first call, or exactly which
 inputs or settings differ from the previous call, from what to what — and how long tracing,
-lowering and XLA compilation took. A step function compiled more than ``warn_after`` times
+lowering and XLA compilation took -- or, when XLA's executable came from the persistent
+compilation cache (:mod:`tpu_train.device.compilation_cache`), how long loading it took. A step function compiled more than ``warn_after`` times
 logs a warning: recompiling every few steps usually means a shape that should be fixed
 (pad or bucket sequence lengths) or a setting changed in a loop.
 """
@@ -17,6 +18,8 @@ import dataclasses
 import logging
 import time
 from typing import Any, Callable
+
+from tpu_train.device import compilation_cache
 
 logger = logging.getLogger("tpu_train.compile")
 
@@ -84,8 +87,9 @@ class CompileRecord:
     cause: str
     trace_s: float
     lower_s: float
-    compile_s: float
+    compile_s: float  # XLA's compile, or the load from the persistent cache (``from_cache``)
     graph_nodes: int
+    from_cache: bool = False  # the executable was loaded from the persistent compilation cache
 
     @property
     def total_s(self) -> float:
@@ -98,13 +102,24 @@ class TimedStages:
     def __init__(self):
         self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
         self.graph_nodes = 0
+        self.compiles = 0  # calls timed as the "compile" stage
+        self.cache_hits = 0  # of which JAX loaded the executable from the persistent cache
+
+    @property
+    def from_cache(self) -> bool:
+        """Every XLA executable of this build was loaded from the persistent cache."""
+        return self.compiles > 0 and self.cache_hits >= self.compiles
 
     def time(self, stage: str, fn: Callable, *args, **kwargs):
+        hits = compilation_cache.hits()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             self.seconds[stage] += time.perf_counter() - start
+            if stage == "compile":
+                self.compiles += 1
+                self.cache_hits += compilation_cache.hits() - hits
 
 
 class CompileCache:
@@ -143,12 +158,14 @@ class CompileCache:
 
     def _record(self, cause: str, stages: TimedStages) -> None:
         s = stages.seconds
-        record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes)
+        record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes,
+                               from_cache=stages.from_cache)
         self.records.append(record)
         count = len(self.records)
+        xla = "loaded from the compilation cache in" if record.from_cache else "XLA compile"
         logger.info(
-            "%s: compilation #%d (%s): trace %.2fs, lower %.2fs, XLA compile %.2fs, "
-            "%d graph nodes", self.name, count, cause, record.trace_s, record.lower_s,
+            "%s: compilation #%d (%s): trace %.2fs, lower %.2fs, %s %.2fs, "
+            "%d graph nodes", self.name, count, cause, record.trace_s, record.lower_s, xla,
             record.compile_s, record.graph_nodes)
         if count > self.warn_after:
             logger.warning(

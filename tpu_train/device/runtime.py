@@ -2,7 +2,9 @@
 
 ``TPU_TRAIN_PLATFORM`` picks the PJRT platform (``tpu``, ``cuda`` or ``cpu``); unset, the best
 one present wins (tpu, then cuda, then cpu). Every other module asks this one for devices, so
-the choice is made once per process.
+the choice is made once per process. The same first call configures JAX's persistent
+compilation cache (``TPU_TRAIN_CACHE_DIR``, :mod:`tpu_train.device.compilation_cache`), so it is
+in place before anything is compiled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def _jax():
     # The torch dtype is authoritative and int64 is stored as int32 (see ops.dtypes); a
     # 64-bit JAX would silently change every integer and index type in compiled programs.
     jax.config.update("jax_enable_x64", False)
+    from tpu_train.device import compilation_cache
+
+    compilation_cache.configure(jax)
     return jax
 
 
