@@ -15,11 +15,24 @@ mesh: the layout of the saving job is not part of the format.
 Saving is atomic: all processes write into ``<path>.tmp``; once DCP has written the metadata
 (after every process finished its files), process 0 renames it to ``path``. A crash leaves
 either the previous state or a complete checkpoint, never a partial one under ``path``.
+
+Trust model: loading reads two kinds of files. The shard files are read by DCP with
+``torch.load(weights_only=True)`` (tensors only, no code). The ``.metadata`` file is a pickle,
+which DCP's own ``FileSystemReader`` unpickles with the unrestricted :mod:`pickle` — a crafted
+file would run arbitrary code. :func:`load_sharded` reads it with a restricted unpickler
+instead (:class:`SafeFileSystemReader`): only DCP's metadata classes, ``torch.Size``, torch
+dtypes and layouts, paths and a few plain containers may be named; anything else (``os.system``,
+``builtins.eval``, ...) is refused with :class:`UnsafeCheckpointError` before it is built. A
+checkpoint directory still deserves the trust one gives to data, not to code: the restriction
+guarantees that loading executes nothing, not that the values are sensible (the trainer checks
+the SHA-256 sums recorded in ``meta.json`` before it loads).
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,7 +51,78 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from tpu_train.device import TpuTensor, owns_whole_storage, storage_of
 
-__all__ = ["load_sharded", "save_sharded", "step_state"]
+__all__ = ["SafeFileSystemReader", "UnsafeCheckpointError", "load_sharded",
+           "read_metadata_safely", "save_sharded", "step_state"]
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A sharded checkpoint's ``.metadata`` names something other than DCP metadata."""
+
+
+# What a DCP ``.metadata`` pickle may name (module -> names); torch dtypes are checked apart.
+_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "MetadataIndex", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath",
+                          "Path"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "slice"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and refuses every other global (so nothing is executed)."""
+
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.source}: refusing to load {module}.{name} (a sharded checkpoint's metadata "
+            "may only name torch.distributed.checkpoint metadata classes, torch.Size and "
+            "dtypes); the file is corrupt or crafted, do not load it")
+
+
+def read_metadata_safely(path: str | os.PathLike):
+    """The DCP ``Metadata`` of checkpoint directory ``path`` (or of the metadata file
+    ``path`` itself), read with the restricted unpickler."""
+    source = Path(path) / ".metadata" if Path(path).is_dir() else Path(path)
+    data = source.read_bytes()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), str(source)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - truncated or garbage bytes
+        raise UnsafeCheckpointError(f"{source}: not a readable checkpoint metadata file "
+                                    f"({type(exc).__name__}: {exc})") from None
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{source}: holds a {type(metadata).__name__}, not DCP "
+                                    "Metadata")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` with ``.metadata`` read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_metadata_safely(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 _STEP_KEY = "optimizer.group{}.step"
 
@@ -219,7 +303,9 @@ def load_sharded(path: str | os.PathLike, step: Any) -> None:
     """Restore a :func:`save_sharded` checkpoint into ``step`` *in its current layout*.
 
     Place the step first (:func:`~tpu_train.parallel.place_for_step`, on the mesh and plan to
-    restore onto); every storage keeps its sharding and receives the saved values.
+    restore onto); every storage keeps its sharding and receives the saved values. The
+    ``.metadata`` pickle is read by a restricted unpickler (module docstring: trust model);
+    :class:`UnsafeCheckpointError` when it names anything but DCP metadata.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
@@ -231,7 +317,7 @@ def load_sharded(path: str | os.PathLike, step: Any) -> None:
         state[_STEP_KEY.format(i)] = torch.zeros(1, dtype=torch.int64)
     planner = _ShardLoadPlanner()
     group = _coordination_group()
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=planner,
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=planner,
              process_group=group)
     if group is not None:
         dist.destroy_process_group(group)
