@@ -45,14 +45,29 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
   step 1 and 1e-3 at step 20, against a bound of 3.1e-2).
 * Sampling tolerances (frequencies of random draws, statistics of an initialization) are not
   rounding errors: those tests derive them from the standard error of the estimate.
+* Elementwise functions (``elementwise_rtol``): no reduction, so the two implementations differ
+  by their functions' own accuracy. Correctly rounded IEEE operations (+ - * / sqrt, casts)
+  are within u of the exact result, so a chain of r of them within ~r*u; the transcendental
+  functions are polynomial approximations, XLA's own on its CPU/TPU backends (Eigen-style
+  minimax polynomials for exp/log/tanh/erf, ...), glibc/Sleef on torch's CPU side, each a few
+  u. ``ELEMENTWISE_ULPS`` lists, per function, how many u the XLA lowering and torch's CPU
+  kernel are apart: MEASURED ON THIS MACHINE (x86_64, jax 0.10.2, torch 2.13.0) over a dense
+  sweep (2^18 points) of the domain the tests use, by ``scripts/measure_ulps.py`` (the max of
+  |xla - torch| / (u * (1 + |torch|)), which is what assert_close(atol=rtol=ulps*u) checks),
+  rounded up; other CPUs may pick other code paths, which SAFETY covers. bfloat16 / float16
+  are computed in float32 and rounded to the dtype once per op (both sides): two roundings of
+  nearby float32 values are at most one ulp of the dtype apart, 2u, per rounding. Elementwise
+  comparisons also need an atol where an output passes through zero (sin near pi, x - y
+  cancelling): the rounding error is relative to the size of the inputs / intermediates, so
+  each call site uses atol = rtol * that size.
 * ``torch.testing.assert_close`` without explicit tolerances uses torch's per-dtype defaults
   (a few ulp of the dtype: derived from its resolution, not a machine); those calls are left
-  as they are. The OpInfo harness (tests/ops/opinfo_harness.py) takes each op's own
-  per-dtype ``toleranceOverride`` from torch's OpInfo database, but its fallback
-  DEFAULT_TOLERANCES and GRAD_TOLERANCE_SCALE, lowering_check's default, test_pointwise's
-  ``tolerance(dtype)`` (shared by the pointwise and reduction tests) and the linear-algebra
-  tolerances are still hand-picked per dtype, not yet derived here; test_matmul's products
-  are (``tolerances(dtype, k)`` there).
+  as they are. tests/ops: the OpInfo harness (tests/ops/opinfo_harness.py) takes each op's
+  own per-dtype ``toleranceOverride`` from torch's OpInfo database (derived per dtype by
+  PyTorch, kept as they are); its fallback for ops without one, lowering_check's default and
+  the per-file tolerances of tests/ops come from ``elementwise_rtol`` (elementwise ops) and
+  ``rtol_for`` (reductions, products, convolutions: n the reduction length, the inner
+  dimension, or kernel volume x input channels), each call site saying which.
 """
 
 from __future__ import annotations
@@ -75,6 +90,38 @@ def rtol_for(dtype: torch.dtype, reduction: int = 1, depth: int = 1) -> float:
     ``dtype`` whose longest reduction (sum length / matmul inner dimension) is ``reduction``,
     with ``depth`` such reductions chained: SAFETY * sqrt(depth * reduction) * u."""
     return SAFETY * math.sqrt(depth * max(reduction, 1)) * unit_roundoff(dtype)
+
+
+# How many u (unit roundoff of float32) the XLA lowering of each elementwise function is from
+# torch's CPU kernel, float32, over the tests' domains: measured on this machine by
+# scripts/measure_ulps.py (the figure printed as "vs_torch", rounded up; see the docstring).
+# "arithmetic" is one correctly rounded operation; "default" is one function of the first
+# group with a correctly rounded operation either side (what a lowering written as a short
+# jnp expression does), used where a test does not name its function.
+ELEMENTWISE_ULPS = {
+    "arithmetic": 1,
+    # measured 0.7 .. 2.6: exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sin cos tan asin acos
+    # atan sinh cosh tanh asinh acosh atanh erf erfc erfinv sigmoid sinc pow atan2 hypot xlogy
+    "transcendental": 3,
+    "default": 5,
+    "i0": 5,  # measured 4.5
+    "digamma": 21,  # measured 20.2 (XLA's series vs cephes)
+    "lgamma": 46,  # measured 45.9, absolute, next to the zeros at 1 and 2
+}
+
+
+def elementwise_rtol(dtype: torch.dtype, ulps: float | str = 1, roundings: int = 1) -> float:
+    """Relative (elementwise) difference between two implementations of an elementwise
+    computation with no reduction: SAFETY * ulps * u(compute dtype), ``ulps`` being the
+    functions' accuracy in units of u (a number, or a key of ELEMENTWISE_ULPS). A 16-bit
+    ``dtype`` is computed in float32 and rounded to ``dtype`` ``roundings`` times (once per op
+    of a composite that may be rounded between ops), each rounding up to one ulp (2u) apart
+    on the two sides: SAFETY * (ulps * u(float32) + 2 * roundings * u(dtype))."""
+    if isinstance(ulps, str):
+        ulps = ELEMENTWISE_ULPS[ulps]
+    if dtype in (torch.bfloat16, torch.float16):
+        return SAFETY * (ulps * unit_roundoff(torch.float32) + 2 * roundings * unit_roundoff(dtype))
+    return SAFETY * ulps * unit_roundoff(dtype)
 
 
 def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) -> float:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
+from tests.tolerances import elementwise_rtol
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import numpy_dtype, storage_dtype
 
@@ -46,11 +47,23 @@ def run_lowering(op: torch._ops.OpOverload, *args, rng_key=None, **kwargs):
     return [to_torch(g, e.dtype) for g, e in zip(got, expected)], list(expected)
 
 
-def assert_lowering_matches(op, *args, atol=1e-5, rtol=1e-5, **kwargs):
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Where a test names no tolerance: an elementwise op of the ``"default"`` accuracy (one
+    transcendental function with an arithmetic rounding either side, tests/tolerances.py) in
+    the result's dtype, used as rtol and as atol (inputs of size ~1); exact (0) for integer
+    and bool results. Ops with reductions, and larger inputs, pass their own."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return elementwise_rtol(dtype, "default")
+    return 0.0
+
+
+def assert_lowering_matches(op, *args, atol=None, rtol=None, **kwargs):
     got, expected = run_lowering(op, *args, **kwargs)
     if isinstance(expected, torch.Tensor):
         got, expected = [got], [expected]
     for g, e in zip(got, expected):
         assert g.shape == e.shape, f"{op}: shape {tuple(g.shape)} != torch's {tuple(e.shape)}"
-        torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True,
+        default = default_tolerance(e.dtype)
+        torch.testing.assert_close(g, e, atol=default if atol is None else atol,
+                                   rtol=default if rtol is None else rtol, equal_nan=True,
                                    msg=lambda m: f"{op}: {m}")
