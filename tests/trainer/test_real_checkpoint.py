@@ -27,6 +27,17 @@ tokenizers = pytest.importorskip("tokenizers")
 # Special tokens no built-in heuristic knows: the run can only find them through the
 # checkpoint's tokenizer_config.json / special_tokens_map.json.
 BOS, EOS, PAD = "<|start|>", "<|stop|>", "<|fill|>"
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
+                 "<|eot_id|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}")
 # Not one of the named model options (debug_tiny is 256 wide, 4 layers, 4 heads).
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 96, 3, 6, 2, 200
 
@@ -46,7 +57,7 @@ def _train_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[BOS, EOS, PAD],
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[BOS, EOS, PAD, *CHAT_SPECIALS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_LINES * 4, trainer=trainer)
     return tok
@@ -58,6 +69,7 @@ def checkpoint(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("ckpt") / "custom-llama"
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(),
                                                 bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(directory)
     config = transformers.LlamaConfig(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
@@ -74,6 +86,9 @@ def checkpoint(tmp_path_factory) -> Path:
 def train_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     records = [{"prompt": f"{line} ", "response": line[::-1]} for line in _LINES] * 3
+    # Chat records: rendered with the checkpoint's own chat template (it has no Llama 3 tokens).
+    records += [{"messages": [{"role": "user", "content": line},
+                              {"role": "assistant", "content": line[::-1]}]} for line in _LINES]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -125,6 +140,7 @@ def test_finetunes_a_non_preset_checkpoint_with_its_tokenizer(checkpoint, train_
     text = "Reverse the letters of the word."
     assert exported_tok(text, add_special_tokens=False).input_ids == ours.encode(text)
     assert (exported_tok.bos_token, exported_tok.eos_token, exported_tok.pad_token) == (BOS, EOS, PAD)
+    assert exported_tok.chat_template == CHATML_TEMPLATE
     reference = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     reference.eval()
 
@@ -138,6 +154,41 @@ def test_finetunes_a_non_preset_checkpoint_with_its_tokenizer(checkpoint, train_
         got = model(ids)
     rtol = rtol_for(torch.float32, reduction=INTERMEDIATE, depth=LAYERS)
     assert _relative_error(got, expected) <= rtol
+
+
+def _template_ids(fast, messages, add_generation_prompt: bool) -> list[int]:
+    ids = fast.apply_chat_template(messages, tokenize=True,
+                                   add_generation_prompt=add_generation_prompt)
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, LLAMA3_TEMPLATE], ids=["chatml", "llama3"])
+def test_chat_template_matches_transformers(template, checkpoint, tmp_path):
+    """format_chat renders with the tokenizer's own chat_template token for token as
+    transformers' apply_chat_template does, and only assistant turns are targets."""
+    from tpu_train.data import format_chat, load_tokenizer
+
+    fast = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    fast.chat_template = template
+    fast.save_pretrained(tmp_path / "tok")
+    ours = load_tokenizer(tmp_path / "tok")
+    assert ours.chat_template == template
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Reverse the word cat."},
+        {"role": "assistant", "content": "tac"},
+        {"role": "user", "content": "Add 12 and 30, with <|im_end|> typed literally."},
+        {"role": "assistant", "content": "The sum is 42."},
+    ]
+    chat = format_chat(ours, messages)
+    assert chat.ids == _template_ids(fast, messages, False)
+    prompt = format_chat(ours, messages[:4], add_generation_prompt=True)
+    assert prompt.ids == _template_ids(fast, messages[:4], True)
+    targets = ours.decode([i for i, t in zip(chat.ids, chat.target_mask) if t])
+    assert "tac" in targets and "The sum is 42." in targets
+    assert "Reverse" not in targets and "Answer" not in targets and "Add 12" not in targets
 
 
 def _write_json(path: Path, data) -> None:

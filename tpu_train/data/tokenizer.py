@@ -38,7 +38,29 @@ SENTENCEPIECE_FILE = "tokenizer.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_ROLES = ("bos", "eos", "pad")
+
+
+def read_chat_template(directory: str | Path) -> str | None:
+    """The Jinja chat template kept beside a tokenizer: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates of
+    which ``default`` is taken); None when there is none."""
+    directory = Path(directory)
+    path = directory / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"cannot read the chat template ({exc})", path) from None
+    config = directory / TOKENIZER_CONFIG_FILE
+    if not config.is_file():
+        return None
+    template = _read_json_object(config).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def _read_json_object(path: Path) -> dict:
@@ -98,6 +120,8 @@ class Tokenizer(abc.ABC):
     """
 
     path: Path
+    #: Jinja chat template (Hugging Face ``chat_template``) or None: the Llama 3 format is used.
+    chat_template: str | None = None
 
     @property
     @abc.abstractmethod
@@ -170,6 +194,10 @@ class Tokenizer(abc.ABC):
             shutil.copyfile(self.path, target)
         tokens = {f"{role}_token": self._piece(getattr(self, f"{role}_id")) for role in SPECIAL_ROLES}
         written = [target]
+        template_file = self.path.parent / CHAT_TEMPLATE_FILE
+        if template_file.is_file() and template_file.resolve() != (directory / CHAT_TEMPLATE_FILE).resolve():
+            shutil.copyfile(template_file, directory / CHAT_TEMPLATE_FILE)
+            written.append(directory / CHAT_TEMPLATE_FILE)
         for name, defaults in ((TOKENIZER_CONFIG_FILE, self._tokenizer_config_defaults()),
                                (SPECIAL_TOKENS_MAP_FILE, {})):
             source = self.path.parent / name
@@ -240,6 +268,17 @@ class HFTokenizer(Tokenizer):
             END_OF_TEXT, "</s>", "[EOS]", "<eos>", "<|endoftext|>")
         pad = given.get("pad", self._find(PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>"))
         self._pad_id = self._eos_id if pad is None else pad
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` in which special-token text IS parsed as the special token (as
+        transformers tokenizes a rendered chat template), with each token's character span."""
+        if getattr(self, "_tok_parsing_specials", None) is None:
+            from tokenizers import Tokenizer as _RustTokenizer
+
+            self._tok_parsing_specials = _RustTokenizer.from_str(self._tok.to_str())
+            self._tok_parsing_specials.encode_special_tokens = False
+        encoding = self._tok_parsing_specials.encode(text, add_special_tokens=False)
+        return list(encoding.ids), list(encoding.offsets)
 
     def _piece_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -369,7 +408,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if path.is_dir():
         for name, cls in ((HF_TOKENIZER_FILE, HFTokenizer), (SENTENCEPIECE_FILE, SentencePieceTokenizer)):
             if (path / name).is_file():
-                return cls(path / name, read_special_tokens(path))
+                tokenizer = cls(path / name, read_special_tokens(path))
+                tokenizer.chat_template = read_chat_template(path)
+                return tokenizer
         raise DataError(
             f"no tokenizer found in this directory: expected {HF_TOKENIZER_FILE} (Hugging Face) or "
             f"{SENTENCEPIECE_FILE} (SentencePiece)",
@@ -382,7 +423,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
             path,
         )
     if path.suffix == ".json":
-        return HFTokenizer(path, read_special_tokens(path.parent))
+        tokenizer = HFTokenizer(path, read_special_tokens(path.parent))
+        tokenizer.chat_template = read_chat_template(path.parent)
+        return tokenizer
     if path.suffix == ".model":
         return SentencePieceTokenizer(path, read_special_tokens(path.parent))
     raise DataError(
