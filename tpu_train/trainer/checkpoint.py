@@ -221,9 +221,10 @@ SUPERSEDED_SUBDIR = "superseded"
 
 def supersede_later(run_dir: str | Path, step: int) -> list[Path]:
     """Move the checkpoints after ``step`` to ``checkpoints/superseded/`` (a run resumed from an
-    earlier step must never resume from them again, and nothing is deleted)."""
+    earlier step must never resume from them again, and nothing is deleted). Damaged ones
+    included: a run resumed past a damaged checkpoint writes that step again."""
     moved = []
-    for found_step, path in list_checkpoints(run_dir):
+    for found_step, path in checkpoint_dirs(run_dir):
         if found_step > step:
             target = path.parent / SUPERSEDED_SUBDIR / f"{path.name}-{uuid.uuid4().hex[:8]}"
             target.parent.mkdir(exist_ok=True)
