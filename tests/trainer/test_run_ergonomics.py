@@ -22,7 +22,8 @@ def test_start_summary_tensorboard_hparams_and_profile(tmp_path):
     assert "it/s" not in err and "step/s" not in err and "\r" not in err, err
     # A warmup longer than the run is shortened, and the run says so.
     assert "note: scheduler.warmup_steps=10 is longer than the 3-step run" in out
-    for field in ("model: debug_tiny, 3.4 M parameters (3.4 M trainable)",
+    for field in ("model: Llama dim 256, 4 layers, 4/2 heads, vocab 512, 3.4 M parameters "
+                  "(3.4 M trainable)",
                   "global batch 2 x 32 tokens x 1 accumulation = 64 tokens/step",
                   "budget 3 steps = 192 tokens", "device: cpu | mesh data=1 fsdp=1 tensor=1",
                   "precision: fp32", "memory: ", "profiled steps 2-3"):

@@ -36,6 +36,15 @@ def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
+def _model_label(cfg, model: torch.nn.Module) -> str:
+    """The preset's name, or the shape of a model built from a checkpoint's own config."""
+    config = getattr(model, "config", None)
+    if cfg.model.checkpoint is None or config is None:
+        return cfg.model.name
+    return (f"{type(model).__name__} dim {config.dim}, {config.n_layers} layers, "
+            f"{config.n_heads}/{config.n_kv_heads} heads, vocab {config.vocab_size}")
+
+
 def _device_line(job, parallel: Parallelism) -> str:
     text = f"{job.device.type}"
     if job.device.type == "tpu":
@@ -77,8 +86,8 @@ def start_summary(job, parallel: Parallelism, model: torch.nn.Module, optimizer,
                      f"the {cfg.trainer.max_steps}-step run; warming up over {warmup} step(s)")
     return notes + [
         f"run dir: {job.run_dir}{resumed}",
-        f"model: {cfg.model.name}, {_count(total)} parameters ({_count(trainable)} trainable), "
-        f"from {source}",
+        f"model: {_model_label(cfg, model)}, {_count(total)} parameters ({_count(trainable)} "
+        f"trainable), from {source}",
         f"data: global batch {batch} x {seq} tokens x {accum} accumulation = {per_step:,} "
         f"tokens/step ({rows_here} row{'s' if rows_here != 1 else ''} per data-parallel shard); budget "
         f"{cfg.trainer.max_steps} steps = {budget:,} tokens",
