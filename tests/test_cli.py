@@ -138,3 +138,32 @@ def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
         assert (base / job / "checkpoints" / "step_00000001" / "meta.json").is_file()
     seeds = [(base / job / "run_config.yaml").read_text() for job in ("0", "1")]
     assert "seed: 1" in seeds[0] and "seed: 2" in seeds[1]
+
+
+@pytest.mark.parametrize("where", ["empty", "a_file", "under_a_file"])
+def test_unusable_run_dir_is_one_line_and_writes_nothing(where, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    run_dir = {"empty": "", "a_file": str(blocker), "under_a_file": str(blocker / "run")}[where]
+    expected = {"empty": "run.dir is empty", "a_file": "is a file, not a directory",
+                "under_a_file": "which is a file"}[where]
+    before = snapshot(tmp_path)
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=1", f"run.dir={run_dir}")
+    _assert_one_line_error(code, out, err, expected)
+    assert snapshot(tmp_path) == before
+
+
+def test_bad_platform_is_one_line(tmp_path):
+    """TPU_TRAIN_PLATFORM is read when tpu_train is imported: a child process each."""
+    import os
+    import subprocess
+    import sys
+
+    cases = {"bogus": "is not a known platform", "tpu": "but JAX finds no tpu devices"}
+    for value, expected in cases.items():
+        env = dict(os.environ, TPU_TRAIN_PLATFORM=value)
+        done = subprocess.run([sys.executable, "-m", "tpu_train.cli", *TINY, "trainer.device=tpu",
+                               "trainer.max_steps=1", f"run.dir={tmp_path / value}"],
+                              env=env, capture_output=True, text=True, timeout=120)
+        _assert_one_line_error(done.returncode, done.stdout, done.stderr, expected)
+        assert not (tmp_path / value).exists()

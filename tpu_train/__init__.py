@@ -20,7 +20,8 @@ from tpu_train.device.tensor import TpuTensor
 
 __version__ = "0.1.0"
 
-_runtime.requested_platform()  # a misspelt TPU_TRAIN_PLATFORM fails at import
+# A misspelt TPU_TRAIN_PLATFORM fails at the first device use (runtime.platform()), not at
+# import: importing must succeed so that the command line can report it as one line.
 _registration.register()
 
 from tpu_train import distributed as _distributed  # noqa: E402,F401  (the "tpu" ProcessGroup)

@@ -160,10 +160,20 @@ def _run_plan_job(cfg: DictConfig) -> None:
         _exit_for(exc)
 
 
+# The environment's errors, raised while ``import tpu_train`` itself runs (a bad
+# TPU_TRAIN_PLATFORM, no such devices, an unusable cache directory): matched by name, since
+# importing their classes would re-run the import that failed.
+_ENVIRONMENT_ERRORS = {"tpu_train.device.runtime.PlatformError",
+                       "tpu_train.device.compilation_cache.CompilationCacheError"}
+
+
 def _is_bad_input(exc: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
+    if names & _ENVIRONMENT_ERRORS:
+        return True
     from tpu_train.data.errors import DataError
 
     return isinstance(exc, (ConfigError, HydraException, OmegaConfBaseException, DataError))

@@ -59,7 +59,8 @@ def test_zero_dim_cpu_tensor_is_allowed_like_on_cuda():
 
 def test_unknown_platform_is_a_clear_error():
     env = dict(os.environ, TPU_TRAIN_PLATFORM="abacus")
-    result = subprocess.run([sys.executable, "-c", "import tpu_train"], env=env,
+    result = subprocess.run([sys.executable, "-c", "import tpu_train; tpu_train.device(0)"],
+                            env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "TPU_TRAIN_PLATFORM='abacus' is not a known platform" in result.stderr

@@ -70,6 +70,28 @@ def _validate_parallel(cfg: DictConfig) -> None:
              "count); set the other explicitly")
 
 
+def _validate_run_dir(cfg: DictConfig) -> None:
+    """``run.dir`` must name a directory this process can create or write, checked before
+    anything is written (a file there, or a file or unwritable directory above it, fails)."""
+    import os
+
+    raw = cfg.run.dir
+    _require(raw is not None and str(raw).strip() != "",
+             "run.dir is empty; name the directory the run writes into (e.g. run.dir=runs/ft)")
+    path = Path(str(raw)).expanduser().absolute()
+    _require(not path.exists() or path.is_dir(),
+             f"run.dir={str(raw)!r} is a file, not a directory; choose another run.dir")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    _require(existing.is_dir(),
+             f"run.dir={str(raw)!r} lies under {str(existing)!r}, which is a file; choose "
+             "another run.dir")
+    _require(os.access(existing, os.W_OK | os.X_OK),
+             f"run.dir={str(raw)!r}: {str(existing)!r} is not writable; choose a directory "
+             "you can write to")
+
+
 def _validate_logging_and_checkpoint(cfg: DictConfig) -> None:
     profile = cfg.logging.profile_steps
     _require(profile is None or (len(profile) == 2 and 1 <= profile[0] <= profile[1]),
@@ -144,6 +166,7 @@ def validate_config(cfg: DictConfig) -> None:
         _require(value is None or Path(value).exists(),
                  f"data.{key}={value!r} does not exist; give an existing path or null for the bundled one")
     _validate_logging_and_checkpoint(cfg)
+    _validate_run_dir(cfg)
     _reject_unknown_keys(cfg)
     lora = cfg.recipe.lora
     _require(lora.rank >= 1, f"recipe.lora.rank must be >= 1, got {lora.rank}")
