@@ -5,17 +5,36 @@ import pytest
 import torch
 
 from tests.ops.lowering_check import assert_lowering_matches, run_lowering, to_jax, to_torch
+from tests.tolerances import elementwise_rtol, rtol_for
 from tpu_train.ops import nn as _registers_nn_lowerings  # noqa: F401
 from tpu_train.ops import registry
 
 aten = torch.ops.aten
 
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-}
-FLOATS = list(TOL)
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def tolerance(dtype, n, scale=1.0, roundings=1, cond=1.0):
+    """assert_close's (atol, rtol) for an op in ``dtype`` whose longest reduction has length
+    ``n`` (softmax: the softmax dim; a norm: the normalised elements, or the rows summed for a
+    weight gradient; a loss: the elements summed) with a few elementwise functions around it
+    (exp, log, rsqrt: the "default" accuracy) (tests/tolerances.py): rtol_for(float32, n) +
+    elementwise_rtol(dtype, "default", roundings), the 16-bit dtypes being computed in float32
+    and rounded to the dtype ``roundings`` times. Outputs that cancel to near zero need an
+    atol: rtol at ``scale``, the size of the values the output is computed from. ``cond``
+    multiplies both by a condition number where a cancellation amplifies the rounding (a
+    normalisation of x: x - mean is off by u |x|, scaled by rstd, so max|x| * rstd); it
+    amplifies the float32 computation's rounding, not the final rounding to a 16-bit dtype."""
+    compute = rtol_for(torch.float32, n) + elementwise_rtol(torch.float32, "default")
+    output_rounding = elementwise_rtol(dtype, "default", roundings) - elementwise_rtol(torch.float32, "default")
+    rtol = cond * compute + output_rounding
+    return dict(atol=rtol * scale, rtol=rtol)
+
+
+def largest(*outputs):
+    """The largest |value| among an op's outputs (None skipped): the size of the terms an
+    output element is summed from, for the atol of elements that cancel to near zero."""
+    return max(float(o.detach().float().abs().max()) for o in outputs if o is not None and o.numel())
 
 
 def rand(*shape, dtype=torch.float32, seed=0):
@@ -43,8 +62,11 @@ def assert_masked_outputs(op, args, output_mask, **tol):
 @pytest.mark.parametrize("dim", [0, -1, 1])
 def test_softmax_and_log_softmax(dtype, dim):
     x = rand(3, 5, 7, dtype=dtype) * 4
-    assert_lowering_matches(aten._softmax.default, x, dim, False, **TOL[dtype])
-    assert_lowering_matches(aten._log_softmax.default, x, dim, False, **TOL[dtype])
+    # A sum of exp over the softmax dim; log_softmax is x - max - log(sum), which cancels
+    # near zero: atol at the size of x - max (up to 2 max|x|).
+    tol = tolerance(dtype, x.shape[dim], scale=2 * float(x.abs().max()))
+    assert_lowering_matches(aten._softmax.default, x, dim, False, **tol)
+    assert_lowering_matches(aten._log_softmax.default, x, dim, False, **tol)
 
 
 def test_softmax_half_to_float_and_extreme_values():
@@ -66,7 +88,8 @@ def test_safe_softmax_zeroes_fully_masked_rows():
     x[1] = float("-inf")
     x[2, :2] = float("-inf")
     assert_lowering_matches(aten._safe_softmax.default, x, -1)
-    assert_lowering_matches(aten._safe_softmax.default, x.bfloat16(), -1, **TOL[torch.bfloat16])
+    # A sum of exp over the 4 keys, output in [0, 1].
+    assert_lowering_matches(aten._safe_softmax.default, x.bfloat16(), -1, **tolerance(torch.bfloat16, 4))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -76,8 +99,12 @@ def test_softmax_backward(dtype, dim):
     grad = rand(4, 6, dtype=dtype, seed=1)
     out = torch.softmax(x, dim)
     log_out = torch.log_softmax(x, dim)
-    assert_lowering_matches(aten._softmax_backward_data.default, grad, out, dim, dtype, **TOL[dtype])
-    assert_lowering_matches(aten._log_softmax_backward_data.default, grad, log_out, dim, dtype, **TOL[dtype])
+    # out * (grad - sum(grad * out)) and grad - exp(out) * sum(grad) over the softmax dim: the
+    # sum of grad (|grad| up to ~3) cancels against grad, atol at the sum's size.
+    n = x.shape[dim]
+    tol = tolerance(dtype, n, scale=float(grad.abs().max()) * n ** 0.5)
+    assert_lowering_matches(aten._softmax_backward_data.default, grad, out, dim, dtype, **tol)
+    assert_lowering_matches(aten._log_softmax_backward_data.default, grad, log_out, dim, dtype, **tol)
 
 
 # --- layer / RMS / group norm ----------------------------------------------------------------
@@ -90,12 +117,18 @@ def test_layer_norm_forward_and_backward(dtype, normalized_shape, affine):
     x = rand(2, 3, 8, dtype=dtype) * 3 + 1
     w = rand(*normalized_shape, dtype=dtype, seed=2) if affine else None
     b = rand(*normalized_shape, dtype=dtype, seed=3) if affine else None
-    assert_lowering_matches(aten.native_layer_norm.default, x, normalized_shape, w, b, 1e-5, **TOL[dtype])
-    _, mean, rstd = aten.native_layer_norm(x, normalized_shape, w, b, 1e-5)
+    # Mean and variance over the normalised elements, the weight / bias gradients over the
+    # rows (2 x 3 / len(normalized_shape[0]): fewer); atol at the outputs' size.
+    n = 8 * len(normalized_shape)
+    out = aten.native_layer_norm(x, normalized_shape, w, b, 1e-5)
+    assert_lowering_matches(aten.native_layer_norm.default, x, normalized_shape, w, b, 1e-5,
+                            **tolerance(dtype, n, scale=largest(*out)))
+    _, mean, rstd = out
     grad = rand(2, 3, 8, dtype=dtype, seed=4)
     mask = [True, affine, affine]
-    assert_masked_outputs(aten.native_layer_norm_backward.default,
-                          (grad, x, normalized_shape, mean, rstd, w, b, mask), mask, **TOL[dtype])
+    args = (grad, x, normalized_shape, mean, rstd, w, b, mask)
+    tol = tolerance(dtype, n, scale=largest(*aten.native_layer_norm_backward(*args)))
+    assert_masked_outputs(aten.native_layer_norm_backward.default, args, mask, **tol)
 
 
 def test_layer_norm_backward_respects_output_mask():
@@ -112,7 +145,11 @@ def test_layer_norm_backward_respects_output_mask():
 def test_rms_norm_forward_and_backward(dtype, eps, with_weight):
     x = rand(2, 5, 16, dtype=dtype)
     w = rand(16, dtype=dtype, seed=1) if with_weight else None
-    assert_lowering_matches(aten._fused_rms_norm.default, x, [16], w, eps, **TOL[dtype])
+    # Mean of squares over the 16 normalised elements (the weight gradient: over 2 x 5 rows);
+    # atol at the outputs' size.
+    out = aten._fused_rms_norm(x, [16], w, eps)
+    assert_lowering_matches(aten._fused_rms_norm.default, x, [16], w, eps,
+                            **tolerance(dtype, 16, scale=largest(*out)))
     # CPU torch has no kernel for the backward op: autograd of the forward is the oracle.
     x_leaf = x.detach().requires_grad_()
     w_leaf = w.detach().requires_grad_() if with_weight else None
@@ -121,9 +158,10 @@ def test_rms_norm_forward_and_backward(dtype, eps, with_weight):
     out.backward(grad)
     got_input, got_weight = registry.get_lowering(aten._fused_rms_norm_backward.default).fn(
         to_jax(grad), to_jax(x), [16], to_jax(rstd.detach()), to_jax(w), [True, with_weight])
-    torch.testing.assert_close(to_torch(got_input, dtype), x_leaf.grad, **TOL[dtype])
+    tol = tolerance(dtype, 16, scale=largest(x_leaf.grad, w_leaf.grad if with_weight else None))
+    torch.testing.assert_close(to_torch(got_input, dtype), x_leaf.grad, **tol)
     if with_weight:
-        torch.testing.assert_close(to_torch(got_weight, dtype), w_leaf.grad, **TOL[dtype])
+        torch.testing.assert_close(to_torch(got_weight, dtype), w_leaf.grad, **tol)
     else:
         assert got_weight is None
 
@@ -135,13 +173,19 @@ def test_group_norm_forward_and_backward(dtype, shape, groups):
     n, c = shape[:2]
     hxw = x.numel() // (n * c)
     w, b = rand(c, dtype=dtype, seed=1), rand(c, dtype=dtype, seed=2)
-    assert_lowering_matches(aten.native_group_norm.default, x, w, b, n, c, hxw, groups, 1e-5, **TOL[dtype])
-    _, mean, rstd = aten.native_group_norm(x, w, b, n, c, hxw, groups, 1e-5)
+    # Mean and variance over a group (c / groups x hxw elements), the weight / bias gradients
+    # over n x hxw; atol at the outputs' size. A tiny group (2 elements) has a small variance,
+    # hence a large rstd that amplifies the rounding of x - mean: condition max|x| * rstd.
+    length = max(c // groups * hxw, n * hxw)
+    out = aten.native_group_norm(x, w, b, n, c, hxw, groups, 1e-5)
+    _, mean, rstd = out
+    cond = max(1.0, float(x.float().abs().max() * rstd.float().max()))
+    assert_lowering_matches(aten.native_group_norm.default, x, w, b, n, c, hxw, groups, 1e-5,
+                            **tolerance(dtype, length, scale=largest(*out), cond=cond))
     grad = rand(*shape, dtype=dtype, seed=3)
-    # Tiny groups have a large rstd that amplifies f32 rounding differences.
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
-    assert_lowering_matches(aten.native_group_norm_backward.default, grad, x, mean, rstd, w, n, c, hxw,
-                            groups, [True, True, True], **tol)
+    args = (grad, x, mean, rstd, w, n, c, hxw, groups, [True, True, True])
+    tol = tolerance(dtype, length, scale=largest(*aten.native_group_norm_backward(*args)), cond=cond)
+    assert_lowering_matches(aten.native_group_norm_backward.default, *args, **tol)
     assert_masked_outputs(aten.native_group_norm_backward.default,
                           (grad, x, mean, rstd, None, n, c, hxw, groups, [True, False, False]),
                           [True, False, False], **tol)
@@ -176,11 +220,13 @@ def test_batch_norm_functional_matches_the_mutating_op():
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_batch_norm_no_stats_and_no_training(dtype):
     x, w, b, rm, rv = batch_norm_args((4, 3, 5), dtype)
-    assert_lowering_matches(aten._native_batch_norm_legit.no_stats, x, w, b, True, 0.1, 1e-5, **TOL[dtype])
-    assert_lowering_matches(aten._native_batch_norm_legit.no_stats, x, None, None, True, 0.1, 1e-5,
-                            **TOL[dtype])
+    # Mean and variance per channel over 4 x 5; atol at the outputs' size.
+    out = aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)
+    tol = tolerance(dtype, 4 * 5, scale=largest(*out))
+    assert_lowering_matches(aten._native_batch_norm_legit.no_stats, x, w, b, True, 0.1, 1e-5, **tol)
+    assert_lowering_matches(aten._native_batch_norm_legit.no_stats, x, None, None, True, 0.1, 1e-5, **tol)
     assert_lowering_matches(aten._native_batch_norm_legit_no_training.default, x, w, b, rm, rv, 0.1, 1e-5,
-                            **TOL[dtype])
+                            **tol)
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -189,11 +235,14 @@ def test_batch_norm_backward(train, shape):
     x, w, b, rm, rv = batch_norm_args(shape)
     _, save_mean, save_invstd = aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)
     grad = rand(*shape, seed=7)
-    assert_lowering_matches(aten.native_batch_norm_backward.default, grad, x, w, rm, rv, save_mean,
-                            save_invstd, train, 1e-5, [True, True, True], atol=1e-4, rtol=1e-4)
+    # Sums of grad and grad * x_hat per channel over batch x spatial; atol at the outputs' size.
+    args = (grad, x, w, rm, rv, save_mean, save_invstd, train, 1e-5, [True, True, True])
+    tol = tolerance(torch.float32, x.numel() // x.shape[1],
+                    scale=largest(*aten.native_batch_norm_backward(*args)))
+    assert_lowering_matches(aten.native_batch_norm_backward.default, *args, **tol)
     assert_masked_outputs(aten.native_batch_norm_backward.default,
                           (grad, x, None, rm, rv, save_mean, save_invstd, train, 1e-5, [True, False, True]),
-                          [True, False, True], atol=1e-4, rtol=1e-4)
+                          [True, False, True], **tol)
 
 
 # --- embedding -------------------------------------------------------------------------------
@@ -212,8 +261,10 @@ def test_embedding(dtype):
 def test_embedding_dense_backward(padding_idx, scale_grad_by_freq, dtype):
     indices = torch.tensor([[0, 3, 9], [3, 3, 1]])
     grad = rand(2, 3, 4, dtype=dtype)
+    # A row's gradient sums the (up to 3) gradients of the positions that look it up, then
+    # one division (scale_grad_by_freq); atol at their sum's size.
     assert_lowering_matches(aten.embedding_dense_backward.default, grad, indices, 10, padding_idx,
-                            scale_grad_by_freq, **TOL[dtype])
+                            scale_grad_by_freq, **tolerance(dtype, 3, scale=3 * largest(grad)))
 
 
 # --- losses ----------------------------------------------------------------------------------
@@ -272,9 +323,11 @@ def loss_grad(reduction, shape):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_mse_loss(reduction, dtype):
     x, t = rand(3, 4, dtype=dtype), rand(3, 4, dtype=dtype, seed=1)
-    assert_lowering_matches(aten.mse_loss.default, x, t, reduction, **TOL[dtype])
+    # (x - t)^2 summed over the 12 elements (x - t cancels: atol at the inputs' size).
+    tol = tolerance(dtype, 12, scale=largest(x, t))
+    assert_lowering_matches(aten.mse_loss.default, x, t, reduction, **tol)
     assert_lowering_matches(aten.mse_loss_backward.default, loss_grad(reduction, (3, 4)).to(dtype), x, t,
-                            reduction, **TOL[dtype])
+                            reduction, **tol)
 
 
 @pytest.mark.parametrize("reduction", [0, 1, 2])
@@ -286,8 +339,11 @@ def test_binary_cross_entropy(reduction, with_weight):
     assert_lowering_matches(aten.binary_cross_entropy.default, x, t, w, reduction)
     # Away from 0 and 1, where the gradient is finite.
     xs = torch.sigmoid(rand(2, 3))
-    assert_lowering_matches(aten.binary_cross_entropy_backward.default, loss_grad(reduction, (2, 3)), xs, t,
-                            w, reduction, atol=1e-4, rtol=1e-5)
+    # Elementwise g * (x - t) / (x * (1 - x)) * w, no reduction (the mean only divides);
+    # x - t cancels: atol at the outputs' size.
+    args = (loss_grad(reduction, (2, 3)), xs, t, w, reduction)
+    tol = tolerance(torch.float32, 1, scale=largest(aten.binary_cross_entropy_backward(*args)))
+    assert_lowering_matches(aten.binary_cross_entropy_backward.default, *args, **tol)
 
 
 @pytest.mark.parametrize("reduction", [0, 1, 2])
