@@ -99,3 +99,15 @@ def test_a_copied_recipe_runs_with_its_own_changes(tmp_path, monkeypatch):
 
     code, _, err = run_in_process("recipe=./missing.py", *TINY)
     assert code == 2 and "recipe=./missing.py: no such recipe script" in err, err
+
+
+def test_resuming_with_another_lr_says_the_checkpoint_settings_are_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(*TINY, "trainer.max_steps=2", f"run.dir={run_dir}")
+    assert code == 0, err
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=3", "optim.lr=1e10",
+                                    f"run.dir={run_dir}")
+    assert code == 0, err
+    assert "note: optim.lr=1e+10 differs from the resumed checkpoint's 0.0005" in out
+    metrics = read_metrics(run_dir)
+    assert metrics[3]["train/lr"] < 1e-3  # the checkpoint's schedule went on

@@ -348,7 +348,7 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
         logger.log_only(OmegaConf.to_yaml(cfg, resolve=True))
         logger.config(cfg)
         for note in job.notes:
-            logger.log_only(note)
+            (logger.line if note.startswith("note: ") else logger.log_only)(note)
         for path in superseded:
             logger.line(f"moved {path.name.rsplit('-', 1)[0]} (after the resumed step) to {path}")
         for line in start_summary(job, parallel, model, optimizer, data, source, resumed_from,

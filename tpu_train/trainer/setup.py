@@ -273,4 +273,18 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
             f"({checkpoint_layout(found)} layout: {str(exc).splitlines()[0]}); use a new "
             "run.dir or the original settings") from exc
     restore_rng_state(training_state["rng"], job.device)
+    _note_kept_settings(job, training_state)
     return int(meta["step"]), found
+
+
+def _note_kept_settings(job: Job, training_state: dict) -> None:
+    """A resumed run continues the checkpoint's schedule and optimizer settings exactly (that
+    is what makes resuming exact); a different ``optim.lr`` on the command line is therefore
+    not applied, and the run says so instead of ignoring it silently."""
+    saved = training_state["scheduler"].get("base_lrs") or []
+    wanted = float(job.cfg.optim.lr)
+    if saved and any(abs(lr - wanted) > 1e-12 * max(abs(lr), abs(wanted)) for lr in saved):
+        job.notes.append(
+            f"note: optim.lr={wanted:g} differs from the resumed checkpoint's {saved[0]:g}; the "
+            "checkpoint's optimizer and schedule settings are kept (resume in a new run.dir "
+            "from its hf/ export to change them)")
