@@ -9,6 +9,7 @@ import torch
 
 from tests.ops.lowering_check import assert_lowering_matches, to_torch
 from tests.ops.lowering_check import to_jax as _to_jax
+from tests.tolerances import elementwise_rtol, rtol_for
 from tpu_train.ops import (activations, comparison, conversion, foreach,  # noqa: F401
                            pointwise, reduction)
 from tpu_train.ops.registry import aten, get_lowering
@@ -18,6 +19,22 @@ def to_jax(tensor):
     # A private copy: on the CPU backend a JAX array may share the numpy buffer it came from,
     # and the in-place torch kernels below would then update it too.
     return _to_jax(tensor.clone()) if isinstance(tensor, torch.Tensor) else tensor
+
+
+def tolerance(dtype, ulps="default", roundings=1, n=1, scale=1.0, steps=1):
+    """assert_close's (atol, rtol) (tests/tolerances.py): ``steps`` repetitions (optimizer
+    steps, accumulating linearly) of an elementwise chain of accuracy ``ulps`` (a key of
+    ELEMENTWISE_ULPS, or the number of correctly rounded operations), a 16-bit dtype computed
+    in float32 and rounded ``roundings`` times, plus a reduction of length ``n`` (the norms):
+    steps * (elementwise_rtol + rtol_for(float32, n) if n > 1). Outputs that cancel to near
+    zero (a - b, lerp, a momentum buffer) get atol = rtol at ``scale``, the inputs' size."""
+    rtol = elementwise_rtol(dtype, ulps, roundings) + (rtol_for(torch.float32, n) if n > 1 else 0.0)
+    rtol *= steps
+    return dict(atol=rtol * scale, rtol=rtol)
+
+
+def largest(group):
+    return max(float(t.float().abs().max()) for t in group if t.numel())
 
 
 def tensors(seed, dtype=torch.float32, positive=False):
@@ -39,8 +56,10 @@ def test_every_functional_foreach_overload_resolves_to_a_lowered_op():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_binary_overloads(dtype):
     a, b = tensors(0, dtype), tensors(1, dtype, positive=True)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    check = lambda op, *args, **kw: assert_lowering_matches(op, *args, atol=tol, rtol=tol, **kw)  # noqa: E731
+    # One elementwise op (pow the least accurate: "default"), rounded once to bf16; sums and
+    # differences cancel: atol at the inputs' size times the largest scalar / alpha (3).
+    tol = tolerance(dtype, scale=3 * largest(a + b))
+    check = lambda op, *args, **kw: assert_lowering_matches(op, *args, **tol, **kw)  # noqa: E731
     check(aten._foreach_add.List, a, b, alpha=0.5)
     check(aten._foreach_add.Scalar, a, 2.5)
     check(aten._foreach_add.ScalarList, a, [1, 2.5, -1.0, 3])
@@ -65,8 +84,11 @@ def test_binary_overloads(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ternary_unary_and_norm(dtype):
     a, b, c = tensors(0, dtype), tensors(1, dtype), tensors(2, dtype, positive=True)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    check = lambda op, *args, **kw: assert_lowering_matches(op, *args, atol=tol, rtol=tol, **kw)  # noqa: E731
+    # Two elementwise ops (addcdiv: a + v * b / c; a unary function of "default" accuracy),
+    # each possibly rounded to bf16; the norms reduce the largest tensor (12 elements). Sums
+    # cancel: atol at the inputs' size (b / c up to ~2 |b|).
+    tol = tolerance(dtype, roundings=2, n=12, scale=2 * largest(a + b + c))
+    check = lambda op, *args, **kw: assert_lowering_matches(op, *args, **tol, **kw)  # noqa: E731
     check(aten._foreach_addcdiv.Scalar, a, b, c, -0.5)
     check(aten._foreach_addcdiv.ScalarList, a, b, c, [0.1, 0.2, 0.3, 0.4])
     check(aten._foreach_addcdiv.Tensor, a, b, c, torch.tensor([0.1, 0.2, 0.3, 0.4]))
@@ -130,15 +152,21 @@ def run_adam(op, inplace, dtype, *, amsgrad, maximize, weight_decay, tensor_lr, 
             jax_state[0], jax_grads, jax_state[1], jax_state[2],
             jax_state[3] if amsgrad else [], [to_jax(s) for s in steps_t], **jax_kwargs)
         jax_state = [params, avgs, sqs, maxes if amsgrad else jax_state[3]]
-        tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
+        # The gradients come back unscaled: one division (by a power of 2).
+        tol = tolerance(dtype, "arithmetic", scale=largest(scaled_grads))
         for got, expected in zip(grads_out, scaled_grads):
-            torch.testing.assert_close(to_torch(got, dtype), expected, atol=tol, rtol=tol)
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-6
+            torch.testing.assert_close(to_torch(got, dtype), expected, **tol)
+    # Each Adam step is an elementwise chain of ~12 operations (the moments, the bias
+    # corrections' pow, sqrt, the division, the decay and the update: 15 u with pow / sqrt at
+    # 3 u), no reduction; bf16 rounds the parameter and both moments once a step. The errors
+    # accumulate linearly over the steps; the moments cancel across steps of opposite-signed
+    # gradients: atol at each state's size.
     for got_group, expected_group in zip(jax_state, torch_state):
         if not amsgrad and got_group is jax_state[3]:
             continue
+        tol = tolerance(dtype, 15, steps=steps, scale=largest(expected_group))
         for got, expected in zip(got_group, expected_group):
-            torch.testing.assert_close(to_torch(got, dtype), expected, atol=tol, rtol=tol)
+            torch.testing.assert_close(to_torch(got, dtype), expected, **tol)
 
 
 ADAM_CASES = [
@@ -188,8 +216,12 @@ def test_fused_sgd_matches_torch_over_steps(momentum, nesterov, dampening, grad_
             jax_params, jax_grads, jax_buffers, **jax_kwargs)
         for got, expected in zip(grads_out, grads):
             torch.testing.assert_close(to_torch(got, torch.float32), expected)
+    # Each SGD step is a chain of ~6 correctly rounded operations (weight decay, momentum and
+    # dampening, nesterov, lr, the update), accumulating linearly over the 3 steps; the buffers
+    # cancel across steps: atol at the tensors' size.
     for got, expected in zip(jax_params + list(jax_buffers), params + buffers):
-        torch.testing.assert_close(to_torch(got, torch.float32), expected, atol=2e-6, rtol=2e-6)
+        tol = tolerance(torch.float32, 6, steps=3, scale=largest(params + buffers))
+        torch.testing.assert_close(to_torch(got, torch.float32), expected, **tol)
 
 
 def test_fused_adamw_traces_with_traced_hyperparameters():
