@@ -14,8 +14,10 @@ through zero, where a relative error is meaningless):
 
 Prints one JSON line, {"machine": ..., "jax": ..., "torch": ..., "ulps": {name: {dtype: {...}}}}.
 These figures are a measurement on one CPU: tests/tolerances.py keeps a safety factor over them.
+``--special`` measures instead the special functions of tests/ops/test_special.py (float32, the
+dtype those tests use) over that file's domains.
 
-    python scripts/measure_ulps.py [--points 1048576]
+    python scripts/measure_ulps.py [--points 1048576] [--special]
 """
 
 from __future__ import annotations
@@ -51,6 +53,71 @@ BINARY = {"pow": ((0.0, 3.0), (0.0, 3.0)), "atan2": ((-4.0, 4.0), (1.0, 5.0)),
           "div": ((-4.0, 4.0), (1.0, 5.0))}
 
 
+# tests/ops/test_special.py's functions and domains: name -> (overload, [(low, high) per
+# tensor argument], scalar arguments placed first / last, integer-valued arguments).
+SPECIAL = {name: (getattr(aten, name).default, [dom]) for name, dom in {
+    "special_erfcx": (-3.0, 10.0), "special_i0e": (-10.0, 10.0), "special_i1": (-8.0, 8.0),
+    "special_i1e": (-10.0, 10.0), "special_ndtri": (0.01, 0.99), "special_log_ndtr": (-10.0, 5.0),
+    "special_modified_bessel_i0": (-8.0, 8.0), "special_modified_bessel_i1": (-8.0, 8.0),
+    "special_spherical_bessel_j0": (-20.0, 20.0)}.items()}
+POLYNOMIALS = ["chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+               "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t",
+               "shifted_chebyshev_polynomial_u", "shifted_chebyshev_polynomial_v",
+               "shifted_chebyshev_polynomial_w", "hermite_polynomial_h", "hermite_polynomial_he",
+               "laguerre_polynomial_l", "legendre_polynomial_p"]
+
+
+def special_inputs(name: str, points: int) -> list[tuple]:
+    """(overload, args) sweeps for one special function (float64 tensors, cast later)."""
+    g = torch.Generator().manual_seed(0)
+
+    def uniform(low, high):
+        return torch.rand(points, generator=g, dtype=torch.float64) * (high - low) + low
+
+    if name in SPECIAL:
+        overload, [(low, high)] = SPECIAL[name]
+        return [(overload, [torch.linspace(low, high, points, dtype=torch.float64)])]
+    if name.startswith("polygamma"):  # polygamma_1 .. _3 over (-9.5, 9.5)
+        n = int(name.rsplit("_", 1)[1])
+        return [(aten.polygamma.default, [n, torch.linspace(-9.5, 9.5, points, dtype=torch.float64)])]
+    if name == "zeta":  # zeta(3, q), q in (0.2, 5); zeta(x, 2), x in (1.5, 6)
+        q = torch.linspace(0.2, 5.0, points, dtype=torch.float64)
+        return [(aten.special_zeta.default, [torch.full_like(q, 3.0), q]),
+                (aten.special_zeta.other_scalar,
+                 [torch.linspace(1.5, 6.0, points, dtype=torch.float64), 2.0])]
+    if name in ("igamma", "igammac"):  # a in (0.1, 5), x in (0, 6)
+        return [(getattr(aten, name).default, [uniform(0.1, 5.0), uniform(0.0, 6.0)])]
+    # The orthogonal polynomials: x in (-1.2, 1.2) against degrees -2 .. 11, as test_polynomials.
+    packet = getattr(aten, f"special_{name}")
+    x = torch.linspace(-1.2, 1.2, max(points // 14, 2), dtype=torch.float64)
+    n = torch.arange(-2, 12, dtype=torch.float64)
+    xs, ns = torch.broadcast_tensors(x[:, None], n[None, :])
+    return [(packet.default, [xs.flatten(), ns.flatten()]), (packet.n_scalar, [x, 3]),
+            (packet.x_scalar, [0.25, n])]
+
+
+def measure_special(name: str, points: int) -> dict:
+    u = torch.finfo(torch.float32).eps / 2
+    worst = {"vs_torch": 0.0, "xla": 0.0, "torch": 0.0}
+    for overload, args in special_inputs(name, points):
+        xs = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+        cpu = overload(*xs)
+        got = to_torch(get_lowering(overload).fn(*[to_jax(x) for x in xs]), cpu.dtype)
+        ref = overload(*[a.double() if isinstance(a, torch.Tensor) else a for a in xs])
+        for key, (y, r) in {"vs_torch": (got, cpu.double()), "xla": (got, ref), "torch": (cpu, ref)}.items():
+            worst[key] = max(worst[key], round(score(y, r, u), 2))
+        if overload is aten.polygamma.default:
+            # In units of u * kappa(x), kappa = 1 + (n+1)|x| / dist(x, Z) for x <= 0 (the
+            # condition number next to the poles; see ELEMENTWISE_ULPS["polygamma"]).
+            n, x = args[0], xs[1].double()
+            kappa = torch.where(x <= 0, 1 + (n + 1) * x.abs() / (x - x.round()).abs(), torch.ones_like(x))
+            y, r = got.double(), cpu.double()
+            ok = torch.isfinite(y) & torch.isfinite(r) & torch.isfinite(kappa)
+            err = (y - r).abs()[ok] / (u * (1 + r.abs()[ok]) * kappa[ok])
+            worst["vs_torch_per_kappa"] = round(float(err.max()), 2)
+    return {"float32": worst}
+
+
 def score(y: torch.Tensor, ref: torch.Tensor, u: float) -> float:
     y, ref = y.double(), ref.double()
     ok = torch.isfinite(ref) & torch.isfinite(y)
@@ -74,8 +141,17 @@ def measure(name: str, inputs: list[torch.Tensor], dtype: torch.dtype) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=1 << 20)
+    parser.add_argument("--special", action="store_true", help="tests/ops/test_special.py's functions")
     args = parser.parse_args()
     result = {}
+    if args.special:
+        names = [*SPECIAL, "polygamma_1", "polygamma_2", "polygamma_3", "zeta", "igamma", "igammac",
+                 *POLYNOMIALS]
+        for name in names:
+            result[name] = measure_special(name, args.points)
+        print(json.dumps({"machine": platform.processor() or platform.machine(),
+                          "jax": jax.__version__, "torch": torch.__version__, "ulps": result}))
+        return
     for name, (low, high) in {**UNARY, **BINARY}.items():
         result[name] = {}
         for dtype in (torch.float32, torch.bfloat16):
