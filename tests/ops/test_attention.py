@@ -96,7 +96,8 @@ def test_forward_and_backward_match_torch(case, dtype):
     # Forward: q k^T (head_dim), softmax (keys), P v (keys); bf16 rounds scores, P and out.
     n = max(d, dv, sq, sk)
     forward = dict(dtype=dtype, n=n, depth=3, roundings=3)
-    torch.testing.assert_close(to_torch(out, dtype), expected.detach(), **tolerance(**forward, scale=largest(expected)))
+    torch.testing.assert_close(to_torch(out, dtype), expected.detach(),
+                               **tolerance(**forward, scale=largest(expected)))
     # The log-sum-exp (float32 on both sides): q k^T and the sum over the keys; bf16 rounds the scores.
     reference_lse = reference_logsumexp(q, k, mask, is_causal, scale)
     finite = reference_lse.isfinite()
@@ -113,7 +114,8 @@ def test_forward_and_backward_match_torch(case, dtype):
     backward = dict(dtype=dtype, n=n, depth=6, roundings=6)
     for got, leaf in zip(grads[:3], leaves):
         assert got.shape == leaf.shape
-        torch.testing.assert_close(to_torch(got, dtype), leaf.grad, **tolerance(**backward, scale=largest(leaf.grad)))
+        torch.testing.assert_close(to_torch(got, dtype), leaf.grad,
+                                   **tolerance(**backward, scale=largest(leaf.grad)))
     if wants_bias_grad:
         assert grads[3].shape == mask.shape
         torch.testing.assert_close(to_torch(grads[3], dtype), mask_leaf.grad,

@@ -26,7 +26,8 @@ def tolerance(dtype, n, scale=1.0, roundings=1, cond=1.0):
     normalisation of x: x - mean is off by u |x|, scaled by rstd, so max|x| * rstd); it
     amplifies the float32 computation's rounding, not the final rounding to a 16-bit dtype."""
     compute = rtol_for(torch.float32, n) + elementwise_rtol(torch.float32, "default")
-    output_rounding = elementwise_rtol(dtype, "default", roundings) - elementwise_rtol(torch.float32, "default")
+    output_rounding = (elementwise_rtol(dtype, "default", roundings)
+                       - elementwise_rtol(torch.float32, "default"))
     rtol = cond * compute + output_rounding
     return dict(atol=rtol * scale, rtol=rtol)
 
