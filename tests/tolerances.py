@@ -68,12 +68,9 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
   test_activations, test_reduction, test_matmul and test_conv come from ``elementwise_rtol``
   (elementwise ops) and ``rtol_for`` (reductions, products, convolutions: n the reduction
   length, the inner dimension, or kernel volume x channels), each call site saying which.
-  ONE FACTOR STAYS HAND-PICKED: tests/ops/opinfo_harness.py's GRAD_TOLERANCE_SCALE (10) on the
-  OpInfo gradient checks. The derived sqrt(3) (forward, backward and cotangent reductions
-  chained) is too tight for ops whose gradient is ill-conditioned near a pole (digamma's,
-  trigamma beside its poles); deriving it needs a condition number per op. Its fallback
-  DEFAULT_TOLERANCES are derived (rtol_for of an L x L sample plus elementwise_rtol), and every
-  other test tolerance comes from the functions here.
+  OpInfo gradients (tests/ops/opinfo_harness.py) get the forward's tolerance times sqrt(3)
+  (depth 3: the forward's, the backward's and the cotangent's reductions), times the condition
+  number of polygamma-type derivatives next to their poles (lgamma, digamma, polygamma).
 """
 
 from __future__ import annotations
