@@ -26,7 +26,7 @@ def make(shape, dtype=torch.float32, seed=0):
     return torch.randint(-50, 50, shape, generator=generator).to(dtype)
 
 
-def assert_jitted_matches(op, *args, **kwargs):
+def assert_jitted_matches(op, *args, atol=0.0, rtol=0.0, **kwargs):
     """The lowering traced once by ``jax.jit`` (tensors as traced arguments) matches torch.
 
     This is how the compiled step runs it: any branch on array values fails here.
@@ -50,13 +50,16 @@ def assert_jitted_matches(op, *args, **kwargs):
     for g, e in zip(got_list, expected_list):
         g = to_torch(g, e.dtype)
         assert g.shape == e.shape, f"{op}: shape {tuple(g.shape)} != torch's {tuple(e.shape)}"
-        # View, split, join and tiling ops only move values (no arithmetic): exact.
-        torch.testing.assert_close(g, e, atol=0, rtol=0, equal_nan=True)
+        # View, split, join and tiling ops only move values (no arithmetic): exact, unless the
+        # caller names the tolerance of the arithmetic its op does.
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True)
 
 
-def check(op, *args, **kwargs):
-    assert_lowering_matches(op, *args, **kwargs)
-    assert_jitted_matches(op, *args, **kwargs)
+def check(op, *args, atol=None, rtol=None, **kwargs):
+    """Eager lowering and jitted trace against torch; data movement is exact, ops with
+    arithmetic pass ``atol``/``rtol``."""
+    assert_lowering_matches(op, *args, atol=atol, rtol=rtol, **kwargs)
+    assert_jitted_matches(op, *args, atol=atol or 0.0, rtol=rtol or 0.0, **kwargs)
 
 
 # --------------------------------------------------------------------------- shared lowerings
