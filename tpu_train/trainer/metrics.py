@@ -70,19 +70,6 @@ def detect_device_kind(device: torch.device) -> str | None:
         return None
 
 
-def process_rank() -> int:
-    """torch.distributed rank when initialized, else the launcher's ``RANK`` (0 by default)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def is_main_process() -> bool:
-    return process_rank() == 0
-
-
 METRICS_FILE = "metrics.jsonl"
 
 

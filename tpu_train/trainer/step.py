@@ -92,8 +92,7 @@ class EagerStep:
                 loss_sum = causal_lm_loss_sum(self.model, batch)
             (loss_sum * self.data_parallel_size / total_tokens).backward()
             loss_total = loss_total + loss_sum.detach()
-        loss = self._sum_over_processes(loss_total).to(torch.float32) / total_tokens \
-            if self.data_parallel_size * self.tensor_parallel_size > 1 else loss_total / total_tokens
+        loss = self._sum_over_processes(loss_total).float() / total_tokens
         # An infinite max norm measures without clipping (the scale factor is exactly 1).
         max_norm = float("inf") if self.max_grad_norm is None else self.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)

@@ -156,7 +156,7 @@ def validate_config(cfg: DictConfig) -> None:
     # The architecture of a Hugging Face model.checkpoint (its config.json, read and checked
     # here), else the named preset.
     model_max = model_config(cfg).max_seq_len
-    where = (f"model.checkpoint's config.json" if hf_checkpoint(cfg) is not None
+    where = ("model.checkpoint's config.json" if hf_checkpoint(cfg) is not None
              else cfg.model.name)
     _require(data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where})")

@@ -64,15 +64,6 @@ def start_processes() -> World:
     return World(dist.get_rank(), dist.get_world_size())
 
 
-def current_world() -> World:
-    """The world of an already started job (one process when no group was joined)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size())
-    return World(0, 1)
-
-
 def barrier(world: World) -> None:
     if world.distributed:
         import torch.distributed as dist
