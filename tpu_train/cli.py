@@ -132,6 +132,9 @@ def _script_overrides(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
+        if sep and not key.lstrip("+~").strip():
+            raise ConfigError(f"override {arg!r} names no key; write KEY=VALUE, e.g. "
+                              "trainer.max_steps=3")
         if key == "recipe" and sep and value.endswith(".py"):
             script = Path(value).expanduser().resolve()
             if not script.is_file():

@@ -6,6 +6,7 @@ what would be accepted.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -127,6 +128,8 @@ def validate_config(cfg: DictConfig) -> None:
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
+    for key in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+        _require(math.isfinite(optim[key]), f"optim.{key} must be a finite number, got {optim[key]}")
     _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
     _require(0 <= optim.beta1 < 1 and 0 <= optim.beta2 < 1,
              f"optim.beta1 and optim.beta2 must be in [0, 1), got {optim.beta1} and {optim.beta2}")
