@@ -45,7 +45,7 @@ def register() -> None:
             f"PyTorch's PrivateUse1 device is already named '{current}' by another backend in "
             f"this process; tpu_train needs it to be 'tpu'. Use one backend per process.")
 
-    from tpu_train.device import factories, module
+    from tpu_train.device import factories, module, tying
 
     module.__tpu_train__ = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -58,6 +58,7 @@ def register() -> None:
     _setup_privateuseone_for_python_backend(
         rename=rename, backend_module=module, hook=_Hooks(), device_guard=_DeviceGuard())
     factories.register()
+    tying.install()
     _register_serialization()
     _registered = True
 

@@ -7,6 +7,8 @@ offset; its data live in a flat JAX buffer on PJRT device ``i``. All ATen ops on
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +103,12 @@ class TpuTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # Torch's own rebuild path for storage-less device tensors: honours map_location and
         # is allowed under torch.load(weights_only=True).
+        if getattr(self, "_is_param", False):
+            # A Parameter of a subclass is the subclass marked ``_is_param``: rebuild it as a
+            # Parameter (torch.save(model) / torch.load keep model.parameters() Parameters).
+            # The pickle memo keeps a shared Parameter shared.
+            return (torch._utils._rebuild_parameter,
+                    (self.detach(), self.requires_grad, collections.OrderedDict()))
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (to_host(self), self.dtype, str(self.device), self.requires_grad))
 

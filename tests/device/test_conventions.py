@@ -1,0 +1,202 @@
+"""Device conventions a CUDA user relies on, checked against PyTorch on CPU.
+
+Tied parameters stay one parameter (``.to``, ``_apply`` paths, ``load_state_dict``,
+``torch.save``/``load``); pinned host memory; ``torch.Generator(device="tpu")``;
+``torch.accelerator``; autocast's default dtype; ``DataLoader`` workers.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpu_train  # noqa: F401
+from tests.tolerances import loss_rtol, param_atol, update_rtol
+
+STEPS = 4
+
+
+class TiedLM(nn.Module):
+    """GPT-2's layout in miniature: the LM head's weight is the token embedding."""
+
+    def __init__(self, vocab=48, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.lm_head(self.norm(F.gelu(self.mix(self.embed(tokens)))))
+
+
+class SharedLinears(nn.Module):
+    """Two Linears sharing one weight (and nothing else)."""
+
+    def __init__(self, dim=12):
+        super().__init__()
+        self.first = nn.Linear(dim, dim)
+        self.second = nn.Linear(dim, dim)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _lm_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _regression_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _lm_batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 48, (2, 9), generator=g) for _ in range(STEPS)]
+
+
+def _regression_batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(6, 12, generator=g), torch.randn(6, 12, generator=g)) for _ in range(STEPS)]
+
+
+def _to(batch, device):
+    return tuple(t.to(device) for t in batch) if isinstance(batch, tuple) else batch.to(device)
+
+
+LR = {"sgd": 0.1, "adamw": 1e-2}
+
+
+def _train(model, optimizer_name, batches, loss_fn):
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR["sgd"], momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR["adamw"], weight_decay=0.1)
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _rms(t):
+    return t.detach().double().pow(2).mean().sqrt().item()
+
+
+def _assert_trains_like_cpu(cpu_model, tpu_model, optimizer_name, batches, loss_fn):
+    initial = {name: p.detach().clone() for name, p in cpu_model.named_parameters()}
+    expected = _train(cpu_model, optimizer_name, batches, loss_fn)
+    got = _train(tpu_model, optimizer_name, [_to(b, "tpu") for b in batches], loss_fn)
+    # float32, STEPS steps; the longest reduction is the vocabulary (48) or the width (12).
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected),
+                               rtol=loss_rtol(torch.float32, STEPS, 48), atol=0)
+    cpu_params = dict(cpu_model.named_parameters())
+    tpu_params = dict(tpu_model.named_parameters())
+    assert cpu_params.keys() == tpu_params.keys()  # shared ones listed once on both
+    for name, p_cpu in cpu_params.items():
+        if optimizer_name == "adamw":  # each element moves ~lr per step (tests/tolerances.py)
+            limit = param_atol(torch.float32, LR["adamw"], STEPS, reduction=48, numel=p_cpu.numel())
+        else:  # SGD is linear in the gradient: relative to the accumulated update
+            limit = update_rtol(torch.float32, STEPS, 48) * _rms(p_cpu - initial[name])
+        err = _rms(tpu_params[name].cpu() - p_cpu)
+        assert err <= limit, f"{name}: RMS difference {err:.2e} > {limit:.2e}"
+
+
+TIED = {"tied_lm": (TiedLM, _lm_batches, _lm_loss, ("lm_head", "embed")),
+        "shared_linears": (SharedLinears, _regression_batches, _regression_loss,
+                           ("second", "first"))}
+
+
+def _shared(model, names):
+    a, b = (getattr(model, n).weight for n in names)
+    return a is b
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("case", TIED)
+def test_tied_parameters_stay_tied_through_to_and_train_like_cpu(case, optimizer_name):
+    make, batches, loss_fn, names = TIED[case]
+    torch.manual_seed(0)
+    cpu_model = make()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    assert _shared(cpu_model, names) and _shared(tpu_model, names)
+    assert isinstance(getattr(tpu_model, names[0]).weight, nn.Parameter)
+    assert len(list(tpu_model.parameters())) == len(list(cpu_model.parameters()))
+    _assert_trains_like_cpu(cpu_model, tpu_model, optimizer_name, batches(), loss_fn)
+    assert _shared(tpu_model, names)
+
+
+def test_tied_parameters_through_other_apply_paths():
+    torch.manual_seed(0)
+    model = TiedLM()
+    assert _shared(model.tpu(), ("lm_head", "embed"))
+    assert _shared(model.to(torch.bfloat16), ("lm_head", "embed"))  # tpu -> tpu, new dtype
+    assert model.embed.weight.dtype == torch.bfloat16
+    empty = TiedLM().to_empty(device="tpu")
+    assert _shared(empty, ("lm_head", "embed"))
+    back = model.cpu()
+    assert _shared(back, ("lm_head", "embed")) and back.embed.weight.device.type == "cpu"
+
+
+def test_tied_parameters_through_load_state_dict():
+    torch.manual_seed(0)
+    source = TiedLM()
+    target = TiedLM().to("tpu")
+    target.load_state_dict(source.state_dict())
+    assert _shared(target, ("lm_head", "embed"))
+    torch.testing.assert_close(target.embed.weight.cpu(), source.embed.weight, rtol=0, atol=0)
+    # and back: a tpu state dict into a CPU model
+    back = TiedLM()
+    back.load_state_dict(target.state_dict())
+    assert _shared(back, ("lm_head", "embed"))
+    torch.testing.assert_close(back.lm_head.weight, source.lm_head.weight, rtol=0, atol=0)
+
+
+def test_tied_parameters_through_save_and_load():
+    torch.manual_seed(0)
+    cpu_model = TiedLM()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    buffer = io.BytesIO()
+    torch.save(tpu_model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert _shared(loaded, ("lm_head", "embed"))
+    assert all(isinstance(p, nn.Parameter) and p.device.type == "tpu" for p in loaded.parameters())
+    assert len(list(loaded.parameters())) == len(list(cpu_model.parameters()))
+    _assert_trains_like_cpu(cpu_model, loaded, "adamw", _lm_batches(), _lm_loss)
+    buffer = io.BytesIO()
+    torch.save(loaded.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = TiedLM().to("tpu")
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    assert _shared(fresh, ("lm_head", "embed"))
+    torch.testing.assert_close(fresh.embed.weight.cpu(), loaded.embed.weight.cpu(), rtol=0, atol=0)
+
+
+def test_gpt2_tied_head_trains_like_cpu():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=48, n_positions=16, n_embd=16, n_layer=1,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     tie_word_embeddings=True)
+    torch.manual_seed(0)
+    cpu_model = transformers.GPT2LMHeadModel(config)
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    assert tpu_model.lm_head.weight is tpu_model.transformer.wte.weight
+
+    def loss_fn(model, tokens):
+        return model(input_ids=tokens, labels=tokens).loss
+
+    # SGD: attention's key bias has an exactly-zero true gradient (softmax ignores a shift per
+    # query), so both sides see rounding noise there, which Adam would scale up to lr per step.
+    _assert_trains_like_cpu(cpu_model, tpu_model, "sgd", _lm_batches(), loss_fn)
+    assert tpu_model.lm_head.weight is tpu_model.transformer.wte.weight
