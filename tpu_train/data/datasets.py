@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from tpu_train.data.chat import CHAT_ROLES, format_chat
 from tpu_train.data.errors import DataError
@@ -129,19 +129,33 @@ def _chat_messages(record: dict, path: Path, line: int) -> tuple:
     return tuple((m["role"], m["content"]) for m in messages)
 
 
-def parse_record(raw: bytes, path: Path, line: int, fmt: str = "auto") -> Example:
-    """Parse one line of a data file into an :class:`Example` (``DataError`` names file:line)."""
-    if path.suffix in TEXT_SUFFIXES:
-        if fmt not in ("auto", "text"):
-            raise DataError(f"a plain-text file only holds 'text' samples, but format={fmt!r} was asked", path)
-        return Example("text", text=raw.decode("utf-8", errors="replace").rstrip("\r\n"))
-    try:
-        record: Any = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise DataError(f"malformed JSON ({detail}); each line must be one JSON object", path, line) from None
+def apply_column_map(record: dict, column_map: Mapping[str, str], path: Path, line: int) -> dict:
+    """``record`` with each mapped column renamed to our field name (``column_map``: ours ->
+    the file's). A record that already has our field keeps it, so one map serves a mixture of
+    files of which only some need renaming; a record with neither is an error naming both."""
+    if not column_map:
+        return record
+    record = dict(record)
+    for ours, theirs in column_map.items():
+        if theirs in record:
+            record[ours] = record.pop(theirs)
+        elif ours not in record:
+            raise DataError(
+                f"column {theirs!r} (data.column_map.{ours}={theirs}) not found; the record has "
+                f"{', '.join(map(repr, record)) or 'no fields'}",
+                path,
+                line,
+            )
+    return record
+
+
+def parse_fields(
+    record: Any, path: Path, line: int, fmt: str = "auto", column_map: Mapping[str, str] | None = None
+) -> Example:
+    """One record (a dict of fields) as an :class:`Example` (``DataError`` names file:line)."""
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object per line, got a {type(record).__name__}", path, line)
+    record = apply_column_map(record, column_map or {}, path, line)
     if fmt == "auto":
         if "messages" in record:
             fmt = "chat"
@@ -175,8 +189,29 @@ def parse_record(raw: bytes, path: Path, line: int, fmt: str = "auto") -> Exampl
     )
 
 
+def parse_record(
+    raw: bytes, path: Path, line: int, fmt: str = "auto", column_map: Mapping[str, str] | None = None
+) -> Example:
+    """Parse one line of a data file into an :class:`Example` (``DataError`` names file:line)."""
+    if path.suffix in TEXT_SUFFIXES:
+        if fmt not in ("auto", "text"):
+            raise DataError(f"a plain-text file only holds 'text' samples, but format={fmt!r} was asked", path)
+        return Example("text", text=raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+    try:
+        record: Any = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise DataError(f"malformed JSON ({detail}); each line must be one JSON object", path, line) from None
+    return parse_fields(record, path, line, fmt, column_map)
+
+
 def read_records(
-    path: str | Path, fmt: str = "auto", offset: int = 0, line: int = 0, chunk_lines: int = 256
+    path: str | Path,
+    fmt: str = "auto",
+    offset: int = 0,
+    line: int = 0,
+    chunk_lines: int = 256,
+    column_map: Mapping[str, str] | None = None,
 ) -> Iterator[list[Located]]:
     """Parsed records of ``path`` from byte ``offset`` (``line`` lines already read), in chunks.
 
@@ -194,7 +229,7 @@ def read_records(
             if not raw.strip():
                 continue
             found_any = True
-            chunk.append(Located(parse_record(raw, path, line, fmt), line, offset))
+            chunk.append(Located(parse_record(raw, path, line, fmt, column_map), line, offset))
             if len(chunk) >= chunk_lines:
                 yield chunk
                 chunk = []

@@ -8,23 +8,28 @@ predicted token is not a target (prompt tokens, ``<bos>``, padding).
 Memory is bounded by the packing buffer (about one row plus one sample), the optional shuffle
 buffer (``shuffle_buffer`` samples) and one chunk of read-ahead records; files are streamed.
 
+With ``weights`` the samples come from a mixture of the files (see
+:class:`~tpu_train.data.streams.MixtureStream`) instead of from the files in order.
+
 The loader's ``state_dict()`` holds everything the future depends on: the file position just
-after the last sample taken, the epoch, the packing buffer, the shuffle buffer and the shuffle
-RNG. A new loader given that state yields exactly the batches the old one would have.
+after the last sample taken (one per file for a mixture, with the mixture's RNG), the epoch, the
+packing buffer, the shuffle buffer and the shuffle RNG. A new loader given that state yields
+exactly the batches the old one would have.
 """
 
 from __future__ import annotations
 
 import array
 import random
-from collections import deque
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from tpu_train.data.datasets import Sample, check_data_file, check_format, encode_examples, read_records
+from tpu_train.data.datasets import Sample, check_format
 from tpu_train.data.errors import DataError
+from tpu_train.data.sources import DataFiles, check_sources
+from tpu_train.data.streams import FileStream, MixtureStream, rng_from_state, rng_state
 from tpu_train.data.tokenizer import Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
@@ -65,23 +70,28 @@ class PackedLoader:
     loader per pass (with ``num_epochs=1``).
 
     Args:
-        paths: one data file or several (read in order, every epoch).
+        paths: one data file or several (read in order, every epoch), or a ``DataFiles``; any
+            kind :mod:`tpu_train.data.sources` reads (JSONL, text, JSON, Parquet, saved).
         tokenizer: a :class:`Tokenizer` or a path for :func:`load_tokenizer`.
         seq_len: tokens per row (``S``).
         batch_size: rows per batch (``B``).
         format: ``"auto"`` (per record), ``"text"``, ``"instruction"`` or ``"chat"``.
         mask_prompt: exclude prompt tokens from the loss (``labels == -100``).
         shuffle_buffer: 0 for file order, else sample from a buffer of this many samples.
-        seed: seeds the shuffle buffer.
+        seed: seeds the shuffle buffer and the mixture.
         num_epochs: ``None`` to cycle forever; else stop after this many passes.
         drop_last: at the end of the last epoch, drop the partial row and partial batch
             (otherwise the row is padded and the short batch is yielded).
         read_chunk: records parsed and tokenized per read-ahead (speed only; not in the state).
+        weights: ``None`` to read the files in order; else one positive weight per file: each
+            sample comes from file ``i`` with probability ``weights[i] / sum(weights)`` and
+            every file cycles on its own (needs ``num_epochs=None``).
+        column_map: our field name -> the files' column (e.g. ``{"prompt": "question"}``).
     """
 
     def __init__(
         self,
-        paths: str | Path | Sequence[str | Path],
+        paths: str | Path | Sequence[str | Path] | DataFiles,
         tokenizer: Tokenizer | str | Path | None,
         seq_len: int,
         batch_size: int,
@@ -93,67 +103,40 @@ class PackedLoader:
         num_epochs: int | None = None,
         drop_last: bool = True,
         read_chunk: int = 256,
+        weights: Sequence[float] | None = None,
+        column_map: Mapping[str, str] | None = None,
     ):
-        self.paths = [check_data_file(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
-        if not self.paths:
-            raise ValueError("PackedLoader needs at least one data file")
+        self.files = DataFiles.of(paths, column_map)
+        check_sources(self.files)
+        self.paths = list(self.files.paths)
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}")
         if num_epochs is not None and num_epochs < 1:
             raise ValueError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}")
+        if weights is not None and num_epochs is not None:
+            raise ValueError("a mixture (weights) cycles every file forever; num_epochs must be None")
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.format = check_format(format)
         self.mask_prompt, self.shuffle_size, self.seed = mask_prompt, shuffle_buffer, seed
         self.num_epochs, self.drop_last, self.read_chunk = num_epochs, drop_last, read_chunk
-        self._reset(position=(0, 0, 0, 0), pack_ids=[], pack_targets=[], shuffle=[], rng=random.Random(seed))
-
-    def _reset(self, position, pack_ids, pack_targets, shuffle, rng) -> None:
-        # position = (epoch, file index, byte offset, lines read) just after the last sample taken.
-        self._position = position
-        self._read_pos = position  # where read-ahead continues (>= _position)
-        self._pack_ids, self._pack_targets = pack_ids, pack_targets
-        self._shuffle, self._rng = shuffle, rng
-        self._ahead: deque[tuple[Sample, tuple[int, int, int, int]]] = deque()
-        self._reader: Iterator | None = None
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self._stream = (
+            FileStream(self.files, self.tokenizer, self.format, mask_prompt, num_epochs, read_chunk)
+            if weights is None
+            else MixtureStream(self.files, weights, seed, self.tokenizer, self.format, mask_prompt, read_chunk)
+        )
+        self._pack_ids: list[int] = []
+        self._pack_targets: list[bool] = []
+        self._shuffle: list[Sample] = []
+        self._rng = random.Random(seed)
         self._exhausted = False
-
-    # -- reading ---------------------------------------------------------------------------
-
-    def _read_ahead(self) -> bool:
-        """Tokenize the next chunk of records into ``_ahead``; False once all epochs are read."""
-        while not self._ahead:
-            epoch, file_index, offset, line = self._read_pos
-            if self.num_epochs is not None and epoch >= self.num_epochs:
-                return False
-            if self._reader is None:
-                self._reader = read_records(self.paths[file_index], self.format, offset, line, self.read_chunk)
-            chunk = next(self._reader, None)
-            if chunk is None:
-                self._reader = None
-                last_file = file_index + 1 == len(self.paths)
-                self._read_pos = (epoch + 1, 0, 0, 0) if last_file else (epoch, file_index + 1, 0, 0)
-                # Nothing is pending, so the taken position moves too: a saved state skips the
-                # finished file instead of re-opening it.
-                self._position = self._read_pos
-                continue
-            samples = encode_examples(self.tokenizer, [loc.example for loc in chunk], self.mask_prompt)
-            for sample, loc in zip(samples, chunk):
-                self._ahead.append((sample, (epoch, file_index, loc.end_offset, loc.line)))
-            self._read_pos = self._ahead[-1][1]
-        return True
-
-    def _take_sample(self) -> Sample | None:
-        if not self._ahead and not self._read_ahead():
-            return None
-        sample, self._position = self._ahead.popleft()
-        return sample
 
     def _next_sample(self) -> Sample | None:
         if self.shuffle_size <= 1:
-            return self._take_sample()
+            return self._stream.take()
         while len(self._shuffle) < self.shuffle_size:
-            sample = self._take_sample()
+            sample = self._stream.take()
             if sample is None:
                 break
             self._shuffle.append(sample)
@@ -205,21 +188,17 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly after the last batch returned."""
-        version, internal, gauss = self._rng.getstate()
-        epoch, file_index, offset, line = self._position
         return {
             "version": STATE_VERSION,
             "files": [p.name for p in self.paths],
             "seq_len": self.seq_len,
             "shuffle_size": self.shuffle_size,
-            "epoch": epoch,
-            "file_index": file_index,
-            "offset": offset,
-            "line": line,
+            "weights": self.weights,
+            **self._stream.state(),
             "pack_ids": list(self._pack_ids),
             "pack_targets": list(self._pack_targets),
             "shuffle_buffer": [(s.ids, s.targets) for s in self._shuffle],
-            "rng": [version, list(internal), gauss],
+            "rng": rng_state(self._rng),
             "exhausted": self._exhausted,
         }
 
@@ -228,21 +207,17 @@ class PackedLoader:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported loader state version {state.get('version')!r} (expected {STATE_VERSION})")
         files = [p.name for p in self.paths]
-        saved = (state["files"], state["seq_len"], state["shuffle_size"])
-        if saved != (files, self.seq_len, self.shuffle_size):
+        # States written before mixtures existed have no "weights": they read files in order.
+        saved = (state["files"], state["seq_len"], state["shuffle_size"], state.get("weights"))
+        if saved != (files, self.seq_len, self.shuffle_size, self.weights):
             raise ValueError(
-                f"loader state is for files {saved[0]} with seq_len={saved[1]}, shuffle_buffer={saved[2]}, but "
-                f"this loader reads {files} with seq_len={self.seq_len}, shuffle_buffer={self.shuffle_size}; "
-                "build the loader with the same data, seq_len and shuffle_buffer"
+                f"loader state is for files {saved[0]} with seq_len={saved[1]}, shuffle_buffer={saved[2]}, "
+                f"weights={saved[3]}, but this loader reads {files} with seq_len={self.seq_len}, "
+                f"shuffle_buffer={self.shuffle_size}, weights={self.weights}; build the loader with the same "
+                "data, seq_len, shuffle_buffer and weights"
             )
-        rng = random.Random()
-        version, internal, gauss = state["rng"]
-        rng.setstate((version, tuple(internal), gauss))
-        self._reset(
-            position=(state["epoch"], state["file_index"], state["offset"], state["line"]),
-            pack_ids=list(state["pack_ids"]),
-            pack_targets=list(state["pack_targets"]),
-            shuffle=[Sample(tuple(ids), tuple(t)) for ids, t in state["shuffle_buffer"]],
-            rng=rng,
-        )
+        self._stream.load(state)
+        self._pack_ids, self._pack_targets = list(state["pack_ids"]), list(state["pack_targets"])
+        self._shuffle = [Sample(tuple(ids), tuple(t)) for ids, t in state["shuffle_buffer"]]
+        self._rng = rng_from_state(state["rng"])
         self._exhausted = state["exhausted"]

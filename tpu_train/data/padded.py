@@ -7,14 +7,15 @@ loss on the response and generate from the prompt and compare with the reference
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from tpu_train.data.chat import format_chat
-from tpu_train.data.datasets import Example, check_data_file, check_format, encode_examples, read_records
+from tpu_train.data.datasets import Example, check_format, encode_examples
 from tpu_train.data.errors import DataError
 from tpu_train.data.packing import IGNORE_INDEX, resolve_tokenizer
+from tpu_train.data.sources import DataFiles, check_sources, read_source
 from tpu_train.data.tokenizer import Tokenizer
 
 
@@ -32,20 +33,24 @@ class PaddedInstructionLoader:
 
     For chat records the prompt is the conversation up to the last assistant turn (with the
     assistant header appended) and the reference is that turn's content. Every iteration reads
-    the file again from the start. ``max_length`` (optional) truncates ``tokens``/``labels``.
+    the files again from the start. ``max_length`` (optional) truncates ``tokens``/``labels``.
+    ``path`` may be several files (read in order) or a ``DataFiles``; ``column_map`` renames
+    columns as for :class:`~tpu_train.data.packing.PackedLoader`.
     """
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | Sequence[str | Path] | DataFiles,
         tokenizer: Tokenizer | str | Path | None,
         batch_size: int,
         *,
         format: str = "auto",
         mask_prompt: bool = True,
         max_length: int | None = None,
+        column_map: Mapping[str, str] | None = None,
     ):
-        self.path = check_data_file(path)
+        self.files = DataFiles.of(path, column_map)
+        check_sources(self.files)
         self.tokenizer = resolve_tokenizer(tokenizer)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -72,12 +77,12 @@ class PaddedInstructionLoader:
         return prompt, example.messages[last][1].strip()
 
     def _batch(self, located: list) -> dict[str, Any]:
-        examples = [loc.example for loc in located]
-        for loc in located:
+        examples = [loc.example for _, loc in located]
+        for path, loc in located:
             if loc.example.kind == "text":
                 raise DataError(
                     "a text record has no prompt/response to evaluate; padded mode needs instruction or chat records",
-                    self.path,
+                    path,
                     loc.line,
                 )
         # A chat ends at its last assistant turn, and only that turn is scored: the rest is prompt.
@@ -114,10 +119,11 @@ class PaddedInstructionLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         pending: list = []
-        for chunk in read_records(self.path, self.format, chunk_lines=self.batch_size):
-            pending += chunk
-            while len(pending) >= self.batch_size:
-                yield self._batch(pending[: self.batch_size])
-                pending = pending[self.batch_size :]
+        for path in self.files.paths:
+            for chunk in read_source(path, self.format, chunk_lines=self.batch_size, column_map=self.files.columns):
+                pending += [(path, loc) for loc in chunk]
+                while len(pending) >= self.batch_size:
+                    yield self._batch(pending[: self.batch_size])
+                    pending = pending[self.batch_size :]
         if pending:
             yield self._batch(pending)

@@ -36,17 +36,25 @@ def resolve_device(name: str) -> torch.device:
     raise ConfigError(f"trainer.device={name!r} is not a device; valid devices: cpu, tpu")
 
 
-def data_paths(cfg: DictConfig, bundled: str = "tasks") -> tuple[Path, Path | None]:
-    """(training file, validation file or None); ``data.path: null`` means the bundled corpus's
-    ``bundled`` training file (:data:`BUNDLED_TRAIN_FILES`)."""
+def data_paths(cfg: DictConfig, bundled: str = "tasks"):
+    """(training files, validation files or None) as ``DataFiles`` carrying ``data.column_map``;
+    ``data.path: null`` means the bundled corpus's ``bundled`` training file
+    (:data:`BUNDLED_TRAIN_FILES`)."""
     from tpu_train.data import default_corpus_dir
+    from tpu_train.data.sources import DataFiles
+
+    column_map = dict(cfg.data.column_map or {})
+
+    def files(value):
+        if value is None:
+            return None
+        return DataFiles.of(value if isinstance(value, (str, Path)) else list(value), column_map)
 
     if cfg.data.path is not None:
-        val = Path(cfg.data.val_path) if cfg.data.val_path is not None else None
-        return Path(cfg.data.path), val
+        return files(cfg.data.path), files(cfg.data.val_path)
     corpus = default_corpus_dir()
-    train = corpus / BUNDLED_TRAIN_FILES[bundled]
-    val = Path(cfg.data.val_path) if cfg.data.val_path is not None else corpus / "tasks_heldout.jsonl"
+    train = files(corpus / BUNDLED_TRAIN_FILES[bundled])
+    val = files(cfg.data.val_path if cfg.data.val_path is not None else corpus / "tasks_heldout.jsonl")
     return train, val
 
 
@@ -106,33 +114,40 @@ def build_tokenizer(cfg: DictConfig):
     return tokenizer
 
 
-def build_train_loader(cfg: DictConfig, tokenizer, path: Path):
-    """An endless, resumable loader of packed ``{"tokens", "labels"}`` batches."""
+def build_train_loader(cfg: DictConfig, tokenizer, files):
+    """An endless, resumable loader of packed ``{"tokens", "labels"}`` batches (a mixture of
+    the files when ``data.weights`` is set)."""
     from tpu_train.data import PackedLoader
+    from tpu_train.data.sources import read_source
 
-    loader = PackedLoader(path, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+    weights = None if cfg.data.weights is None else list(cfg.data.weights)
+    loader = PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                           format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
-                          shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.trainer.seed)
-    # Read the first batch now so that bad records fail before the run directory is touched.
-    probe = PackedLoader(path, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+                          shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.trainer.seed,
+                          weights=weights)
+    # Read the first batch now so that bad records fail before the run directory is touched,
+    # and the first record of every file: a batch may not reach a later or rarely drawn file.
+    probe = PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                          format=cfg.data.format, mask_prompt=cfg.data.mask_prompt)
     next(iter(probe))
+    for path in loader.files.paths:
+        next(read_source(path, cfg.data.format, chunk_lines=1, column_map=loader.files.columns))
     return loader
 
 
-def build_val_loader(cfg: DictConfig, tokenizer, path: Path | None, probe: bool = True):
-    """A finite loader over the validation file (one pass), or None.
+def build_val_loader(cfg: DictConfig, tokenizer, files, probe: bool = True):
+    """A finite loader over the validation files (one pass, in order), or None.
 
     A loader is a single stream, so every validation pass needs a new one.  With ``probe`` a
     separate loader first reads one batch, so that bad records fail before anything is written.
     """
     from tpu_train.data import PackedLoader
 
-    if path is None:
+    if files is None:
         return None
 
     def make():
-        return PackedLoader(path, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+        return PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                             format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
                             num_epochs=1, drop_last=False)
 
@@ -141,15 +156,11 @@ def build_val_loader(cfg: DictConfig, tokenizer, path: Path | None, probe: bool 
     return make()
 
 
-def first_record_kind(path: Path | None) -> str | None:
-    """``text``, ``instruction`` or ``chat``: the kind of the file's first record."""
-    from tpu_train.data import read_records
+def first_record_kind(files) -> str | None:
+    """``text``, ``instruction`` or ``chat``: the kind of the first file's first record."""
+    from tpu_train.data.sources import first_record_kind as kind
 
-    if path is None:
-        return None
-    for chunk in read_records(path, chunk_lines=1):
-        return chunk[0].example.kind
-    return None
+    return kind(files)
 
 
 def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -67,15 +67,26 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training (and validation) JSONL files; ``path: null`` selects the bundled corpus.
+    """Training (and validation) data; ``path: null`` selects the bundled corpus.
 
-    The bundled corpus is ``pretrain.jsonl`` for ``llama_pretrain`` and the synthetic
-    instruction task (``tasks_train.jsonl``, validated on ``tasks_heldout.jsonl``) otherwise.
+    A path is a file (.jsonl, .txt, .json, .parquet), a directory written by
+    ``Dataset.save_to_disk``, or a list of these. The bundled corpus is ``pretrain.jsonl`` for
+    ``llama_pretrain`` and the synthetic instruction task (``tasks_train.jsonl``, validated on
+    ``tasks_heldout.jsonl``) otherwise.
     """
 
     # No default: every data option states it (the jsonl option leaves it for the command line).
-    path: Optional[str] = MISSING
-    val_path: Optional[str] = None  # None with path None: the bundled held-out task set
+    # Any: a path or a list of paths (OmegaConf has no str-or-list type); validation checks it.
+    path: Any = MISSING
+    val_path: Any = None  # None with path None: the bundled held-out task set
+    # One positive weight per data.path file: each sample comes from file i with probability
+    # weights[i] / sum(weights), every file cycling on its own. null: the files in order.
+    weights: Optional[List[float]] = None
+    # Our field (text, prompt, response, instruction, input, output, messages) -> the files'
+    # column, e.g. {prompt: question, response: answer}; for data.path and data.val_path.
+    # Any, not Dict[str, str]: Hydra merges a {..} override into a typed dict, which struct
+    # mode rejects (and OmegaConf 2.3 fails merging into a null Optional[Dict]).
+    column_map: Any = None
     format: str = "auto"  # auto (per record), text, instruction or chat
     tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token BPE
     seq_len: int = 128

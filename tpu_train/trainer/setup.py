@@ -55,9 +55,9 @@ class Data:
     """The training stream and what validation reads."""
 
     train: Any
-    val_path: Path | None
+    val_path: Any  # tpu_train.data.sources.DataFiles (paths and column map) or None
     has_val_loss: bool
-    exact_match_path: Path | None
+    exact_match_path: Any  # the same files when their records have prompts, else None
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:

@@ -102,6 +102,59 @@ def _validate_logging_and_checkpoint(cfg: DictConfig) -> None:
              f"checkpoint.load_step must be >= 1 or null (the newest), got {cfg.checkpoint.load_step}")
 
 
+def _data_paths(data: DictConfig, key: str) -> list[str]:
+    """``data.<key>`` as a list of paths (a single path or a list; none for null)."""
+    from omegaconf import ListConfig
+
+    value = data[key]
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    _require(isinstance(value, ListConfig) and len(value) > 0
+             and all(isinstance(p, str) and p for p in value),
+             f"data.{key} must be a path or a non-empty list of paths, e.g. data.{key}=[a.jsonl,b.parquet]; "
+             f"got {value!r}")
+    return list(value)
+
+
+def _validate_data_files(data: DictConfig) -> None:
+    """data.path / data.val_path name readable sources; data.weights and data.column_map fit."""
+    from omegaconf import ListConfig, OmegaConf
+
+    from tpu_train.data.errors import DataError
+    from tpu_train.data.sources import check_column_map, source_kind
+
+    for key in ("path", "val_path"):
+        for path in _data_paths(data, key):
+            _require(Path(path).exists(),
+                     f"data.{key}={path!r} does not exist; give an existing path or null for the bundled one")
+            try:
+                source_kind(path)
+            except DataError as exc:
+                raise ConfigError(f"data.{key}: {exc}") from None
+    if data.weights is not None:
+        paths = _data_paths(data, "path")
+        _require(isinstance(data.path, ListConfig),
+                 "data.weights needs a list of files in data.path (one weight per file), "
+                 f"e.g. data.path=[a.jsonl,b.parquet] data.weights=[0.7,0.3]; data.path is {data.path!r}")
+        _require(len(data.weights) == len(paths),
+                 f"data.weights has {len(data.weights)} values but data.path has {len(paths)} files; "
+                 "give one weight per file")
+        for index, weight in enumerate(data.weights):
+            _require(0 < weight < float("inf"),
+                     f"data.weights[{index}]={weight} (for {paths[index]}) must be positive; drop the "
+                     "file from data.path instead of giving it no weight")
+    column_map = data.column_map
+    _require(column_map is None or isinstance(column_map, DictConfig),
+             f"data.column_map must map our fields to the file's columns, e.g. "
+             f"data.column_map={{prompt:question,response:answer}}; got {column_map!r}")
+    try:
+        check_column_map(OmegaConf.to_container(column_map) if column_map is not None else {})
+    except ValueError as exc:
+        raise ConfigError(f"data.{exc}") from None
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
     from omegaconf import OmegaConf
@@ -164,10 +217,10 @@ def validate_config(cfg: DictConfig) -> None:
     _require(data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where})")
     _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
-    for key in ("path", "val_path", "tokenizer"):
-        value = data[key]
-        _require(value is None or Path(value).exists(),
-                 f"data.{key}={value!r} does not exist; give an existing path or null for the bundled one")
+    _require(data.tokenizer is None or Path(data.tokenizer).exists(),
+             f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
+             "the bundled one")
+    _validate_data_files(data)
     _validate_logging_and_checkpoint(cfg)
     _validate_run_dir(cfg)
     _reject_unknown_keys(cfg)

@@ -1,0 +1,219 @@
+"""Data files the way users have them: JSONL, plain text, JSON, Parquet and saved datasets.
+
+=====================  ===========================  ==============================================
+kind                   what                         read by
+=====================  ===========================  ==============================================
+``jsonl``              ``.jsonl``, ``.ndjson``      our streaming reader (bounded memory, resumes
+                                                    from a byte offset)
+``text``               ``.txt``, ``.text``          our streaming reader, one sample per line
+``json``               ``.json`` (an array or        ``datasets.load_dataset("json", streaming=True)``
+                       JSON Lines)
+``parquet``            ``.parquet``                 ``datasets.load_dataset("parquet", streaming=True)``
+``saved``              a directory written by       ``datasets.load_from_disk`` (memory-mapped)
+                       ``Dataset.save_to_disk``
+=====================  ===========================  ==============================================
+
+Every kind yields the same :class:`~tpu_train.data.datasets.Located` records, so packing,
+shuffling and resuming do not care where a record came from. For table kinds the position is the
+row count (``offset`` and ``line`` both; errors name ``file:row``) and a resumed reader skips
+that many rows without parsing them. A ``null`` cell counts as an absent field: tables give every
+row every column, filling gaps with nulls.
+
+``column_map`` renames the file's columns to our field names (``text``, ``prompt``,
+``response``, ``instruction``, ``input``, ``output``, ``messages``) for every kind.
+
+``datasets`` is imported only when a JSON, Parquet or saved-dataset source is read: it takes
+over a second to import, and the CLI should start fast for JSONL users.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from tpu_train.data.datasets import TEXT_SUFFIXES, Located, check_format, parse_fields, read_records
+from tpu_train.data.errors import DataError
+
+COLUMN_FIELDS = ("text", "prompt", "response", "instruction", "input", "output", "messages")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TABLE_SUFFIXES = {".json": "json", ".parquet": "parquet"}
+KNOWN_FILES = ".jsonl, .ndjson, .txt, .json, .parquet or a directory written by Dataset.save_to_disk"
+
+
+@dataclass(frozen=True)
+class DataFiles:
+    """Files read as one data set (in order) and the column map that applies to all of them.
+
+    Loaders accept it wherever they accept paths; it carries the column map along paths that
+    hand files on without knowing about columns (validation passes, exact-match evaluation).
+    """
+
+    paths: tuple[Path, ...]
+    column_map: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, paths: Any, column_map: Mapping[str, str] | None = None) -> "DataFiles":
+        """``paths`` (a path, several, or a ``DataFiles``) with ``column_map`` (if given)."""
+        if isinstance(paths, DataFiles):
+            return paths if column_map is None else cls(paths.paths, tuple(dict(column_map).items()))
+        listed = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        return cls(tuple(Path(p) for p in listed), tuple(dict(column_map or {}).items()))
+
+    @property
+    def columns(self) -> dict[str, str]:
+        return dict(self.column_map)
+
+    def __str__(self) -> str:
+        return ", ".join(map(str, self.paths))
+
+
+def check_column_map(column_map: Mapping[str, str]) -> dict[str, str]:
+    """``column_map`` as a dict, or ``ValueError`` naming an unknown field or a bad column."""
+    column_map = dict(column_map)
+    for ours, theirs in column_map.items():
+        if ours not in COLUMN_FIELDS:
+            raise ValueError(f"column_map key {ours!r} is not a field; mappable fields: {', '.join(COLUMN_FIELDS)}")
+        if not isinstance(theirs, str) or not theirs:
+            raise ValueError(f"column_map.{ours} must name a column of the file, got {theirs!r}")
+    return column_map
+
+
+def source_kind(path: str | Path) -> str:
+    """``jsonl``, ``text``, ``json``, ``parquet`` or ``saved``; ``DataError`` if unreadable."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError("data file not found; check the path (data.path in recipes)", path)
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+            raise DataError(
+                f"a saved DatasetDict (splits: {', '.join(splits) or 'none'}); point the path at one "
+                f"split's directory, e.g. {path / (splits[0] if splits else 'train')}",
+                path,
+            )
+        if not ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()):
+            raise DataError(
+                "a directory that is not a saved dataset (no state.json/dataset_info.json from "
+                f"Dataset.save_to_disk); pass a data file ({KNOWN_FILES}), or list the files in it",
+                path,
+            )
+        return "saved"
+    if not path.is_file():
+        raise DataError(f"data path is not a regular file; pass {KNOWN_FILES}", path)
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    if suffix in TABLE_SUFFIXES:
+        return TABLE_SUFFIXES[suffix]
+    raise DataError(f"unknown data file type {suffix or '(no extension)'!r}; use {KNOWN_FILES}", path)
+
+
+def check_sources(files: DataFiles) -> list[str]:
+    """The kind of every file (``DataError`` for the first that cannot be read)."""
+    if not files.paths:
+        raise ValueError("no data file given; pass at least one")
+    check_column_map(files.columns)
+    return [source_kind(p) for p in files.paths]
+
+
+def read_source(
+    path: str | Path,
+    fmt: str = "auto",
+    offset: int = 0,
+    line: int = 0,
+    chunk_lines: int = 256,
+    column_map: Mapping[str, str] | None = None,
+) -> Iterator[list[Located]]:
+    """Parsed records of any kind of source, in chunks, from a position a previous read gave.
+
+    For JSONL and text ``offset`` is a byte offset and ``line`` the lines read; for tables both
+    are the rows read. A source without any record raises ``DataError``.
+    """
+    path = Path(path)
+    kind = source_kind(path)
+    check_format(fmt)
+    if kind in ("jsonl", "text"):
+        return read_records(path, fmt, offset, line, chunk_lines, column_map)
+    return _read_table(path, kind, fmt, offset, chunk_lines, column_map)
+
+
+# -- tables through Hugging Face datasets --------------------------------------------------------
+
+# Streaming readers still open at exit are closed while their modules are intact: finalized
+# during interpreter teardown, datasets' Parquet generator fails on its cleared globals and
+# prints a traceback after an otherwise clean run.
+_OPEN_STREAMS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    for stream in list(_OPEN_STREAMS):
+        stream.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _table_batches(path: Path, kind: str, offset: int, chunk_rows: int) -> Iterator[dict[str, list]]:
+    """Column batches of at most ``chunk_rows`` rows, from row ``offset``."""
+    import datasets  # lazily: see the module docstring
+
+    if kind == "saved":
+        table = datasets.load_from_disk(str(path))
+        if not isinstance(table, datasets.Dataset):
+            raise DataError(f"holds a {type(table).__name__}, not one Dataset; point the path at one split", path)
+        # Memory-mapped Arrow: slicing reads only the rows asked for.
+        for start in range(offset, len(table), chunk_rows):
+            yield table[start : start + chunk_rows]
+        return
+    stream = datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
+    # skip() drops whole Arrow batches before any row becomes a Python object: resuming deep
+    # into a file costs a read of the skipped bytes, not a parse.
+    batches = stream.skip(offset).iter(batch_size=chunk_rows)
+    _OPEN_STREAMS.add(batches)
+    try:
+        yield from batches
+    finally:
+        batches.close()
+
+
+def _read_table(
+    path: Path, kind: str, fmt: str, offset: int, chunk_rows: int, column_map: Mapping[str, str] | None
+) -> Iterator[list[Located]]:
+    row = offset
+    batches = _table_batches(path, kind, offset, chunk_rows)
+    while True:
+        try:
+            batch = next(batches, None)
+        except DataError:
+            raise
+        except Exception as exc:  # datasets and pyarrow raise many types for an unreadable file
+            raise DataError(f"cannot read as {kind}: {_first_line(exc)}", path) from None
+        if batch is None:
+            break
+        columns = list(batch)
+        chunk = []
+        for values in zip(*(batch[c] for c in columns)):
+            row += 1
+            record = {c: v for c, v in zip(columns, values) if v is not None}
+            chunk.append(Located(parse_fields(record, path, row, fmt, column_map), row, row))
+        yield chunk
+    if row == 0:
+        raise DataError("data file is empty (no rows); add at least one record", path)
+
+
+def first_record_kind(files: DataFiles | str | Path | Sequence[str | Path] | None) -> str | None:
+    """``text``, ``instruction`` or ``chat``: the kind of the first record of the first file."""
+    if files is None:
+        return None
+    files = DataFiles.of(files)
+    for chunk in read_source(files.paths[0], chunk_lines=1, column_map=files.columns):
+        return chunk[0].example.kind
+    return None
