@@ -200,3 +200,51 @@ def test_gpt2_tied_head_trains_like_cpu():
     # query), so both sides see rounding noise there, which Adam would scale up to lr per step.
     _assert_trains_like_cpu(cpu_model, tpu_model, "sgd", _lm_batches(), loss_fn)
     assert tpu_model.lm_head.weight is tpu_model.transformer.wte.weight
+
+
+# -- torch.accelerator ---------------------------------------------------------------------------
+
+
+def test_accelerator_memory_statistics_follow_allocations():
+    assert torch.accelerator.current_accelerator().type == "tpu"
+    torch.accelerator.synchronize()
+    before = torch.accelerator.memory_allocated()
+    x = torch.ones(1000, 25, device="tpu")
+    torch.accelerator.synchronize("tpu:0")
+    assert torch.accelerator.memory_allocated() - before == x.nbytes
+    assert torch.accelerator.memory_allocated(0) == torch.tpu.memory_allocated(0)
+    assert torch.accelerator.max_memory_allocated() >= before + x.nbytes
+    assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] == before + x.nbytes
+    del x
+    assert torch.accelerator.memory_allocated() == before
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == before
+    torch.accelerator.empty_cache()
+    free, total = torch.accelerator.get_memory_info()
+    assert 0 < free <= total
+
+
+def test_accelerator_device_index_selects_the_tpu_device():
+    assert torch.accelerator.device_count() == torch.tpu.device_count() >= 2
+    try:
+        torch.accelerator.set_device_index(1)
+        assert torch.accelerator.current_device_index() == 1 == torch.tpu.current_device()
+        assert torch.ones(2, device="tpu").device == torch.device("tpu", 1)
+    finally:
+        torch.accelerator.set_device_index(0)
+    assert torch.ones(2, device="tpu").device == torch.device("tpu", 0)
+
+
+# -- autocast ------------------------------------------------------------------------------------
+
+
+def test_autocast_defaults_to_bfloat16_like_cpu_autocast():
+    assert torch.get_autocast_dtype("tpu") == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    with torch.amp.autocast("cpu"):  # CPU autocast's default is bfloat16 too: the oracle
+        expected = a @ b
+    with torch.amp.autocast("tpu"):
+        got = a.to("tpu") @ b.to("tpu")
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu(), expected)

@@ -10,6 +10,7 @@ DDP need from it.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -157,9 +158,11 @@ def memory_stats(device=None) -> dict:
         return {"source": "pjrt", "allocated_bytes.all.current": stats.get("bytes_in_use", 0),
                 "allocated_bytes.all.peak": stats.get("peak_bytes_in_use", 0),
                 "bytes_limit": stats.get("bytes_limit", 0), **stats}
+    current, peak = _storage.allocated_bytes(index), _storage.peak_allocated_bytes(index)
+    # No caching allocator here: every reserved byte is an allocated one.
     return {"source": "tpu_train",
-            "allocated_bytes.all.current": _storage.allocated_bytes(index),
-            "allocated_bytes.all.peak": _storage.peak_allocated_bytes(index)}
+            "allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak}
 
 
 def memory_allocated(device=None) -> int:
@@ -172,6 +175,21 @@ def max_memory_allocated(device=None) -> int:
 
 def reset_peak_memory_stats(device=None) -> None:
     _storage.reset_peak(_index(device))
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    """Nothing to reset: no allocation/free counters are kept (only live and peak bytes)."""
+    _index(device)
+
+
+def mem_get_info(device=None) -> tuple:
+    """(free, total) bytes of the device's memory. The CPU client's device memory is host
+    memory, so there it is the host's available and physical memory."""
+    stats = runtime.jax_device(_index(device)).memory_stats()
+    if stats and stats.get("bytes_limit"):
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), stats["bytes_limit"]
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 def empty_cache() -> None:
