@@ -7,6 +7,7 @@ Tied parameters stay one parameter (``.to``, ``_apply`` paths, ``load_state_dict
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -248,3 +249,49 @@ def test_autocast_defaults_to_bfloat16_like_cpu_autocast():
         got = a.to("tpu") @ b.to("tpu")
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.cpu(), expected)
+
+
+# -- torch.Generator(device="tpu") ---------------------------------------------------------------
+
+
+def _draws(generator):
+    return [torch.randn(6, device="tpu", generator=generator).cpu(),
+            torch.empty(5, device="tpu").uniform_(generator=generator).cpu(),
+            torch.randint(0, 100, (6,), device="tpu", generator=generator).cpu(),
+            torch.bernoulli(torch.full((8,), 0.5, device="tpu"), generator=generator).cpu(),
+            torch.multinomial(torch.ones(10, device="tpu"), 4, generator=generator).cpu()]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_tpu_generator_seeds_random_ops_like_a_cuda_generator():
+    generator = torch.Generator(device="tpu")
+    assert isinstance(generator, torch.Generator) and generator.device == torch.device("tpu", 0)
+    assert isinstance(torch.default_generator, torch.Generator)  # PyTorch's own stay generators
+    assert torch.Generator().device.type == "cpu"
+    default_state = torch.tpu.get_rng_state()
+    first = _draws(generator.manual_seed(1234))
+    assert generator.initial_seed() == 1234
+    again = _draws(generator.manual_seed(1234))
+    assert _same(first, again)
+    assert not _same(first, _draws(generator))  # the stream moves on
+    other = _draws(torch.Generator(device="tpu:1").manual_seed(99))
+    assert not _same(first, other)
+    # a generator's stream is its own: the device's default stream is untouched
+    assert torch.equal(torch.tpu.get_rng_state(), default_state)
+    assert other[0].shape == (6,) and 0 <= int(other[2].min()) and int(other[2].max()) < 100
+
+
+def test_tpu_generator_state_round_trips():
+    generator = torch.Generator(device="tpu").manual_seed(5)
+    state = generator.get_state()
+    expected = _draws(generator)
+    generator.set_state(state)
+    assert _same(_draws(generator), expected)
+    generator.set_state(state)
+    clone = generator.clone_state()
+    copied = pickle.loads(pickle.dumps(generator))
+    assert clone.device == copied.device == torch.device("tpu", 0)
+    assert _same(_draws(clone), expected) and _same(_draws(copied), expected)

@@ -26,7 +26,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from tpu_train.device import rng, runtime
+from tpu_train.device import generator, rng, runtime
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.storage import Storage, contiguous_strides
 from tpu_train.device.tensor import TpuTensor, host_array
@@ -249,6 +249,10 @@ def _split_leaves(func, leaves, slots, index, floats_static=False):
         elif type(leaf) is float and not floats_static:
             dynamic.append(leaf)  # a weakly typed traced scalar inside the jit
             static.append(_DYNAMIC)
+        elif isinstance(leaf, torch._C.Generator):
+            # Not part of the program: its key is a dynamic argument (_random_key). PyTorch
+            # re-wraps it per call, so keying the jit cache on it would compile every call.
+            static.append(None)
         elif in_tensor_slot and isinstance(leaf, (bool, int, complex)):
             static.append(_AsArray((leaf,)))
         else:
@@ -323,7 +327,7 @@ def run_lowering(lowering, func, args, kwargs):
     dynamic, static = _split_leaves(func, leaves, slots, index, lowering.static_floats)
     fn, structure = _compiled(lowering, func, treedef, static, out_dtypes, lowering.random)
     if lowering.random:
-        dynamic.append(rng.next_key(index))
+        dynamic.append(_random_key(leaves, index))
     try:
         flat = fn(*dynamic)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
@@ -354,6 +358,15 @@ def run_lowering(lowering, func, args, kwargs):
         else:
             results.append(value if value is None else _python_scalar(value))
     return tree_unflatten(results, meta_tree)
+
+
+def _random_key(leaves, index):
+    """The op's PRNG key: from its ``generator=`` argument when given, else the device's
+    default stream."""
+    for leaf in leaves:
+        if isinstance(leaf, torch._C.Generator):
+            return generator.key_from_generator(leaf, index)
+    return rng.next_key(index)
 
 
 def _python_scalar(value):
