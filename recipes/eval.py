@@ -4,8 +4,8 @@
     tpu-train recipe=eval model.checkpoint=runs/llama_finetune/<stamp>/hf data=jsonl \
               data.path=train.jsonl data.val_path=val.jsonl
 
-The model is ``model.checkpoint``, else the newest checkpoint in ``run.dir``, else random
-weights (a baseline).
+The model is ``model.checkpoint``, else the newest intact checkpoint in ``run.dir``; neither
+is a one-line error.
 """
 
 from omegaconf import DictConfig

@@ -3,8 +3,8 @@
     tpu-train recipe=generate model.checkpoint=runs/llama_finetune/<stamp>/hf \
               'recipe.generate.prompts=["add 12+30\n"]' recipe.generate.temperature=0.7
 
-The model is ``model.checkpoint``, else the newest checkpoint in ``run.dir``, else random
-weights (a smoke test).
+The model is ``model.checkpoint``, else the newest intact checkpoint in ``run.dir``; neither
+is a one-line error.
 """
 
 import torch

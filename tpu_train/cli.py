@@ -63,6 +63,7 @@ from omegaconf import DictConfig
 from tpu_train.trainer.config import register_schema
 from tpu_train.trainer.config_errors import describe_composition_error
 from tpu_train.trainer.errors import ConfigError, TrainingStopped
+from tpu_train.trainer.sweep import MULTIRUN_FLAGS, check_sweep
 
 # configs/ and recipes/ sit at the top of the source tree and are installed as the packages
 # tpu_train_configs and tpu_train_recipes (see pyproject.toml), so the same lookup works from a
@@ -194,6 +195,8 @@ def main() -> None:
             # ``tpu-train plan <overrides>``: the same config tree, the plan recipe; Hydra
             # parses the rest of the command line as usual.
             job, args = _run_plan_job, args[1:]
+        if any(flag in args for flag in MULTIRUN_FLAGS):
+            check_sweep(args, CONFIG_DIR, "config")
         sys.argv = [sys.argv[0], *args]
         app = hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")(job)
         app()

@@ -72,7 +72,7 @@ VALUES = {
     "missing_val_file": (["data=jsonl", "data.path=${asset:corpus/tasks_train.jsonl}",
                           "data.val_path=/nonexistent/v.jsonl"],
                          "data.val_path='/nonexistent/v.jsonl' does not exist"),
-    "data_path_is_a_directory": (["data=jsonl", "data.path=/"], "is not a regular file"),
+    "data_path_is_a_directory": (["data=jsonl", "data.path=/"], "data.path: /: a directory that is not"),
     "jsonl_without_path": (["data=jsonl"], "data.path"),
     "missing_tokenizer": (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer"),
     "keep_last_zero": (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),

@@ -2,38 +2,57 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from safetensors.torch import load_file
 
 from . import builders
-from .checkpoint import MODEL_FILE, latest_checkpoint
+from .checkpoint import latest_intact_checkpoint, read_model_state
+from .errors import ConfigError
 from .lora import apply_lora, merge_lora
 
 
 def load_model_for_inference(cfg: DictConfig, tokenizer, device: torch.device):
     """(model in eval mode on ``device``, description of where its weights came from).
 
-    Order: ``model.checkpoint``; else the newest checkpoint in ``run.dir`` (LoRA adapters are
-    merged); else random weights.
+    The weights are ``model.checkpoint``'s, else those of the newest intact checkpoint in
+    ``run.dir`` (LoRA adapters are merged). Neither is a :class:`ConfigError`: evaluating or
+    sampling random weights would print plausible numbers about no model at all.
     """
     if cfg.model.checkpoint is not None:
-        model, source = builders.build_model(cfg, tokenizer.vocab_size), cfg.model.checkpoint
+        return builders.build_model(cfg, tokenizer.vocab_size).to(device).eval(), cfg.model.checkpoint
+    model = builders.build_model(cfg, tokenizer.vocab_size, allow_checkpoint=False)
+    found = newest_run_checkpoint(cfg)
+    try:
+        state = read_model_state(found)
+    except ValueError as exc:  # a sharded checkpoint: its message says what to use instead
+        raise ConfigError(str(exc)) from None
+    if any(key.endswith("lora_a") for key in state):
+        lora = cfg.recipe.lora
+        apply_lora(model, list(lora.targets), lora.rank, lora.alpha)
+        model.load_state_dict(state)
+        merge_lora(model)
     else:
-        model = builders.build_model(cfg, tokenizer.vocab_size, allow_checkpoint=False)
-        found = latest_checkpoint(Path(cfg.run.dir)) if Path(cfg.run.dir).is_dir() else None
-        if found is not None:
-            state = load_file(str(found / MODEL_FILE))
-            if any(key.endswith("lora_a") for key in state):
-                lora = cfg.recipe.lora
-                apply_lora(model, list(lora.targets), lora.rank, lora.alpha)
-                model.load_state_dict(state)
-                merge_lora(model)
-            else:
-                model.load_state_dict(state)
-            source = str(found)
-        else:
-            source = f"random weights (seed {cfg.trainer.seed}): no model.checkpoint and no checkpoint in run.dir"
-    return model.to(device).eval(), source
+        model.load_state_dict(state)
+    return model.to(device).eval(), str(found)
+
+
+def newest_run_checkpoint(cfg: DictConfig) -> Path:
+    """The newest intact checkpoint of ``run.dir`` (a damaged newer one is named in a warning)."""
+    recipe, run_dir = cfg.recipe.name, Path(cfg.run.dir)
+    needs = (f"recipe={recipe} needs a model: set model.checkpoint=DIR (a Hugging Face "
+             "directory) or run.dir=<a run that holds checkpoints>")
+    if not run_dir.is_dir():
+        raise ConfigError(f"{needs}; run.dir={cfg.run.dir!r} does not exist")
+    found, damaged = latest_intact_checkpoint(run_dir)
+    if found is None and damaged:
+        raise ConfigError(f"{needs}; every checkpoint in run.dir={cfg.run.dir!r} is damaged "
+                          f"(newest {damaged[0][0].name}: {damaged[0][1]})")
+    if found is None:
+        raise ConfigError(f"{needs}; run.dir={cfg.run.dir!r} holds no checkpoint")
+    for path, problem in damaged:
+        print(f"tpu-train: warning: checkpoint {path} is damaged ({problem}); using the newest "
+              f"intact one, {found}", file=sys.stderr, flush=True)
+    return found

@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from tpu_train.distributed.init import TIMEOUT_ENV
+
 from .errors import ConfigError
 
 WORLD_SIZE_ENV = "WORLD_SIZE"
+_LAUNCHERS = "torchrun or python -m tpu_train.launch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,39 @@ def requested_world_size() -> int:
     return size
 
 
+def _integer_env(name: str, low: int, high: int) -> None:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise ConfigError(f"{WORLD_SIZE_ENV}={os.environ[WORLD_SIZE_ENV]} but {name} is not set; "
+                          f"start the processes with {_LAUNCHERS} (they set it)")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ConfigError(f"{name}={raw!r} must be an integer in [{low}, {high}]; start the "
+                          f"processes with {_LAUNCHERS}")
+
+
+def check_launch_environment(size: int) -> None:
+    """The launch variables ``init_process_group`` reads, checked so that a hand-set or partial
+    environment is one line naming the variable rather than a rendezvous traceback."""
+    _integer_env("RANK", 0, size - 1)
+    if not os.environ.get("MASTER_ADDR"):
+        raise ConfigError(f"{WORLD_SIZE_ENV}={size} but MASTER_ADDR is not set; start the "
+                          f"processes with {_LAUNCHERS}")
+    _integer_env("MASTER_PORT", 1, 65535)
+    raw_timeout = os.environ.get(TIMEOUT_ENV)
+    if raw_timeout is not None:
+        try:
+            ok = float(raw_timeout) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"{TIMEOUT_ENV}={raw_timeout!r} must be a positive number of "
+                              "seconds; unset it for the default")
+
+
 def start_processes() -> World:
     """Join the job's process group when a launcher started several processes.
 
@@ -58,6 +94,7 @@ def start_processes() -> World:
     if size == 1:
         return World(0, 1)
     if not dist.is_initialized():
+        check_launch_environment(size)
         import tpu_train.distributed  # noqa: F401  (registers the "tpu" backend)
 
         dist.init_process_group("tpu")
