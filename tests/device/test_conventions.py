@@ -8,6 +8,7 @@ Tied parameters stay one parameter (``.to``, ``_apply`` paths, ``load_state_dict
 import copy
 import io
 import pickle
+import threading
 
 import pytest
 import torch
@@ -295,3 +296,56 @@ def test_tpu_generator_state_round_trips():
     copied = pickle.loads(pickle.dumps(generator))
     assert clone.device == copied.device == torch.device("tpu", 0)
     assert _same(_draws(clone), expected) and _same(_draws(copied), expected)
+
+
+# -- pinned host memory --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_pin_memory_gives_a_pinned_copy(dtype):
+    source = (torch.arange(24).view(4, 6) % 5).to(dtype)
+    pinned = source.pin_memory()
+    assert pinned.is_pinned() and not source.is_pinned()
+    assert pinned[1:, 2].is_pinned()  # a view of pinned memory is pinned
+    assert pinned.pin_memory() is pinned
+    assert pinned.dtype == dtype and torch.equal(pinned, source)
+    assert pinned.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+    for non_blocking in (False, True):
+        moved = pinned.to("tpu", non_blocking=non_blocking)
+        assert moved.dtype == dtype and torch.equal(moved.cpu(), source)
+
+
+def test_copy_from_pinned_memory_is_asynchronous():
+    from tpu_train.device import pinned as pinned_memory
+    from tpu_train.device.tensor import storage_of
+
+    source = torch.randn(64, 32).pin_memory()
+    expected = source.clone()
+    gate = threading.Event()
+    pinned_memory._transfers.submit(gate.wait)  # hold the transfer thread
+    try:
+        moved = source.to("tpu", non_blocking=True)  # must return while the thread is held
+        assert not storage_of(moved).ready
+        blocking = source.to("tpu")  # a blocking copy does not wait for the thread
+        unpinned = expected.to("tpu", non_blocking=True)
+        assert storage_of(blocking).ready and storage_of(unpinned).ready
+    finally:
+        gate.set()
+    torch.accelerator.synchronize()
+    assert storage_of(moved).ready
+    assert torch.equal(moved.cpu(), expected) and torch.equal(blocking.cpu(), expected)
+    source.zero_()  # after synchronize the pinned buffer may be reused
+    assert torch.equal(moved.cpu(), expected)
+
+
+def test_dataloader_pins_batches_for_the_tpu_device():
+    data = torch.utils.data.TensorDataset(torch.arange(20.).view(10, 2), torch.arange(10))
+    with pytest.warns(UserWarning, match="pin_memory_device is deprecated"):  # PyTorch's own
+        batches = list(torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True,
+                                                   pin_memory_device="tpu"))
+    for batch in (batches, list(torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True))):
+        assert all(t.is_pinned() for pair in batch for t in pair)
+        moved = [(x.to("tpu", non_blocking=True), y.to("tpu", non_blocking=True)) for x, y in batch]
+        torch.testing.assert_close(torch.cat([x.cpu() for x, _ in moved]), data.tensors[0],
+                                   rtol=0, atol=0)
+        assert torch.equal(torch.cat([y.cpu() for _, y in moved]), data.tensors[1])

@@ -45,7 +45,7 @@ def register() -> None:
             f"PyTorch's PrivateUse1 device is already named '{current}' by another backend in "
             f"this process; tpu_train needs it to be 'tpu'. Use one backend per process.")
 
-    from tpu_train.device import accelerator, factories, generator, module, tying
+    from tpu_train.device import accelerator, factories, generator, module, pinned, tying
 
     module.__tpu_train__ = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -61,6 +61,7 @@ def register() -> None:
     tying.install()
     accelerator.install()
     generator.install()
+    pinned.register()
     # PyTorch's default autocast dtype for a PrivateUse1 device is float16; bfloat16 is the
     # TPU's native lower precision (as for torch_xla). The setting is per thread in PyTorch:
     # this sets it for the importing thread (see docs/architecture.md).

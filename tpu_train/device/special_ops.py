@@ -9,7 +9,7 @@ import math
 
 from torch.utils._mode_utils import no_dispatch
 
-from tpu_train.device import runtime
+from tpu_train.device import pinned, runtime
 from tpu_train.device.mutation import assign
 from tpu_train.device.storage import Storage, contiguous_strides
 from tpu_train.device.tensor import TpuTensor, from_host, to_host, wrap
@@ -43,9 +43,12 @@ def _to_copy(func, args, kwargs):
 
 def _copy_(func, args, kwargs):
     destination, source = args[0], args[1]
-    if isinstance(destination, TpuTensor) and not isinstance(source, TpuTensor) \
-            and source.device.type != "cpu":
-        raise RuntimeError(f"cannot copy from {source.device} into a tpu tensor; go through .cpu()")
+    if isinstance(destination, TpuTensor) and not isinstance(source, TpuTensor):
+        if source.device.type != "cpu":
+            raise RuntimeError(f"cannot copy from {source.device} into a tpu tensor; go through .cpu()")
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if non_blocking and pinned.copy_async(destination, source):
+            return destination
     assign(destination, source, func)
     return destination
 
@@ -56,10 +59,6 @@ def _local_scalar_dense(func, args, kwargs):
 
 def _fused_sdp_choice(func, args, kwargs):
     return _SDP_OVERRIDEABLE
-
-
-def _is_pinned(func, args, kwargs):
-    return False
 
 
 def _compatible_shallow_copy(func, args, kwargs):
@@ -181,7 +180,6 @@ HANDLERS = {
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten._fused_sdp_choice.default: _fused_sdp_choice,
-    aten.is_pinned.default: _is_pinned,
     aten._has_compatible_shallow_copy_type.default: _compatible_shallow_copy,
     aten.resize_.default: _resize_,
     aten.record_stream.default: _record_stream,

@@ -35,14 +35,38 @@ Geometry = tuple  # (size tuple, stride tuple, offset int)
 class Storage:
     """A flat device buffer holding ``numel`` elements of a torch dtype on one device."""
 
-    __slots__ = ("buffer", "dtype", "device_index", "_held", "__weakref__")
+    __slots__ = ("_buffer", "_pending", "dtype", "device_index", "_held", "__weakref__")
 
     def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int):
         assert buffer.ndim == 1, buffer.shape
-        self.buffer = buffer
+        self._buffer = buffer
+        self._pending = None
         self.dtype = dtype
         self.device_index = device_index
         _accounting.track(self)
+
+    @property
+    def buffer(self) -> jax.Array:
+        """The flat buffer; waits for a host-to-device copy still in flight (:meth:`fill_later`)."""
+        if self._pending is not None:
+            self._buffer = self._pending.result()
+            self._pending = None
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, value: jax.Array) -> None:
+        self._pending = None  # a full overwrite: an unfinished copy's result is not wanted
+        self._buffer = value
+
+    def fill_later(self, future) -> None:
+        """Take the whole buffer from ``future`` (a ``concurrent.futures.Future`` of a flat
+        array of this size) when it is first read: an asynchronous host-to-device copy."""
+        self._pending = future
+
+    @property
+    def ready(self) -> bool:
+        """False while a copy started by :meth:`fill_later` has not finished."""
+        return self._pending is None or self._pending.done()
 
     def resize(self, numel: int) -> None:
         """Give the storage a buffer of ``numel`` elements (contents kept up to the shorter
@@ -60,7 +84,7 @@ class Storage:
 
     @property
     def numel(self) -> int:
-        return int(self.buffer.shape[0])
+        return int(self._buffer.shape[0])  # a pending copy has the same size: no need to wait
 
     @property
     def nbytes(self) -> int:
