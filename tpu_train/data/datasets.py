@@ -135,10 +135,10 @@ def apply_column_map(record: dict, column_map: Mapping[str, str], path: Path, li
     files of which only some need renaming; a record with neither is an error naming both."""
     if not column_map:
         return record
-    record = dict(record)
+    renamed = dict(record)
     for ours, theirs in column_map.items():
         if theirs in record:
-            record[ours] = record.pop(theirs)
+            renamed[ours] = renamed.pop(theirs)
         elif ours not in record:
             raise DataError(
                 f"column {theirs!r} (data.column_map.{ours}={theirs}) not found; the record has "
@@ -146,7 +146,7 @@ def apply_column_map(record: dict, column_map: Mapping[str, str], path: Path, li
                 path,
                 line,
             )
-    return record
+    return renamed
 
 
 def parse_fields(

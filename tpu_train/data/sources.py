@@ -29,6 +29,8 @@ over a second to import, and the CLI should start fast for JSONL users.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +175,12 @@ def _table_batches(path: Path, kind: str, offset: int, chunk_rows: int) -> Itera
         for start in range(offset, len(table), chunk_rows):
             yield table[start : start + chunk_rows]
         return
+    if kind == "parquet":
+        import pyarrow.parquet
+
+        # datasets fails on a Parquet file without rows (a zero batch size), so say "empty".
+        if pyarrow.parquet.read_metadata(path).num_rows == 0:
+            return
     stream = datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
     # skip() drops whole Arrow batches before any row becomes a Python object: resuming deep
     # into a file costs a read of the skipped bytes, not a parse.
@@ -184,6 +192,19 @@ def _table_batches(path: Path, kind: str, offset: int, chunk_rows: int) -> Itera
         batches.close()
 
 
+@contextlib.contextmanager
+def _datasets_logs_quiet() -> Iterator[None]:
+    """datasets logs a read failure to stderr before raising it; the error we raise from it
+    says the same in one line, and CLI errors must be one line."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _read_table(
     path: Path, kind: str, fmt: str, offset: int, chunk_rows: int, column_map: Mapping[str, str] | None
 ) -> Iterator[list[Located]]:
@@ -191,7 +212,8 @@ def _read_table(
     batches = _table_batches(path, kind, offset, chunk_rows)
     while True:
         try:
-            batch = next(batches, None)
+            with _datasets_logs_quiet():
+                batch = next(batches, None)
         except DataError:
             raise
         except Exception as exc:  # datasets and pyarrow raise many types for an unreadable file
