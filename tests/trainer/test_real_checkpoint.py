@@ -4,14 +4,13 @@ size that is no named model option, with its own tokenizer (trained with `tokeni
 
 The architecture comes from the checkpoint's config.json, the tokenizer and its special tokens
 from the checkpoint's tokenizer files, and the run's `hf/` export loads with transformers'
-`AutoModelForCausalLM` and `AutoTokenizer`. Bad checkpoint directories are one-line errors
-(exit 2) that write nothing.
+`AutoModelForCausalLM` and `AutoTokenizer`. (Damaged checkpoint directories are in
+tests/bad_input/test_checkpoints.py.)
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import stat
 from pathlib import Path
 
@@ -19,76 +18,27 @@ import pytest
 import torch
 
 from tests.tolerances import rtol_for
-from tests.trainer.cli_helpers import TINY, one_thread, run_in_process, snapshot  # noqa: F401
+from tests.trainer.cli_helpers import TINY, one_thread, run_in_process  # noqa: F401
+from tests.trainer.hf_checkpoint import (BOS, CHATML_TEMPLATE, EOS, HEADS, HIDDEN, INTERMEDIATE,
+                                         KV_HEADS, LAYERS, LLAMA3_TEMPLATE, PAD, LINES,
+                                         save_custom_llama)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-# Special tokens no built-in heuristic knows: the run can only find them through the
-# checkpoint's tokenizer_config.json / special_tokens_map.json.
-BOS, EOS, PAD = "<|start|>", "<|stop|>", "<|fill|>"
-CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
-                 "<|eot_id|>"]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{% endif %}")
-# Not one of the named model options (debug_tiny is 256 wide, 4 layers, 4 heads).
-HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 96, 3, 6, 2, 200
-
-_LINES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Add the two numbers and write the sum.",
-    "Reverse the letters of the word and answer with it.",
-    "A checkpoint holds the weights; a tokenizer turns text into ids.",
-    "Rivers run to the sea, and the sea is never full.",
-    "Count the vowels in the sentence and reply with a number.",
-]
-
-
-def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[BOS, EOS, PAD, *CHAT_SPECIALS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_LINES * 4, trainer=trainer)
-    return tok
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A transformers Llama of a non-preset size with its own tokenizer, saved in one dir."""
-    directory = tmp_path_factory.mktemp("ckpt") / "custom-llama"
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(),
-                                                bos_token=BOS, eos_token=EOS, pad_token=PAD)
-    fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(directory)
-    config = transformers.LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=len(fast),
-        max_position_embeddings=64, rope_theta=20000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
+    return save_custom_llama(tmp_path_factory.mktemp("ckpt") / "custom-llama")
 
 
 @pytest.fixture(scope="module")
 def train_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    records = [{"prompt": f"{line} ", "response": line[::-1]} for line in _LINES] * 3
+    records = [{"prompt": f"{line} ", "response": line[::-1]} for line in LINES] * 3
     # Chat records: rendered with the checkpoint's own chat template (it has no Llama 3 tokens).
     records += [{"messages": [{"role": "user", "content": line},
-                              {"role": "assistant", "content": line[::-1]}]} for line in _LINES]
+                              {"role": "assistant", "content": line[::-1]}]} for line in LINES]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -189,60 +139,3 @@ def test_chat_template_matches_transformers(template, checkpoint, tmp_path):
     targets = ours.decode([i for i, t in zip(chat.ids, chat.target_mask) if t])
     assert "tac" in targets and "The sum is 42." in targets
     assert "Reverse" not in targets and "Answer" not in targets and "Add 12" not in targets
-
-
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data))
-
-
-def _no_config(d: Path) -> None:
-    (d / "config.json").unlink()
-
-
-def _bad_json(d: Path) -> None:
-    (d / "config.json").write_text('{"model_type": "llama", ')
-
-
-def _other_architecture(d: Path) -> None:
-    config = json.loads((d / "config.json").read_text())
-    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    _write_json(d / "config.json", config)
-
-
-def _no_tokenizer(d: Path) -> None:
-    (d / "tokenizer.json").unlink()
-
-
-def _unknown_special_token(d: Path) -> None:
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    config["eos_token"] = "<|not-in-vocab|>"
-    _write_json(d / "tokenizer_config.json", config)
-
-
-@pytest.mark.parametrize("damage, extra, expected", [
-    (_no_config, (), "config.json not found"),
-    (_bad_json, (), "config.json: not readable JSON"),
-    (_other_architecture, (), "architectures=['GPT2LMHeadModel']"),
-    (_no_tokenizer, (), "holds no tokenizer (tokenizer.json or tokenizer.model)"),
-    (_unknown_special_token, (), "names eos token '<|not-in-vocab|>'"),
-    # The bundled 512-token tokenizer with a smaller model: ids beyond its embedding rows.
-    (None, ("data.tokenizer=BUNDLED",), "ids >= "),
-], ids=["no_config", "bad_json", "other_architecture", "no_tokenizer", "unknown_special_token",
-        "vocabulary_mismatch"])
-def test_bad_checkpoint_is_a_one_line_error(damage, extra, expected, checkpoint, train_file,
-                                            tmp_path):
-    from tpu_train.data import default_tokenizer_path
-
-    bad = tmp_path / "ckpt"
-    shutil.copytree(checkpoint, bad)
-    if damage is not None:
-        damage(bad)
-    extra = [e.replace("BUNDLED", str(default_tokenizer_path())) for e in extra]
-    before = snapshot(tmp_path)
-    code, out, err = _run(bad, train_file, tmp_path / "run", *extra)
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tpu-train: error: "), err
-    assert expected in lines[0], lines[0]
-    assert "Traceback" not in err
-    assert snapshot(tmp_path) == before

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import LlamaConfig, RopeScaling
@@ -278,6 +278,42 @@ def _dtype_from_hf(hf: dict, source: Path) -> torch.dtype:
 
 
 @torch.no_grad()
+def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
+                    config_path: Path) -> None:
+    """Copy the tensors of one safetensors file into ``params`` (checked by name, shape and
+    finiteness), recording their names in ``loaded``."""
+    with safe_open(str(file), framework="pt", device="cpu") as reader:
+        for hf_key in reader.keys():
+            ours = _our_name(hf_key)
+            if ours is None:
+                if hf_key.endswith(_IGNORED_HF_SUFFIXES):
+                    continue
+                raise ValueError(
+                    f"{file}: unexpected tensor {hf_key!r}, not part of a Llama model with "
+                    f"this config.json"
+                )
+            if ours == "output.weight" and cfg.tie_embeddings:
+                continue  # some tied exports store the shared matrix twice
+            if ours not in params:
+                raise ValueError(
+                    f"{file}: tensor {hf_key!r} does not fit the config in {config_path} "
+                    f"(num_hidden_layers={cfg.n_layers}, "
+                    f"tie_word_embeddings={cfg.tie_embeddings})"
+                )
+            param = params[ours]
+            shape = tuple(reader.get_slice(hf_key).get_shape())
+            if shape != tuple(param.shape):
+                raise ValueError(
+                    f"{file}: tensor {hf_key!r} has shape {list(shape)} but the config in "
+                    f"{config_path} requires {list(param.shape)}"
+                )
+            param.copy_(reader.get_tensor(hf_key))
+            loaded.add(ours)
+            if not bool(torch.isfinite(param).all()):
+                raise ValueError(f"{file}: tensor {hf_key!r} holds NaN or inf values")
+
+
+@torch.no_grad()
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, *,
                     max_seq_len: int | None = None) -> Llama:
@@ -304,33 +340,11 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for hf_key in reader.keys():
-                ours = _our_name(hf_key)
-                if ours is None:
-                    if hf_key.endswith(_IGNORED_HF_SUFFIXES):
-                        continue
-                    raise ValueError(
-                        f"{file}: unexpected tensor {hf_key!r}, not part of a Llama model with "
-                        f"this config.json"
-                    )
-                if ours == "output.weight" and cfg.tie_embeddings:
-                    continue  # some tied exports store the shared matrix twice
-                if ours not in params:
-                    raise ValueError(
-                        f"{file}: tensor {hf_key!r} does not fit the config in {config_path} "
-                        f"(num_hidden_layers={cfg.n_layers}, "
-                        f"tie_word_embeddings={cfg.tie_embeddings})"
-                    )
-                param = params[ours]
-                shape = tuple(reader.get_slice(hf_key).get_shape())
-                if shape != tuple(param.shape):
-                    raise ValueError(
-                        f"{file}: tensor {hf_key!r} has shape {list(shape)} but the config in "
-                        f"{config_path} requires {list(param.shape)}"
-                    )
-                param.copy_(reader.get_tensor(hf_key))
-                loaded.add(ours)
+        try:
+            _load_file_into(file, params, loaded, cfg, config_path)
+        except SafetensorError as err:
+            raise ValueError(f"{file}: not a readable safetensors file ({err}): it is truncated "
+                             "or damaged; copy or download it again") from None
     missing = [hf_name(n) for n in params if n not in loaded]
     if missing:
         where = blame
