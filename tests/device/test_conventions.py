@@ -7,7 +7,11 @@ Tied parameters stay one parameter (``.to``, ``_apply`` paths, ``load_state_dict
 
 import copy
 import io
+import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -349,3 +353,33 @@ def test_dataloader_pins_batches_for_the_tpu_device():
         torch.testing.assert_close(torch.cat([x.cpu() for x, _ in moved]), data.tensors[0],
                                    rtol=0, atol=0)
         assert torch.equal(torch.cat([y.cpu() for _, y in moved]), data.tensors[1])
+
+
+# -- init_device_mesh without init_process_group -------------------------------------------------
+
+_MESH_SCRIPT = """
+import torch, tpu_train
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("tpu", (2,))  # no init_process_group before it
+t = torch.ones(3, device="tpu") * (dist.get_rank() + 1)
+dist.all_reduce(t, group=mesh.get_group())
+print("rank", dist.get_rank(), "sum", t.cpu().tolist(), "device", t.device, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_init_device_mesh_initialises_the_process_group(tmp_path):
+    script = tmp_path / "mesh.py"
+    script.write_text(_MESH_SCRIPT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), str(script)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} sum [3.0, 3.0, 3.0] device tpu:0" in result.stdout, result.stdout

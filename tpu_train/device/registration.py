@@ -10,8 +10,21 @@ _registered = False
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:
-        from tpu_train.device import module
+        # PyTorch asks this while it picks default backends, e.g. in the bare
+        # init_process_group() that init_device_mesh("tpu") runs, before the tpu process group
+        # has started jax.distributed. Enumerating devices here would create JAX's backends
+        # and make it too late for this process to join a multi-process JAX runtime. So until
+        # this process first uses its devices the answer comes from the platform request
+        # alone: the CPU client always exists, and a requested tpu/cuda platform that is absent
+        # is reported at first device use (runtime.platform()).
+        from tpu_train.device import module, runtime
 
+        if not runtime.devices_enumerated():
+            try:
+                runtime.requested_platform()
+            except runtime.PlatformError:
+                return False
+            return True
         return module.is_available()
 
     def has_primary_context(self, device_index) -> bool:

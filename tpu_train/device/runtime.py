@@ -117,6 +117,11 @@ def devices() -> tuple:
     raise PlatformError(f"no local {platform()} devices")
 
 
+def devices_enumerated() -> bool:
+    """Has this process asked for its devices yet (so JAX's backends exist)?"""
+    return devices.cache_info().currsize > 0
+
+
 def device_count() -> int:
     return len(devices())
 
