@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -383,3 +384,22 @@ def test_init_device_mesh_initialises_the_process_group(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} sum [3.0, 3.0, 3.0] device tpu:0" in result.stdout, result.stdout
+
+
+# -- DataLoader workers --------------------------------------------------------------------------
+
+
+def test_dataloader_workers_without_fork_warning():
+    """JAX warns at every os.fork() once its runtime threads exist (its at-fork hook), and
+    DataLoader workers fork by default on Linux. A forkserver (or spawn) context starts the
+    workers from a clean process instead: no warning, same batches (docs/architecture.md)."""
+    torch.ones(1, device="tpu")  # JAX's threads exist from here on
+    data = torch.utils.data.TensorDataset(torch.arange(24.).view(12, 2))
+    expected = [b[0] for b in torch.utils.data.DataLoader(data, batch_size=4)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2,
+                                             multiprocessing_context="forkserver")
+        got = [b[0] for b in loader]
+    assert not [w for w in caught if "fork" in str(w.message)], [str(w.message) for w in caught]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and len(got) == len(expected)
