@@ -14,10 +14,15 @@ program (``lax.scan``) while the optimizer runs once; XLA still sees one program
 Tracing runs ``make_fx(functionalize(fn, remove="mutations"))`` under a ``FakeTensorMode``
 whose fake tensors carry the real ``tpu`` device, so device-dependent model code (factories
 with ``device=x.device``) traces as it runs. Nothing touches device memory during tracing.
+
+Inside that trace :func:`torch.compiler.is_compiling` answers True (:func:`compile_session`):
+library code that skips host-side value checks when compiled (transformers' attention-mask
+utilities call ``.all()`` on the mask otherwise) must take its traceable branch here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Sequence
 
@@ -52,21 +57,72 @@ def _decomposition_table(lowering_count: int) -> dict:
             if op in _KEEP_DECOMPOSED or registry.get_lowering(op) is None}
 
 
+class _TraceFakeMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that never makes a real ``tpu`` tensor while tracing.
+
+    ``torch.tensor(data, device="tpu")`` builds its value with the dispatch modes off and only
+    then lifts it into them; transformers' KV cache does that (``torch.tensor([],
+    device=...)``) in every forward. With an accelerator present FakeTensorMode lets the
+    value be made on the device and constant-folds moves onto it, which here would create a
+    real ``TpuTensor`` (not fake: the trace then fails mixing the two). ``avoid_device_init``
+    is FakeTensorMode's own switch for "do not touch the device": the value is made on the
+    CPU, lifted, and moved to ``tpu`` with the modes on (a fake ``_to_copy`` of a graph
+    constant), and device moves of constants are not folded. FakeTensorMode turns it on by
+    itself when no accelerator is available; a trace never needs the device, so always.
+    """
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+
 class FakeFactory:
     """Makes fake tensors with given shapes, dtypes and devices in one ``FakeTensorMode``."""
 
     def __init__(self):
-        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.mode = _TraceFakeMode(allow_non_fake_inputs=False)
 
     def like(self, shape, dtype: torch.dtype, device: torch.device) -> FakeTensor:
         meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
         return FakeTensor(self.mode, meta, torch.device(device))
 
 
+@contextlib.contextmanager
+def compile_session():
+    """Make ``torch.compiler.is_compiling()`` True for the duration of our trace.
+
+    Model code asks "am I being traced?" to skip data-dependent host checks (transformers'
+    ``is_tracing``: ``torch.compiler.is_compiling()``, ``torch.jit.is_tracing()``, an fx
+    ``Proxy`` or ``FakeTensor`` argument). A make_fx trace under functionalize and
+    ``torch.func.grad`` is none of those (the values are functional / grad wrappers around the
+    fake tensors), so without this such code calls ``.item()`` on a fake value. The check is
+    meant for exactly this case: torch itself holds the flag True around backends and make_fx
+    traces that run inside a compile (dynamo's compile session) and around non-strict export's
+    make_fx trace. There is no public setter: torch >= 2.13 has the context manager dynamo
+    uses (``torch.compiler._compile_session_context``); 2.11 and 2.12 read the module flag
+    ``torch.compiler._is_compiling_flag`` that export toggles. tests/compile/
+    test_transformers_models.py fails if neither makes ``is_compiling()`` True.
+    ``is_exporting()`` stays False: we are not exporting, and models pick export-only paths
+    on it.
+    """
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+
+
 def _trace(fn: Callable, fake_args: Sequence) -> torch.fx.GraphModule:
     functional = torch.func.functionalize(fn, remove="mutations")
-    return make_fx(functional, decomposition_table=decomposition_table(),
-                   tracing_mode="real")(*fake_args)
+    with compile_session():
+        return make_fx(functional, decomposition_table=decomposition_table(),
+                       tracing_mode="real")(*fake_args)
 
 
 class _LossModule(torch.nn.Module):
