@@ -1,4 +1,4 @@
-"""Training loop behaviour: exact resume after SIGKILL, SIGTERM, non-finite loss, TensorBoard."""
+"""Training loop behaviour: exact resume after SIGKILL (and a damaged newest checkpoint), SIGTERM, non-finite loss, TensorBoard."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.tolerances import rtol_for
 from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process, start_subprocess
-from tpu_train.trainer.checkpoint import list_checkpoints
+from tpu_train.trainer.checkpoint import MODEL_FILE, list_checkpoints
 
 STEPS = 6
 
@@ -25,9 +25,21 @@ def _wait_for_step(process, run_dir, step, timeout=240.0):
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def _wait_for_checkpoints(process, run_dir, count, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(list_checkpoints(run_dir)) >= count:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"{count} checkpoints not written in {timeout} s")
+
+
 @pytest.mark.parametrize("mode", [TINY, TINY_COMPILED], ids=["eager_cpu", "compiled_tpu"])
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
-    common = [*mode, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
+    """SIGKILL mid-run, then the newest checkpoint damaged as well (half its model file gone):
+    the resume falls back to the one before, with a warning, and replays every step exactly."""
+    common = [*mode, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=1",
               "data.shuffle_buffer=16"]
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     code, _, err = run_in_process(*common, f"run.dir={reference_dir}")
@@ -35,16 +47,19 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
 
     process = start_subprocess(*common, f"run.dir={killed_dir}")
     try:
-        _wait_for_step(process, killed_dir, 3)
+        _wait_for_checkpoints(process, killed_dir, 2)
     finally:
         process.kill()
         process.communicate()
-    saved = [step for step, _ in list_checkpoints(killed_dir)]
-    assert saved and max(saved) < STEPS
+    saved = list_checkpoints(killed_dir)
+    assert len(saved) >= 2 and saved[-1][0] < STEPS, saved
+    model_file = saved[-1][1] / MODEL_FILE
+    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
 
     code, out, err = run_in_process(*common, f"run.dir={killed_dir}")
     assert code == 0, err
-    assert "resumed from step_" in out
+    assert f"resumed from {saved[-2][1].name}" in out
+    assert f"checkpoint {saved[-1][1]} is damaged" in err
     reference, resumed = read_metrics(reference_dir), read_metrics(killed_dir)
     assert sorted(reference) == sorted(resumed) == list(range(1, STEPS + 1))
     for step in reference:
