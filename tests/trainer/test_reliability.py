@@ -93,6 +93,47 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(base_run, tmp_path,
     assert verify_checkpoint(run_dir / "checkpoints" / "step_00000004") is None
 
 
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """Two checkpoints in the sharded layout (what several processes write), from one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from tpu_train.trainer.checkpoint import write_sharded_checkpoint
+    from tpu_train.trainer.world import World
+
+    run_dir = tmp_path_factory.mktemp("sharded") / "run"
+    for step in (1, 2):
+        state = {"w": torch.full((64,), float(step)), "b": torch.arange(8.0) * step}
+        write_sharded_checkpoint(run_dir / "checkpoints", step,
+                                 lambda path, state=state: dcp.save(state, checkpoint_id=path,
+                                                                    no_dist=True),
+                                 {"step": step}, World(0, 1))
+    return run_dir
+
+
+def _sharded_files(checkpoint):
+    return sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("action", ["truncate", "flip", "delete"])
+@pytest.mark.parametrize("index", range(4))
+def test_damaged_sharded_checkpoint_is_detected_and_passed_over(sharded_run, tmp_path, index,
+                                                                action):
+    """Each file of a sharded checkpoint (shards, .metadata, training state, meta.json) is
+    covered: damaged, the checkpoint fails verification and the older one is chosen."""
+    from tpu_train.trainer.checkpoint import latest_intact_checkpoint
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(sharded_run, run_dir)
+    newest = run_dir / "checkpoints" / "step_00000002"
+    files = _sharded_files(newest)
+    assert len(files) == 4, files  # meta.json, training_state.pt, sharded/.metadata, one shard
+    _damage(newest / files[index], action)
+    chosen, damaged = latest_intact_checkpoint(run_dir)
+    assert chosen == run_dir / "checkpoints" / "step_00000001"
+    assert [path for path, _ in damaged] == [newest]
+
+
 def test_load_step_naming_a_damaged_checkpoint_is_a_one_line_error(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
