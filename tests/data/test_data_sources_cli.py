@@ -73,7 +73,9 @@ BAD_SOURCES = {
                         "data.column_map={prompt:question,response:reply}"],
                        "{d}/b.parquet:1: column 'reply' (data.column_map.response=reply) not found; "
                        "the record has 'question', 'answer'"),
-    "val_missing_column": (["data.path={d}/a.jsonl", "data.val_path=[{d}/c.json]", "data.column_map={prompt:q}"],
+    # a.jsonl has our "prompt"; the second validation file has neither it nor "q".
+    "val_missing_column": (["data.path={d}/a.jsonl", "data.val_path=[{d}/a.jsonl,{d}/c.json]",
+                            "data.column_map={prompt:q}"],
                            "{d}/c.json:1: column 'q' (data.column_map.prompt=q) not found"),
     "unknown_field": (["data.path={d}/b.parquet", "data.column_map={promt:question}"],
                       "data.column_map key 'promt' is not a field; mappable fields: text, prompt"),

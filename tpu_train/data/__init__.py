@@ -12,8 +12,10 @@ Tokenizers
 
 Training batches
     ``PackedLoader(paths, tokenizer, seq_len, batch_size, format="auto", mask_prompt=True,
-    shuffle_buffer=0, seed=0, num_epochs=None)`` streams text / instruction / chat JSONL (or
-    ``.txt``) files, packs samples (``<bos> ... <eos>``) into rows and yields
+    shuffle_buffer=0, seed=0, num_epochs=None, weights=None, column_map=None)`` streams text /
+    instruction / chat records from JSONL, ``.txt``, JSON, Parquet files or ``save_to_disk``
+    directories (``sources.py``; ``weights``: a seeded mixture of the files, ``streams.py``),
+    packs samples (``<bos> ... <eos>``) into rows and yields
     ``{"tokens": [B, S], "labels": [B, S]}`` int64 CPU tensors; ``labels[:, i]`` is the target
     of ``tokens[:, i]`` (already shifted), ``-100`` = ignored. ``state_dict()`` /
     ``load_state_dict()`` resume exactly.

@@ -20,6 +20,8 @@ Each sample becomes ``<bos> ... <eos>``. The target mask marks the tokens a mode
 predict; with ``mask_prompt=False`` everything after ``<bos>`` is a target.
 
 Files are read line by line from a byte offset, never whole, so readers are cheap to resume.
+``column_map`` renames a record's fields first. JSON, Parquet and saved datasets are read into
+the same records by :mod:`tpu_train.data.sources`, which also decides the kind by extension.
 """
 
 from __future__ import annotations

@@ -118,21 +118,27 @@ def build_train_loader(cfg: DictConfig, tokenizer, files):
     """An endless, resumable loader of packed ``{"tokens", "labels"}`` batches (a mixture of
     the files when ``data.weights`` is set)."""
     from tpu_train.data import PackedLoader
-    from tpu_train.data.sources import read_source
 
     weights = None if cfg.data.weights is None else list(cfg.data.weights)
     loader = PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                           format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
                           shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.trainer.seed,
                           weights=weights)
-    # Read the first batch now so that bad records fail before the run directory is touched,
-    # and the first record of every file: a batch may not reach a later or rarely drawn file.
+    # Read the first batch now so that bad records fail before the run directory is touched.
     probe = PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                          format=cfg.data.format, mask_prompt=cfg.data.mask_prompt)
     next(iter(probe))
-    for path in loader.files.paths:
-        next(read_source(path, cfg.data.format, chunk_lines=1, column_map=loader.files.columns))
+    _read_first_records(cfg, loader.files)
     return loader
+
+
+def _read_first_records(cfg: DictConfig, files) -> None:
+    """Parse every file's first record: a first batch may not reach a later or rarely drawn
+    file, whose bad columns would otherwise stop the run midway."""
+    from tpu_train.data.sources import read_source
+
+    for path in files.paths:
+        next(read_source(path, cfg.data.format, chunk_lines=1, column_map=files.columns))
 
 
 def build_val_loader(cfg: DictConfig, tokenizer, files, probe: bool = True):
@@ -152,7 +158,9 @@ def build_val_loader(cfg: DictConfig, tokenizer, files, probe: bool = True):
                             num_epochs=1, drop_last=False)
 
     if probe:
-        next(iter(make()))
+        first = make()
+        _read_first_records(cfg, first.files)
+        next(iter(first))
     return make()
 
 
