@@ -87,7 +87,7 @@ def check_data_file(path: str | Path) -> Path:
     if not path.exists():
         raise DataError("data file not found; check the path (data.path in recipes)", path)
     if not path.is_file():
-        raise DataError("data path is not a regular file; pass a .jsonl or .txt file", path)
+        raise DataError("data path is not a regular file; pass a data file (.jsonl, .txt, .json, .parquet)", path)
     return path
 
 

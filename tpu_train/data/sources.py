@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from tpu_train.data.datasets import TEXT_SUFFIXES, Located, check_format, parse_fields, read_records
+from tpu_train.data.datasets import (
+    TEXT_SUFFIXES,
+    Located,
+    check_data_file,
+    check_format,
+    parse_fields,
+    read_records,
+)
 from tpu_train.data.errors import DataError
 
 COLUMN_FIELDS = ("text", "prompt", "response", "instruction", "input", "output", "messages")
@@ -86,8 +93,6 @@ def check_column_map(column_map: Mapping[str, str]) -> dict[str, str]:
 def source_kind(path: str | Path) -> str:
     """``jsonl``, ``text``, ``json``, ``parquet`` or ``saved``; ``DataError`` if unreadable."""
     path = Path(path)
-    if not path.exists():
-        raise DataError("data file not found; check the path (data.path in recipes)", path)
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
@@ -103,8 +108,7 @@ def source_kind(path: str | Path) -> str:
                 path,
             )
         return "saved"
-    if not path.is_file():
-        raise DataError(f"data path is not a regular file; pass {KNOWN_FILES}", path)
+    check_data_file(path)
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
