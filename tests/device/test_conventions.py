@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpu_train  # noqa: F401
+from tests.device.test_training import _train as train_steps
 from tests.tolerances import loss_rtol, param_atol, update_rtol
 
 STEPS = 4
@@ -81,19 +82,14 @@ def _to(batch, device):
 LR = {"sgd": 0.1, "adamw": 1e-2}
 
 
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=LR["sgd"], momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=LR["adamw"], weight_decay=0.1),
+}
+
+
 def _train(model, optimizer_name, batches, loss_fn):
-    if optimizer_name == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR["sgd"], momentum=0.9)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR["adamw"], weight_decay=0.1)
-    losses = []
-    for batch in batches:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, OPTIMIZERS[optimizer_name], batches, loss_fn)
 
 
 def _rms(t):
