@@ -58,3 +58,26 @@ def test_plan_bad_input_is_one_line(overrides, expected):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tpu-train: error: "), err
     assert expected in lines[0], lines[0]
+
+
+@pytest.mark.timeout(240)
+def test_plan_takes_the_architecture_of_model_checkpoint(tmp_path):
+    """A Hugging Face checkpoint of no preset size is planned as the trainer would build it."""
+    pytest.importorskip("transformers")
+    from tests.trainer.hf_checkpoint import save_custom_llama
+    from tpu_train.models import Llama, read_config
+
+    checkpoint = save_custom_llama(tmp_path / "custom-llama")
+    code, out, err = run_in_process("plan", f"model.checkpoint={checkpoint}", "data.seq_len=32",
+                                    "data.batch_size=2")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    import torch
+
+    with torch.device("meta"):
+        model = Llama(read_config(checkpoint)[1])
+    assert result["num_params"] == sum(p.numel() for p in model.parameters())
+    assert result["xla"]["xla_source"] == "compiled PyTorch step", result["xla"]
+    # XLA's arguments hold the checkpoint-sized parameters and AdamW moments, not debug_tiny's.
+    assert result["bytes_params"] + result["bytes_optimizer"] <= result["xla"][
+        "argument_size_in_bytes"] < 2 * (result["bytes_params"] + result["bytes_optimizer"])

@@ -12,6 +12,7 @@ devices as the mesh has chips: no parameter is ever allocated (the model is buil
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -39,6 +40,7 @@ ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
 
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
                            seq_len: int, overrides: dict | None = None,
+                           checkpoint: str | None = None,
                            activation_checkpointing: bool = False,
                            precision: str = "fp32") -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step on this process's
@@ -48,13 +50,14 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     import torch.nn.functional as F
 
     from tpu_train.compile import lower_train_step
-    from tpu_train.models import Llama, get_config
+    from tpu_train.models import Llama
 
     from .activation_checkpointing import apply_activation_checkpointing
     from .llama_plan import llama_plan
     from .mesh import build_mesh
+    from .planner import planned_model
 
-    cfg = get_config(model_name, **(overrides or {}))
+    cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     mesh = build_mesh(data, fsdp, tensor, model_config=cfg)
     # Nothing is allocated: the model, its optimizer state and the batch live on ``meta``.
     with torch.device("meta"):
@@ -93,7 +96,8 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
                (("data", cfg.parallel.data), ("fsdp", cfg.parallel.fsdp),
                 ("tensor", cfg.parallel.tensor))}
     n = degrees["data"] * degrees["fsdp"] * degrees["tensor"]
-    args = dict(model_name=cfg.model.name, batch=int(cfg.data.batch_size),
+    args = dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
+                batch=int(cfg.data.batch_size),
                 seq_len=int(cfg.data.seq_len),
                 activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
                 precision=planner.precision_of(cfg),

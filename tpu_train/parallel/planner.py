@@ -146,10 +146,12 @@ def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
     for key, value in dims.items():
         if value % ALIGN:
             padded = -(-value // ALIGN) * ALIGN
+            # Only the vocabulary can be padded without changing the model: the extra rows
+            # are ids the tokenizer never produces. dim and ffn_hidden_dim are the model's own.
+            fix = (f"set LlamaConfig.vocab_size to {padded} (the extra rows are ids the tokenizer "
+                   "never produces)" if key == "vocab_size" else "fixed by the checkpoint")
             out.append(f"model.{key}={value} is not a multiple of {ALIGN}: XLA pads it to "
-                       f"{padded} on TPU ({100 * (padded - value) / value:.1f} % wasted); set "
-                       f"LlamaConfig.{key} to {padded} if the checkpoint allows (extra "
-                       f"vocabulary rows are never produced by the tokenizer)")
+                       f"{padded} on TPU ({100 * (padded - value) / value:.1f} % wasted; {fix})")
     if cfg.head_dim % ALIGN:
         out.append(f"head_dim = dim / n_heads = {cfg.head_dim} is not a multiple of {ALIGN}: "
                    f"attention score matmuls contract over it and fill the MXU only partly "
@@ -258,17 +260,27 @@ def precision_of(config: Any) -> str:
     return str(getattr(config.trainer.precision, "value", config.trainer.precision))
 
 
+def planned_model(name: str, checkpoint: str | None = None):
+    """The architecture to plan: a Hugging Face checkpoint's config.json when ``checkpoint``
+    names one (as the trainer builds it), else the named preset."""
+    from pathlib import Path
+
+    from tpu_train.models import get_config, read_config
+
+    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
+        return read_config(checkpoint)[1]
+    return get_config(name)
+
+
 def estimate_from_config(config: Any, num_devices: int | None = None,
                          chip: str | None = None, mfu: float = ASSUMED_MFU) -> dict[str, Any]:
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
 
-    Reads ``model.name``, ``data.batch_size`` (the micro-batch) and ``data.seq_len``,
+    Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` (the micro-batch) and ``data.seq_len``,
     ``parallel.{data,fsdp,tensor}``, ``trainer.{activation_checkpointing,precision,
     grad_accum_steps}`` and ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed
     only when a degree is -1; otherwise it is their product.
     """
-    from tpu_train.models import get_config
-
     par = config.parallel
     degrees = (int(par.data), int(par.fsdp), int(par.tensor))
     if num_devices is None:
@@ -279,7 +291,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         num_devices = math.prod(degrees)
     precision = precision_of(config)
     return estimate(
-        get_config(config.model.name), num_devices=num_devices, data=degrees[0],
+        planned_model(config.model.name, config.model.checkpoint), num_devices=num_devices, data=degrees[0],
         fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
         seq_len=int(config.data.seq_len),
         activation_checkpointing=bool(config.trainer.activation_checkpointing),
