@@ -12,6 +12,7 @@ import json
 import pytest
 
 from tests.trainer.cli_helpers import run_in_process
+from tests.trainer.hf_checkpoint import custom_llama  # noqa: F401 (a fixture)
 
 PLAN = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32", "plan.chip=v5e"]
 
@@ -61,13 +62,11 @@ def test_plan_bad_input_is_one_line(overrides, expected):
 
 
 @pytest.mark.timeout(240)
-def test_plan_takes_the_architecture_of_model_checkpoint(tmp_path):
+def test_plan_takes_the_architecture_of_model_checkpoint(custom_llama):
     """A Hugging Face checkpoint of no preset size is planned as the trainer would build it."""
-    pytest.importorskip("transformers")
-    from tests.trainer.hf_checkpoint import save_custom_llama
     from tpu_train.models import Llama, read_config
 
-    checkpoint = save_custom_llama(tmp_path / "custom-llama")
+    checkpoint = custom_llama
     code, out, err = run_in_process("plan", f"model.checkpoint={checkpoint}", "data.seq_len=32",
                                     "data.batch_size=2")
     assert code == 0, err

@@ -11,7 +11,7 @@ import pytest
 
 from tests.bad_input.conftest import assert_one_line_error
 from tests.trainer.cli_helpers import TINY, run_in_process, snapshot
-from tests.trainer.hf_checkpoint import save_custom_llama
+from tests.trainer.hf_checkpoint import custom_llama  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 transformers = pytest.importorskip("transformers")
@@ -20,8 +20,8 @@ WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_custom_llama(tmp_path_factory.mktemp("ckpt") / "custom-llama")
+def checkpoint(custom_llama) -> Path:
+    return custom_llama
 
 
 @pytest.fixture(scope="module")

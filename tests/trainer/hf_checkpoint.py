@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 # Special tokens no built-in heuristic knows: the run can only find them through the
@@ -67,3 +68,10 @@ def save_custom_llama(directory: Path) -> Path:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def custom_llama(tmp_path_factory) -> Path:
+    """The saved checkpoint, built once per test session; tests that damage it work on a copy."""
+    pytest.importorskip("transformers")
+    return save_custom_llama(tmp_path_factory.mktemp("ckpt") / "custom-llama")

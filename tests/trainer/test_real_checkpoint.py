@@ -21,15 +21,15 @@ from tests.tolerances import rtol_for
 from tests.trainer.cli_helpers import TINY, one_thread, run_in_process  # noqa: F401
 from tests.trainer.hf_checkpoint import (BOS, CHATML_TEMPLATE, EOS, HEADS, HIDDEN, INTERMEDIATE,
                                          KV_HEADS, LAYERS, LLAMA3_TEMPLATE, PAD, LINES,
-                                         save_custom_llama)
+                                         custom_llama)  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return save_custom_llama(tmp_path_factory.mktemp("ckpt") / "custom-llama")
+def checkpoint(custom_llama) -> Path:
+    return custom_llama
 
 
 @pytest.fixture(scope="module")
