@@ -1,15 +1,23 @@
-"""Autoregressive generation with a KV cache: greedy, or temperature + nucleus sampling."""
+"""Autoregressive generation with a KV cache: greedy, or temperature + nucleus sampling.
+
+:func:`generate` decodes eagerly through a growing :class:`KVCache`. :class:`StaticCacheDecoding`
+is the model's half of compiled decoding (``tpu_train.compile.decoding`` traces it): one step
+over a :class:`StaticKVCache` whose shapes never change, with the position in a tensor.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, StaticKVCache
 from .llama import Llama
 
-__all__ = ["generate", "sample_next_token"]
+__all__ = ["StaticCacheDecoding", "check_sampling", "generate", "sample_next_token",
+           "static_cache_step"]
 
 
 def _nucleus_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -19,6 +27,14 @@ def _nucleus_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     # The most likely token always survives (its mass_before is zero).
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Reject a negative temperature or a ``top_p`` outside ``(0, 1]``."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -31,10 +47,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: flo
     random numbers can come from ``generator`` on its own device (a CPU generator works for a
     model on any device) and only a uniform tensor crosses devices.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -102,3 +115,67 @@ def generate(model: Llama, prompt_tokens: torch.Tensor | Sequence[Sequence[int]]
         logits = model(next_token[:, None], start_pos=position, cache=cache)[:, -1]
         position += 1
     return torch.cat(pieces, dim=1)
+
+
+_SDPA_ARGUMENTS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class _MaskedAttention(TorchFunctionMode):
+    """Gives every ``scaled_dot_product_attention`` call ``mask`` instead of its own.
+
+    The model's attention picks its mask from the shapes it sees (causal for a whole
+    sequence, none for one new token, bottom-right causal after a prefix); a static cache is
+    longer than what was written and holds left padding, so none of those is right. Overriding
+    the mask here keeps every other line of the model's own forward in use."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.mask = mask
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            kwargs.update(zip(_SDPA_ARGUMENTS, args[3:]))
+            args = args[:3]
+            kwargs.update(attn_mask=self.mask, is_causal=False)
+        return func(*args, **kwargs)
+
+
+def static_cache_step(model: Llama, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    """Logits ``[batch, vocab]`` of the last of ``tokens`` ``[batch, seq]``, which sit at slots
+    ``cache.slot ... cache.slot + seq - 1``; their keys and values are written into ``cache``.
+
+    The model's own forward runs with ``start_pos=0`` and its RoPE tables swapped for the rows
+    of those slots (so the position may be a tensor), and attention masked by the cache."""
+    positions = cache.slot + torch.arange(tokens.shape[1], device=tokens.device)
+    tables = {"rope_cos": model.rope_cos[positions], "rope_sin": model.rope_sin[positions]}
+    with _MaskedAttention(cache.attention_mask(tokens.shape[1])):
+        logits = torch.func.functional_call(model, tables, (tokens,),
+                                            {"start_pos": 0, "cache": cache})
+    return logits[:, -1]
+
+
+class StaticCacheDecoding:
+    """What compiled decoding (``tpu_train.compile.decoding.CompiledDecoder``) asks of a Llama:
+    plain PyTorch that the compile layer traces, so that it needs to know nothing about the
+    model. The caches are one flat list: every layer's keys, then every layer's values."""
+
+    def max_length(self, model: Llama) -> int:
+        return model.config.max_seq_len
+
+    def cache_shapes(self, model: Llama, batch: int,
+                     length: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        shape = StaticKVCache.shape(model.config, batch, length)
+        dtype = model.tok_embeddings.weight.dtype
+        return [(shape, dtype)] * (2 * model.config.n_layers)
+
+    def step(self, model: Llama, tokens: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor,
+             caches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(last logits ``[batch, vocab]``, the caches with ``tokens``' keys and values)."""
+        layers = len(caches) // 2
+        cache = StaticKVCache(caches[:layers], caches[layers:], slot, pad)
+        logits = static_cache_step(model, tokens, cache)
+        return logits, cache.keys + cache.values
+
+    def sample(self, logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+        return sample_next_token(logits, temperature, top_p)

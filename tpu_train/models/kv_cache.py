@@ -59,3 +59,51 @@ class KVCache:
         self.keys[layer][:, :, start_pos:end].copy_(keys)
         self.values[layer][:, :, start_pos:end].copy_(values)
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+class StaticKVCache:
+    """Fixed-length per-layer keys and values for a batch of left-padded rows, written at a
+    position held in a tensor (``slot``), for decoding loops whose shapes never change.
+
+    Slot ``j`` of every row holds position ``j``; row ``b``'s real tokens start at slot
+    ``pad[b]`` (the slots before are left padding). RoPE attention depends only on the
+    distance between positions, so a row shifted right by its padding attends exactly as it
+    would from position 0. :meth:`update` writes the new block at ``slot + start_pos`` and
+    returns the *whole* cache (all ``length`` slots): the caller must mask attention with
+    :meth:`attention_mask` (unwritten slots and padding hold no real keys).
+    Everything is a tensor operation on ``slot``/``pad``, so one traced graph serves every
+    position (:func:`tpu_train.models.generation.static_cache_step`).
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 slot: torch.Tensor, pad: torch.Tensor):
+        self.keys, self.values = list(keys), list(values)
+        self.slot, self.pad = slot, pad
+        self.length = keys[0].shape[2]
+
+    @staticmethod
+    def shape(cfg: LlamaConfig, batch_size: int, length: int) -> tuple[int, int, int, int]:
+        """The shape of one layer's keys (and values)."""
+        return (batch_size, cfg.n_kv_heads, length, cfg.head_dim)
+
+    def update(self, layer: int, start_pos: int, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``keys``/``values`` ``[batch, n_kv_heads, seq, head_dim]`` at slots
+        ``slot + start_pos ...`` and return this layer's whole cache."""
+        index = self.slot + start_pos + torch.arange(keys.shape[2], device=keys.device)
+        self.keys[layer] = self.keys[layer].index_copy(2, index, keys.to(self.keys[layer].dtype))
+        self.values[layer] = self.values[layer].index_copy(
+            2, index, values.to(self.values[layer].dtype))
+        return self.keys[layer], self.values[layer]
+
+    def attention_mask(self, seq: int) -> torch.Tensor:
+        """``[batch, 1, seq, length]`` booleans: may query ``slot + i`` of row ``b`` see key
+        slot ``j``? Causal (``j <= slot + i``) and not padding (``j >= pad[b]``). A padding
+        query always sees itself: a query that sees nothing would give NaN in eager
+        attention, and its NaN values would reach real queries through ``0 * NaN``."""
+        device = self.pad.device
+        queries = (self.slot + torch.arange(seq, device=device))[:, None]
+        keys = torch.arange(self.length, device=device)[None, :]
+        causal = keys <= queries
+        real = keys[None] >= self.pad[:, None, None]
+        return (causal[None] & (real | (keys == queries)[None]))[:, None]
