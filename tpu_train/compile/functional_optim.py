@@ -13,10 +13,13 @@ capturable path computes those per tensor on the device, which shows up as many 
 Constant hyper-parameters (betas, eps, weight decay, momentum...) are baked into the program:
 changing one recompiles, and the recompilation log names it.
 
-Supported: ``Adam``, ``AdamW`` (incl. ``amsgrad``, ``maximize``, coupled or decoupled weight
-decay) and ``SGD`` (momentum, dampening, nesterov, weight decay, maximize). Torch semantics are
-kept where they are observable: Adam's ``step`` counters live in ``optimizer.state`` as in eager
-mode, SGD's momentum buffer equals the gradient on the first step.
+Hand-written here (the fast path): ``Adam``, ``AdamW`` (incl. ``amsgrad``, ``maximize``,
+coupled or decoupled weight decay) and ``SGD`` (momentum, dampening, nesterov, weight decay,
+maximize). Torch semantics are kept where they are observable: Adam's ``step`` counters live in
+``optimizer.state`` as in eager mode, SGD's momentum buffer equals the gradient on the first
+step. Every other optimizer (and a subclass of these that overrides ``step``) gets
+:class:`tpu_train.compile.traced_optim.TracedOptimizerAdapter`, which traces the optimizer's own
+``step()``; docs/compile.md has the measurements behind keeping both.
 """
 
 from __future__ import annotations
@@ -37,6 +40,59 @@ class UnsupportedOptimizerError(NotImplementedError):
 
 def _scalar(value) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class StepCounters:
+    """The ``state[p]["step"]`` counters of an optimizer, read and advanced from the host.
+
+    torch keeps one counter per parameter (on the CPU, or on the device with ``capturable`` /
+    ``fused``); the compiled step updates a param group together, so a group's counters must
+    agree, and the host feeds the count to the program instead of the program reading them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._device_steps: dict[int, tuple] = {}
+
+    def _read(self, step_t: torch.Tensor) -> int:
+        # A counter on the device (capturable/fused) would cost a host sync per parameter per
+        # step: trust the value written here last while the buffer is still the one written
+        # (anything else — a loaded state dict, an eager step — is read once).
+        if step_t.device.type != "cpu":
+            known = self._device_steps.get(id(step_t))
+            if known is not None and known[0] is storage_of(step_t).buffer:
+                return known[1]
+        return int(_scalar(step_t))
+
+    def _counters(self, group):
+        state = self.optimizer.state
+        return [state[p]["step"] for p in group["params"]
+                if p in state and isinstance(state[p].get("step"), torch.Tensor)]
+
+    def count(self, group) -> int:
+        """Updates applied so far to the group (0 without counters)."""
+        counts = {self._read(t) for t in self._counters(group)}
+        if len(counts) > 1:
+            raise UnsupportedOptimizerError(
+                f"parameters of one param group are at different step counts {sorted(counts)}"
+                "; the compiled step updates a group together")
+        return counts.pop() if counts else 0
+
+    def set(self, group, step: int) -> None:
+        """Record the new step count in ``optimizer.state`` (where eager torch keeps it)."""
+        value = float(step)
+        shared_device_value = None
+        for step_t in self._counters(group):
+            if step_t.device.type == "cpu":
+                step_t.fill_(value)
+            else:
+                # A device-resident counter (capturable/fused): swap in a new buffer, shared by
+                # the group (JAX arrays are immutable, so sharing is safe).
+                if shared_device_value is None:
+                    shared_device_value = torch.tensor(value, dtype=step_t.dtype).to(step_t.device)
+                buffer = storage_of(shared_device_value).buffer
+                storage_of(step_t).buffer = buffer
+                self._device_steps[id(step_t)] = (buffer, int(step))
 
 
 class OptimizerAdapter:
@@ -90,7 +146,7 @@ class AdamAdapter(OptimizerAdapter):
 
     def __init__(self, optimizer):
         super().__init__(optimizer)
-        self._device_steps: dict[int, tuple] = {}
+        self._counters = StepCounters(optimizer)
 
     def state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -121,40 +177,11 @@ class AdamAdapter(OptimizerAdapter):
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
-    def _read_step(self, step_t: torch.Tensor) -> int:
-        # A counter on the device (capturable/fused) would cost a host sync per parameter per
-        # step: trust the value this adapter wrote last while the buffer is still the one it
-        # wrote (anything else — a loaded state dict, an eager step — is read once).
-        if step_t.device.type != "cpu":
-            known = self._device_steps.get(id(step_t))
-            if known is not None and known[0] is storage_of(step_t).buffer:
-                return known[1]
-        return int(_scalar(step_t))
-
     def step_count(self, group):
-        counts = {self._read_step(self.optimizer.state[p]["step"]) for p in group["params"]
-                  if p in self.optimizer.state and "step" in self.optimizer.state[p]}
-        if len(counts) > 1:
-            raise UnsupportedOptimizerError(
-                f"parameters of one param group are at different Adam step counts {sorted(counts)}"
-                "; the compiled step updates a group together")
-        return counts.pop() if counts else 0
+        return self._counters.count(group)
 
     def set_step_count(self, group, step):
-        value = float(step)
-        shared_device_value = None
-        for p in group["params"]:
-            step_t = self.optimizer.state[p]["step"]
-            if step_t.device.type == "cpu":
-                step_t.fill_(value)
-            else:
-                # A device-resident counter (capturable/fused): swap in a new buffer, shared by
-                # the group (JAX arrays are immutable, so sharing is safe).
-                if shared_device_value is None:
-                    shared_device_value = torch.tensor(value, dtype=step_t.dtype).to(step_t.device)
-                buffer = storage_of(shared_device_value).buffer
-                storage_of(step_t).buffer = buffer
-                self._device_steps[id(step_t)] = (buffer, int(step))
+        self._counters.set(group, step)
 
     def host_scalars(self, group, step):
         lr = _scalar(group["lr"])
@@ -261,12 +288,31 @@ class SGDAdapter(OptimizerAdapter):
         return new_params, new_states
 
 
+# torch.optim optimizers whose step() a compiled step cannot trace (reasons in adapter_for).
+_NOT_TRACEABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
+
+
+def _defines_step(optimizer: torch.optim.Optimizer) -> type:
+    """The class in ``optimizer``'s MRO whose ``step`` it runs."""
+    return next(cls for cls in type(optimizer).__mro__ if "step" in vars(cls))
+
+
 def adapter_for(optimizer: torch.optim.Optimizer) -> OptimizerAdapter:
-    """The adapter for ``optimizer``'s class, or a clear error for unsupported ones."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    """The hand-written adapter for ``Adam``/``AdamW``/``SGD`` (a subclass that overrides
+    ``step`` is not one of them), else the traced ``step()`` of any other optimizer."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"compile_train_step needs a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if isinstance(optimizer, _NOT_TRACEABLE):
+        raise UnsupportedOptimizerError(
+            f"compile_train_step cannot run {type(optimizer).__name__}: LBFGS re-evaluates the "
+            "loss through a closure inside step() and SparseAdam needs sparse gradients. Use "
+            "the eager step for it.")
+    owner = _defines_step(optimizer)
+    if owner in (torch.optim.Adam, torch.optim.AdamW):
         return AdamAdapter(optimizer)
-    if isinstance(optimizer, torch.optim.SGD):
+    if owner is torch.optim.SGD:
         return SGDAdapter(optimizer)
-    raise UnsupportedOptimizerError(
-        f"compile_train_step supports torch.optim.Adam, AdamW and SGD; got "
-        f"{type(optimizer).__name__}. Use the eager step for other optimizers.")
+    from tpu_train.compile.traced_optim import TracedOptimizerAdapter  # it imports this module
+
+    return TracedOptimizerAdapter(optimizer)

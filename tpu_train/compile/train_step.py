@@ -226,7 +226,9 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Args:
         model: an ``nn.Module`` on the ``tpu`` device.
-        optimizer: ``torch.optim.Adam``, ``AdamW`` or ``SGD`` over (some of) its parameters.
+        optimizer: any ``torch.optim.Optimizer`` over (some of) its parameters, including a
+            user subclass: Adam/AdamW/SGD run hand-written updates, others their own
+            ``step()`` traced into the program (not LBFGS, which needs a closure, or SparseAdam).
         loss_fn: ``loss_fn(model, batch)``, ordinary PyTorch code returning a 0-dim loss
             (averaged over micro-batches) or a tuple ``(loss_sum, count)`` (the step divides
             the sums over all micro-batches by the total count: token-weighted accumulation,
