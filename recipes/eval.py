@@ -5,14 +5,16 @@
               data.path=train.jsonl data.val_path=val.jsonl
 
 The model is ``model.checkpoint``, else the newest intact checkpoint in ``run.dir``; neither
-is a one-line error.
+is a one-line error. On the ``tpu`` device the answers for exact match are decoded by a compiled
+program (tpu_train.compile.decoding), on the CPU op by op.
 """
 
 from omegaconf import DictConfig
 
 from tpu_train import trainer
 from tpu_train.trainer import ConfigError, builders
-from tpu_train.trainer.evaluation import evaluation_device, exact_match_score, validation_loss
+from tpu_train.trainer.evaluation import (compiled_decoder, decodes_compiled, describe_decoder,
+                                          evaluation_device, exact_match_score, validation_loss)
 from tpu_train.trainer.inference import load_model_for_inference
 
 RECIPE_CONFIG = "eval"
@@ -20,7 +22,7 @@ RECIPE_CONFIG = "eval"
 
 def main(cfg: DictConfig) -> None:
     job = trainer.start(cfg)
-    # Op-by-op evaluation runs on the CPU when the tpu device is the CPU client.
+    # The op-by-op loss runs on the CPU when the tpu device is the CPU client.
     device = evaluation_device(job.device)
     tokenizer = trainer.build_tokenizer(cfg)
     _, val_path = builders.data_paths(cfg)
@@ -30,11 +32,18 @@ def main(cfg: DictConfig) -> None:
     model, source = load_model_for_inference(cfg, tokenizer, device)
     options = cfg.recipe.eval
     results = validation_loss(model, loader, device, options.batches, job.precision)
+    decoder = None
     if builders.first_record_kind(val_path) in ("instruction", "chat"):
+        if decodes_compiled(job.device):
+            device = job.device
+            decoder = compiled_decoder(model.to(device))
         score = exact_match_score(model, tokenizer, val_path, device,
-                                  options.exact_match_examples, options.max_new_tokens)
+                                  options.exact_match_examples, options.max_new_tokens,
+                                  decoder=decoder)
         if score is not None:
             results["exact_match"] = score
     print(f"model: {source}")
+    if decoder is not None:
+        print(describe_decoder(decoder))
     print(f"data: {val_path}")
     print(" | ".join(f"{key} {value:.4f}" for key, value in results.items()))

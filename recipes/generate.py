@@ -4,7 +4,9 @@
               'recipe.generate.prompts=["add 12+30\n"]' recipe.generate.temperature=0.7
 
 The model is ``model.checkpoint``, else the newest intact checkpoint in ``run.dir``; neither
-is a one-line error.
+is a one-line error. On the ``tpu`` device all prompts are continued together by one compiled
+program (tpu_train.compile.decoding; sampling seeded by ``trainer.seed``), on the CPU one at a
+time, op by op.
 """
 
 import torch
@@ -12,7 +14,7 @@ from omegaconf import DictConfig
 
 from tpu_train import trainer
 from tpu_train.models import generate
-from tpu_train.trainer.evaluation import evaluation_device
+from tpu_train.trainer.evaluation import compiled_decoder, decodes_compiled, describe_decoder
 from tpu_train.trainer.inference import load_model_for_inference
 
 RECIPE_CONFIG = "generate"
@@ -20,17 +22,23 @@ RECIPE_CONFIG = "generate"
 
 def main(cfg: DictConfig) -> None:
     job = trainer.start(cfg)
-    # Op-by-op sampling runs on the CPU when the tpu device is the CPU client.
-    device = evaluation_device(job.device)
     tokenizer = trainer.build_tokenizer(cfg)
-    model, source = load_model_for_inference(cfg, tokenizer, device)
+    model, source = load_model_for_inference(cfg, tokenizer, job.device)
     print(f"model: {source}")
     options = cfg.recipe.generate
-    generator = torch.Generator().manual_seed(cfg.trainer.seed)
-    for prompt in options.prompts:
-        ids = torch.tensor([[tokenizer.bos_id] + tokenizer.encode(prompt)])
-        out = generate(model, ids.to(device), options.max_new_tokens,
-                       temperature=options.temperature, top_p=options.top_p,
-                       eos_token_id=tokenizer.eos_id, generator=generator)
-        completion = tokenizer.decode(out[0, ids.shape[1]:].cpu().tolist(), skip_special=True)
-        print(f"--- prompt: {prompt!r}\n{completion}")
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(prompt) for prompt in options.prompts]
+    if decodes_compiled(job.device):
+        decoder = compiled_decoder(model)
+        completions = decoder.generate(prompts, options.max_new_tokens,
+                                       temperature=options.temperature, top_p=options.top_p,
+                                       eos_token_id=tokenizer.eos_id,
+                                       seed=cfg.trainer.seed).tolist()
+        print(describe_decoder(decoder))
+    else:
+        generator = torch.Generator().manual_seed(cfg.trainer.seed)
+        completions = [generate(model, torch.tensor([ids]), options.max_new_tokens,
+                                temperature=options.temperature, top_p=options.top_p,
+                                eos_token_id=tokenizer.eos_id, generator=generator)[0, len(ids):]
+                       .tolist() for ids in prompts]
+    for prompt, tokens in zip(options.prompts, completions):
+        print(f"--- prompt: {prompt!r}\n{tokenizer.decode(tokens, skip_special=True)}")

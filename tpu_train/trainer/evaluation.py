@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .step import IGNORE_INDEX, autocast_context, causal_lm_loss_sum
+
+# Prompts per compiled decoding call of exact match (the batch bucket).
+DECODE_BATCH = 32
+
+if TYPE_CHECKING:  # imported when used: an eager CPU run never loads the compile layer
+    from tpu_train.compile.decoding import CompiledDecoder
 
 
 def runs_on_host_cpu(device: torch.device) -> bool:
@@ -28,6 +35,30 @@ def evaluation_device(device: torch.device) -> torch.device:
     """Where to evaluate or sample a model meant for ``device``: the CPU instead of a ``tpu``
     device backed by the CPU client (see :func:`runs_on_host_cpu`), else ``device`` itself."""
     return torch.device("cpu") if runs_on_host_cpu(device) else device
+
+
+def decodes_compiled(device: torch.device) -> bool:
+    """Does decoding on ``device`` use a :func:`compiled_decoder` (every ``tpu`` device)
+    rather than eager PyTorch (the CPU)?"""
+    return device.type == "tpu"
+
+
+def compiled_decoder(model: torch.nn.Module) -> CompiledDecoder:
+    """A compiled decoder of our Llama on its ``tpu`` device; keep it to reuse its programs
+    (they take the weights as inputs, so they serve every later state of the model)."""
+    from tpu_train.compile.decoding import CompiledDecoder
+    from tpu_train.models.generation import StaticCacheDecoding
+
+    return CompiledDecoder(model, StaticCacheDecoding())
+
+
+def describe_decoder(decoder: CompiledDecoder) -> str:
+    """``decoding: compiled on tpu:0, 1 program (trace + lower + compile 2.31s)``."""
+    records = decoder.compilations
+    seconds = sum(r.total_s for r in records)
+    return (f"decoding: compiled on {decoder.model.tok_embeddings.weight.device}, "
+            f"{len(records)} program{'s' if len(records) != 1 else ''} "
+            f"(trace + lower + compile {seconds:.2f}s)")
 
 
 class HostEvaluationModel:
@@ -69,36 +100,71 @@ def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_ba
 
 
 def exact_match_score(model: torch.nn.Module, tokenizer, path: Path, device: torch.device,
-                      max_examples: int, max_new_tokens: int) -> float | None:
+                      max_examples: int, max_new_tokens: int, *,
+                      decoder: CompiledDecoder | None = None) -> float | None:
     """Greedy-decoded answers compared with the references of an instruction/chat file.
 
-    Prompts are decoded one at a time: batched prompts would need padding the model cannot
-    mask.  Returns None when ``max_examples`` is 0.
+    With ``decoder`` (a :func:`compiled_decoder` of ``model``) the prompts are decoded in
+    batches of ``DECODE_BATCH`` by one compiled program; without it one at a time, op by op
+    (an eager batch would need padding the eager cache cannot mask). Returns None when
+    ``max_examples`` is 0.
     """
-    result = exact_match_count(model, tokenizer, path, device, max_examples, max_new_tokens)
+    result = exact_match_count(model, tokenizer, path, device, max_examples, max_new_tokens,
+                               decoder=decoder)
     return None if result is None else result[0]
+
+
+def _exact_match_examples(path: Path, tokenizer, max_examples: int, limit: int):
+    """(prompt token ids, at most the last ``limit``; reference) of the first examples."""
+    from tpu_train.data import PaddedInstructionLoader
+
+    examples = []
+    for batch in PaddedInstructionLoader(path, tokenizer, batch_size=1):
+        if len(examples) >= max_examples:
+            break
+        prompt = batch["prompt_tokens"][0, -int(batch["prompt_lengths"][0]):][-limit:]
+        examples.append((prompt.tolist(), batch["references"][0]))
+    return examples
+
+
+def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
+    """The tokens up to and including the first end token (a batch row repeats it after)."""
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+def _decoded_answers(model, prompts: list[list[int]], device: torch.device, max_new_tokens: int,
+                     eos_id: int, decoder: CompiledDecoder | None) -> list[list[int]]:
+    from tpu_train.models import generate
+
+    if decoder is None:
+        return [generate(model, torch.tensor([p], device=device), max_new_tokens,
+                         eos_token_id=eos_id)[0, len(p):].cpu().tolist() for p in prompts]
+    answers = []
+    for start in range(0, len(prompts), DECODE_BATCH):
+        # Every chunk, the last one too, uses the batch bucket of a full chunk: one program.
+        new = decoder.generate(prompts[start:start + DECODE_BATCH], max_new_tokens,
+                               eos_token_id=eos_id,
+                               batch_size=min(DECODE_BATCH, len(prompts)))
+        answers.extend(_until_eos(row, eos_id) for row in new.tolist())
+    return answers
 
 
 @torch.no_grad()
 def exact_match_count(model: torch.nn.Module, tokenizer, path: Path, device: torch.device,
-                      max_examples: int, max_new_tokens: int) -> tuple[float, int] | None:
+                      max_examples: int, max_new_tokens: int, *,
+                      decoder: CompiledDecoder | None = None) -> tuple[float, int] | None:
     """(exact match, number of examples scored) as in :func:`exact_match_score`."""
-    from tpu_train.data import PaddedInstructionLoader, exact_match, extract_response
-    from tpu_train.models import generate
+    from tpu_train.data import exact_match, extract_response
 
     if max_examples == 0:
         return None
+    examples = _exact_match_examples(path, tokenizer, max_examples,
+                                     model.config.max_seq_len - max_new_tokens)
+    if not examples:
+        return None
     model.eval()
-    predictions, references = [], []
-    limit = model.config.max_seq_len - max_new_tokens
-    for batch in PaddedInstructionLoader(path, tokenizer, batch_size=1):
-        if len(references) >= max_examples:
-            break
-        prompt = batch["prompt_tokens"][:, -int(batch["prompt_lengths"][0]):][:, -limit:]
-        out = generate(model, prompt.to(device), max_new_tokens,
-                       eos_token_id=tokenizer.eos_id)
-        text = tokenizer.decode(out[0, prompt.shape[1]:].cpu().tolist(), skip_special=False)
-        predictions.append(extract_response(text))
-        references.append(batch["references"][0])
+    answers = _decoded_answers(model, [p for p, _ in examples], device, max_new_tokens,
+                               tokenizer.eos_id, decoder)
     model.train()
-    return (exact_match(predictions, references), len(references)) if references else None
+    predictions = [extract_response(tokenizer.decode(a, skip_special=False)) for a in answers]
+    return exact_match(predictions, [r for _, r in examples]), len(examples)

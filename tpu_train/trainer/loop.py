@@ -22,7 +22,8 @@ from .checkpoint import (FULL_LAYOUT, MODEL_FILE, TRAINING_STATE_FILE, Checkpoin
                          non_finite_tensors, supersede_later)
 from .config import OnNonFinite
 from .errors import TrainingStopped
-from .evaluation import HostEvaluationModel, exact_match_count, runs_on_host_cpu, validation_loss
+from .evaluation import (HostEvaluationModel, compiled_decoder, decodes_compiled,
+                         describe_decoder, exact_match_count, runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .parallelism import Parallelism, bytes_per_device, peak_bytes_per_device
 from .rng import capture_rng_state
@@ -90,8 +91,12 @@ class _ProfileWindow:
 
 
 class _Validator:
-    """Validation loss and exact match of the model being trained, on a host copy where the
-    device is the CPU client or the model is spread over a mesh (op-by-op decoding)."""
+    """Validation loss and exact match of the model being trained.
+
+    Exact match decodes with a compiled program on the model's own ``tpu`` device when its
+    weights are whole there or replicated (one program per shape bucket, weights as inputs:
+    compiled once per run). Otherwise, and for the validation loss where the device is the
+    CPU client or the model is spread over a mesh, a host copy runs op by op."""
 
     def __init__(self, job: Job, parallel: Parallelism, model, tokenizer, data: Data,
                  make_host_model: Callable[[], torch.nn.Module], logger: RunLogger):
@@ -100,6 +105,7 @@ class _Validator:
         self.logger = logger
         on_host = runs_on_host_cpu(job.device) or parallel.sharded
         self.host = HostEvaluationModel(make_host_model) if on_host else None
+        self.decoder = compiled_decoder(model) if _decodes_on_device(job, parallel) else None
         self.last: dict = {}
 
     def enabled(self) -> bool:
@@ -109,7 +115,7 @@ class _Validator:
         cfg = self.job.cfg
         values = {}
         model, device = self.model, self.job.device
-        if self.host is not None:
+        if self.host is not None and (self.data.has_val_loss or self.decoder is None):
             model = self.host.refresh(full_model_state(self.model, self.parallel))
             device = torch.device("cpu")
         if self.data.has_val_loss:
@@ -119,16 +125,31 @@ class _Validator:
                                           self.job.precision))
         scored = None
         if self.data.exact_match_path is not None:
+            if self.decoder is not None:
+                model, device = self.model, self.job.device
+                programs = len(self.decoder.compilations)
             scored = exact_match_count(model, self.tokenizer, self.data.exact_match_path, device,
                                        cfg.recipe.eval.exact_match_examples,
-                                       cfg.recipe.eval.max_new_tokens)
+                                       cfg.recipe.eval.max_new_tokens, decoder=self.decoder)
             if scored is not None:
                 values["exact_match"] = scored[0]
+            if self.decoder is not None and len(self.decoder.compilations) > programs:
+                self.logger.line(f"validation {describe_decoder(self.decoder)}")
         if values:
             self.logger.scalars("val", values, step)
             self.logger.line(f"step {step}/{cfg.trainer.max_steps} | validation | "
                              + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
         self.last = {"step": step, "values": values, "examples": scored[1] if scored else 0}
+
+
+def _decodes_on_device(job: Job, parallel: Parallelism) -> bool:
+    """Can exact match decode compiled on ``job.device`` from the trained weights themselves:
+    a ``tpu`` device holding them whole (one device) or a copy of them (data parallelism in
+    one process)? FSDP / tensor-parallel shards and per-device processes use the host copy."""
+    shape = parallel.shape
+    replicated = (parallel.layout == "spmd" and job.world.size == 1
+                  and shape.fsdp == 1 and shape.tensor == 1)
+    return decodes_compiled(job.device) and (parallel.layout == "single" or replicated)
 
 
 def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:

@@ -1,0 +1,71 @@
+"""recipe=eval, recipe=generate and validation during training decode with a compiled program
+on the tpu device: the same answers as the op-by-op CPU path, one program per run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tolerances import loss_rtol
+from tests.trainer.cli_helpers import TINY_COMPILED, read_metrics, run_in_process
+
+BASE = ["model=debug_tiny_base", "trainer.mode=eager"]
+COMPILED_MARK = "decoding: compiled on tpu:0, 1 program"
+
+
+def _after_model_line(out: str) -> list[str]:
+    """The recipe's result lines (without the compiled-decoding line)."""
+    return [line for line in out.splitlines()[1:] if not line.startswith("decoding:")]
+
+
+def test_generate_on_tpu_is_compiled_and_matches_the_cpu(one_thread):
+    prompts = "recipe.generate.prompts=[add 12+30, what is 7 times 6, hello]"
+    runs = {device: run_in_process("recipe=generate", *BASE, f"trainer.device={device}",
+                                   prompts, "recipe.generate.max_new_tokens=10")
+            for device in ("tpu", "cpu")}
+    for device, (code, _, err) in runs.items():
+        assert code == 0, f"{device}: {err}"
+    tpu_out, cpu_out = runs["tpu"][1], runs["cpu"][1]
+    assert COMPILED_MARK in tpu_out and "decoding:" not in cpu_out
+    assert tpu_out.count("--- prompt:") == 3
+    assert _after_model_line(tpu_out) == _after_model_line(cpu_out)  # greedy: same text
+    sampled = ["recipe=generate", *BASE, "trainer.device=tpu", prompts,
+               "recipe.generate.max_new_tokens=10", "recipe.generate.temperature=1.0",
+               "recipe.generate.top_p=0.9"]
+    first, again = run_in_process(*sampled), run_in_process(*sampled)
+    assert first[0] == 0 and COMPILED_MARK in first[1], first[2]
+    assert _after_model_line(first[1]) == _after_model_line(again[1])  # seeded by trainer.seed
+
+
+def test_eval_on_tpu_is_compiled_and_matches_the_cpu(one_thread):
+    settings = ["recipe=eval", *BASE, "recipe.eval.batches=1", "recipe.eval.exact_match_examples=40",
+                "recipe.eval.max_new_tokens=8"]
+    tpu = run_in_process(*settings, "trainer.device=tpu")
+    cpu = run_in_process(*settings, "trainer.device=cpu")
+    assert tpu[0] == 0 and cpu[0] == 0, tpu[2] + cpu[2]
+    assert COMPILED_MARK in tpu[1] and "decoding:" not in cpu[1]
+    results = [line for line in tpu[1].splitlines() if "exact_match" in line]
+    assert len(results) == 1
+    assert _after_model_line(tpu[1]) == _after_model_line(cpu[1])  # loss and exact match
+
+
+def test_validation_during_compiled_training_decodes_compiled(tmp_path, one_thread):
+    """Three validations reuse one program, and the training losses stay those of the golden
+    run without validation (decoding reads the weights and draws no random numbers)."""
+    run_dir = tmp_path / "run"
+    overrides = [o for o in TINY_COMPILED if not o.startswith("trainer.val_every_n_steps")]
+    code, out, err = run_in_process(
+        "recipe=llama_finetune", *overrides, "trainer.max_steps=3", "trainer.val_every_n_steps=1",
+        "recipe.eval.exact_match_examples=8", "recipe.eval.max_new_tokens=4",
+        f"run.dir={run_dir}")
+    assert code == 0, err
+    assert out.count(f"validation {COMPILED_MARK}") == 1
+    validations = [line for line in out.splitlines() if "| validation |" in line]
+    assert len(validations) == 3 and all("exact_match" in line for line in validations)
+    losses = [read_metrics(run_dir)[step]["train/loss"] for step in (1, 2, 3)]
+    golden = json.loads((Path(__file__).parent / "golden" / "llama_finetune.json").read_text())
+    assert losses == pytest.approx(golden["losses"],
+                                   rel=loss_rtol(torch.float32, 3, reduction=768, depth=4))
