@@ -75,36 +75,57 @@ def bind_arguments(op, args, kwargs) -> dict:
     return bound
 
 
+def functional_arguments(func, functional, bound: dict):
+    """(positional, keyword) arguments of ``functional`` for a call of ``func`` bound as
+    ``bound`` (what :func:`bind_arguments` returns)."""
+    functional_kwargs = {a.name: bound[a.name] for a in functional._schema.arguments}
+    positional = [functional_kwargs.pop(a.name) for a in functional._schema.arguments
+                  if not a.kwarg_only]
+    return positional, functional_kwargs
+
+
+def split_results(func, functional, result):
+    """``functional``'s result split into (fresh results of ``func``, values of what it writes),
+    in the order of the schemas."""
+    results = list(result) if isinstance(result, (tuple, list)) and _returns_many(functional) \
+        else [result]
+    fresh_count = sum(1 for r in func._schema.returns if r.alias_info is None)
+    return results[:fresh_count], results[fresh_count:]
+
+
+def written_pairs(func, functional, bound: dict, updates) -> list:
+    """(destination, value) for every tensor ``func`` writes (list arguments element-wise)."""
+    mutated = [bound[a.name] for a in func._schema.arguments if _is_written(a)]
+    if len(updates) != len(mutated):
+        raise NotImplementedError(
+            f"cannot map the results of {functional} onto the arguments {func} mutates")
+    pairs = []
+    for destination, value in zip(mutated, updates):
+        if isinstance(destination, (list, tuple)):
+            pairs.extend(zip(destination, value))
+        elif destination is not None:
+            pairs.append((destination, value))
+    return pairs
+
+
 def run_mutating(func, args, kwargs):
-    from tpu_train.device import dispatch, fallback
+    """The general (uncached) path; :mod:`tpu_train.device.op_cache` runs the common case as
+    one executable and comes here for what it cannot key or plan."""
+    from tpu_train.device import fallback, meta
 
     functional = functional_variant(func)
     if functional is None:
         return fallback.run_without_lowering(func, args, kwargs)
     # torch's meta kernel of the mutating op itself checks what the functional one cannot:
     # e.g. that an in-place result can be cast back to the destination's dtype.
-    dispatch.meta_outputs(func, args, kwargs)
+    meta.meta_outputs(func, args, kwargs)
     bound = bind_arguments(func, args, kwargs)
-    schema_args = func._schema.arguments
-    mutated = [bound[a.name] for a in schema_args if _is_written(a)]
-    functional_kwargs = {a.name: bound[a.name] for a in functional._schema.arguments}
-    positional = [functional_kwargs.pop(a.name) for a in functional._schema.arguments
-                  if not a.kwarg_only]
+    positional, functional_kwargs = functional_arguments(func, functional, bound)
     result = functional(*positional, **functional_kwargs)
-    results = list(result) if isinstance(result, (tuple, list)) and _returns_many(functional) \
-        else [result]
-    fresh_count = sum(1 for r in func._schema.returns if r.alias_info is None)
-    fresh, updates = results[:fresh_count], results[fresh_count:]
-    if len(updates) != len(mutated):
-        raise NotImplementedError(
-            f"cannot map the results of {functional} onto the arguments {func} mutates")
-    for destination, value in zip(mutated, updates):
-        if isinstance(destination, (list, tuple)):
-            for d, v in zip(destination, value):
-                assign(d, v, func)
-        elif destination is not None:
-            assign(destination, value, func)
-    return _mutating_returns(func, bound, fresh)
+    fresh, updates = split_results(func, functional, result)
+    for destination, value in written_pairs(func, functional, bound, updates):
+        assign(destination, value, func)
+    return mutating_returns(func, bound, fresh)
 
 
 def _returns_many(op) -> bool:
@@ -112,7 +133,8 @@ def _returns_many(op) -> bool:
     return len(returns) > 1 or (len(returns) == 1 and str(returns[0].type).endswith("[]"))
 
 
-def _mutating_returns(func, bound, fresh):
+def mutating_returns(func, bound, fresh):
+    """What ``func`` returns: its fresh results, and the arguments it wrote for aliased returns."""
     fresh_values = iter(fresh)
     outputs = []
     written = [a for a in func._schema.arguments if _is_written(a)]

@@ -81,7 +81,7 @@ def set_geometry(tensor: TpuTensor, size, stride, offset: int) -> None:
 
 def inplace_view(func, args, kwargs):
     """``squeeze_``, ``transpose_``, ``as_strided_``, ...: new geometry, same storage."""
-    from tpu_train.device.dispatch import to_meta
+    from tpu_train.device.meta import to_meta
 
     tensor = args[0]
     meta = to_meta(tensor)

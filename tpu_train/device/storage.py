@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +37,22 @@ class Storage:
     __slots__ = ("_buffer", "_pending", "dtype", "device_index", "_held", "__weakref__")
 
     def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int):
-        assert buffer.ndim == 1, buffer.shape
+        shape = buffer.shape
+        assert len(shape) == 1, shape
         self._buffer = buffer
         self._pending = None
         self.dtype = dtype
         self.device_index = device_index
-        _accounting.track(self)
+        # Every op output creates a Storage: accounting is two integer updates, and __del__
+        # (not weakref.finalize, which costs a few µs per object) gives the bytes back.
+        self._held = shape[0] * _element_size(dtype)
+        _accounting.adjust(device_index, self._held)
+
+    def __del__(self):
+        try:
+            _accounting.adjust(self.device_index, -self._held)
+        except (AttributeError, TypeError):  # a half-built storage, or interpreter shutdown
+            pass
 
     @property
     def buffer(self) -> jax.Array:
@@ -80,7 +89,9 @@ class Storage:
         if kept:
             buffer = buffer.at[:kept].set(self.buffer[:kept])
         self.buffer = buffer
-        _accounting.adjust(self.device_index, (numel - old) * _element_size(self.dtype), self)
+        delta = (numel - old) * _element_size(self.dtype)
+        self._held += delta
+        _accounting.adjust(self.device_index, delta)
 
     @property
     def numel(self) -> int:
@@ -91,39 +102,33 @@ class Storage:
         return self.numel * _element_size(self.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+_ELEMENT_SIZES: dict = {}
+
+
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    size = _ELEMENT_SIZES.get(dtype)
+    if size is None:
+        size = _ELEMENT_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
 
 
 class _Accounting:
     """Live and peak bytes of device storages per device, for ``torch.tpu.memory_*``.
 
-    Used where the PJRT backend reports no memory statistics (the CPU client)."""
+    Used where the PJRT backend reports no memory statistics (the CPU client). The lock is
+    re-entrant: a storage may die (``__del__``) inside a garbage collection that runs while this
+    thread holds it."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.live: dict[int, int] = {}
         self.peak: dict[int, int] = {}
 
-    def track(self, storage: Storage):
-        nbytes, index = storage.nbytes, storage.device_index
+    def adjust(self, index: int, delta: int):
         with self.lock:
-            self.live[index] = self.live.get(index, 0) + nbytes
-            self.peak[index] = max(self.peak.get(index, 0), self.live[index])
-        # The finalizer releases what the storage holds when it dies, resizes included.
-        storage._held = [nbytes]
-        weakref.finalize(storage, self._release, index, storage._held)
-
-    def adjust(self, index: int, delta: int, storage: Storage):
-        with self.lock:
-            self.live[index] = self.live.get(index, 0) + delta
-            self.peak[index] = max(self.peak.get(index, 0), self.live[index])
-            storage._held[0] += delta
-
-    def _release(self, index: int, held: list):
-        with self.lock:
-            self.live[index] = self.live.get(index, 0) - held[0]
+            live = self.live[index] = self.live.get(index, 0) + delta
+            if delta > 0 and live > self.peak.get(index, 0):
+                self.peak[index] = live
 
     def reset_peak(self, index: int):
         with self.lock:
@@ -239,11 +244,25 @@ def _write_impl(buffer, value, size, stride, offset):
     return buffer.at[index.reshape(-1)].set(value.reshape(-1))
 
 
+def _is_whole(size, stride, offset, storage_numel) -> bool:
+    """Does the view cover its whole storage, in order (a read is a reshape, a write a swap)?"""
+    return offset == 0 and math.prod(size) == storage_numel and is_contiguous(size, stride)
+
+
 def read_in_trace(buffer, size, stride, offset):
     """The view's value from its flat buffer, inside a jit trace (reshape/slice are free there)."""
-    if offset == 0 and math.prod(size) == buffer.shape[0] and is_contiguous(size, stride):
+    if _is_whole(size, stride, offset, buffer.shape[0]):
         return buffer.reshape(size)
     return _read_impl(buffer, size, stride, offset)
+
+
+def write_in_trace(buffer, value, size, stride, offset):
+    """The flat buffer after writing ``value`` through the view, inside a jit trace: how an
+    in-place op's result lands in its destination within the op's own executable."""
+    if _is_whole(size, stride, offset, buffer.shape[0]) and tuple(value.shape) == tuple(size):
+        new = value.reshape(-1)
+        return new if new.dtype == buffer.dtype else new.astype(buffer.dtype)
+    return _write_impl(buffer, value, size, stride, offset)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -259,7 +278,7 @@ def _writer(size: tuple, stride: tuple, offset: int):
 def read(storage: Storage, size: tuple, stride: tuple, offset: int) -> jax.Array:
     """The value of the view ``(size, stride, offset)`` of ``storage`` as a dense array."""
     buffer = storage.buffer
-    if offset == 0 and math.prod(size) == buffer.shape[0] and is_contiguous(size, stride):
+    if _is_whole(size, stride, offset, buffer.shape[0]):
         return buffer.reshape(size)
     return _reader(tuple(size), tuple(stride), int(offset))(buffer)
 
@@ -268,8 +287,7 @@ def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.
     """Write ``value`` (broadcast and cast as needed) through the view into ``storage``."""
     buffer = storage.buffer
     target = storage_dtype(storage.dtype)
-    if (offset == 0 and math.prod(size) == buffer.shape[0] and is_contiguous(size, stride)
-            and tuple(value.shape) == tuple(size)):
+    if _is_whole(size, stride, offset, buffer.shape[0]) and tuple(value.shape) == tuple(size):
         new = value.reshape(-1)
         if new.dtype != target:
             new = new.astype(target)

@@ -19,6 +19,17 @@ from tpu_train.device.storage import Storage, contiguous_strides
 from tpu_train.ops.dtypes import numpy_dtype, storage_dtype
 
 DEVICE_TYPE = "tpu"
+_DEVICES: dict = {}
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
+def _dispatch(func, args, kwargs):
+    """The first op call imports the dispatcher (it imports this module) and takes its place."""
+    global _dispatch
+    from tpu_train.device.dispatch import dispatch
+
+    _dispatch = dispatch
+    return dispatch(func, args, kwargs)
 
 
 class TpuTensor(torch.Tensor):
@@ -29,10 +40,13 @@ class TpuTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: Storage, size, stride, offset: int = 0, requires_grad: bool = False):
-        tensor = torch.Tensor._make_wrapper_subclass(
+        device = _DEVICES.get(storage.device_index)
+        if device is None:  # torch.device objects are immutable: one per index is enough
+            device = _DEVICES[storage.device_index] = torch.device(DEVICE_TYPE,
+                                                                   storage.device_index)
+        tensor = _make_wrapper_subclass(
             cls, tuple(size), strides=tuple(stride), storage_offset=int(offset),
-            dtype=storage.dtype, device=torch.device(DEVICE_TYPE, storage.device_index),
-            requires_grad=requires_grad)
+            dtype=storage.dtype, device=device, requires_grad=requires_grad)
         tensor._storage = storage
         return tensor
 
@@ -47,15 +61,14 @@ class TpuTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # torch.compile must never trace the eager execution path itself (it is JAX code);
         # after a graph break the eager ops run here, outside dynamo.
-        from tpu_train.device.dispatch import dispatch
-
-        if any(not issubclass(t, TpuTensor) for t in types):
-            # Another subclass (e.g. torch's AsyncCollectiveTensor) wraps a tpu tensor: let it
-            # handle the op first; it unwraps to us.
-            return NotImplemented
+        for t in types:
+            if t is not TpuTensor and not issubclass(t, TpuTensor):
+                # Another subclass (e.g. torch's AsyncCollectiveTensor) wraps a tpu tensor: let
+                # it handle the op first; it unwraps to us.
+                return NotImplemented
         kwargs = kwargs or {}
         try:
-            return dispatch(func, args, kwargs)
+            return _dispatch(func, args, kwargs)
         except Exception as error:
             if torch._C._current_graph_task_id() == -1:
                 raise
@@ -126,7 +139,7 @@ def _defer_backward_error(func, args, kwargs, error):
     pass ends, and the failing op returns zeros of the right shape meanwhile (they are never
     seen: backward() raises).
     """
-    from tpu_train.device.dispatch import meta_outputs
+    from tpu_train.device.meta import meta_outputs
 
     task = torch._C._current_graph_task_id()
     if task not in _deferred_graph_tasks:

@@ -54,6 +54,14 @@ class Lowering:
 
 
 _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
+# Called after every registration: callers that cache what they derived from the table (the
+# eager device's per-op classification and compiled executables) drop it.
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` whenever a lowering is registered or replaced."""
+    _LISTENERS.append(listener)
 
 
 def _overloads(op: OpLike) -> Iterable[torch._ops.OpOverload]:
@@ -85,6 +93,8 @@ def lowers(*ops: OpLike, random: bool = False, static_floats: bool = False,
                         f"{overload} already lowered by {_TABLE[overload].fn.__module__}."
                         f"{_TABLE[overload].fn.__name__}; pass override=True to replace it")
                 _TABLE[overload] = Lowering(overload, fn, random, static_floats)
+        for listener in _LISTENERS:
+            listener()
         return fn
 
     return register
