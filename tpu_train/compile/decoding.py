@@ -208,6 +208,7 @@ class CompiledDecoder:
             ("batch bucket", buckets.batch), ("prompt bucket", buckets.prompt),
             ("new-token bucket", buckets.new), ("temperature", temperature), ("top_p", top_p),
             ("number of end tokens", eos_count), ("early stop", self.early_stop),
+            ("model.training", self.model.training),
             ("matmul precision", matmul_mod.get_matmul_precision())))
 
     def _build(self, stages: cache_mod.TimedStages, names, tensors, buckets: Buckets, settings,

@@ -20,9 +20,10 @@ if TYPE_CHECKING:  # imported when used: an eager CPU run never loads the compil
 def runs_on_host_cpu(device: torch.device) -> bool:
     """True when ``device`` is a ``tpu`` device backed by the CPU PJRT client.
 
-    Evaluation then runs on a host copy of the model: it is op by op (greedy decoding above
-    all), and op-by-op dispatch through the CPU client took 17 s for 20 greedy answers of the
-    default run's model where PyTorch's own CPU kernels, on the same cores, took 1 to 2 s.
+    The validation loss then runs on a host copy of the model: it is op by op, and op-by-op
+    dispatch through the CPU client took 17 s for 20 greedy answers of the default run's model
+    where PyTorch's own CPU kernels, on the same cores, took 1 to 2 s. Decoding on a ``tpu``
+    device is compiled instead (:func:`compiled_decoder`).
     """
     if device.type != "tpu":
         return False
