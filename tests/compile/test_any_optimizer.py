@@ -78,6 +78,7 @@ CASES = {
                                      capturable=True),
         lambda ps: torch.optim.NAdam(ps, lr=2e-3, weight_decay=0.1, decoupled_weight_decay=True)),
     "radam": (lambda ps: torch.optim.RAdam(ps, lr=2e-3, weight_decay=0.01), None),
+    "asgd": (lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=3, weight_decay=0.01), None),
     "adamax-foreach": (lambda ps: torch.optim.Adamax(ps, lr=2e-3, foreach=True), None),
     "user-sign-momentum": (lambda ps: SignMomentum(ps, lr=1e-3, beta=0.9, weight_decay=0.1), None),
 }
