@@ -97,12 +97,24 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    """``name`` is a ``torch.optim`` class (:data:`OPTIMIZERS`); each field reaches it only when
+    its constructor takes it (``beta1``/``beta2`` as ``betas``, ``momentum`` for sgd/rmsprop).
+    Weight decay applies to matrices only (``tpu_train.trainer.optim.parameter_groups``)."""
+
     name: str = "adamw"
     lr: float = 3e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    momentum: float = 0.0
+
+
+# optim.name -> torch.optim class name: the optimizers the compiled step is tested with
+# (tests/compile/test_any_optimizer.py); LBFGS needs a closure and SparseAdam sparse gradients.
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "rmsprop": "RMSprop",
+              "adagrad": "Adagrad", "adadelta": "Adadelta", "nadam": "NAdam", "radam": "RAdam",
+              "adamax": "Adamax", "asgd": "ASGD"}
 
 
 @dataclass

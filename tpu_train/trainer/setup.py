@@ -16,6 +16,7 @@ Nothing here writes to the run directory: a bad configuration fails before the r
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,7 +27,7 @@ from omegaconf import DictConfig
 from . import builders
 from .checkpoint import (SHARDED_DIR, checkpoint_dirs, checkpoint_layout, latest_intact_checkpoint,
                          read_checkpoint, verify_checkpoint)
-from .config import OnNonFinite, ParamDtype, Precision, StepMode
+from .config import OPTIMIZERS, OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
 from .parallelism import Parallelism, setup_parallelism
 from .rng import restore_rng_state, seed_everything
@@ -125,9 +126,22 @@ def parallelize(job: Job, model: torch.nn.Module) -> Parallelism:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    from .optim import build_optimizer as build
+    """The ``torch.optim`` class ``optim.name`` names, over the trainable parameters (weight
+    decay on matrices only), given the ``optim`` fields its constructor takes. The name was
+    checked against :data:`OPTIMIZERS` by ``validate_config``."""
+    from .optim import build_optimizer as build_adamw, parameter_groups
 
-    return build(model, cfg.optim)
+    optim = cfg.optim
+    if optim.name == "adamw":
+        return build_adamw(model, optim)
+    cls = getattr(torch.optim, OPTIMIZERS[optim.name])
+    offered = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps,
+               "momentum": optim.momentum}
+    accepted = inspect.signature(cls).parameters
+    groups = parameter_groups(model, optim.weight_decay)
+    if not groups:
+        raise ConfigError("the model has no trainable parameters; nothing to optimize")
+    return cls(groups, **{k: v for k, v in offered.items() if k in accepted})
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig):

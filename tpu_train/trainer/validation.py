@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import ScheduleName, StepMode
+from .config import OPTIMIZERS, ScheduleName, StepMode
 from .errors import ConfigError
 
 DEVICES = ("cpu", "tpu")
@@ -181,14 +181,16 @@ def validate_config(cfg: DictConfig) -> None:
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
-    for key in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+    for key in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum"):
         _require(math.isfinite(optim[key]), f"optim.{key} must be a finite number, got {optim[key]}")
     _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
     _require(0 <= optim.beta1 < 1 and 0 <= optim.beta2 < 1,
              f"optim.beta1 and optim.beta2 must be in [0, 1), got {optim.beta1} and {optim.beta2}")
     _require(optim.eps > 0, f"optim.eps must be > 0, got {optim.eps}")
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
-    _require(optim.name == "adamw", f"optim.name={optim.name!r} is not supported; valid names: adamw")
+    _require(optim.momentum >= 0, f"optim.momentum must be >= 0, got {optim.momentum}")
+    _require(optim.name in OPTIMIZERS,
+             f"optim.name={optim.name!r} is not supported; valid names: {', '.join(OPTIMIZERS)}")
     _require(sched.warmup_steps >= 0,
              f"scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}")
     _require(0 <= sched.min_lr_ratio <= 1,
