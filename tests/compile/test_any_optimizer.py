@@ -48,6 +48,13 @@ class SignMomentum(torch.optim.Optimizer):
                 p.add_(torch.sign(buf / (1 - beta ** state["step"])), alpha=-group["lr"])
 
 
+class AdamWOwnStep(torch.optim.AdamW):
+    """Its own step (so not AdamW's hand-written path) that runs the parent's."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
 def _two_groups(params, cls, first: dict, second: dict):
     params = list(params)
     return cls([{"params": params[:2], **first}, {"params": params[2:], **second}])
@@ -81,6 +88,10 @@ CASES = {
     "asgd": (lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=3, weight_decay=0.01), None),
     "adamax-foreach": (lambda ps: torch.optim.Adamax(ps, lr=2e-3, foreach=True), None),
     "user-sign-momentum": (lambda ps: SignMomentum(ps, lr=1e-3, beta=0.9, weight_decay=0.1), None),
+    # A subclass with its own step() that calls the parent's: traced, through torch's
+    # step() wrapper of the parent (profiler range included).
+    "user-adamw-subclass": (lambda ps: AdamWOwnStep(ps, lr=3e-3, weight_decay=0.1),
+                            lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)),
 }
 HAND_WRITTEN = {"adam", "adamw-amsgrad", "sgd-momentum", "sgd-nesterov"}
 
@@ -126,17 +137,15 @@ def test_adapter_choice():
     class AdamWSubclass(torch.optim.AdamW):  # inherits step: still AdamW's hand-written path
         pass
 
-    class AdamWOwnStep(torch.optim.AdamW):  # its own step: traced
-        def step(self, closure=None):
-            return super().step(closure)
-
     assert isinstance(adapter_for(AdamWSubclass(params)), AdamAdapter)
     assert isinstance(adapter_for(torch.optim.SGD(params, lr=0.1)), SGDAdapter)
     assert isinstance(adapter_for(AdamWOwnStep(params)), TracedOptimizerAdapter)
     assert isinstance(adapter_for(torch.optim.Adamax(params)), TracedOptimizerAdapter)
 
 
-class _PythonCounter(torch.optim.Optimizer):
+class _PlainLoop(torch.optim.Optimizer):
+    """SGD over every parameter, with one per-parameter state rule left to the subclass."""
+
     def __init__(self, params):
         super().__init__(params, dict(lr=0.1))
 
@@ -144,25 +153,22 @@ class _PythonCounter(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1  # a Python int: baked if traced
-                p.add_(p.grad, alpha=-group["lr"])
+                p.add_(self.direction(p, self.state[p]), alpha=-group["lr"])
 
 
-class _StateFromGradient(torch.optim.Optimizer):
-    def __init__(self, params):
-        super().__init__(params, dict(lr=0.1))
+class _PythonCounter(_PlainLoop):
+    def direction(self, p, state):
+        state["step"] = state.get("step", 0) + 1  # a Python int: it would be baked if traced
+        return p.grad
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "buf" not in state:
-                    state["buf"] = p.grad.clone()
-                else:
-                    state["buf"].mul_(0.9).add_(p.grad)
-                p.add_(state["buf"], alpha=-group["lr"])
+
+class _StateFromGradient(_PlainLoop):
+    def direction(self, p, state):
+        if "buf" not in state:
+            state["buf"] = p.grad.clone()
+        else:
+            state["buf"].mul_(0.9).add_(p.grad)
+        return state["buf"]
 
 
 @pytest.mark.parametrize("cls, message", [

@@ -292,9 +292,19 @@ class SGDAdapter(OptimizerAdapter):
 _NOT_TRACEABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
 
 
-def _defines_step(optimizer: torch.optim.Optimizer) -> type:
-    """The class in ``optimizer``'s MRO whose ``step`` it runs."""
-    return next(cls for cls in type(optimizer).__mro__ if "step" in vars(cls))
+def unhooked(step):
+    """``step`` without the wrapper ``Optimizer.__init__`` puts around a class's ``step``.
+
+    ``Optimizer._patch_step_function`` wraps the ``step`` it finds on the instance's class once
+    (``profile_hook_step``: step hooks and a profiler range; marked ``hooked``, made with
+    ``functools.wraps``) — on whichever class is instantiated first, so a subclass that
+    inherits ``step`` may hold its own wrapper of the parent's function. There is no public
+    way to reach the function under it, so this one place unwraps that layer (only that
+    layer: the class's own decorators, e.g. ``@torch.no_grad()``, stay).
+    """
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
 
 
 def adapter_for(optimizer: torch.optim.Optimizer) -> OptimizerAdapter:
@@ -308,10 +318,10 @@ def adapter_for(optimizer: torch.optim.Optimizer) -> OptimizerAdapter:
             f"compile_train_step cannot run {type(optimizer).__name__}: LBFGS re-evaluates the "
             "loss through a closure inside step() and SparseAdam needs sparse gradients. Use "
             "the eager step for it.")
-    owner = _defines_step(optimizer)
-    if owner in (torch.optim.Adam, torch.optim.AdamW):
+    step = unhooked(type(optimizer).step)
+    if step in (unhooked(torch.optim.Adam.step), unhooked(torch.optim.AdamW.step)):
         return AdamAdapter(optimizer)
-    if owner is torch.optim.SGD:
+    if step is unhooked(torch.optim.SGD.step):
         return SGDAdapter(optimizer)
     from tpu_train.compile.traced_optim import TracedOptimizerAdapter  # it imports this module
 

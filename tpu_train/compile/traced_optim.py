@@ -28,7 +28,8 @@ The shadow's ``foreach`` is False (the per-tensor path: one small chain per para
 inside one XLA program anyway), ``fused`` False, ``capturable`` True (the path that keeps
 step-dependent arithmetic in tensors instead of ``.item()``), ``differentiable`` False; the
 trace also answers ``torch.compiler.is_compiling()`` True, which torch's optimizers read to
-keep step values as tensors. Step hooks (``register_step_pre_hook``...) are not run.
+keep step values as tensors. The optimizer's own step hooks (``register_step_pre_hook``...)
+are not run; global ones (``register_optimizer_step_pre_hook``) run inside the trace.
 
 **State initialisation.** torch creates state lazily in the first ``step()``. Before the first
 compiled step, :meth:`TracedOptimizerAdapter._initialise` traces one ``step()`` of the shadow
@@ -121,8 +122,11 @@ _VALUE_NAMES = frozenset({"addcdiv", "addcdiv_", "addcmul", "addcmul_", "_foreac
                           "_foreach_addcdiv_", "_foreach_addcmul", "_foreach_addcmul_"})
 
 
+_NO_RANGE = object()  # what a dropped profiler range's enter returns
+
+
 class _TensorScalars(TorchFunctionMode):
-    """Rewrites ``alpha=`` / ``value=`` given a 0-dim tensor (the traced lr, or a value derived
+    """Drops profiler ranges and rewrites ``alpha=`` / ``value=`` given a 0-dim tensor (the traced lr, or a value derived
     from it) into tensor arithmetic.
 
     torch would turn such a tensor into a Python number (``.item()``), which a traced value
@@ -131,6 +135,12 @@ class _TensorScalars(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("profiler."):  # torch.ops.profiler.* (packet or overload)
+            # The profiler range Optimizer's step() wrapper opens (also around a parent's
+            # step() that a subclass calls): its ops would be graph nodes with no lowering,
+            # and a range means nothing inside a traced program. The exit only checks that
+            # the enter gave it something.
+            return _NO_RANGE
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         for key, names, rewrite in (("alpha", _ALPHA_NAMES, _rewrite_alpha),
@@ -168,25 +178,12 @@ def _shadow(optimizer: torch.optim.Optimizer, group: dict, params: list, state,
     return shadow
 
 
-def _unhooked_step(shadow: torch.optim.Optimizer):
-    """The class's own ``step`` without ``Optimizer``'s per-class wrapper.
-
-    ``Optimizer.__init__`` wraps each class's ``step`` once (``profile_hook_step``, marked
-    ``hooked``, made with ``functools.wraps``): it runs step hooks and opens a profiler range,
-    whose ``profiler._record_function_*`` ops would land in the traced graph with no lowering.
-    There is no public way to call the step without it, so this one place unwraps that layer
-    (only that layer: the class's own decorators, e.g. ``@torch.no_grad()``, stay).
-    """
-    step = type(shadow).step
-    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        step = step.__wrapped__
-    return step.__get__(shadow)
-
-
 def _run_step(optimizer: torch.optim.Optimizer, shadow: torch.optim.Optimizer) -> None:
     try:
         with _TensorScalars():
-            _unhooked_step(shadow)()
+            # The class's step: an instance attribute ``step`` is the user's optimizer's own
+            # bound method (LR schedulers wrap ``optimizer.step`` per instance).
+            type(shadow).step(shadow)
     except Exception as error:  # the optimizer's own code: name it and keep the cause
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__name__}.step() could not be traced into the compiled step "
