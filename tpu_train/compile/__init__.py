@@ -4,12 +4,18 @@ as one XLA program, with a compile cache and recompilation diagnostics.
     step = compile_train_step(model, optimizer, loss_fn, scheduler=sched, max_grad_norm=1.0)
     metrics = step({"tokens": tokens, "labels": labels})   # {"loss", "grad_norm", "lr"}
 
+Compiled decoding (prefill + the decode loop as one program per shape bucket)::
+
+    decoder = CompiledDecoder(model, StaticCacheDecoding())   # tpu_train.models.generation
+    new_tokens = decoder.generate(prompts, max_new_tokens=32, eos_token_id=2)
+
 See ``docs/compile.md``.
 """
 
 import tpu_train.ops  # noqa: F401  (the op families first, then the compile extras)
 import tpu_train.ops.compile_extras  # noqa: F401
 from tpu_train.compile.cache import CompileRecord, Signature, describe_changes
+from tpu_train.compile.decoding import CompiledDecoder
 from tpu_train.compile.functional_optim import UnsupportedOptimizerError
 from tpu_train.compile.interpreter import MissingLoweringError, run_graph
 from tpu_train.compile.lowering import lower_train_step
@@ -21,6 +27,7 @@ _dynamo_backend.register()  # torch.compile(model, backend="tpu")
 
 __all__ = [
     "CompileRecord",
+    "CompiledDecoder",
     "CompiledTrainStep",
     "MissingLoweringError",
     "Program",
