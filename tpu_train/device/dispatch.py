@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_train.device import fallback, op_cache, special_ops
+from tpu_train.device import fallback, inplace, op_cache, special_ops
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta  # noqa: F401 (API)
 from tpu_train.device.op_cache import SYNC_ENV  # noqa: F401 (API)
 
@@ -48,7 +48,7 @@ def dispatch(func, args, kwargs):
     if kind is op_cache.VIEW:
         return op_cache.run_view(func, args, kwargs)
     if kind is op_cache.MUTATING:
-        return op_cache.run_mutating(info, func, args, kwargs)
+        return inplace.run_mutating(info, func, args, kwargs)
     if kind is op_cache.INPLACE_VIEW:
         return special_ops.inplace_view(func, args, kwargs)
     if kind is op_cache.COMPOSITE_VIEW:

@@ -42,7 +42,7 @@ from tpu_train.device import generator, mutation, rng, runtime
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
-from tpu_train.device.tensor import TpuTensor, host_array
+from tpu_train.device.tensor import TpuTensor, host_array, new_tensor
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -55,7 +55,7 @@ _ENTRIES: dict = {}
 _MAX_ENTRIES = 50_000
 
 
-class _Unkeyable(Exception):
+class Unkeyable(Exception):
     """An argument the key cannot describe (a CPU tensor with dims: a device error)."""
 
 
@@ -110,7 +110,7 @@ def _part(value, static_floats, dynamic, tensors):
                 storage.device_index)
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.device.type != "cpu":
-            raise _Unkeyable
+            raise Unkeyable
         if dynamic is not None:
             dynamic.append(host_array(value))
         return (_HOST, value.dtype)
@@ -178,7 +178,7 @@ def _forget_everything() -> None:
 registry.on_change(_forget_everything)
 
 
-def _remember(key, entry) -> None:
+def remember(key, entry) -> None:
     if len(_ENTRIES) >= _MAX_ENTRIES:
         _ENTRIES.clear()
     _ENTRIES[key] = entry
@@ -189,7 +189,7 @@ def _remember(key, entry) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Ref:
+class Ref:
     """A tensor argument while planning an in-place op: its input position, which tensor
     argument it is, and its view."""
 
@@ -199,9 +199,9 @@ class _Ref:
         self.slot, self.ordinal, self.geometry = slot, ordinal, geometry
 
 
-class _Decoder:
+class Decoder:
     """Rebuilds ``(args, kwargs)`` from a key: with traced inputs (tensors become their views'
-    values, read from the flat buffers), or with ``inputs=None`` (tensors become :class:`_Ref`)."""
+    values, read from the flat buffers), or with ``inputs=None`` (tensors become :class:`Ref`)."""
 
     def __init__(self, info: OpInfo, inputs):
         self.info, self.inputs, self.slot, self.ordinal = info, inputs, 0, 0
@@ -233,7 +233,7 @@ class _Decoder:
             self.ordinal += 1
             if self.inputs is None:
                 self.slot += 1
-                return _Ref(self.slot - 1, self.ordinal - 1, geometry)
+                return Ref(self.slot - 1, self.ordinal - 1, geometry)
             return storage_mod.read_in_trace(self._next(), *geometry)
         if head is _SEQ:
             items = [self.value(p, False) for p in part[2:]]
@@ -247,7 +247,7 @@ class _Decoder:
         return jnp.asarray(part[1]) if tensor_slot else part[1]
 
 
-def _cast_leaves(func, outputs, specs) -> list:
+def cast_leaves(func, outputs, specs) -> list:
     """The lowering's results as a flat list lined up with torch's meta leaves (``None`` kept in
     place), each tensor cast to the storage dtype of torch's dtype."""
     flat = jax.tree_util.tree_leaves(outputs, is_leaf=lambda x: x is None)
@@ -274,7 +274,7 @@ def _lowered_program(info: OpInfo, func, key, specs):
     lowering = info.lowering
 
     def run(*inputs):
-        args, kwargs = _Decoder(info, inputs).call(key)
+        args, kwargs = Decoder(info, inputs).call(key)
         if lowering.random:
             kwargs["rng_key"] = inputs[-1]
         outputs = lowering.fn(*args, **kwargs)
@@ -284,7 +284,7 @@ def _lowered_program(info: OpInfo, func, key, specs):
             return [a.reshape(-1) for a in flat]
         # Storages are flat; flattening inside the jit is free.
         return [a if spec is None else a.reshape(-1)
-                for a, spec in zip(_cast_leaves(func, outputs, specs), specs)]
+                for a, spec in zip(cast_leaves(func, outputs, specs), specs)]
 
     if info.concrete:
         return run, structure
@@ -296,8 +296,8 @@ def _lowered_program(info: OpInfo, func, key, specs):
 # ---------------------------------------------------------------------------------------------
 
 
-def _tensor(buffer, dtype, index, shape, strides) -> TpuTensor:
-    return TpuTensor.__new__(TpuTensor, Storage(buffer, dtype, index), shape, strides, 0)
+def new_output(buffer, dtype, index, shape, strides) -> TpuTensor:
+    return new_tensor(Storage(buffer, dtype, index), shape, strides)
 
 
 def _python_value(value):
@@ -310,7 +310,7 @@ def _output_plan(meta):
     if isinstance(meta, torch.Tensor):
         shape, dtype = tuple(meta.shape), meta.dtype
         strides = contiguous_strides(shape)
-        return ((shape, dtype),), lambda flat, index: _tensor(flat[0], dtype, index, shape,
+        return ((shape, dtype),), lambda flat, index: new_output(flat[0], dtype, index, shape,
                                                               strides)
     leaves, tree = tree_flatten(meta)
     specs = tuple((tuple(m.shape), m.dtype) if isinstance(m, torch.Tensor) else None
@@ -321,7 +321,7 @@ def _output_plan(meta):
 
     def build(flat, index):
         results = [_python_value(v) if layout is None
-                   else _tensor(v, layout[0], index, layout[1], layout[2])
+                   else new_output(v, layout[0], index, layout[1], layout[2])
                    for v, layout in zip(flat, layouts)]
         return sequence(results) if sequence is not None else tree_unflatten(results, tree)
 
@@ -343,7 +343,7 @@ def _wrap_unknown(flat, structure, index):
     return jax.tree_util.tree_unflatten(structure["tree"], wrapped)
 
 
-def _random_key(args, kwargs, index):
+def random_key(args, kwargs, index):
     """The op's PRNG key, fresh per call: from its ``generator=`` argument when given, else the
     device's default stream."""
     for value in (*args, *kwargs.values()):
@@ -352,7 +352,7 @@ def _random_key(args, kwargs, index):
     return rng.next_key(index)
 
 
-def _wait(values, func):
+def wait(values, func):
     try:
         jax.block_until_ready(values)
     except Exception as error:  # noqa: BLE001 - re-raised with the op that failed
@@ -364,24 +364,33 @@ def _wait(values, func):
 # ---------------------------------------------------------------------------------------------
 
 # Raised while tracing when a lowering needs values: retry with constant floats, then without jit.
-_NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
                  jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
                  NotImplementedError)
 
 
 class _Lowered:
-    __slots__ = ("func", "fn", "index", "random", "build", "structure")
+    __slots__ = ("func", "fn", "index", "random", "build", "structure", "single")
 
-    def __init__(self, func, fn, index, random, build, structure):
+    def __init__(self, func, fn, index, random, build, structure, meta):
         self.func, self.fn, self.index, self.random = func, fn, index, random
         self.build, self.structure = build, structure
+        # One tensor result (most ops): built inline, its size in bytes known in advance.
+        self.single = None
+        if isinstance(meta, torch.Tensor):
+            shape = tuple(meta.shape)
+            self.single = (meta.dtype, shape, contiguous_strides(shape),
+                           meta.numel() * meta.element_size())
 
     def __call__(self, args, kwargs, inputs, tensors):
         if self.random:
-            inputs.append(_random_key(args, kwargs, self.index))
+            inputs.append(random_key(args, kwargs, self.index))
         flat = self.fn(*inputs)
         if _sync:
-            _wait(flat, self.func)
+            wait(flat, self.func)
+        if self.single is not None:
+            dtype, shape, strides, nbytes = self.single
+            return new_tensor(Storage(flat[0], dtype, self.index, nbytes), shape, strides)
         if self.build is None:
             return _wrap_unknown(flat, self.structure, self.index)
         return self.build(flat, self.index)
@@ -392,7 +401,7 @@ def run_lowered(info: OpInfo, func, args, kwargs):
     try:
         key = call_key(func, args, kwargs, info.static_floats, inputs, tensors)
         entry = _ENTRIES.get(key)
-    except (_Unkeyable, TypeError):
+    except (Unkeyable, TypeError):
         device_index_of(func, args, kwargs)  # the device error it usually is
         raise TypeError(f"{func}: an argument the tpu device cannot pass to a lowering") from None
     if entry is not None:
@@ -401,10 +410,10 @@ def run_lowered(info: OpInfo, func, args, kwargs):
     specs, build = _output_plan(meta) if (meta := meta_outputs(func, args, kwargs)) is not None \
         else (None, None)
     fn, structure = _lowered_program(info, func, key, specs)
-    entry = _Lowered(func, fn, index, info.lowering.random, build, structure)
+    entry = _Lowered(func, fn, index, info.lowering.random, build, structure, meta)
     try:
         result = entry(args, kwargs, inputs, tensors)
-    except _NEEDS_VALUES as error:
+    except NEEDS_VALUES as error:
         if isinstance(error, NotImplementedError) and "compiled" not in str(error):
             raise
         if info.concrete:
@@ -415,156 +424,8 @@ def run_lowered(info: OpInfo, func, args, kwargs):
             info.concrete = True
         info.static_floats = True
         return run_lowered(info, func, args, kwargs)
-    _remember(key, entry)
+    remember(key, entry)
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# In-place and out= ops: the functional lowering and the write, in one executable
-# ---------------------------------------------------------------------------------------------
-
-
-class _Fresh:
-    """Stands for the ``i``-th leaf of the functional op's result while planning."""
-
-    __slots__ = ("leaf",)
-
-    def __init__(self, leaf):
-        self.leaf = leaf
-
-
-class _Mutating:
-    __slots__ = ("func", "fn", "index", "random", "written", "fresh", "returns")
-
-    def __init__(self, func, fn, index, random, written, fresh, returns):
-        self.func, self.fn, self.index, self.random = func, fn, index, random
-        self.written, self.fresh, self.returns = written, fresh, returns
-
-    def __call__(self, args, kwargs, inputs, tensors):
-        if self.random:
-            inputs.append(_random_key(args, kwargs, self.index))
-        flat = self.fn(*inputs)
-        if _sync:
-            _wait(flat, self.func)
-        for ordinal, buffer in zip(self.written, flat):
-            tensors[ordinal]._storage.buffer = buffer
-        index, n = self.index, len(self.written)
-        fresh = [_tensor(buffer, dtype, index, shape, strides)
-                 for buffer, (dtype, shape, strides) in zip(flat[n:], self.fresh)]
-        return self.returns(tensors, fresh)
-
-
-def _sharing(tensors) -> tuple:
-    """Per tensor argument, the first argument with the same storage: writes to one storage
-    must chain inside the executable."""
-    first: dict = {}
-    return tuple(first.setdefault(id(t._storage), i) for i, t in enumerate(tensors))
-
-
-def run_mutating(info: OpInfo, func, args, kwargs):
-    if info.lowering is None:
-        return mutation.run_mutating(func, args, kwargs)
-    inputs, tensors = [], []
-    try:
-        key = call_key(func, args, kwargs, info.static_floats, inputs, tensors)
-        cache_key = (key, _sharing(tensors)) if info.multi_dest else key
-        entry = _ENTRIES.get(cache_key)
-    except (_Unkeyable, TypeError):
-        return mutation.run_mutating(func, args, kwargs)
-    if entry is not None:
-        return entry(args, kwargs, inputs, tensors)
-    entry = _mutating_entry(info, func, args, kwargs, key, cache_key)
-    if entry is None:
-        return mutation.run_mutating(func, args, kwargs)
-    try:
-        result = entry(args, kwargs, inputs, tensors)
-    except _NEEDS_VALUES as error:
-        if isinstance(error, NotImplementedError) and "compiled" not in str(error):
-            raise
-        info.lowering = None  # the functional op needs values: the general path from now on
-        return mutation.run_mutating(func, args, kwargs)
-    _remember(cache_key, entry)
-    return result
-
-
-def _mutating_entry(info: OpInfo, func, args, kwargs, key, cache_key):
-    """Plan ``func`` as one executable, or None where the general path must run (it raises
-    the errors, or handles results the plan does not map)."""
-    functional = info.functional
-    index = device_index_of(func, args, kwargs)
-    # torch's meta kernel of the mutating op itself checks what the functional one cannot:
-    # e.g. that an in-place result can be cast back to the destination's dtype.
-    meta_outputs(func, args, kwargs)
-    bound = mutation.bind_arguments(func, args, kwargs)
-    functional_meta = meta_outputs(functional, *mutation.functional_arguments(func, functional,
-                                                                              bound))
-    leaves, tree = tree_flatten(functional_meta)
-    if functional_meta is None or not all(isinstance(m, torch.Tensor) for m in leaves):
-        return None
-    specs = tuple((tuple(m.shape), m.dtype) for m in leaves)
-    refs = mutation.bind_arguments(func, *_Decoder(info, None).call(key))
-    try:
-        fresh, updates = mutation.split_results(
-            func, functional, tree_unflatten([_Fresh(i) for i in range(len(leaves))], tree))
-        pairs = mutation.written_pairs(func, functional, refs, updates)
-    except (NotImplementedError, TypeError):
-        return None
-    sharing = cache_key[1] if cache_key is not key else None
-    writes, written = [], []
-    for destination, value in pairs:
-        if not (isinstance(destination, _Ref) and isinstance(value, _Fresh)
-                and mutation._broadcastable(specs[value.leaf][0], destination.geometry[0])):
-            return None
-        first = sharing[destination.ordinal] if sharing else destination.ordinal
-        writes.append((destination.slot, first, destination.geometry, value.leaf))
-        if first not in written:
-            written.append(first)
-    if not all(isinstance(f, _Fresh) for f in fresh):
-        return None
-    fresh_leaves = [f.leaf for f in fresh]
-    fn = _mutating_program(info, func, key, specs, writes, written, fresh_leaves)
-    layouts = [(specs[i][1], specs[i][0], contiguous_strides(specs[i][0])) for i in fresh_leaves]
-    returns = _returns_builder(mutation.mutating_returns(func, refs, fresh), fresh_leaves)
-    return _Mutating(func, fn, index, info.lowering.random, written, layouts, returns)
-
-
-def _mutating_program(info: OpInfo, func, key, specs, writes, written, fresh_leaves):
-    lowering, functional = info.lowering, info.functional
-
-    def run(*inputs):
-        args, kwargs = _Decoder(info, inputs).call(key)
-        positional, functional_kwargs = mutation.functional_arguments(
-            func, functional, mutation.bind_arguments(func, args, kwargs))
-        if lowering.random:
-            functional_kwargs["rng_key"] = inputs[-1]
-        leaves = _cast_leaves(functional, lowering.fn(*positional, **functional_kwargs), specs)
-        buffers = {}
-        for slot, first, geometry, leaf in writes:
-            buffers[first] = storage_mod.write_in_trace(buffers.get(first, inputs[slot]),
-                                                        leaves[leaf], *geometry)
-        return [buffers[first] for first in written] + [leaves[i].reshape(-1)
-                                                         for i in fresh_leaves]
-
-    return jax.jit(run, compiler_options=runtime.compiler_options())
-
-
-def _returns_builder(plan, fresh_leaves):
-    """(tensor arguments, fresh tensors) → what the op returns, from the planned returns."""
-    if isinstance(plan, _Ref):  # in-place ops: the destination itself
-        ordinal = plan.ordinal
-        return lambda tensors, fresh: tensors[ordinal]
-    position = {leaf: i for i, leaf in enumerate(fresh_leaves)}
-
-    def build(item, tensors, fresh):
-        if isinstance(item, _Ref):
-            return tensors[item.ordinal]
-        if isinstance(item, _Fresh):
-            return fresh[position[item.leaf]]
-        if isinstance(item, (list, tuple)):
-            return type(item)(build(i, tensors, fresh) for i in item)
-        return item
-
-    return lambda tensors, fresh: build(plan, tensors, fresh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,24 +459,23 @@ def run_view(func, args, kwargs):
         # The base's storage size belongs to the key: it bounds what as_strided may address.
         key = (call_key(func, args, kwargs, True, None, tensors), args[0]._storage.numel)
         entry = _ENTRIES.get(key)
-    except (_Unkeyable, TypeError, AttributeError, IndexError):
+    except (Unkeyable, TypeError, AttributeError, IndexError):
         return view_result(func, args, kwargs)
     if entry is not None:
         return entry(args[0]._storage)
     result = view_result(func, args, kwargs)
     entry = _view_entry(result)
     if entry is not None:
-        _remember(key, entry)
+        remember(key, entry)
     return result
 
 
 def _view_entry(result):
-    new = TpuTensor.__new__
     if isinstance(result, TpuTensor):
         shape, stride, offset = result.shape, result.stride(), result.storage_offset()
-        return lambda storage: new(TpuTensor, storage, shape, stride, offset)
+        return lambda storage: new_tensor(storage, shape, stride, offset)
     if type(result) in (list, tuple) and all(isinstance(r, TpuTensor) for r in result):
         kind = type(result)
         geometries = [(r.shape, r.stride(), r.storage_offset()) for r in result]
-        return lambda storage: kind([new(TpuTensor, storage, *g) for g in geometries])
+        return lambda storage: kind([new_tensor(storage, *g) for g in geometries])
     return None

@@ -36,22 +36,28 @@ class Storage:
 
     __slots__ = ("_buffer", "_pending", "dtype", "device_index", "_held", "__weakref__")
 
-    def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int):
-        shape = buffer.shape
-        assert len(shape) == 1, shape
+    def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int,
+                 nbytes: int | None = None):
+        """``nbytes``: the size in bytes when the caller knows it (an op output whose shape is
+        cached), saving the look-ups on the buffer."""
+        if nbytes is None:
+            shape = buffer.shape
+            assert len(shape) == 1, shape
+            nbytes = shape[0] * _element_size(dtype)
         self._buffer = buffer
         self._pending = None
         self.dtype = dtype
         self.device_index = device_index
         # Every op output creates a Storage: accounting is two integer updates, and __del__
         # (not weakref.finalize, which costs a few µs per object) gives the bytes back.
-        self._held = shape[0] * _element_size(dtype)
-        _accounting.adjust(device_index, self._held)
+        self._held = nbytes
+        _adjust(device_index, nbytes)
 
     def __del__(self):
         try:
-            _accounting.adjust(self.device_index, -self._held)
-        except (AttributeError, TypeError):  # a half-built storage, or interpreter shutdown
+            with _lock:
+                _live[self.device_index] -= self._held
+        except (AttributeError, TypeError, KeyError):  # half-built, or interpreter shutdown
             pass
 
     @property
@@ -91,7 +97,7 @@ class Storage:
         self.buffer = buffer
         delta = (numel - old) * _element_size(self.dtype)
         self._held += delta
-        _accounting.adjust(self.device_index, delta)
+        _adjust(self.device_index, delta)
 
     @property
     def numel(self) -> int:
@@ -112,42 +118,32 @@ def _element_size(dtype: torch.dtype) -> int:
     return size
 
 
-class _Accounting:
-    """Live and peak bytes of device storages per device, for ``torch.tpu.memory_*``.
-
-    Used where the PJRT backend reports no memory statistics (the CPU client). The lock is
-    re-entrant: a storage may die (``__del__``) inside a garbage collection that runs while this
-    thread holds it."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.live: dict[int, int] = {}
-        self.peak: dict[int, int] = {}
-
-    def adjust(self, index: int, delta: int):
-        with self.lock:
-            live = self.live[index] = self.live.get(index, 0) + delta
-            if delta > 0 and live > self.peak.get(index, 0):
-                self.peak[index] = live
-
-    def reset_peak(self, index: int):
-        with self.lock:
-            self.peak[index] = self.live.get(index, 0)
+# Live and peak bytes of device storages per device, for ``torch.tpu.memory_*`` (used where
+# the PJRT backend reports no memory statistics: the CPU client). The lock is re-entrant: a
+# storage may die (``__del__``) inside a garbage collection that runs while this thread holds it.
+_lock = threading.RLock()
+_live: dict[int, int] = {}
+_peak: dict[int, int] = {}
 
 
-_accounting = _Accounting()
+def _adjust(index: int, delta: int) -> None:
+    with _lock:
+        live = _live[index] = _live.get(index, 0) + delta
+        if live > _peak.get(index, 0):
+            _peak[index] = live
 
 
 def allocated_bytes(index: int) -> int:
-    return _accounting.live.get(index, 0)
+    return _live.get(index, 0)
 
 
 def peak_allocated_bytes(index: int) -> int:
-    return _accounting.peak.get(index, 0)
+    return _peak.get(index, 0)
 
 
 def reset_peak(index: int) -> None:
-    _accounting.reset_peak(index)
+    with _lock:
+        _peak[index] = _live.get(index, 0)
 
 
 def is_contiguous(size, stride) -> bool:

@@ -23,6 +23,22 @@ _DEVICES: dict = {}
 _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
+def _device(index: int) -> torch.device:
+    device = _DEVICES.get(index)
+    if device is None:  # torch.device objects are immutable: one per index is enough
+        device = _DEVICES[index] = torch.device(DEVICE_TYPE, index)
+    return device
+
+
+def new_tensor(storage: Storage, size: tuple, stride: tuple, offset: int = 0) -> "TpuTensor":
+    """``TpuTensor(storage, size, stride, offset)`` for the op call path, where ``size`` and
+    ``stride`` already are tuples (or ``torch.Size``) of ints: no conversions, no ``__init__``."""
+    tensor = _make_wrapper_subclass(TpuTensor, size, strides=stride, storage_offset=offset,
+                                    dtype=storage.dtype, device=_device(storage.device_index))
+    tensor._storage = storage
+    return tensor
+
+
 def _dispatch(func, args, kwargs):
     """The first op call imports the dispatcher (it imports this module) and takes its place."""
     global _dispatch
@@ -40,13 +56,10 @@ class TpuTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: Storage, size, stride, offset: int = 0, requires_grad: bool = False):
-        device = _DEVICES.get(storage.device_index)
-        if device is None:  # torch.device objects are immutable: one per index is enough
-            device = _DEVICES[storage.device_index] = torch.device(DEVICE_TYPE,
-                                                                   storage.device_index)
         tensor = _make_wrapper_subclass(
             cls, tuple(size), strides=tuple(stride), storage_offset=int(offset),
-            dtype=storage.dtype, device=device, requires_grad=requires_grad)
+            dtype=storage.dtype, device=_device(storage.device_index),
+            requires_grad=requires_grad)
         tensor._storage = storage
         return tensor
 

@@ -1,0 +1,132 @@
+"""Eager training steps of a transformers model on ``tpu`` against the same model in torch on CPU.
+
+Exact command (from the repository root)::
+
+    python scripts/bench_eager_models.py               # --repeats 9
+    python scripts/bench_eager_models.py --quick       # a smoke run, not a measurement
+
+The model is transformers' ``LlamaForCausalLM`` with a tiny config (hidden 128, 2 layers,
+4 heads / 2 kv heads, MLP 256, vocabulary 1000), batch 4, sequence 64, AdamW, labels = the
+inputs. One step = forward + loss + backward + ``AdamW.step`` + ``zero_grad``; a tpu step waits
+for its loss and every parameter (no host copy). A = eager tpu, B = the same model (same initial
+weights) in torch on CPU with one intra-op thread; steps alternate A/B (which goes first
+alternates too) after 2 warm-up steps each, so drift on a shared machine hits both. The losses
+of both after the same number of steps are printed as a sanity check, with the number of aten
+ops one tpu step dispatches and the machine's load average before and after.
+
+One JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tpu_train  # noqa: E402,F401  (registers the tpu device)
+from tpu_train.device import storage_of  # noqa: E402
+
+CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+BATCH, SEQ = 4, 64
+
+
+class Step:
+    def __init__(self, model: torch.nn.Module, device: torch.device, ids: torch.Tensor):
+        self.device = device
+        self.model = model.to(device).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+        self.ids = ids.to(device)
+        self.loss = None
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "tpu":
+            jax.block_until_ready([storage_of(loss.detach()).buffer]
+                                  + [storage_of(p.detach()).buffer
+                                     for p in self.model.parameters()])
+        self.loss = loss.detach()
+        return time.perf_counter() - start
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _summary(samples: list[float]) -> dict:
+    return {"min": round(min(samples), 4), "median": round(statistics.median(samples), 4)}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9, help="timed steps per side")
+    parser.add_argument("--quick", action="store_true", help="2 steps per side, 1 warm-up")
+    args = parser.parse_args(argv)
+    import transformers
+
+    repeats, warm_up = (2, 1) if args.quick else (args.repeats, 2)
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    torch.manual_seed(0)
+    cpu_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    tpu_model = copy.deepcopy(cpu_model)
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ),
+                        generator=torch.Generator().manual_seed(1))
+    tpu = Step(tpu_model, torch.device("tpu", 0), ids)
+    cpu = Step(cpu_model, torch.device("cpu"), ids)
+    for _ in range(warm_up):  # the first steps compile every op and create the optimizer state
+        tpu()
+        cpu()
+    with _OpCounter() as counter:
+        tpu()
+    cpu()  # keep both sides at the same number of steps
+    tpu_s, cpu_s = [], []
+    for r in range(repeats):
+        order = (tpu, cpu) if r % 2 == 0 else (cpu, tpu)
+        for side in order:
+            (tpu_s if side is tpu else cpu_s).append(side())
+    a, b = _summary(tpu_s), _summary(cpu_s)
+    result = {
+        "benchmark": "bench_eager_models",
+        "model": "transformers.LlamaForCausalLM", "config": CONFIG, "batch": BATCH, "seq": SEQ,
+        "optimizer": "AdamW", "quick": bool(args.quick), "repeats": repeats,
+        "torch": torch.__version__, "jax": jax.__version__, "transformers": transformers.__version__,
+        "jax_platform": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "aten_ops_per_tpu_step": counter.count,
+        "tpu_eager_s": a, "torch_cpu_s": b,
+        "ratio_min": round(a["min"] / b["min"], 2),
+        "ratio_median": round(a["median"] / b["median"], 2),
+        "loss_tpu": float(tpu.loss.cpu()), "loss_cpu": float(cpu.loss),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
