@@ -48,7 +48,9 @@ def test_recipe_yaml_starts_with_its_command(path):
     lines = path.read_text().splitlines()
     # Hydra reads a package header only from the very first lines.
     first = lines[1] if lines[0].startswith("# @package ") else lines[0]
-    assert first == f"# tpu-train recipe={path.stem}"
+    # eval and generate also name the model they evaluate (they refuse to run without one).
+    assert first == f"# tpu-train recipe={path.stem}" or first.startswith(
+        f"# tpu-train recipe={path.stem} model=")
 
 
 def test_required_keys_exist_with_defaults():
