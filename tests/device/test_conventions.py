@@ -355,13 +355,16 @@ def test_dataloader_pins_batches_for_the_tpu_device():
 # -- init_device_mesh without init_process_group -------------------------------------------------
 
 _MESH_SCRIPT = """
+import sys
 import torch, tpu_train
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 mesh = init_device_mesh("tpu", (2,))  # no init_process_group before it
 t = torch.ones(3, device="tpu") * (dist.get_rank() + 1)
 dist.all_reduce(t, group=mesh.get_group())
-print("rank", dist.get_rank(), "sum", t.cpu().tolist(), "device", t.device, flush=True)
+# One file per rank: the ranks share the launcher's stdout, where lines can interleave.
+with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:
+    out.write(f"rank {dist.get_rank()} sum {t.cpu().tolist()} device {t.device}")
 dist.destroy_process_group()
 """
 
@@ -375,11 +378,12 @@ def test_init_device_mesh_initialises_the_process_group(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), str(script)],
+         "--master_port", str(port), str(script), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank} sum [3.0, 3.0, 3.0] device tpu:0" in result.stdout, result.stdout
+        written = (tmp_path / f"rank{rank}.txt").read_text()
+        assert written == f"rank {rank} sum [3.0, 3.0, 3.0] device tpu:0", written
 
 
 # -- DataLoader workers --------------------------------------------------------------------------
