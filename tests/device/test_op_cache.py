@@ -247,3 +247,21 @@ def test_sync_mode_runs_ops_and_waits():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[6.0, 24.0] [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]"
+
+
+def test_in_place_updates_never_invalidate_a_buffer_someone_else_holds():
+    from tpu_train.device import storage_of
+
+    x = torch.arange(8.0, device=TPU)
+    for _ in range(2):
+        x.mul_(2)  # cached from the second call on: the buffer is updated in place (donated)
+    held = storage_of(x).buffer  # a second reference: the next update must copy
+    view = x[2:6]
+    x.mul_(2)
+    x.add_(x)  # the same buffer twice in one call
+    view.add_(1)
+    assert held.tolist() == [i * 4.0 for i in range(8)]
+    expected = torch.arange(8.0) * 16
+    expected[2:6] += 1
+    torch.testing.assert_close(x.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(view.cpu(), expected[2:6], rtol=0, atol=0)

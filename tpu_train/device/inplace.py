@@ -12,6 +12,8 @@ also raises the errors.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -22,6 +24,8 @@ from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
                                        new_output, random_key, remember, wait)
 from tpu_train.device.storage import contiguous_strides
+
+_getrefcount = sys.getrefcount
 
 
 class _Fresh:
@@ -34,16 +38,22 @@ class _Fresh:
 
 
 class _Mutating:
-    __slots__ = ("func", "fn", "index", "random", "written", "fresh", "returns")
+    __slots__ = ("func", "run", "fn", "donating", "donate_slots", "index", "random", "written",
+                 "fresh", "returns")
 
-    def __init__(self, func, fn, index, random, written, fresh, returns):
-        self.func, self.fn, self.index, self.random = func, fn, index, random
+    def __init__(self, func, run, donate_slots, index, random, written, fresh, returns):
+        self.func, self.run, self.index, self.random = func, run, index, random
+        self.fn = jax.jit(run, compiler_options=runtime.compiler_options())
+        self.donating, self.donate_slots = None, donate_slots
         self.written, self.fresh, self.returns = written, fresh, returns
 
-    def __call__(self, args, kwargs, inputs, tensors):
+    def __call__(self, args, kwargs, inputs, tensors, donate=True):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        flat = self.fn(*inputs)
+        fn = self.fn
+        if donate and _sole_owner(tensors, self.written):
+            fn = self.donating or self._donating()
+        flat = fn(*inputs)
         if op_cache._sync:
             wait(flat, self.func)
         for ordinal, buffer in zip(self.written, flat):
@@ -52,6 +62,24 @@ class _Mutating:
         fresh = [new_output(buffer, dtype, index, shape, strides)
                  for buffer, (dtype, shape, strides) in zip(flat[n:], self.fresh)]
         return self.returns(tensors, fresh)
+
+    def _donating(self):
+        self.donating = jax.jit(self.run, donate_argnums=self.donate_slots,
+                                compiler_options=runtime.compiler_options())
+        return self.donating
+
+
+def _sole_owner(tensors, ordinals) -> bool:
+    """Is each written storage's buffer referenced only by its storage and the executable's
+    input list? Then nothing can read the old value after the write, and the executable may
+    update it in place (donation): a fresh output buffer costs page faults, several times
+    the arithmetic of an optimizer update on the CPU client. Another reference (a second
+    storage or a caller holding the array, the same buffer passed twice) keeps the copy."""
+    for ordinal in ordinals:
+        # References: the storage, the input list, getrefcount's own argument.
+        if _getrefcount(tensors[ordinal]._storage._buffer) != 3:
+            return False
+    return True
 
 
 def _sharing(tensors) -> tuple:
@@ -77,7 +105,7 @@ def run_mutating(info: OpInfo, func, args, kwargs):
     if entry is None:
         return mutation.run_mutating(func, args, kwargs)
     try:
-        result = entry(args, kwargs, inputs, tensors)
+        result = entry(args, kwargs, inputs, tensors, donate=False)  # a first run may fail
     except NEEDS_VALUES as error:
         if isinstance(error, NotImplementedError) and "compiled" not in str(error):
             raise
@@ -122,10 +150,13 @@ def _mutating_entry(info: OpInfo, func, args, kwargs, key, cache_key):
     if not all(isinstance(f, _Fresh) for f in fresh):
         return None
     fresh_leaves = [f.leaf for f in fresh]
-    fn = _mutating_program(info, func, key, specs, writes, written, fresh_leaves)
+    run = _mutating_program(info, func, key, specs, writes, written, fresh_leaves)
     layouts = [(specs[i][1], specs[i][0], contiguous_strides(specs[i][0])) for i in fresh_leaves]
     returns = _returns_builder(mutation.mutating_returns(func, refs, fresh), fresh_leaves)
-    return _Mutating(func, fn, index, info.lowering.random, written, layouts, returns)
+    # The input each written storage's buffer arrives in (what may be donated).
+    donate_slots = tuple(next(w[0] for w in writes if w[1] == first) for first in written)
+    return _Mutating(func, run, donate_slots, index, info.lowering.random, written, layouts,
+                     returns)
 
 
 def _mutating_program(info: OpInfo, func, key, specs, writes, written, fresh_leaves):
@@ -145,7 +176,7 @@ def _mutating_program(info: OpInfo, func, key, specs, writes, written, fresh_lea
         return [buffers[first] for first in written] + [leaves[i].reshape(-1)
                                                          for i in fresh_leaves]
 
-    return jax.jit(run, compiler_options=runtime.compiler_options())
+    return run
 
 
 def _returns_builder(plan, fresh_leaves):

@@ -9,7 +9,7 @@ import math
 
 from torch.utils._mode_utils import no_dispatch
 
-from tpu_train.device import pinned, runtime
+from tpu_train.device import inplace, op_cache, pinned, runtime
 from tpu_train.device.mutation import assign
 from tpu_train.device.storage import Storage, contiguous_strides
 from tpu_train.device.tensor import TpuTensor, from_host, to_host, wrap
@@ -33,6 +33,10 @@ def _to_copy(func, args, kwargs):
     if device.type != "tpu":
         raise RuntimeError(f"cannot copy a tpu tensor to device {device} directly; go through .cpu()")
     index = source.device.index if device.index is None else device.index
+    if index == source.device.index and kwargs.get("layout") in (None, torch.strided) \
+            and not kwargs.get("pin_memory"):
+        # A cast on one device is an ordinary op: one cached executable reads the view.
+        return op_cache.run_lowered(op_cache.op_info(func), func, (source,), {"dtype": dtype})
     array = source.jax_value()
     if index != source.device.index:
         array = jax.device_put(array, runtime.jax_device(index))
@@ -43,6 +47,11 @@ def _to_copy(func, args, kwargs):
 
 def _copy_(func, args, kwargs):
     destination, source = args[0], args[1]
+    if type(destination) is TpuTensor and type(source) is TpuTensor \
+            and destination._storage.device_index == source._storage.device_index:
+        # On one device a copy is an in-place op: one cached executable reads the source's
+        # view, casts, and writes through the destination's.
+        return inplace.run_mutating(op_cache.op_info(func), func, args, kwargs)
     if isinstance(destination, TpuTensor) and not isinstance(source, TpuTensor):
         if source.device.type != "cpu":
             raise RuntimeError(f"cannot copy from {source.device} into a tpu tensor; go through .cpu()")
