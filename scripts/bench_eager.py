@@ -20,7 +20,8 @@ Two measurements, each interleaved A/B in one process (timings on a shared machi
   on torch CPU (reference only), min and median seconds per step; each tpu step waits for its
   loss and every parameter.
 
-One JSON line on stdout carries every figure plus the torch / jax versions and the device.
+One JSON line on stdout carries every figure plus the torch / jax versions, the device and the
+machine's load average before and after the run.
 """
 
 from __future__ import annotations
@@ -298,6 +299,7 @@ def main(argv=None) -> dict:
 
     device = torch.device("tpu", 0)
     jax_device = jax.devices()[0]
+    load_before = os.getloadavg()
     result = {
         "benchmark": "bench_eager",
         "quick": bool(args.quick),
@@ -313,6 +315,9 @@ def main(argv=None) -> dict:
         "ops": bench_ops(repeats, k_small, k_medium, device, warm_up=1 if args.quick else 2),
         "train_step": bench_step(step_repeats, device, warm_up=1 if args.quick else 2),
     }
+    # A shared machine: the load says how much the figures can be trusted.
+    result["load_average_before"] = [round(x, 2) for x in load_before]
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.profile:
         profile_add(args.profile, device)
     print(json.dumps(result), flush=True)

@@ -156,6 +156,10 @@ def op_info(func) -> OpInfo:
 
 
 def _classify(func) -> OpInfo:
+    if func is torch.ops.aten._unsafe_view.default:
+        # PyTorch's _unsafe_view shares its input's storage (a view autograd does not track;
+        # matmul reshapes its fresh product with it): geometry only, never a copy.
+        return OpInfo(func, VIEW)
     if torch.Tag.inplace_view in func.tags:
         return OpInfo(func, INPLACE_VIEW)
     if func.is_view:

@@ -294,4 +294,15 @@ def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.
 
 def allocate(numel: int, dtype: torch.dtype, device, fill=0) -> jax.Array:
     """A fresh flat buffer on ``device`` (a jax Device)."""
+    if type(fill) in (bool, float) or (type(fill) is int and -2**31 <= fill < 2**31):
+        # One cached executable per (size, dtype, device), the fill value an input (an int
+        # input is 32-bit: wider ones take the general path): eager jnp.full costs ~100 µs of
+        # JAX's Python per factory call (torch.zeros, new_zeros in slice_backward, ...).
+        return _filler(numel, storage_dtype(dtype), device)(fill)
     return jnp.full((numel,), fill, dtype=storage_dtype(dtype), device=device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _filler(numel: int, dtype, device):
+    return jax.jit(lambda value: jnp.full((numel,), value, dtype=dtype),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device))
