@@ -14,6 +14,7 @@ import torch
 
 import tpu_train  # noqa: F401
 from tpu_train.device import op_cache
+from tests.device.test_aliasing import _base
 
 TPU = torch.device("tpu", 0)
 
@@ -27,13 +28,6 @@ def _same(tpu_results, cpu_results):
 
 def _run_both(case):
     _same(case(TPU), case(torch.device("cpu")))
-
-
-def _base(device, shape=(4, 6), dtype=torch.float32):
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.arange(n, dtype=dtype).reshape(shape).to(device)
 
 
 def shapes_change(d):

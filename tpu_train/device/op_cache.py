@@ -8,8 +8,9 @@ derived from it: the device (checked, with torch's errors, on the key's first ca
 meta result (output shapes and dtypes: PyTorch's promotion and shape errors were raised on the
 first call), the jitted executable, and how its outputs become tensors. The executable reads each
 tensor argument's view from its flat buffer, runs the lowering, casts to torch's dtypes and
-flattens the outputs; for in-place and ``out=`` ops it also writes the result through the
-destination's geometry. An op is one XLA dispatch, and a repeated call does no meta work.
+flattens the outputs; for in-place and ``out=`` ops (:mod:`tpu_train.device.inplace`) it also
+writes the result through the destination's geometry. An op is one XLA dispatch, and a repeated
+call does no meta work.
 
 Key: ``(func, part per positional argument, _KWARGS, name, part, name, part, ...)`` where a part is
 
