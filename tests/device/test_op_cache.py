@@ -259,3 +259,16 @@ def test_in_place_updates_never_invalidate_a_buffer_someone_else_holds():
     expected[2:6] += 1
     torch.testing.assert_close(x.cpu(), expected, rtol=0, atol=0)
     torch.testing.assert_close(view.cpu(), expected[2:6], rtol=0, atol=0)
+
+
+def test_out_list_of_views_of_one_storage_keeps_every_write():
+    """split_with_sizes_copy(out=[w[:4], w[4:]]) (what FSDP2 does with its all-gather output):
+    both destinations are views of one storage, so their writes must chain, twice (the cached
+    call too)."""
+    for _ in range(2):
+        expected = torch.zeros(8)
+        torch.split_with_sizes_copy(torch.arange(8.0), [4, 4], out=[expected[:4], expected[4:]])
+        got = torch.zeros(8, device="tpu")
+        torch.split_with_sizes_copy(torch.arange(8.0, device="tpu"), [4, 4],
+                                    out=[got[:4], got[4:]])
+        assert torch.equal(got.cpu(), expected)

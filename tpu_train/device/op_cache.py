@@ -143,7 +143,10 @@ class OpInfo:
         self.positional_slots = tuple(registry._is_tensor_slot(a) for a in arguments)
         self.keyword_slots = frozenset(a.name for a in arguments if registry._is_tensor_slot(a))
         written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
-        self.multi_dest = len(written) > 1 or any("[]" in str(a.type) for a in written)
+        # A written Tensor[] (schema type List[Tensor], e.g. split_with_sizes_copy's out=)
+        # holds several destinations, which may be views of one storage.
+        self.multi_dest = len(written) > 1 or any(isinstance(a.type, torch.ListType)
+                                                  for a in written)
 
 
 _INFO: dict = {}
