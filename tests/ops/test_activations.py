@@ -100,3 +100,10 @@ def test_glu(dim):
     assert_lowering_matches(aten.glu.default, x, dim)
     grad = make(torch.ops.aten.glu(x, dim).shape, torch.float32, seed=3)
     assert_lowering_matches(aten.glu_backward.default, grad, x, dim)
+
+
+@pytest.mark.parametrize("op", [aten.hardshrink_backward.default, aten.softshrink_backward.default])
+def test_shrink_backward(op):
+    x = inputs(torch.float32)
+    g = make(x.shape, torch.float32, -2, 2)
+    assert_lowering_matches(op, g, x, 0.5, atol=0, rtol=0)

@@ -275,3 +275,9 @@ def test_integer_index_dtype_is_not_widened():
     program = jax.jit(lambda x, i, v: fn(x, [None, i], v, True)).lower(
         to_jax(make((4, 5))), to_jax(idx(1, -1)), to_jax(make((4, 2)))).as_text()
     assert "i64>" not in program.replace("array<i64", "")
+
+
+def test_masked_scatter_backward():
+    g = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([True, False, True, True])
+    assert_lowering_matches(aten.masked_scatter_backward.default, g, mask, [4, 3], atol=0, rtol=0)

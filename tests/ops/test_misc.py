@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import pytest
 import torch
 
 from tests.ops.lowering_check import assert_lowering_matches, to_jax
@@ -61,3 +62,16 @@ def test_samplers_distribution():
         to_jax(x), 0.0, 0.5, rng_key=key)).copy())
     # The standard deviation of n normal draws (0.5): standard error sigma / sqrt(2n) (0.0025).
     assert ln.min().item() > 0 and abs(ln.log().std().item() - 0.5) < 5 * 0.5 / math.sqrt(2 * n)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.0, math.inf])
+def test_cdist_pdist_backward(p):
+    x1, x2 = _x(2, 4, 3), _x(1, 5, 3, seed=1)
+    x1[0, 0] = x2[0, 0]  # a zero distance: its gradient is 0
+    d = torch.cdist(x1, x2, p)
+    g = _x(2, 4, 5, seed=2)
+    assert_lowering_matches(aten._cdist_backward.default, g, x1, x2, p, d, atol=1e-5, rtol=1e-5)
+    x = _x(5, 3, seed=3)
+    pd = torch.pdist(x, p)
+    assert_lowering_matches(aten._pdist_backward.default, _x(*pd.shape, seed=4), x, p, pd,
+                            atol=1e-5, rtol=1e-5)

@@ -252,3 +252,11 @@ def softshrink(self, lambd=0.5):
     dtype, compute, (x,) = _opmath(self)
     lambd = cast_scalar(lambd, compute)
     return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, 0)).astype(dtype)
+
+
+@lowers(aten.hardshrink_backward.default, aten.softshrink_backward.default)
+def shrink_backward(grad_output, self, lambd):
+    """Both shrinks pass the gradient where ``|x| > lambd`` and drop it inside the band."""
+    dtype, compute, (g, x) = _opmath(grad_output, self)
+    lambd = cast_scalar(lambd, compute)
+    return jnp.where((x >= -lambd) & (x <= lambd), 0, g).astype(dtype)

@@ -357,6 +357,19 @@ def masked_scatter(self, mask, source):
     return jnp.reshape(jnp.where(flat_mask, picked.astype(self.dtype), flat_self), shape)
 
 
+@lowers(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The gradient of ``masked_scatter``'s source: ``grad_output`` at the masked positions in
+    order, zero-padded to the source's size."""
+    numel = int(np.prod(sizes))
+    flat_mask = jnp.reshape(jnp.broadcast_to(mask.astype(jnp.bool_), grad_output.shape), (-1,))
+    order = jnp.cumsum(flat_mask.astype(jnp.int32)) - 1
+    target = jnp.where(flat_mask, order, numel)
+    flat = jnp.zeros((numel,), grad_output.dtype)
+    flat = flat.at[target].set(jnp.reshape(grad_output, (-1,)), mode="drop")
+    return jnp.reshape(flat, tuple(sizes))
+
+
 @lowers(aten.masked_select.default)
 def masked_select(self, mask):
     """The elements of ``self`` where ``mask`` is True, as a vector (eager-only: its length

@@ -97,6 +97,48 @@ def pdist_forward(self, p=2):
     return _p_norm(self[i] - self[j], p, axis=-1)
 
 
+def _p_norm_grad(diff, dist, p):
+    """d dist / d diff for ``dist = ||diff||_p`` (ATen's _cdist_backward terms): 0 where the
+    distance is 0 or ``p`` is 0."""
+    dist = dist[..., None]
+    zero = dist == 0
+    safe = jnp.where(zero, 1, dist)
+    if p == 0:
+        term = jnp.zeros_like(diff)
+    elif p == 1:
+        term = jnp.sign(diff)
+    elif p == 2:
+        term = diff / safe
+    elif p == math.inf:
+        term = jnp.sign(diff) * (jnp.abs(diff) == dist)
+    else:
+        term = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) / safe ** (p - 1)
+    return jnp.where(zero, 0, term)
+
+
+@lowers(aten._cdist_backward.default, static_floats=True)
+def cdist_backward(grad, x1, x2, p, cdist):
+    """Gradient of ``_cdist_forward`` with respect to ``x1``."""
+    lead = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    a = jnp.broadcast_to(x1, lead + x1.shape[-2:])
+    b = jnp.broadcast_to(x2, lead + x2.shape[-2:])
+    diff = a[..., :, None, :] - b[..., None, :, :]
+    out = jnp.sum(_p_norm_grad(diff, cdist, p) * grad[..., None], axis=-2)
+    extra = out.ndim - x1.ndim
+    out = jnp.sum(out, axis=tuple(range(extra))) if extra else out
+    keep = tuple(i for i, n in enumerate(x1.shape[:-2]) if n == 1 and out.shape[i] != 1)
+    return jnp.sum(out, axis=keep, keepdims=True) if keep else out
+
+
+@lowers(aten._pdist_backward.default, static_floats=True)
+def pdist_backward(grad, self, p, pdist):
+    """Gradient of ``_pdist_forward``: each pair ``i < j`` adds its term to row i and
+    subtracts it from row j."""
+    i, j = jnp.triu_indices(self.shape[0], k=1)
+    term = _p_norm_grad(self[i] - self[j], pdist, p) * grad[:, None]
+    return jnp.zeros_like(self).at[i].add(term).at[j].add(-term)
+
+
 # ----------------------------------------------------------------------------- samplers
 
 
