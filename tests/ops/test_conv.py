@@ -264,3 +264,8 @@ def test_upsample_linear_1d_3d_bf16_and_traced_scales():
     expected = aten.upsample_nearest2d(x, [7, 11], 1.7, 2.3)
     got = conv_lowerings.upsample_nearest2d(to_jax(x), [7, 11], jnp.float32(1.7), jnp.float32(2.3))
     torch.testing.assert_close(to_torch(got, torch.float32), expected)
+
+
+def test_replication_pad_negative():
+    x = torch.randn(1, 2, 5, 6, generator=torch.Generator().manual_seed(0))
+    assert_lowering_matches(aten.replication_pad2d.default, x, [-1, 2, 1, -2], atol=0, rtol=0)

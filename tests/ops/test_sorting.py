@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.ops.lowering_check import assert_lowering_matches, to_jax
@@ -72,3 +73,12 @@ def test_histc_and_equal():
     assert not bool(equal(to_jax(x), to_jax(x + 1)))
     assert not bool(equal(to_jax(x), to_jax(x[:3])))
     assert not bool(equal(to_jax(torch.tensor([float("nan")])), to_jax(torch.tensor([float("nan")]))))
+
+
+@pytest.mark.parametrize("flags", [(False, False), (True, True)])
+def test_unique(flags):
+    x = torch.tensor([[3.0, 1.0, 3.0], [2.0, 1.0, 5.0]])
+    assert_lowering_matches(aten._unique2.default, x, True, *flags, atol=0, rtol=0)
+    assert_lowering_matches(aten.unique_consecutive.default, x, *flags, atol=0, rtol=0)
+    y = torch.tensor([[1.0, 1.0, 2.0], [1.0, 1.0, 2.0]])
+    assert_lowering_matches(aten.unique_consecutive.default, y, *flags, 1, atol=0, rtol=0)

@@ -313,6 +313,14 @@ def _edge_pad(self, padding, mode):
     widths = [(0, 0)] * (self.ndim - spatial)
     for i in reversed(range(spatial)):
         widths.append((padding[2 * i], padding[2 * i + 1]))
+    if mode == "edge" and any(w < 0 for pair in widths for w in pair):
+        # Negative replication padding crops: out[j] = in[clamp(j - low, 0, n - 1)].
+        for axis, (low, high) in enumerate(widths):
+            n = self.shape[axis]
+            if (low, high) != (0, 0):
+                source = np.clip(np.arange(n + low + high) - low, 0, n - 1)
+                self = jnp.take(self, source, axis=axis)
+        return self
     return jnp.pad(self, widths, mode=mode)
 
 

@@ -1,5 +1,6 @@
 """Order statistics and searches: ``cummax``/``cummin``, ``median``/``nanmedian``, ``kthvalue``,
-``mode``, ``searchsorted``/``bucketize``, ``histc`` and ``equal``.
+``mode``, ``searchsorted``/``bucketize``, ``histc``, ``equal``, ``unique`` and
+``unique_consecutive``.
 
 PyTorch conventions kept here: NaN sorts after every number; ``median`` is the *lower* median
 and is NaN (at the first NaN's index) when a NaN is present, ``nanmedian`` skips NaNs;
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tpu_train.ops.conversion import DEFAULT_INT
@@ -263,3 +265,55 @@ def equal(self, other):
     if self.shape != other.shape:
         return jnp.asarray(False)
     return jnp.all(self == other)
+
+
+# ---------------------------------------------------------------------------------------------
+# unique: the output length depends on the values, so these run eagerly on host values (like
+# ``masked_select``), not inside a compiled step.
+
+
+def _host(array, op):
+    try:
+        return np.asarray(array)
+    except Exception as error:  # a tracer
+        raise NotImplementedError(
+            f"{op} has a data-dependent output shape: it works eagerly, not inside a compiled "
+            "step") from error
+
+
+def _unique_outputs(values, inverse, counts, shape, return_inverse, return_counts):
+    empty = jnp.zeros((0,), jnp.int32)
+    return (jnp.asarray(values),
+            jnp.asarray(inverse.reshape(shape), jnp.int32) if return_inverse else empty,
+            jnp.asarray(counts, jnp.int32) if return_counts else empty)
+
+
+@lowers(aten._unique2.default)
+def unique2(self, sorted=True, return_inverse=False, return_counts=False):
+    """Sorted distinct elements (NaNs stay distinct, as in PyTorch), inverse indices, counts."""
+    x = _host(self, "unique").reshape(-1)
+    values, inverse, counts = np.unique(x, return_inverse=True, return_counts=True,
+                                        equal_nan=False)
+    return _unique_outputs(values, inverse, counts, self.shape, return_inverse, return_counts)
+
+
+@lowers(aten.unique_consecutive.default)
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    """One element (or slice along ``dim``) per run of equal consecutive ones."""
+    x = _host(self, "unique_consecutive")
+    moved = x.reshape(-1, 1) if dim is None else np.moveaxis(x, dim, 0)
+    rows = moved.reshape(moved.shape[0], -1)
+    if rows.shape[0] == 0:
+        starts = np.zeros((0,), bool)
+    else:
+        starts = np.concatenate([[True], np.any(rows[1:] != rows[:-1], axis=1)])
+    keep = np.flatnonzero(starts)
+    inverse = np.cumsum(starts) - 1
+    counts = np.diff(np.append(keep, rows.shape[0]))
+    values = moved[keep]
+    values = values.reshape(-1) if dim is None else np.moveaxis(values, 0, dim)
+    if dim is None:
+        return _unique_outputs(values, inverse, counts, self.shape, return_inverse,
+                               return_counts)
+    # Along a dim CPU PyTorch returns the inverse and the counts whatever the flags say.
+    return _unique_outputs(values, inverse, counts, (self.shape[dim],), True, True)
