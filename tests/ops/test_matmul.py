@@ -224,3 +224,10 @@ def test_svd(full_matrices):
     torch.testing.assert_close(s, es, atol=1e-4, rtol=1e-4)
     k = s.shape[-1]
     torch.testing.assert_close(u[..., :k] @ torch.diag_embed(s) @ vh[..., :k, :], a, atol=1e-4, rtol=1e-4)
+
+
+def test_trilinear_bilinear_kernel():
+    # the call nn.functional.bilinear makes: x1 [N, I], W [O, I, J], x2 [N, J] -> [N, O]
+    x1, w, x2 = rand(3, 4), rand(5, 4, 2, seed=1), rand(3, 2, seed=2)
+    assert_lowering_matches(aten._trilinear.default, x1, w, x2, [1, 3], [0], [1, 2], [2, 3],
+                            **tolerances(torch.float32, 8))

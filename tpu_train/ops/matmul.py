@@ -229,3 +229,22 @@ def linalg_svd(A, full_matrices=False, compute_uv=True, *, driver=None):
         empty = jnp.zeros((0,), A.dtype)
         return empty, jnp.linalg.svd(A, compute_uv=False), empty
     return jnp.linalg.svd(A, full_matrices=full_matrices)
+
+
+@lowers(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``sum over sumdim of i1 * i2 * i3``, each first unsqueezed at its ``expand`` dims (the
+    kernel of ``nn.functional.bilinear``); the summed dims are dropped."""
+    def expand(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return x
+
+    a, b, c = expand(i1, expand1), expand(i2, expand2), expand(i3, expand3)
+    dtype = jnp.result_type(a, b, c)
+    ab = a.astype(dtype) * b.astype(dtype)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ab.ndim]
+    kept = "".join(letters[d] for d in range(ab.ndim) if d not in set(sumdim))
+    ab = jnp.broadcast_to(ab, jnp.broadcast_shapes(ab.shape, c.shape))
+    c = jnp.broadcast_to(c.astype(dtype), ab.shape)
+    return jnp.einsum(f"{letters},{letters}->{kept}", ab, c, precision=lax.Precision.HIGHEST)
