@@ -7,7 +7,8 @@ import importlib
 
 FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
-    "matmul", "linalg_factor", "nn", "conv", "resample", "attention", "transformer", "shape", "indexing", "scatter",
+    "matmul", "linalg_factor", "nn", "conv", "resample", "attention", "transformer", "shape",
+    "indexing", "scatter",
     "special", "fft", "sorting", "misc",
     # Last: registers only what no family above lowers.
     "compile_extras",

@@ -271,6 +271,9 @@ def linalg_lstsq(self, b, rcond=None, *, driver=None):
 
 @lowers(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(self):
+    # JAX's expm takes no 16-bit floats: compute in float32 (the caller rounds the result).
+    if self.dtype in (jnp.bfloat16, jnp.float16):
+        self = self.astype(jnp.float32)
     return jax.scipy.linalg.expm(self)
 
 

@@ -129,7 +129,8 @@ _register_linear(3, "trilinear3d")
 
 
 def _adaptive_window_mask(in_size, out_size):
-    """``[out, in]`` bool matrix of torch's adaptive window ``[floor(i*in/out), ceil((i+1)*in/out))``."""
+    """``[out, in]`` bool matrix of torch's adaptive windows
+    ``[floor(i * in / out), ceil((i + 1) * in / out))``."""
     i = np.arange(out_size)
     start = (i * in_size) // out_size
     end = -((-(i + 1) * in_size) // out_size)
