@@ -120,6 +120,14 @@ class _RejectRandomOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_REGION_DEPTH = [0]
+
+
+def inside_recomputed_region() -> bool:
+    """Is a checkpointed region's function running (below the gradient transform)?"""
+    return _REGION_DEPTH[0] > 0
+
+
 class _Region:
     """One checkpoint call: the function, its non-tensor arguments and where tensors go."""
 
@@ -141,8 +149,12 @@ class _Region:
         for position, value in zip(self.tensor_positions, tensors[:n_args]):
             flat[position] = value
         args, kwargs = tree_unflatten(flat, self.args_spec)
-        with _parameters_set_to(self.slots, tensors[n_args:]):
-            out = self.function(*args, **kwargs)
+        _REGION_DEPTH[0] += 1
+        try:
+            with _parameters_set_to(self.slots, tensors[n_args:]):
+                out = self.function(*args, **kwargs)
+        finally:
+            _REGION_DEPTH[0] -= 1
         leaves, self.out_spec = tree_flatten(out)
         for leaf in leaves:
             if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
@@ -218,6 +230,11 @@ def _checkpoint_target():
     return target
 
 
+# autograd.Functions whose forward is all functionalize needs to see (their ops are handled one
+# by one); see _functionalize_rule_for_recompute. Other modules of this layer add theirs.
+FORWARD_UNDER_FUNCTIONALIZE: set = set()
+
+
 @contextlib.contextmanager
 def _functionalize_rule_for_recompute():
     """Let ``_Recompute`` run under ``torch.func.functionalize`` (the trace's outer transform).
@@ -234,7 +251,7 @@ def _functionalize_rule_for_recompute():
     original = table.get(TransformType.Functionalize)
 
     def rule(interpreter, autograd_function, *operands, **kwargs):
-        if autograd_function is _Recompute:
+        if autograd_function is _Recompute or autograd_function in FORWARD_UNDER_FUNCTIONALIZE:
             return autograd_function.forward(*operands)
         return original(interpreter, autograd_function, *operands, **kwargs)
 
@@ -263,6 +280,32 @@ def traced_checkpoints(root: torch.nn.Module | None):
             yield
     finally:
         _ROOT[0] = previous_root
+        if previous is missing:
+            delattr(target, attribute)
+        else:
+            setattr(target, attribute, previous)
+
+
+@contextlib.contextmanager
+def checkpoint_calls_recorded(calls: list):
+    """Within the block, ``checkpoint(function, ...)`` runs ``function`` as is and appends it
+    to ``calls``: a scanned layer's body is traced forward only, and whether its layer was
+    checkpointed decides how its backward is taken (see :mod:`.layer_scan`)."""
+    target = _checkpoint_target()
+    attribute = "__dynamo_disable"
+    missing = object()
+    previous = target.__dict__.get(attribute, missing)
+
+    def recorded(function, *args, **kwargs):
+        for option in _CHECKPOINT_OPTIONS:
+            kwargs.pop(option, None)
+        calls.append(function)
+        return function(*args, **kwargs)
+
+    setattr(target, attribute, recorded)
+    try:
+        yield
+    finally:
         if previous is missing:
             delattr(target, attribute)
         else:

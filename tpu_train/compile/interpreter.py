@@ -32,6 +32,12 @@ class MissingLoweringError(NotImplementedError):
     """The traced step uses aten ops that have no lowering (listed all at once)."""
 
 
+# Graph-level ops of the compile layer itself (a scanned layer stack): ``op -> fn(*args,
+# constrain=..., uses=...)`` returning the node's value; ``uses`` holds, per tensor argument,
+# the at-use function of run_graph (or None). Registered by the modules that define them.
+GRAPH_OPS: dict = {}
+
+
 # Mutating ops that survive functionalization when a forward writes a tensor inside a
 # ``torch.func`` transform (BatchNorm's running statistics under ``grad``): their functional
 # variant, and which of its outputs is the new value of which written argument.
@@ -72,7 +78,7 @@ def check_lowerings(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        if node.target in (aten.copy_.default, OPTIMIZATION_BARRIER):
+        if node.target in (aten.copy_.default, OPTIMIZATION_BARRIER) or node.target in GRAPH_OPS:
             continue  # input mutation / checkpointing's fence: handled by the interpreter
         if isinstance(node.target, torch._ops.OpOverload) and registry.is_mutating(node.target):
             if functional_variant(node.target) is None:
@@ -328,6 +334,13 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
             else:
                 # Recomputed checkpoint regions start from fenced values (see .checkpointing).
                 env[node] = fence(args[0])
+            continue
+        if target in GRAPH_OPS:
+            # The op applies the at-use functions itself, where its body reads each input.
+            uses = [carries.get(a) if isinstance(a, torch.fx.Node) else None
+                    for a in tree_flatten(node.args)[0]]
+            env[node] = GRAPH_OPS[target](*tree_map(load, node.args), constrain=constrain,
+                                          uses=uses[1:])
             continue
         if order is not None:
             order.enter(node, env)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpu_train.compile import interpreter, tracing
+from tpu_train.compile import interpreter, layer_groups, layer_scan, tracing
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
@@ -133,6 +133,12 @@ def _has_checkpointed_regions(gm: torch.fx.GraphModule) -> bool:
     return any(node.target is OPTIMIZATION_BARRIER for node in gm.graph.nodes)
 
 
+def _has_layer_scans(gm: torch.fx.GraphModule) -> bool:
+    """Scanned layer stacks gather each layer's weights inside the loop (at use): gathered
+    once at the top, every layer's full weights would be stacked."""
+    return any(node.target is layer_scan.LAYER_SCAN for node in gm.graph.nodes)
+
+
 def _key_dtype():
     """The dtype of a typed PRNG key (the program's optional last argument)."""
     return jax.random.key(0).dtype
@@ -183,9 +189,16 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     param_fakes = [fake(p) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    grad_gm, weighted = stages.time("trace", tracing.trace_grad_graph, step.model, step.loss_fn,
-                          st.param_names, st.const_names, st.batch_spec, fakes,
-                          param_fakes, const_fakes, batch_fakes)
+    def trace_grad():
+        return tracing.trace_grad_graph(step.model, step.loss_fn, st.param_names,
+                                        st.const_names, st.batch_spec, fakes, param_fakes,
+                                        const_fakes, batch_fakes)
+
+    if getattr(step, "scan_layers", False):
+        grad_gm, weighted = stages.time("trace", layer_groups.traced_with_groups, step.model,
+                                        trace_grad)
+    else:
+        grad_gm, weighted = stages.time("trace", trace_grad)
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it
@@ -284,7 +297,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     # fenced stored weight; without them once at the top, which compiles faster (70B plan:
     # XLA compile 76 s vs 131 s, same memory within 2.5 %).
     at_use = None
-    if spmd and _has_checkpointed_regions(grad_gm):
+    if spmd and (_has_checkpointed_regions(grad_gm) or _has_layer_scans(grad_gm)):
         at_use = {i: functools.partial(pin, sharding=c)
                   for i, c in enumerate(shardings.compute_params)}
 

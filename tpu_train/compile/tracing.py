@@ -125,6 +125,9 @@ def _trace(fn: Callable, fake_args: Sequence) -> torch.fx.GraphModule:
                        tracing_mode="real")(*fake_args)
 
 
+trace_forward = _trace  # a forward-only graph (a scanned layer's body), same rules
+
+
 class _LossModule(torch.nn.Module):
     """``loss_fn(model, batch)`` as a module, so ``functional_call`` can swap its tensors."""
 

@@ -44,7 +44,8 @@ class CompiledTrainStep:
 
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
-                 name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False):
+                 name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False,
+                 scan_layers=True):
         check_step_settings(max_grad_norm, grad_accum_steps)
         self.skip_non_finite = bool(skip_non_finite)
         self.model = model
@@ -54,6 +55,7 @@ class CompiledTrainStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_accum_steps = int(grad_accum_steps)
         self.donate = bool(donate)
+        self.scan_layers = bool(scan_layers)
         self.mesh = mesh  # with plan: an SPMD program (see tpu_train.compile.program)
         self.plan = plan
         self.adapter = adapter_for(optimizer)
@@ -108,6 +110,7 @@ class CompiledTrainStep:
                     ("max_grad_norm", self.max_grad_norm),
                     ("grad_accum_steps", self.grad_accum_steps),
                     ("donate", self.donate),
+                    ("scan_layers", self.scan_layers),
                     ("skip_non_finite", self.skip_non_finite),
                     ("optimizer param group sizes", tuple(st.group_sizes)),
                     ("params that own their storage", values["whole"]),
@@ -221,7 +224,8 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        warn_after: int = cache_mod.DEFAULT_WARN_AFTER,
                        mesh=None, plan=None,
                        autocast_dtype: torch.dtype | None = None,
-                       skip_non_finite: bool = False) -> CompiledTrainStep:
+                       skip_non_finite: bool = False,
+                       scan_layers: bool = True) -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -254,6 +258,11 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             finite, decided inside the program (the old parameters, optimizer state and step
             counts are kept otherwise; the scheduler still steps). Adds a host-side ``finite``
             flag to the result (one host sync per step).
+        scan_layers: trace a stack of identical layers (an ``nn.ModuleList`` of one class
+            with the same parameter shapes, called one after the other) once and run it as
+            a ``lax.scan`` over their stacked parameters: trace and compile time stop
+            growing with depth (``tpu_train.compile.layer_groups``). Where the model does
+            not call its layers as such a stack, they are traced one by one as with False.
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}`` (plus ``"finite"`` with
@@ -263,4 +272,5 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,
                              max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
                              donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
-                             autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite)
+                             autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite,
+                             scan_layers=scan_layers)

@@ -42,7 +42,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False,
-                           precision: str = "fp32") -> dict[str, Any]:
+                           precision: str = "fp32", scan_layers: bool = True) -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step on this process's
     devices (run it where ``len(jax.devices())`` equals the mesh size), with the trainer's
     activation checkpointing and bf16 autocast when asked."""
@@ -73,7 +73,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
 
     program = lower_train_step(model, optimizer, loss_fn, batch, mesh=mesh, plan=llama_plan(),
-                               autocast_dtype=torch.bfloat16 if precision == "bf16" else None)
+                               autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+                               scan_layers=scan_layers)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step"}
     out.update(program.analysis())
     out["seconds"] = program.seconds
@@ -101,6 +102,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
                 seq_len=int(cfg.data.seq_len),
                 activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
                 precision=planner.precision_of(cfg),
+                scan_layers=bool(cfg.trainer.scan_layers),
                 **degrees)
     cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
     try:

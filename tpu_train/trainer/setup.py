@@ -196,7 +196,7 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
     compiled = compile_train_step(
         model, optimizer, loss_fn, scheduler=scheduler, max_grad_norm=trainer.max_grad_norm,
         grad_accum_steps=trainer.grad_accum_steps, mesh=parallel.mesh, plan=parallel.plan,
-        autocast_dtype=autocast, skip_non_finite=True)
+        autocast_dtype=autocast, skip_non_finite=True, scan_layers=trainer.scan_layers)
     if parallel.layout == "spmd":
         return TrainStep(parallel, compiled, compiled)
 

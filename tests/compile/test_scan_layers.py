@@ -1,0 +1,195 @@
+"""Repeated layers scanned (``compile_train_step(..., scan_layers=True)``, the default).
+
+A stack of identical decoder layers is traced once and run as a ``lax.scan``: the same losses
+and parameters as the unrolled program (``scan_layers=False``), with one layer's ops in the
+graph. Where the model does not call its layers as such a stack, or a layer cannot be scanned,
+the step falls back to tracing layer by layer — and still computes what the model computes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpu_train.compile import layer_groups
+from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
+from tpu_train.compile.layer_scan import LAYER_SCAN, LAYER_SCAN_BACKWARD, body
+
+from tests.tolerances import loss_rtol
+
+from .helpers import (OPTIMIZERS, _llama, assert_losses_close, assert_params_within,
+                      lm_batches, lm_loss, param_bound, run_compiled)
+
+F32 = torch.float32
+STEPS = 4
+# Longest reduction: the clip norm's squared sum over the SwiGLU weight (176 x 64).
+REDUCTION = 176 * 64
+LAYERS = 3
+
+
+def _model():
+    return _llama(dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, vocab_size=128,
+                  ffn_hidden_dim=176, max_seq_len=32)
+
+
+def _scans(step) -> list[torch.fx.Node]:
+    (program,) = step.cache.entries.values()
+    return [n for n in program.grad_graph.graph.nodes if n.target is LAYER_SCAN]
+
+
+@functools.lru_cache(maxsize=None)
+def _run(scan: bool, checkpointed: bool = False):
+    model = _model()
+    if checkpointed:
+        from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    metrics, trained, _, step = run_compiled(model, OPTIMIZERS["adamw"], lm_loss,
+                                             lm_batches(STEPS), max_grad_norm=1.0,
+                                             scan_layers=scan)
+    return [m["loss"] for m in metrics], trained, step
+
+
+def test_scanned_stack_matches_the_unrolled_program():
+    losses, trained, step = _run(True)
+    ref_losses, ref_trained, ref_step = _run(False)
+    assert_losses_close(losses, ref_losses, loss_rtol(F32, STEPS, REDUCTION))
+    assert_params_within(trained, ref_trained, param_bound("adamw", _model(), STEPS, REDUCTION))
+    (scan,) = _scans(step)
+    assert len(scan.args[1]) == LAYERS * 9 + 3  # 9 tensors per layer; x, cos, sin
+    (program,) = step.cache.entries.values()
+    backward = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_SCAN_BACKWARD]
+    assert len(backward) == 1
+    assert _scans(ref_step) == []
+    # One layer's ops instead of three.
+    assert step.compilations[0].graph_nodes < 0.6 * ref_step.compilations[0].graph_nodes
+    assert len(step.compilations) == 1
+
+
+def test_checkpointed_layers_are_recomputed_inside_the_scan():
+    losses, trained, step = _run(True, checkpointed=True)
+    plain_losses, plain_trained, plain_step = _run(True)
+    assert_losses_close(losses, plain_losses, loss_rtol(F32, STEPS, REDUCTION))
+    assert_params_within(trained, plain_trained,
+                         param_bound("adamw", _model(), STEPS, REDUCTION))
+    (scan,) = _scans(step)
+    assert body(scan.args[0]).checkpointed
+    (program,) = step.cache.entries.values()
+    (plain_program,) = plain_step.cache.entries.values()
+    assert not any(n.target is OPTIMIZATION_BARRIER for n in program.grad_graph.graph.nodes)
+    # Residuals stacked per layer: only each layer's input when it is recomputed.
+    checkpointed = program.executable.memory_analysis().temp_size_in_bytes
+    stored = plain_program.executable.memory_analysis().temp_size_in_bytes
+    assert checkpointed < stored, (checkpointed, stored)
+
+
+class _Between(torch.nn.Module):
+    """Scales the activation between two layers: not a plain stack."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, tokens):
+        m = self.llama
+        h = m.tok_embeddings(tokens)
+        cos, sin = m.rope_cos[:tokens.shape[1]], m.rope_sin[:tokens.shape[1]]
+        for i, layer in enumerate(m.layers):
+            h = layer(h, cos, sin)
+            if i == 0:
+                h = h * 0.5
+        return m.output(m.norm(h))
+
+
+class _Skipping(_Between):
+    """Calls only the first two of three layers."""
+
+    def forward(self, tokens):
+        m = self.llama
+        h = m.tok_embeddings(tokens)
+        cos, sin = m.rope_cos[:tokens.shape[1]], m.rope_sin[:tokens.shape[1]]
+        for layer in list(m.layers)[:2]:
+            h = layer(h, cos, sin)
+        return m.output(m.norm(h))
+
+
+def _lm_loss(model, batch):
+    logits = model(batch["tokens"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+@pytest.mark.parametrize("wrapper", [_Between, _Skipping], ids=["op_between", "skipped_layer"])
+def test_a_model_that_is_not_a_plain_stack_is_traced_layer_by_layer(wrapper):
+    model = wrapper(_model())
+    batches = lm_batches(2)
+    metrics, _, _, step = run_compiled(model, OPTIMIZERS["adamw"], _lm_loss, batches)
+    ref, _, _, _ = run_compiled(model, OPTIMIZERS["adamw"], _lm_loss, batches,
+                                scan_layers=False)
+    assert _scans(step) == []
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in ref]
+
+
+def test_only_interchangeable_layers_form_a_group():
+    model = _model()
+    assert [len(g) for g in layer_groups.find_groups(model)] == [LAYERS]
+    other = _model()
+    other.layers[1].attention_norm.eps = 1e-3  # an attribute the forward reads
+    assert layer_groups.find_groups(other) == []
+    other = _model()
+    other.layers[2].feed_forward.w1 = other.layers[0].feed_forward.w1  # a shared module
+    assert layer_groups.find_groups(other) == []
+
+
+def test_random_layers_are_not_scanned():
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + F.dropout(self.lin(x), 0.1)
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Noisy() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack()
+    batches = [torch.randn(4, 16) for _ in range(2)]
+
+    def loss(m, batch):
+        return m(batch["x"]).pow(2).mean()
+
+    metrics, _, _, step = run_compiled(model, OPTIMIZERS["sgd"], loss,
+                                       [{"x": b} for b in batches])
+    assert _scans(step) == []
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
+
+
+def test_transformers_llama_without_kv_cache_is_scanned():
+    import transformers
+
+    from .test_transformers_models import _DECODER, REDUCTION as HF_REDUCTION, batches, hf_loss
+    from .helpers import run_reference
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=3, use_cache=False,
+                                      **{k: v for k, v in _DECODER.items()
+                                         if k != "num_hidden_layers"})
+    model = transformers.LlamaForCausalLM(config).train()
+    data = batches(masked=True)[:3]
+    cpu_losses, _, _, _ = run_reference(model, OPTIMIZERS["adamw"], hf_loss, data, device="cpu")
+    metrics, _, _, step = run_compiled(model, OPTIMIZERS["adamw"], hf_loss, data)
+    assert_losses_close([m["loss"] for m in metrics], cpu_losses,
+                        loss_rtol(F32, len(data), HF_REDUCTION))
+    (scan,) = _scans(step)
+    assert len(body(scan.args[0]).input_metas) >= 3  # hidden states, mask, cos, sin...

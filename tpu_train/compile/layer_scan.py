@@ -1,0 +1,372 @@
+"""Repeated layers as one traced body run under ``lax.scan`` (the graph op and its lowering).
+
+A decoder stack calls ``N`` layers of one class with the same parameter shapes, one after the
+other. Traced op by op, every layer adds its own copy of the same ops to the graph, and XLA
+compiles all ``N`` copies: trace and compile time grow with depth. Here a layer's forward is
+traced **once** (:class:`LayerBody`, an FX graph over its parameters and inputs), and the whole
+stack is one node of the gradient graph, ``layer_scan(body, states of all N layers, inputs)``,
+whose backward is one ``layer_scan_backward`` node. Lowered, the forward is a ``lax.scan``
+over the layers' stacked parameters that also stacks what the backward needs (the residuals of
+``jax.vjp`` of one layer), and the backward a reverse ``lax.scan`` that applies each layer's
+``vjp`` with the incoming gradient as its carry. Program size no longer depends on ``N``.
+
+Numerics are those of the unrolled program: the same lowerings run on the same values; only
+XLA's fusion decisions can differ (float32 rounding, tested within 1e-5).
+
+Residuals: JAX's ``vjp`` of one layer returns a function whose pytree leaves are what its
+backward reads. Some leaves are the layer's own inputs (a weight, the incoming activation):
+those are not stacked again but taken from where they already are (the stacked parameters, the
+stacked layer inputs, the loop-invariant inputs); the others are computed and stacked by the
+forward scan. A layer whose forward was wrapped in ``torch.utils.checkpoint`` is differentiated
+through ``jax.checkpoint``: its residuals are its inputs only, and its backward recomputes it.
+
+:mod:`tpu_train.compile.layer_groups` decides which layers form a stack and traces the body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from tpu_train.compile import checkpointing, interpreter
+from tpu_train.ops.dtypes import storage_dtype, torch_dtype
+
+_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY.define("layer_scan(int body, Tensor[] tensors) -> Tensor[]")
+_LIBRARY.define("layer_scan_backward(int body, Tensor[] tensors) -> Tensor[]")
+
+_BODIES: "weakref.WeakValueDictionary[int, LayerBody]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """Shape and torch dtype of one tensor."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, storage_dtype(self.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualLayout:
+    """Where each leaf of one layer's ``vjp`` function comes from: ``("computed", k)`` (the
+    k-th stacked residual), ``("state", s)``, ``("carry", 0)`` or ``("input", i)``."""
+
+    sources: tuple
+    treedef: Any
+    computed: tuple  # Meta of each computed residual (one layer's)
+
+
+class LayerBody:
+    """One layer's forward as a traced graph: placeholders ``states + inputs``.
+
+    ``states``: the layer's parameters and buffers (one per slot, the same slots in every
+    layer); ``inputs``: the tensor arguments of its call, the same for every layer except the
+    ``carry`` (input ``0``, which is the previous layer's output ``0``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, state_metas: Sequence[Meta],
+                 input_metas: Sequence[Meta], output_metas: Sequence[Meta], output_spec,
+                 checkpointed: bool):
+        self.id = next(_IDS)
+        self.gm = gm
+        self.state_metas = tuple(state_metas)
+        self.input_metas = tuple(input_metas)
+        self.output_metas = tuple(output_metas)
+        self.output_spec = output_spec
+        self.checkpointed = checkpointed
+        self._layout: ResidualLayout | None = None
+        self.lowered_treedef = None  # set by the forward's lowering, read by the backward's
+        _BODIES[self.id] = self
+
+    @property
+    def n_states(self) -> int:
+        return len(self.state_metas)
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.input_metas)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.output_metas)
+
+    def differentiable(self) -> list[bool]:
+        """Per state then input: is it floating point (does it get a gradient)?"""
+        return [m.dtype.is_floating_point for m in self.state_metas + self.input_metas]
+
+    # ------------------------------------------------------------------ one layer, in JAX
+
+    def run(self, states: Sequence, inputs: Sequence, constrain=None) -> list:
+        outputs, mutations = interpreter.run_graph(self.gm, list(states) + list(inputs),
+                                                   constrain=constrain)
+        if mutations:
+            raise interpreter.MissingLoweringError("a scanned layer wrote one of its inputs")
+        return list(outputs)
+
+    def vjp(self, states: Sequence, inputs: Sequence, constrain=None):
+        """``(outputs, vjp function, its leaves, their sources)`` of one layer."""
+        values = list(states) + list(inputs)
+        wanted = [i for i, d in enumerate(self.differentiable()) if d]
+
+        def layer(*differentiated):
+            full = list(values)
+            for i, value in zip(wanted, differentiated):
+                full[i] = value
+            return self.run(full[:self.n_states], full[self.n_states:], constrain)
+
+        if self.checkpointed:
+            layer = jax.checkpoint(layer)
+        outputs, pullback = jax.vjp(layer, *[values[i] for i in wanted])
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        sources, computed = [], 0
+        for leaf in leaves:
+            source = next((i for i, v in enumerate(values) if leaf is v), None)
+            if source is None:
+                sources.append(("computed", computed))
+                computed += 1
+            elif source < self.n_states:
+                sources.append(("state", source))
+            elif source == self.n_states:
+                sources.append(("carry", 0))
+            else:
+                sources.append(("input", source - self.n_states))
+        return outputs, treedef, leaves, tuple(sources)
+
+    def layout(self) -> ResidualLayout:
+        """The residual layout, found once by an abstract evaluation of :meth:`vjp`."""
+        if self._layout is None:
+            found = {}
+
+            def probe(states, inputs):
+                _, treedef, leaves, sources = self.vjp(states, inputs)
+                found["treedef"], found["sources"] = treedef, sources
+                return [leaf for leaf, s in zip(leaves, sources) if s[0] == "computed"]
+
+            shapes = jax.eval_shape(probe, [m.abstract() for m in self.state_metas],
+                                    [m.abstract() for m in self.input_metas])
+            computed = tuple(Meta(tuple(s.shape), torch_dtype(s.dtype)) for s in shapes)
+            self._layout = ResidualLayout(found["sources"], found["treedef"], computed)
+        return self._layout
+
+
+def body(body_id: int) -> LayerBody:
+    found = _BODIES.get(body_id)
+    if found is None:
+        raise RuntimeError(f"layer body {body_id} is gone: the program that used it was freed")
+    return found
+
+
+# ---------------------------------------------------------------------- the graph ops
+#
+# ``layer_scan(body, tensors)``: tensors = the N layers' states (layer-major) + the inputs.
+# Returns each output stacked over layers ([N, ...]), then the computed residuals stacked.
+# ``layer_scan_backward(body, tensors)``: tensors = the forward's tensors + all its outputs
+# (stacked outputs, then residuals) + the cotangents of its stacked outputs. Returns the gradient of every state of
+# every layer (layer-major) and of every input (an empty tensor where not floating point).
+
+LAYER_SCAN = torch.ops.tpu_train_compile.layer_scan.default
+LAYER_SCAN_BACKWARD = torch.ops.tpu_train_compile.layer_scan_backward.default
+
+
+def _count(b: LayerBody, tensors: Sequence) -> int:
+    return (len(tensors) - b.n_inputs) // b.n_states if b.n_states else 0
+
+
+def _not_run(*_):
+    raise RuntimeError("layer_scan only exists inside a traced compiled step")
+
+
+_LIBRARY.impl("layer_scan", _not_run, "CompositeExplicitAutograd")
+_LIBRARY.impl("layer_scan_backward", _not_run, "CompositeExplicitAutograd")
+
+
+def _empty(meta: Meta, device, leading: tuple = ()) -> torch.Tensor:
+    return torch.empty(leading + meta.shape, dtype=meta.dtype, device=device)
+
+
+@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::layer_scan")
+def _(body_id, tensors):
+    b = body(body_id)
+    n, device = _count(b, tensors), tensors[0].device
+    return ([_empty(m, device, (n,)) for m in b.output_metas]
+            + [_empty(m, device, (n,)) for m in b.layout().computed])
+
+
+@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::layer_scan_backward")
+def _(body_id, tensors):
+    b = body(body_id)
+    device = tensors[0].device
+    n = (len(tensors) - b.n_inputs - len(b.layout().computed) - 2 * b.n_outputs) // b.n_states
+    grads = [_empty(m, device) for _ in range(n) for m in b.state_metas]
+    return grads + [_empty(m if m.dtype.is_floating_point else Meta((0,), torch.float32), device)
+                    for m in b.input_metas]
+
+
+class LayerScan(torch.autograd.Function):
+    """The stack's forward and backward for ``torch.func.grad`` (outputs stacked over layers;
+    the residual outputs are not differentiable)."""
+
+    @staticmethod
+    def forward(b: LayerBody, n: int, *tensors):
+        return tuple(LAYER_SCAN(b.id, list(tensors)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        b, n, *tensors = inputs
+        ctx.body, ctx.count = b, n
+        ctx.mark_non_differentiable(*output[b.n_outputs:])
+        # The stacked outputs too: layer j's carry input is layer j - 1's output.
+        ctx.save_for_backward(*tensors, *output)
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        b, n = ctx.body, ctx.count
+        saved = list(ctx.saved_tensors)
+        grads = LAYER_SCAN_BACKWARD(b.id, saved + list(cotangents[:b.n_outputs]))
+        differentiable = b.differentiable()
+        per_tensor = []
+        for layer in range(n):
+            for s in range(b.n_states):
+                g = grads[layer * b.n_states + s]
+                per_tensor.append(g if differentiable[s] else None)
+        for i in range(b.n_inputs):
+            per_tensor.append(grads[n * b.n_states + i] if differentiable[b.n_states + i]
+                              else None)
+        needs = ctx.needs_input_grad[2:]
+        return (None, None, *[g if need else None for g, need in zip(per_tensor, needs)])
+
+
+checkpointing.FORWARD_UNDER_FUNCTIONALIZE.add(LayerScan)
+
+
+# ---------------------------------------------------------------------- lowering
+
+
+def _stacked_states(b: LayerBody, flat: Sequence, n: int) -> list:
+    return [jnp.stack([flat[layer * b.n_states + s] for layer in range(n)])
+            for s in range(b.n_states)]
+
+
+def _read(values: Sequence, uses: Sequence | None) -> list:
+    """``values`` as an op reads them: through their at-use function (an FSDP all-gather of
+    one layer's weight, inside the loop) where the graph has one."""
+    if not uses:
+        return list(values)
+    return [value if use is None else use(value) for value, use in zip(values, uses)]
+
+
+def _slot_uses(b: LayerBody, n: int, uses: Sequence | None):
+    """Per state slot, the at-use function of layer 0's tensor (the same for every layer: the
+    plan gives a slot one sharding), and the inputs' own."""
+    if not uses:
+        return None, None
+    return list(uses[:b.n_states]), list(uses[n * b.n_states:n * b.n_states + b.n_inputs])
+
+
+def lower_layer_scan(body_id: int, tensors: Sequence, constrain: Callable | None = None,
+                     uses: Sequence | None = None) -> list:
+    """The forward stack: ``lax.scan`` of one layer over the stacked states."""
+    b = body(body_id)
+    n = _count(b, tensors)
+    states = _stacked_states(b, tensors, n)
+    state_uses, input_uses = _slot_uses(b, n, uses)
+    inputs = _read(tensors[n * b.n_states:], input_uses)
+    layout = b.layout()
+
+    def one_layer(carry, layer_states):
+        layer_states = _read(layer_states, state_uses)
+        layer_inputs = [carry] + inputs[1:]
+        outputs, treedef, leaves, sources = b.vjp(layer_states, layer_inputs, constrain)
+        if sources != layout.sources:
+            raise RuntimeError("a scanned layer's residuals changed between two traces")
+        # The backward lowering (later in the same program trace) rebuilds the vjp function
+        # with this structure: one found by another trace does not compare equal.
+        b.lowered_treedef = treedef
+        computed = [leaf for leaf, s in zip(leaves, sources) if s[0] == "computed"]
+        return outputs[0], (list(outputs), computed)
+
+    _, (outputs, computed) = jax.lax.scan(one_layer, inputs[0], states)
+    return list(outputs) + list(computed)
+
+
+def lower_layer_scan_backward(body_id: int, tensors: Sequence,
+                              constrain: Callable | None = None,
+                              uses: Sequence | None = None) -> list:
+    """The backward stack: a reverse ``lax.scan`` applying each layer's ``vjp``."""
+    b = body(body_id)
+    layout = b.layout()
+    n_computed, n_out = len(layout.computed), b.n_outputs
+    n = (len(tensors) - b.n_inputs - n_computed - 2 * n_out) // b.n_states
+    states = _stacked_states(b, tensors, n)
+    state_uses, input_uses = _slot_uses(b, n, uses)
+    cursor = n * b.n_states
+    inputs = _read(tensors[cursor:cursor + b.n_inputs], input_uses)
+    cursor += b.n_inputs
+    outputs = list(tensors[cursor:cursor + n_out])
+    cursor += n_out
+    computed = list(tensors[cursor:cursor + n_computed])
+    cursor += n_computed
+    cotangents = list(tensors[cursor:cursor + n_out])
+    # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after.
+    carries = jnp.concatenate([inputs[0][None], outputs[0][:-1]])
+    differentiable = b.differentiable()
+    wanted = [i for i, d in enumerate(differentiable) if d]
+
+    def one_layer(carry_grad, xs):
+        layer_states, layer_computed, layer_carry, layer_cotangents = xs
+        layer_states = _read(layer_states, state_uses)
+        values = list(layer_states) + [layer_carry] + inputs[1:]
+        leaves = []
+        for kind, index in layout.sources:
+            if kind == "computed":
+                leaves.append(layer_computed[index])
+            elif kind == "state":
+                leaves.append(layer_states[index])
+            elif kind == "carry":
+                leaves.append(layer_carry)
+            else:
+                leaves.append(inputs[index])
+        pullback = jax.tree_util.tree_unflatten(b.lowered_treedef, leaves)
+        cot = list(layer_cotangents)
+        cot[0] = cot[0] + carry_grad.astype(cot[0].dtype)
+        grads = pullback(cot)
+        full = [None] * len(values)
+        for i, g in zip(wanted, grads):
+            full[i] = g
+        state_grads = [full[s] for s in range(b.n_states) if differentiable[s]]
+        input_grads = [full[b.n_states + i] for i in range(1, b.n_inputs)
+                       if differentiable[b.n_states + i]]
+        return full[b.n_states], (state_grads, input_grads)
+
+    init = jnp.zeros(inputs[0].shape, inputs[0].dtype)
+    carry_grad, (state_grads, input_grads) = jax.lax.scan(
+        one_layer, init, (states, computed, carries, cotangents), reverse=True)
+    result = []
+    grads_by_slot = iter(state_grads)
+    stacked = [next(grads_by_slot) if differentiable[s] else None for s in range(b.n_states)]
+    for layer in range(n):
+        for s, m in enumerate(b.state_metas):
+            result.append(stacked[s][layer] if stacked[s] is not None
+                          else jnp.zeros(m.shape, storage_dtype(m.dtype)))
+    summed = iter(input_grads)
+    for i, m in enumerate(b.input_metas):
+        if i == 0:
+            result.append(carry_grad)
+        elif differentiable[b.n_states + i]:
+            result.append(next(summed).sum(axis=0))
+        else:
+            result.append(jnp.zeros((0,), jnp.float32))
+    return result
+
+
+interpreter.GRAPH_OPS[LAYER_SCAN] = lower_layer_scan
+interpreter.GRAPH_OPS[LAYER_SCAN_BACKWARD] = lower_layer_scan_backward
