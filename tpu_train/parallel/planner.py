@@ -109,7 +109,7 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
 
 def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
                      activation_checkpointing: bool, act_bytes: int = 4,
-                     flash_attention: bool = False) -> dict[str, int]:
+                     flash_attention: bool = False, scan_layers: bool = False) -> dict[str, int]:
     """Activations one chip keeps for the backward pass, and the loss head's peak.
 
     Per layer and token (``t`` = tensor degree), saved for the backward without
@@ -124,6 +124,10 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     (``3 vocab / t``) per token at its peak, plus (``t > 1``) its replicated input and
     all-reduced input gradient (``4 dim``). These coefficients match XLA's buffer assignment
     for the reference step within a few per cent once activations dominate (see the tests).
+    ``scan_layers`` (the compiled step's default, without checkpointing): a scanned layer
+    keeps its input and its projections' outputs (``3 dim + (dim + 2 kv_dim) / t + 2 ffn /
+    t``: the elementwise rest and the scores are recomputed, tpu_train.compile.layer_scan),
+    plus one layer's full set while its backward runs.
     """
     t = shape.tensor
     tokens = batch * seq_len // shape.batch_shards
@@ -133,6 +137,9 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
                  + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
     if activation_checkpointing:
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
+    elif scan_layers:
+        kept = 3 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
+        layers = tokens * (cfg.n_layers * kept + per_layer)
     else:
         layers = tokens * cfg.n_layers * per_layer
     head = tokens * (3 * cfg.vocab_size / t + (4 * cfg.dim if t > 1 else 0))
@@ -171,7 +178,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              batch: int, seq_len: int, activation_checkpointing: bool = False,
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
              param_bytes: int = 4, act_bytes: int = 4,
-             flash_attention: bool = False, grad_accum_steps: int = 1) -> dict[str, Any]:
+             flash_attention: bool = False, grad_accum_steps: int = 1,
+             scan_layers: bool = False) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
     ``batch`` is the global micro-batch (sequences per forward/backward), which must split
@@ -181,7 +189,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally
     needs the all-gathered (still tensor-sharded) weights: all of them without checkpointing
     (the backward reuses the forward's gathered weights), the largest tensor and two layers'
-    with it;
+    with it (and with ``scan_layers``, which gathers each layer's weights inside the loop; the
+    loop also stacks every layer's local weight shards once);
     and one unreduced gradient in flight (the largest of a layer's and a single tensor's). Returns a flat dict of
     figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
@@ -210,16 +219,19 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         # made: beside the weights only the largest unreduced gradient in flight (a layer's,
         # or the embedding's / head's) is whole.
         live = gathered
-        if activation_checkpointing:
+        if activation_checkpointing or scan_layers:
             live = min(gathered, largest + min(2, cfg.n_layers) * one_layer)
         fsdp_working = int((live + max(one_layer, largest)) * param_bytes)
     else:
         fsdp_working = 0
+    # A scanned stack reads its layers' weights as one stacked copy (made each step).
+    stacked = int(local * param_bytes * cfg.n_layers * one_layer / gathered) \
+        if scan_layers and gathered else 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
-                            flash_attention=flash_attention)
+                            flash_attention=flash_attention, scan_layers=scan_layers)
     accumulator = local * 4 if grad_accum_steps > 1 else 0
-    total = (params + grads + optimizer + accumulator + fsdp_working + acts["layers"]
+    total = (params + grads + optimizer + accumulator + fsdp_working + stacked + acts["layers"]
              + acts["loss_head"])
 
     tokens = batch * seq_len * grad_accum_steps
@@ -234,7 +246,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "grad_accum_steps": grad_accum_steps,
         "bytes_params": params, "bytes_grads": grads, "bytes_optimizer": optimizer,
         "bytes_grad_accumulator": accumulator,
-        "bytes_fsdp_gathered": fsdp_working, "bytes_activations": acts["layers"],
+        "bytes_fsdp_gathered": fsdp_working, "bytes_stacked_layers": stacked,
+        "scan_layers": scan_layers, "bytes_activations": acts["layers"],
         "bytes_loss_head": acts["loss_head"], "bytes_total": total,
         "model_flops_per_step": model_flops,
         "hardware_flops_per_chip": hardware_flops / num_devices,
@@ -296,7 +309,8 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         seq_len=int(config.data.seq_len),
         activation_checkpointing=bool(config.trainer.activation_checkpointing),
         chip=chip or config.plan.chip, mfu=mfu, act_bytes=2 if precision == "bf16" else 4,
-        grad_accum_steps=int(config.trainer.grad_accum_steps))
+        grad_accum_steps=int(config.trainer.grad_accum_steps),
+        scan_layers=bool(config.trainer.get("scan_layers", False)))
 
 
 # -- the XLA side ------------------------------------------------------------------------------
