@@ -44,6 +44,27 @@ def test_fsdp_divides_the_sharded_state():
     assert flash["bytes_activations"] < eight["bytes_activations"] / 2
 
 
+def test_scanned_layers_gather_one_layer_at_a_time_and_keep_projections():
+    cfg = get_config("llama3_1_8b")
+    args = dict(num_devices=8, data=1, fsdp=8, batch=8, seq_len=1024)
+    unrolled = estimate(cfg, **args)
+    scanned = estimate(cfg, scan_layers=True, **args)
+    ckpt = estimate(cfg, activation_checkpointing=True, **args)
+    # Gathered inside the loop, a layer at a time: the checkpointed working set.
+    assert scanned["bytes_fsdp_gathered"] == ckpt["bytes_fsdp_gathered"]
+    # The stack's copy of the layers' local shards: 1/8 of the layers' weights, fp32.
+    head = cfg.vocab_size * cfg.dim
+    layers = num_params(cfg) - 2 * head - cfg.dim
+    assert scanned["bytes_stacked_layers"] == pytest.approx(4 * layers / 8, rel=1e-6)
+    assert unrolled["bytes_stacked_layers"] == 0
+    # Per layer only the input and the projections' outputs: between checkpointed and not.
+    assert ckpt["bytes_activations"] < scanned["bytes_activations"] \
+        < unrolled["bytes_activations"] / 3
+    assert scanned["bytes_total"] == sum(scanned[k] for k in (
+        "bytes_params", "bytes_grads", "bytes_optimizer", "bytes_grad_accumulator",
+        "bytes_fsdp_gathered", "bytes_stacked_layers", "bytes_activations", "bytes_loss_head"))
+
+
 def test_step_time_and_fit_verdict():
     cfg = get_config("llama3_1_70b")
     r = estimate(cfg, num_devices=256, data=1, fsdp=256, batch=256, seq_len=4096, chip="v5p",

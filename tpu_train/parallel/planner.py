@@ -392,11 +392,12 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['seq_len']}, activation checkpointing "
              f"{'on' if result['activation_checkpointing'] else 'off'}, activations "
              f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
-             f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}",
+             f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}"
+             + (", layers scanned" if result.get("scan_layers") else ""),
              f"parameters {result['num_params']:,}", "per-chip memory (analytic):"]
     for key in ("params", "grads", "optimizer", "grad_accumulator", "fsdp_gathered",
-                "activations", "loss_head", "total"):
-        lines.append(f"  {key:<14} {_format_bytes(result['bytes_' + key])}")
+                "stacked_layers", "activations", "loss_head", "total"):
+        lines.append(f"  {key:<14} {_format_bytes(result.get('bytes_' + key, 0))}")
     lines.append(f"FLOPs per step (model) {result['model_flops_per_step']:.3e}")
     if "chip" in result:
         lines.append(
