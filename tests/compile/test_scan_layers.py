@@ -1,4 +1,5 @@
-"""Repeated layers scanned (``compile_train_step(..., scan_layers=True)``, the default).
+"""Repeated layers scanned (``compile_train_step(..., scan_layers=True)``; by default for
+stacks of 20 layers or more).
 
 A stack of identical decoder layers is traced once and run as a ``lax.scan``: the same losses
 and parameters as the unrolled program (``scan_layers=False``), with one layer's ops in the
@@ -125,11 +126,22 @@ def _lm_loss(model, batch):
 def test_a_model_that_is_not_a_plain_stack_is_traced_layer_by_layer(wrapper):
     model = wrapper(_model())
     batches = lm_batches(2)
-    metrics, _, _, step = run_compiled(model, OPTIMIZERS["adamw"], _lm_loss, batches)
+    metrics, _, _, step = run_compiled(model, OPTIMIZERS["adamw"], _lm_loss, batches,
+                                       scan_layers=True)
     ref, _, _, _ = run_compiled(model, OPTIMIZERS["adamw"], _lm_loss, batches,
                                 scan_layers=False)
     assert _scans(step) == []
     assert [m["loss"] for m in metrics] == [m["loss"] for m in ref]
+
+
+def test_default_scans_deep_stacks_only():
+    # scan_layers=None: stacks of SCAN_MIN_LAYERS or more (shallow ones compile faster
+    # unrolled on the CPU client, docs/compile.md); True: all; False: none.
+    assert layer_groups.scans(None, layer_groups.SCAN_MIN_LAYERS)
+    assert not layer_groups.scans(None, LAYERS)
+    assert layer_groups.scans(True, 2) and not layer_groups.scans(False, 80)
+    model = _model()
+    assert layer_groups.find_groups(model, layer_groups.min_scanned_layers(None)) == []
 
 
 def test_only_interchangeable_layers_form_a_group():
@@ -170,7 +182,7 @@ def test_random_layers_are_not_scanned():
         return m(batch["x"]).pow(2).mean()
 
     metrics, _, _, step = run_compiled(model, OPTIMIZERS["sgd"], loss,
-                                       [{"x": b} for b in batches])
+                                       [{"x": b} for b in batches], scan_layers=True)
     assert _scans(step) == []
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
 
@@ -188,7 +200,8 @@ def test_transformers_llama_without_kv_cache_is_scanned():
     model = transformers.LlamaForCausalLM(config).train()
     data = batches(masked=True)[:3]
     cpu_losses, _, _, _ = run_reference(model, OPTIMIZERS["adamw"], hf_loss, data, device="cpu")
-    metrics, _, _, step = run_compiled(model, OPTIMIZERS["adamw"], hf_loss, data)
+    metrics, _, _, step = run_compiled(model, OPTIMIZERS["adamw"], hf_loss, data,
+                                       scan_layers=True)
     assert_losses_close([m["loss"] for m in metrics], cpu_losses,
                         loss_rtol(F32, len(data), HF_REDUCTION))
     (scan,) = _scans(step)

@@ -5,6 +5,7 @@
 """
 
 import copy
+import dataclasses
 import functools
 import re
 
@@ -79,6 +80,47 @@ def test_losses_match_one_device(layout):
     # relative to the total update lr * STEPS (AdamW lr 3e-3, wd 0.1 = OPTIMIZERS["adamw"]).
     ref_model = _train(None)[1]
     assert_params_within(model, ref_model, param_bound("adamw", _base(), STEPS, SPMD_N))
+
+
+STACK_CFG = dataclasses.replace(CFG, n_layers=3)
+STACK_STEPS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _train_stack(degrees, scan_layers):
+    """A 3-layer variant: (losses, model) after STACK_STEPS steps; ``degrees=None``: one
+    device."""
+    from tpu_train.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(STACK_CFG)
+    model.init_weights(seed=0, device="cpu")
+    model = model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    mesh = None if degrees is None else build_mesh(*degrees, model_config=STACK_CFG)
+    step = compile_train_step(model, opt, _loss, mesh=mesh,
+                              plan=None if mesh is None else llama_plan(),
+                              scan_layers=scan_layers)
+    if mesh is not None:
+        place_for_step(step)
+    losses = [float(step({k: v.to(DEVICE) for k, v in b.items()})["loss"])
+              for b in _batches()[:STACK_STEPS]]
+    return losses, model, step
+
+
+@pytest.mark.parametrize("layout", ["fsdp8", "tp2_fsdp4"])
+def test_scanned_layers_match_the_unrolled_one_device_step(layout):
+    # The decoder stack as one lax.scan over stacked, sharded weights (layer axis unsharded;
+    # FSDP gathers one layer at a time inside the loop) against the unrolled program on one
+    # device.
+    from tpu_train.compile.layer_scan import LAYER_SCAN
+
+    reference, ref_model, _ = _train_stack(None, False)
+    losses, model, step = _train_stack(MESHES[layout], True)
+    (program,) = step.cache.entries.values()
+    assert sum(n.target is LAYER_SCAN for n in program.grad_graph.graph.nodes) == 1
+    assert losses == pytest.approx(reference, rel=loss_rtol(F32, STACK_STEPS, SPMD_N))
+    assert_params_within(model, ref_model, param_bound("adamw", ref_model, STACK_STEPS, SPMD_N))
 
 
 def test_activation_checkpointing_under_fsdp_matches_one_device():

@@ -21,9 +21,9 @@ forward scan. Which values are kept is JAX's ``dots_with_no_batch_dims_saveable`
 results of the layer's projections (matmuls without batch dimensions) are stored, the
 elementwise ops around them (norms, activations, RoPE) and the attention scores are recomputed
 in backward. Keeping every intermediate instead (plain ``vjp``: 60 stacked residuals per W1
-layer, transposed weights among them) made the W1 step slower and its XLA compile 2.5x longer
-than unrolled; with the policy (6 residuals) step and compile time match the unrolled
-program's and the step needs half its temporary memory (docs/compile.md). A layer whose
+layer, transposed weights among them) made the step slower and its compile longer; with the
+policy (6 residuals) the W1 step needs less temporary memory than the unrolled program
+(docs/compile.md, with the figures). A layer whose
 forward was wrapped in ``torch.utils.checkpoint`` is differentiated through ``jax.checkpoint``
 without a policy: its residuals are its inputs only, and its backward recomputes it.
 

@@ -42,7 +42,7 @@ class StepDefinition:
     max_grad_norm: float | None = None
     grad_accum_steps: int = 1
     donate: bool = True
-    scan_layers: bool = True
+    scan_layers: bool | None = None
 
 
 def check_step_settings(max_grad_norm: float | None, grad_accum_steps: int) -> None:
@@ -194,7 +194,7 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      loss_fn: Callable[[torch.nn.Module, Any], Any], batch, *, mesh=None,
                      plan=None, max_grad_norm: float | None = None, grad_accum_steps: int = 1,
                      donate: bool = True, autocast_dtype: torch.dtype | None = None,
-                     compile: bool = True, scan_layers: bool = True) -> program_mod.Program:
+                     compile: bool = True, scan_layers: bool | None = None) -> program_mod.Program:
     """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
 
     Args are those of ``compile_train_step``; ``batch`` is a pytree of tensors whose shapes
@@ -211,7 +211,7 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     check_step_settings(max_grad_norm, grad_accum_steps)
     adapter = adapter_for(optimizer)
     step = StepDefinition(model, optimizer, loss_fn, adapter, max_grad_norm,
-                          int(grad_accum_steps), bool(donate), bool(scan_layers))
+                          int(grad_accum_steps), bool(donate), scan_layers)
     inputs = collect_step_inputs(model, optimizer, adapter, batch, _tensor_names(model))
     if not inputs.params:
         raise ValueError("the optimizer holds no parameter that requires grad")

@@ -194,11 +194,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                         st.const_names, st.batch_spec, fakes, param_fakes,
                                         const_fakes, batch_fakes)
 
-    if getattr(step, "scan_layers", False):
-        grad_gm, weighted = stages.time("trace", layer_groups.traced_with_groups, step.model,
-                                        trace_grad)
-    else:
-        grad_gm, weighted = stages.time("trace", trace_grad)
+    grad_gm, weighted = stages.time("trace", layer_groups.traced_with_groups, step.model,
+                                    trace_grad, getattr(step, "scan_layers", None))
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it

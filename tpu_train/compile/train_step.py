@@ -45,7 +45,7 @@ class CompiledTrainStep:
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
                  name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False,
-                 scan_layers=True):
+                 scan_layers=None):
         check_step_settings(max_grad_norm, grad_accum_steps)
         self.skip_non_finite = bool(skip_non_finite)
         self.model = model
@@ -55,7 +55,7 @@ class CompiledTrainStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_accum_steps = int(grad_accum_steps)
         self.donate = bool(donate)
-        self.scan_layers = bool(scan_layers)
+        self.scan_layers = None if scan_layers is None else bool(scan_layers)
         self.mesh = mesh  # with plan: an SPMD program (see tpu_train.compile.program)
         self.plan = plan
         self.adapter = adapter_for(optimizer)
@@ -225,7 +225,7 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        mesh=None, plan=None,
                        autocast_dtype: torch.dtype | None = None,
                        skip_non_finite: bool = False,
-                       scan_layers: bool = True) -> CompiledTrainStep:
+                       scan_layers: bool | None = None) -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -260,9 +260,10 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             flag to the result (one host sync per step).
         scan_layers: trace a stack of identical layers (an ``nn.ModuleList`` of one class
             with the same parameter shapes, called one after the other) once and run it as
-            a ``lax.scan`` over their stacked parameters: trace and compile time stop
-            growing with depth (``tpu_train.compile.layer_groups``). Where the model does
-            not call its layers as such a stack, they are traced one by one as with False.
+            a ``lax.scan`` over their stacked parameters: trace and compile time grow far
+            less with depth (``tpu_train.compile.layer_groups``). None (default): stacks of
+            at least ``SCAN_MIN_LAYERS`` (20) layers; True: every stack; False: none. Where
+            the model does not call its layers as such a stack, they are traced one by one.
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}`` (plus ``"finite"`` with

@@ -42,7 +42,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False,
-                           precision: str = "fp32", scan_layers: bool = True) -> dict[str, Any]:
+                           precision: str = "fp32", scan_layers: bool | None = None) -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step on this process's
     devices (run it where ``len(jax.devices())`` equals the mesh size), with the trainer's
     activation checkpointing and bf16 autocast when asked."""
@@ -102,7 +102,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
                 seq_len=int(cfg.data.seq_len),
                 activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
                 precision=planner.precision_of(cfg),
-                scan_layers=bool(cfg.trainer.scan_layers),
+                scan_layers=cfg.trainer.scan_layers,
                 **degrees)
     cmd = [sys.executable, "-m", "tpu_train.parallel.plan_command", "--child", json.dumps(args)]
     try:

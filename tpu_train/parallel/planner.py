@@ -302,15 +302,18 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"parallel.data/fsdp/tensor = {degrees} contains -1: planning needs the chip "
                 f"count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees)
+    from tpu_train.compile.layer_groups import scans
+
     precision = precision_of(config)
+    cfg = planned_model(config.model.name, config.model.checkpoint)
     return estimate(
-        planned_model(config.model.name, config.model.checkpoint), num_devices=num_devices, data=degrees[0],
+        cfg, num_devices=num_devices, data=degrees[0],
         fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
         seq_len=int(config.data.seq_len),
         activation_checkpointing=bool(config.trainer.activation_checkpointing),
         chip=chip or config.plan.chip, mfu=mfu, act_bytes=2 if precision == "bf16" else 4,
         grad_accum_steps=int(config.trainer.grad_accum_steps),
-        scan_layers=bool(config.trainer.get("scan_layers", False)))
+        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))
 
 
 # -- the XLA side ------------------------------------------------------------------------------

@@ -171,9 +171,10 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
     activation_checkpointing: bool = False
-    # Compiled steps trace a stack of identical layers once and run it as a loop (lax.scan):
-    # trace and compile time stop growing with depth. false traces every layer (unrolled).
-    scan_layers: bool = True
+    # Compiled steps trace a stack of identical layers once and run it as a loop (lax.scan).
+    # null: stacks of 20 layers or more (shallower ones compile faster unrolled); true: every
+    # stack; false: none (docs/compile.md).
+    scan_layers: Optional[bool] = None
     val_every_n_steps: int = 50  # 0 disables periodic validation
     val_batches: int = 4
     on_nan: OnNonFinite = OnNonFinite.stop
