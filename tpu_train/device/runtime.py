@@ -13,6 +13,8 @@ import functools
 import os
 import platform as _platform
 
+from tpu_train.device import host_memory
+
 PLATFORM_ENV = "TPU_TRAIN_PLATFORM"
 _PREFERENCE = ("tpu", "cuda", "cpu")
 # JAX names the CUDA plugin's platform "gpu" in some places and "cuda" in others.
@@ -59,9 +61,25 @@ def requested_platform() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def platform() -> str:
-    """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"``."""
+    """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"``.
+
+    The host malloc settings the CPU client needs (:mod:`tpu_train.device.host_memory`) are
+    applied before JAX creates its backends and its threads, and undone when the platform
+    chosen is another one."""
     jax = _jax()
     requested = requested_platform()
+    if requested in (None, "cpu"):
+        host_memory.keep_freed_memory()
+    chosen = None
+    try:
+        chosen = _choose(jax, requested)
+    finally:
+        if chosen != "cpu":
+            host_memory.restore_defaults()
+    return chosen
+
+
+def _choose(jax, requested: str | None) -> str:
     if requested:
         if not _available(jax, requested):
             raise PlatformError(
