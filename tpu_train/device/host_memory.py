@@ -7,9 +7,10 @@ from the kernel as fresh pages and is returned to it afterwards: blocks above 32
 ``mmap``-ed (the dynamic mmap threshold stops there), a worker thread's arena falls back to
 ``mmap`` for any block larger than its 64 MiB heaps, and freed heap tops are trimmed
 (``madvise``/``brk``). Every step then page-faults its whole working set again. Measured on the
-default run (debug_tiny, 8 x 128 tokens, 2-core machine): 44,000 minor page faults and about
-0.1 s of system time per step, 0.46 s a step; with the settings below 2,400 faults, 0.004 s of
-system time and 0.36 s a step (docs/benchmarks.md).
+default run's compiled step (debug_tiny, 8 x 128 tokens, 2-core machine shared with other
+jobs): 37,000-44,000 minor page faults and about 0.1 s of system time a step, 0.45-0.54 s a
+step; with the settings below about 1,000 faults, 0.004 s of system time and 0.38-0.47 s a
+step (docs/benchmarks.md, "The default run").
 
 :func:`keep_freed_memory` therefore makes freed memory stay in the process for reuse, as a
 device allocator would: one arena (the main one, which grows with ``brk`` and so holds blocks
