@@ -383,15 +383,22 @@ def _upsample_nearest(x, output_size, scales):
     return x
 
 
-def _linear_interpolation_matrix(in_size, out_size, align_corners, scale):
-    """``[out, in]`` matrix of torch's (bi/tri)linear weights along one dim."""
+def _source_coordinates(in_size, out_size, align_corners, scale):
+    """``(xp, src)``: the array module (numpy for static scales) and, per output position,
+    the input coordinate ATen's linear and cubic interpolations read (not clamped)."""
     xp = np if _is_static(scale) else jnp
     dst = xp.arange(out_size, dtype=np.float32)
     if align_corners:
         step = np.float32((in_size - 1) / (out_size - 1)) if out_size > 1 else np.float32(0)
-        src = dst * step
-    else:
-        src = xp.maximum((dst + np.float32(0.5)) * _inverse_scale(in_size, out_size, scale) - np.float32(0.5), 0)
+        return xp, dst * step
+    return xp, (dst + np.float32(0.5)) * _inverse_scale(in_size, out_size, scale) - np.float32(0.5)
+
+
+def _linear_interpolation_matrix(in_size, out_size, align_corners, scale):
+    """``[out, in]`` matrix of torch's (bi/tri)linear weights along one dim."""
+    xp, src = _source_coordinates(in_size, out_size, align_corners, scale)
+    if not align_corners:
+        src = xp.maximum(src, 0)
     low = xp.floor(src).astype(np.int32)
     high = xp.where(low < in_size - 1, low + 1, low)
     frac = xp.clip(src - low, 0, 1).astype(np.float32)

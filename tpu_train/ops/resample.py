@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpu_train.ops.conv import (_apply_along, _inverse_scale, _is_static, _max_pool_backward,
+                                _source_coordinates,
                                 _up, _upsample_linear, _upsample_nearest, _vjp_wrt_first)
 from tpu_train.ops.matmul import accumulator_dtype
 from tpu_train.ops.registry import aten, lowers
@@ -38,13 +39,7 @@ def _upsample_nearest_exact(x, output_size, scales):
 
 def _cubic_matrix(in_size, out_size, align_corners, scale):
     """``[out, in]`` matrix of ATen's bicubic weights along one dim (clamped borders add up)."""
-    xp = np if _is_static(scale) else jnp
-    dst = xp.arange(out_size, dtype=np.float32)
-    if align_corners:
-        step = np.float32((in_size - 1) / (out_size - 1)) if out_size > 1 else np.float32(0)
-        src = dst * step
-    else:
-        src = (dst + np.float32(0.5)) * _inverse_scale(in_size, out_size, scale) - np.float32(0.5)
+    xp, src = _source_coordinates(in_size, out_size, align_corners, scale)
     base = xp.floor(src)
     t = (src - base).astype(np.float32)
     a = np.float32(_CUBIC_A)
