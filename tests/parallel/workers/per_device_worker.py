@@ -4,7 +4,7 @@ Usage: ``per_device_worker.py OUT_DIR CASE [CASE ...]`` with CASE like ``fsdp=4`
 ``tensor=2,fsdp=2/rank0`` (degrees not named are 1; one may be ``-1``; after ``/``, which
 checkpoint loads to check: ``all`` (every rank passes the full dicts), ``rank0`` (broadcast from
 rank 0), ``both`` (the default) or ``none``). Every rank owns one device
-(``tpu:0``). For each case: the tiny Llama of ``spmd_model`` trained for 5 AdamW steps on the
+(``tpu:0``). For each case: the tiny Llama of ``spmd_model`` trained for 3 AdamW steps on the
 global batch split over the batch axes; the loss averaged over the ranks; the bytes of this
 rank's parameter shards; then a checkpoint round trip through the full-state-dict helpers onto
 a freshly initialized (different seed) sharded model and optimizer. Rank 0 also runs the same
@@ -31,7 +31,7 @@ from tpu_train.parallel.per_device import (  # noqa: E402
     full_model_state_dict, full_optimizer_state_dict, load_full_model_state_dict,
     load_full_optimizer_state_dict, parallelize_per_device)
 
-STEPS = 5
+STEPS = 3
 
 
 def optimizer(model):
