@@ -121,3 +121,5 @@ def test_describe_compilation_says_compiled_or_loaded():
     assert describe_compilation(loaded) == (
         "loaded the train step from the compilation cache in 2.1 s (trace 1.2, lower 0.6, "
         "XLA load 0.3): first call")
+    scanned = CompileRecord("first call", 1.2, 0.6, 2.3, 100, scanned_layers=32)
+    assert describe_compilation(scanned).endswith("XLA 2.3): first call; 32 layers scanned")

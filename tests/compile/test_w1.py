@@ -3,9 +3,9 @@
 W1: Llama-style decoder, dim 512, 4 layers, 8 / 4 heads, SwiGLU 1408, vocab 8192, batch 4 x 256,
 causal-LM cross-entropy, AdamW (lr 1e-4, weight decay 0.1), no clipping. The runs are
 expensive on a CPU client (seconds per step), so each is made once per module and shared:
-CPU PyTorch (the oracle), eager tpu, compiled float32 (10 steps each) and compiled bf16
-autocast. The data are two fixed batches, alternated, so that the loss falls visibly in 10
-steps (random fresh batches leave it flat at ~log(8192) and prove little).
+CPU PyTorch (the oracle), eager tpu, compiled float32 (5 steps each) and compiled bf16
+autocast. The data are two fixed batches, alternated, so that the loss falls visibly in 5
+steps (9.12 -> 8.10 on CPU; random fresh batches leave it flat at ~log(8192) and prove little).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from tests.tolerances import loss_rtol, param_atol
 from .helpers import (DEVICE, assert_losses_close, assert_params_within, lm_batches, lm_loss,
                       run_compiled, run_reference, to_device, w1_llama)
 
-STEPS = 10
+STEPS = 5
 # torch.compile trains with the eager optimizer (op by op, ~37 tensors): a few steps show the
 # same trajectory as eager execution at a fraction of the cost.
-TORCH_COMPILE_STEPS = 5
+TORCH_COMPILE_STEPS = 3
 LR = 1e-4
 # Tolerances from the arithmetic (tests/tolerances.py). Float32: the longest reduction of a W1
 # step is the softmax / LM-head sum over the vocabulary, 8192 (dim 512, SwiGLU 1408, 1024

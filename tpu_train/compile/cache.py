@@ -90,6 +90,7 @@ class CompileRecord:
     compile_s: float  # XLA's compile, or the load from the persistent cache (``from_cache``)
     graph_nodes: int
     from_cache: bool = False  # the executable was loaded from the persistent compilation cache
+    scanned_layers: int = 0  # layers run inside lax.scan loops (``scan_layers``)
 
     @property
     def total_s(self) -> float:
@@ -102,6 +103,7 @@ class TimedStages:
     def __init__(self):
         self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
         self.graph_nodes = 0
+        self.scanned_layers = 0
         self.compiles = 0  # calls timed as the "compile" stage
         self.cache_hits = 0  # of which JAX loaded the executable from the persistent cache
 
@@ -159,14 +161,15 @@ class CompileCache:
     def _record(self, cause: str, stages: TimedStages) -> None:
         s = stages.seconds
         record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes,
-                               from_cache=stages.from_cache)
+                               from_cache=stages.from_cache,
+                               scanned_layers=stages.scanned_layers)
         self.records.append(record)
         count = len(self.records)
         xla = "loaded from the compilation cache in" if record.from_cache else "XLA compile"
         logger.info(
             "%s: compilation #%d (%s): trace %.2fs, lower %.2fs, %s %.2fs, "
-            "%d graph nodes", self.name, count, cause, record.trace_s, record.lower_s, xla,
-            record.compile_s, record.graph_nodes)
+            "%d graph nodes, %d layers scanned", self.name, count, cause, record.trace_s,
+            record.lower_s, xla, record.compile_s, record.graph_nodes, record.scanned_layers)
         if count > self.warn_after:
             logger.warning(
                 "%s has compiled %d times (more than %d): the latest because %s. Each "

@@ -193,6 +193,12 @@ def _count(b: LayerBody, tensors: Sequence) -> int:
     return (len(tensors) - b.n_inputs) // b.n_states if b.n_states else 0
 
 
+def scanned_layer_count(gm: torch.fx.GraphModule) -> int:
+    """How many layers the gradient graph ``gm`` runs inside ``layer_scan`` loops."""
+    return sum(_count(body(node.args[0]), node.args[1]) for node in gm.graph.nodes
+               if node.target is LAYER_SCAN)
+
+
 def _not_run(*_):
     raise RuntimeError("layer_scan only exists inside a traced compiled step")
 

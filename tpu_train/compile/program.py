@@ -218,6 +218,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     interpreter.check_lowerings(grad_gm.graph)
     interpreter.check_lowerings(update_gm.graph)
     stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)
+    stages.scanned_layers = layer_scan.scanned_layer_count(grad_gm)
 
     n_params, n_consts = len(st.params), len(st.consts)
     mutated = tuple(i - n_params for i in _mutated_placeholders(grad_gm)

@@ -100,13 +100,16 @@ def start_summary(job, parallel: Parallelism, model: torch.nn.Module, optimizer,
 def describe_compilation(record) -> str:
     """``compiled the train step in 9.8 s (trace 2.1, lower 0.9, XLA 6.8): first call``, or
     ``loaded the train step from the compilation cache in 1.9 s (trace 1.2, lower 0.6, XLA
-    load 0.1): first call`` when XLA's executable came from the persistent cache."""
+    load 0.1): first call`` when XLA's executable came from the persistent cache; with
+    ``; 32 layers scanned`` when layer stacks run as ``lax.scan`` loops (``scan_layers``)."""
     times = f"(trace {record.trace_s:.1f}, lower {record.lower_s:.1f}"
+    scanned = getattr(record, "scanned_layers", 0)
+    cause = record.cause + (f"; {scanned} layers scanned" if scanned else "")
     if getattr(record, "from_cache", False):
         return (f"loaded the train step from the compilation cache in {record.total_s:.1f} s "
-                f"{times}, XLA load {record.compile_s:.1f}): {record.cause}")
+                f"{times}, XLA load {record.compile_s:.1f}): {cause}")
     return (f"compiled the train step in {record.total_s:.1f} s {times}, "
-            f"XLA {record.compile_s:.1f}): {record.cause}")
+            f"XLA {record.compile_s:.1f}): {cause}")
 
 
 def final_summary(run_dir: Path, logger: RunLogger, step: int, max_steps: int,

@@ -8,7 +8,7 @@ rank 0), ``both`` (the default) or ``none``). Every rank owns one device
 global batch split over the batch axes; the loss averaged over the ranks; the bytes of this
 rank's parameter shards; then a checkpoint round trip through the full-state-dict helpers onto
 a freshly initialized (different seed) sharded model and optimizer. Rank 0 also runs the same
-training unsharded in this one process (the reference). Writes ``OUT_DIR/result-RANK.json``
+training unsharded in this one process (the reference, once for all cases). Writes ``OUT_DIR/result-RANK.json``
 (a list, one entry per case) and records ``OUT_DIR/pid-RANK`` so a launcher's ranks can be
 cleaned up. Launch with ``run_ranks``, ``torch.distributed.run`` or ``tpu_train.launch``.
 """
@@ -130,10 +130,6 @@ def run_case(case: str) -> dict:
     if loads:
         result.update(round_trip(model, opt, degrees, data[STEPS], par, loads))
     result["round_trip_s"] = time.perf_counter() - start
-    if dist.get_rank() == 0:
-        start = time.perf_counter()
-        result["reference"] = reference(data[:STEPS])
-        result["reference_s"] = time.perf_counter() - start
     return result
 
 
@@ -148,6 +144,11 @@ def main():
     results = [dict(run_case(case), launcher=launcher, world=dist.get_world_size(),
                     init_s=init_s)
                for case in sys.argv[2:]]
+    if rank == 0:  # every case trains on the same batches: one reference, after the cases
+        start = time.perf_counter()
+        losses = reference(batches(STEPS))
+        for result in results:
+            result.update(reference=losses, reference_s=time.perf_counter() - start)
     (out_dir / f"result-{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
