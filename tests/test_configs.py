@@ -56,9 +56,10 @@ def test_recipe_yaml_starts_with_its_command(path):
 def test_required_keys_exist_with_defaults():
     cfg = _compose([])
     assert cfg.recipe.name == "llama_finetune"
-    # The embedded default runs eagerly on the CPU (measured faster there); every other model
-    # gets the schema's compiled step on the tpu device.
-    assert cfg.trainer.mode.name == "eager" and cfg.trainer.device == "cpu"
+    # The embedded default, like every other model, gets the schema's compiled step on the tpu
+    # device; its preset only sets the fine-tuning batch.
+    assert cfg.trainer.mode.name == "compiled" and cfg.trainer.device == "tpu"
+    assert cfg.data.batch_size == 16
     other = _compose(["model=llama3_2_1b"])
     assert other.trainer.mode.name == "compiled" and other.trainer.device == "tpu"
     assert _compose(["recipe=llama_pretrain"]).trainer.mode.name == "compiled"
@@ -81,7 +82,7 @@ def test_default_fine_tunes_the_bundled_base_model():
     plain = _compose(["model=llama3_2_1b"])
     assert plain.model.checkpoint is None and plain.optim.lr == pytest.approx(1e-4)
     assert plain.trainer.max_steps == 100 and plain.recipe.eval.exact_match_examples == 32
-    assert plain.trainer.cpu_threads is None
+    assert plain.trainer.cpu_threads is None and plain.data.batch_size == 8
     assert _compose(["optim.lr=5e-4", "trainer.max_steps=7"]).optim.lr == pytest.approx(5e-4)
     assert _compose(["recipe=llama_pretrain"]).model.checkpoint is None
 
