@@ -2,7 +2,7 @@
 
 Tied parameters stay one parameter (``.to``, ``_apply`` paths, ``load_state_dict``,
 ``torch.save``/``load``); pinned host memory; ``torch.Generator(device="tpu")``;
-``torch.accelerator``; autocast's default dtype; ``DataLoader`` workers.
+``torch.accelerator``; ``torch.profiler``; autocast's default dtype; ``DataLoader`` workers.
 """
 
 import copy
@@ -225,6 +225,18 @@ def test_accelerator_memory_statistics_follow_allocations():
     torch.accelerator.empty_cache()
     free, total = torch.accelerator.get_memory_info()
     assert 0 < free <= total
+
+
+def test_torch_profiler_records_tpu_ops():
+    """Plain ``torch.profiler`` (host activity) lists the ATen ops run on tpu tensors, with
+    their input shapes; the device-side trace is ``tpu_train.compile.profiling.profile``."""
+    x = torch.randn(32, 48, device="tpu")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        torch.relu(x @ x.T).sum().item()
+    shapes = {e.name: e.input_shapes for e in prof.events() if e.name.startswith("aten::")}
+    assert {"aten::mm", "aten::relu", "aten::sum"} <= shapes.keys(), sorted(shapes)
+    assert shapes["aten::mm"][:2] == [[32, 48], [48, 32]]
 
 
 def test_accelerator_device_index_selects_the_tpu_device():
