@@ -1,6 +1,7 @@
 """Gradient accumulation, clipping, donation and the write-back into the user's tensors."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -270,3 +271,29 @@ def test_loss_sum_and_count_weigh_every_item_equally_across_micro_batches():
     for i, (got, want) in enumerate(zip([m["loss"] for m in metrics], expected_losses)):
         assert got == pytest.approx(want, rel=loss_rtol(F32, i + 1, 32)), i
     assert_params_within(model, cpu_model, param_bound("adamw", reference, 4, 32))
+
+
+def _copied_entry_parameters(hlo: str) -> list[str]:
+    """Names of the program's own inputs that its optimized HLO copies (``copy(%input)``)."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    inputs = re.findall(r"(%[\w.\-]+) = [^\n]* parameter\(\d+\)", entry)
+    return [name for name in inputs if f"copy({name})" in entry]
+
+
+def test_skip_non_finite_applies_finite_steps_and_passes_skipped_ones_through():
+    batches = mlp_batches(3)
+    batches[1] = {"x": batches[1]["x"], "y": torch.full_like(batches[1]["y"], float("nan"))}
+    plain, plain_model, _, _ = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss,
+                                            [batches[0], batches[2]], max_grad_norm=1.0)
+    metrics, model, opt, step = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss, batches,
+                                             max_grad_norm=1.0, skip_non_finite=True)
+    assert [m["finite"] for m in metrics] == [1.0, 0.0, 1.0]
+    # The skipped step changed nothing (nor the step count): the run is the plain one's.
+    assert [metrics[0]["loss"], metrics[2]["loss"]] == [m["loss"] for m in plain]
+    for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.equal(p.cpu(), q.cpu()), name
+    assert {int(s["step"]) for s in opt.state.values()} == {2}
+    # A skipped step passes the donated buffers through (a conditional), so the program
+    # copies no parameter or optimizer state to keep its old value.
+    (entry,) = step.cache.entries.values()
+    assert _copied_entry_parameters(entry.executable.as_text()) == []

@@ -314,26 +314,34 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             grads = [pin(g, s) for g, s in zip(grads, shardings.params)]
             states = [pin(a.reshape(s), sh) for a, s, sh in
                       zip(state_flat, state_shapes, shardings.states)]
-            outputs, _ = interpreter.run_graph(
-                update_gm, params + list(grads) + states + [scalars_in])
-            # Back to the flat storage layout (the out_shardings say how it is split).
-            outputs = [o.reshape(-1) for o in outputs[:-1]] + [outputs[-1]]
+            update_in = (params, list(grads), states)
         else:
-            flat_grads = [g.reshape(-1) for g in grads]
-            outputs, _ = interpreter.run_graph(
-                update_gm, list(param_flat) + flat_grads + list(state_flat) + [scalars_in])
-        new_params, new_states = outputs[:n_params], outputs[n_params:-1]
+            update_in = (list(param_flat), [g.reshape(-1) for g in grads], list(state_flat))
+
+        def update(operands):
+            p, g, s = operands
+            outputs, _ = interpreter.run_graph(update_gm, p + g + s + [scalars_in])
+            return outputs[:n_params], outputs[n_params:-1], outputs[-1]
+
         changed = [new_consts[p] for p in mutated]
         if not skip:
-            return new_params, new_states, changed, loss, outputs[-1], scalars_in[0, 0]
-        finite = jnp.isfinite(loss) & jnp.isfinite(outputs[-1])
-
-        def keep(new, old):
-            return [jnp.where(finite, n, o.reshape(n.shape)) for n, o in zip(new, old)]
-
-        return (keep(new_params, param_flat), keep(new_states, state_flat),
-                keep(changed, [consts[p] for p in mutated]), loss, outputs[-1],
-                scalars_in[0, 0], finite)
+            new_params, new_states, grad_norm = update(update_in)
+        else:
+            # The gradient norm decides; only it is kept from this run of the update graph
+            # (XLA drops the rest). The update itself runs in a conditional, so that a skipped
+            # step passes the donated buffers through: selecting between new and old values
+            # instead would make XLA copy every optimizer state before the update overwrites it.
+            grad_norm = update(update_in)[2]
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            new_params, new_states = jax.lax.cond(
+                finite, lambda operands: update(operands)[:2],
+                lambda operands: (operands[0], operands[2]), update_in)
+            changed = [jnp.where(finite, n, consts[p]) for n, p in zip(changed, mutated)]
+        if spmd:  # back to the flat storage layout (the out_shardings say how it is split)
+            new_params = [o.reshape(-1) for o in new_params]
+            new_states = [o.reshape(-1) for o in new_states]
+        result = (new_params, new_states, changed, loss, grad_norm, scalars_in[0, 0])
+        return result + (finite,) if skip else result
 
     donate = (0, 1) if step.donate else ()
     if not spmd:
