@@ -8,11 +8,12 @@ Exact command (from the repository root)::
 The model is transformers' ``LlamaForCausalLM`` with a tiny config (hidden 128, 2 layers,
 4 heads / 2 kv heads, MLP 256, vocabulary 1000), batch 4, sequence 64, AdamW, labels = the
 inputs. One step = forward + loss + backward + ``AdamW.step`` + ``zero_grad``; a tpu step waits
-for its loss and every parameter (no host copy). A = eager tpu, B = the same model (same initial
-weights) in torch on CPU with one intra-op thread; steps alternate A/B (which goes first
-alternates too) after 2 warm-up steps each, so drift on a shared machine hits both. The losses
-of both after the same number of steps are printed as a sanity check, with the number of aten
-ops one tpu step dispatches and the machine's load average before and after.
+for its loss and every parameter (no host copy; in fused mode that runs the recorded region).
+Sides, each with the same initial weights: eager tpu in ``strict`` mode, eager tpu in ``fused``
+mode, and torch on CPU with one intra-op thread. Steps rotate over the sides (the order rotates
+too) after 2 warm-up steps each, so drift on a shared machine hits all of them. The losses after
+the same number of steps are printed as a sanity check, with the number of aten ops one tpu step
+dispatches and the machine's load average before and after.
 
 One JSON line on stdout.
 """
@@ -45,8 +46,9 @@ BATCH, SEQ = 4, 64
 
 
 class Step:
-    def __init__(self, model: torch.nn.Module, device: torch.device, ids: torch.Tensor):
-        self.device = device
+    def __init__(self, model: torch.nn.Module, device: torch.device, ids: torch.Tensor,
+                 mode: str = "strict"):
+        self.device, self.mode = device, mode
         self.model = model.to(device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
         self.ids = ids.to(device)
@@ -54,14 +56,15 @@ class Step:
 
     def __call__(self) -> float:
         start = time.perf_counter()
-        loss = self.model(input_ids=self.ids, labels=self.ids).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.device.type == "tpu":
-            jax.block_until_ready([storage_of(loss.detach()).buffer]
-                                  + [storage_of(p.detach()).buffer
-                                     for p in self.model.parameters()])
+        with tpu_train.eager_mode(self.mode):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.device.type == "tpu":
+                jax.block_until_ready([storage_of(loss.detach()).buffer]
+                                      + [storage_of(p.detach()).buffer
+                                         for p in self.model.parameters()])
         self.loss = loss.detach()
         return time.perf_counter() - start
 
@@ -92,23 +95,24 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     torch.manual_seed(0)
     cpu_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-    tpu_model = copy.deepcopy(cpu_model)
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ),
                         generator=torch.Generator().manual_seed(1))
-    tpu = Step(tpu_model, torch.device("tpu", 0), ids)
+    tpu = Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids)
+    fused = Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, mode="fused")
     cpu = Step(cpu_model, torch.device("cpu"), ids)
+    sides = [tpu, fused, cpu]
     for _ in range(warm_up):  # the first steps compile every op and create the optimizer state
-        tpu()
-        cpu()
+        for side in sides:
+            side()
     with _OpCounter() as counter:
         tpu()
-    cpu()  # keep both sides at the same number of steps
-    tpu_s, cpu_s = [], []
+    fused()
+    cpu()  # keep every side at the same number of steps
+    samples = {id(side): [] for side in sides}
     for r in range(repeats):
-        order = (tpu, cpu) if r % 2 == 0 else (cpu, tpu)
-        for side in order:
-            (tpu_s if side is tpu else cpu_s).append(side())
-    a, b = _summary(tpu_s), _summary(cpu_s)
+        for side in sides[r % 3:] + sides[:r % 3]:
+            samples[id(side)].append(side())
+    a, f, b = (_summary(samples[id(side)]) for side in sides)
     result = {
         "benchmark": "bench_eager_models",
         "model": "transformers.LlamaForCausalLM", "config": CONFIG, "batch": BATCH, "seq": SEQ,
@@ -119,10 +123,13 @@ def main(argv=None) -> dict:
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "aten_ops_per_tpu_step": counter.count,
-        "tpu_eager_s": a, "torch_cpu_s": b,
+        "tpu_eager_s": a, "tpu_fused_s": f, "torch_cpu_s": b,
         "ratio_min": round(a["min"] / b["min"], 2),
         "ratio_median": round(a["median"] / b["median"], 2),
-        "loss_tpu": float(tpu.loss.cpu()), "loss_cpu": float(cpu.loss),
+        "fused_ratio_min": round(f["min"] / b["min"], 2),
+        "fused_ratio_median": round(f["median"] / b["median"], 2),
+        "loss_tpu": float(tpu.loss.cpu()), "loss_tpu_fused": float(fused.loss.cpu()),
+        "loss_cpu": float(cpu.loss),
     }
     print(json.dumps(result), flush=True)
     return result

@@ -14,6 +14,7 @@ import torch
 
 from tpu_train import ops  # noqa: F401  (fills the lowering table)
 from tpu_train.device import registration as _registration
+from tpu_train.device.lazy import eager_mode
 from tpu_train.device import runtime as _runtime
 from tpu_train.device.runtime import runtime_info
 from tpu_train.device.tensor import TpuTensor
@@ -38,4 +39,4 @@ def device_count() -> int:
     return _runtime.device_count()
 
 
-__all__ = ["TpuTensor", "device", "device_count", "runtime_info", "__version__"]
+__all__ = ["TpuTensor", "device", "eager_mode", "device_count", "runtime_info", "__version__"]

@@ -7,7 +7,8 @@ view and mutation ops on both, and compares every tensor it returns (base and vi
 import pytest
 import torch
 
-import tpu_train  # noqa: F401
+import tpu_train
+from tpu_train.device import lazy
 
 
 def _base(device, shape=(4, 6), dtype=torch.float32):
@@ -130,11 +131,25 @@ def test_there_are_at_least_forty_cases():
     assert len(CASES) >= 40
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
-def test_matches_cpu(case):
+def test_matches_cpu(case, mode):
     expected = case("cpu")
-    got = case("tpu")
-    assert len(got) == len(expected)
+    with tpu_train.eager_mode(mode):  # fused: the .cpu() reads below run the recorded region
+        got = case("tpu")
+        assert len(got) == len(expected)
+        _assert_equal(got, expected)
+
+
+def test_fused_mode_records_the_cases_ops():
+    before = lazy.stats()["ops_recorded"]
+    with tpu_train.eager_mode("fused"):
+        got = [t for case in CASES for t in case("tpu")]
+        assert lazy.stats()["ops_recorded"] - before >= len(CASES)
+    _assert_equal(got, [t for case in CASES for t in case("cpu")])
+
+
+def _assert_equal(got, expected):
     for g, e in zip(got, expected):
         assert g.device.type == "tpu"
         assert g.shape == e.shape and g.dtype == e.dtype

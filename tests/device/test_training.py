@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tpu_train  # noqa: F401
+import tpu_train
+from tpu_train.device import lazy
 from tests.tolerances import loss_rtol, param_atol, rtol_for, update_rtol
 
 STEPS = 20
@@ -95,10 +96,11 @@ def _train(model, make_optimizer, batches, loss_fn):
     return losses
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("model_name", MODELS)
-def test_losses_match_cpu(model_name, optimizer, path):
+def test_losses_match_cpu(model_name, optimizer, path, mode):
     make_model, make_batches, loss_fn = MODELS[model_name]
     torch.manual_seed(0)
     cpu_model = make_model()
@@ -106,7 +108,14 @@ def test_losses_match_cpu(model_name, optimizer, path):
     initial = copy.deepcopy(cpu_model)
     make_optimizer = lambda params: OPTIMIZERS[optimizer](params, **PATHS[path])  # noqa: E731
     expected = _train(cpu_model, make_optimizer, make_batches("cpu"), loss_fn)
-    got = _train(tpu_model, make_optimizer, make_batches("tpu"), loss_fn)
+    before = lazy.stats()
+    with tpu_train.eager_mode(mode):
+        got = _train(tpu_model, make_optimizer, make_batches("tpu"), loss_fn)
+    after = lazy.stats()
+    if mode == "fused":  # each step is recorded and runs as one region at loss.item() ...
+        assert after["regions_run"] - before["regions_run"] >= STEPS
+        # ... whose program is compiled for the first steps only (optimizer state creation)
+        assert after["programs_compiled"] - before["programs_compiled"] <= 3
     # float32, STEPS steps, longest reduction REDUCTION[model_name] (tests/tolerances.py).
     n = REDUCTION[model_name]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected),

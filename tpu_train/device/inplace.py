@@ -18,7 +18,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import mutation, op_cache, runtime
+from tpu_train.device import lazy, mutation, op_cache, runtime
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
@@ -50,18 +50,29 @@ class _Mutating:
     def __call__(self, args, kwargs, inputs, tensors, donate=True):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        fn = self.fn
-        if donate and _sole_owner(tensors, self.written):
-            fn = self.donating or self._donating()
-        flat = fn(*inputs)
-        if op_cache._sync:
-            wait(flat, self.func)
+        if lazy.active:
+            flat = self._record(inputs, first=not donate)
+        else:
+            fn = self.fn
+            if donate and _sole_owner(tensors, self.written):
+                fn = self.donating or self._donating()
+            flat = fn(*inputs)
+            if op_cache._sync:
+                wait(flat, self.func)
         for ordinal, buffer in zip(self.written, flat):
             tensors[ordinal]._storage.buffer = buffer
         index, n = self.index, len(self.written)
         fresh = [new_output(buffer, dtype, index, shape, strides)
                  for buffer, (dtype, shape, strides) in zip(flat[n:], self.fresh)]
         return self.returns(tensors, fresh)
+
+    def _record(self, inputs, first):
+        """Fused mode: the written buffers keep their storages' shapes and dtypes."""
+        if first:  # a lowering that needs values fails here, not when the region runs
+            jax.eval_shape(self.fn, *[lazy.aval_of(v) for v in inputs])
+        avals = [(inputs[slot].shape, inputs[slot].dtype) for slot in self.donate_slots]
+        avals += [op_cache.flat_aval(shape, dtype) for dtype, shape, _ in self.fresh]
+        return lazy.region(self.index).record(self.run, inputs, avals)
 
     def _donating(self):
         self.donating = jax.jit(self.run, donate_argnums=self.donate_slots,

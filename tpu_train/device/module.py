@@ -17,6 +17,7 @@ import time
 import jax
 import torch
 
+from tpu_train.device import lazy as _lazy
 from tpu_train.device import pinned as _pinned
 from tpu_train.device import rng as _rng
 from tpu_train.device import runtime
@@ -100,8 +101,10 @@ class _DeviceProperties:
 
 
 def synchronize(device=None) -> None:
-    """Wait for all work queued on the device (a small computation forces the queue)."""
+    """Wait for all work queued on the device (a small computation forces the queue); in
+    fused eager mode, run what was recorded first."""
     jax_device = runtime.jax_device(_index(device))
+    _lazy.flush_all()
     _pinned.wait_for_transfers()  # asynchronous copies from pinned memory
     jax.device_put(0, jax_device).block_until_ready()
     jax.effects_barrier()

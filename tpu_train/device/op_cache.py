@@ -26,8 +26,8 @@ Key: ``(func, part per positional argument, _KWARGS, name, part, name, part, ...
 
 Views are keyed the same way (plus the base's storage size, which bounds ``as_strided``) and
 cache only their output geometries. Ops whose output shapes depend on values (nonzero,
-masked_select, unique) cache their executable, not their shapes. A fused eager mode would
-replace :meth:`_Lowered.__call__`'s executable call by recording ``(entry, inputs)``.
+masked_select, unique) cache their executable, not their shapes. In fused eager mode
+(:mod:`tpu_train.device.lazy`) an entry records ``(executable, inputs)`` instead of calling it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import generator, mutation, rng, runtime
+from tpu_train.device import generator, lazy, mutation, rng, runtime
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
@@ -48,7 +48,16 @@ from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
 SYNC_ENV = "TPU_TRAIN_SYNC"
-_sync = os.environ.get(SYNC_ENV, "") not in ("", "0")
+_sync_from_environment = os.environ.get(SYNC_ENV, "") not in ("", "0")
+_sync = _sync_from_environment
+
+
+def _follow_mode(name: str) -> None:
+    global _sync
+    _sync = _sync_from_environment or name == lazy.DEBUG
+
+
+lazy.on_mode_change(_follow_mode)
 
 _SEQ, _HOST, _GENERATOR, _KWARGS = (object() for _ in range(4))
 _PLAIN_NUMBERS = (int, bool, complex)
@@ -74,7 +83,7 @@ def call_key(func, args, kwargs, static_floats, dynamic, tensors) -> tuple:
         if type(value) is TpuTensor:  # inline: the common case
             storage = value._storage
             if dynamic is not None:
-                dynamic.append(storage.buffer)
+                dynamic.append(storage.lazy_buffer)
             tensors.append(value)
             append((value.shape, value.stride(), value.storage_offset(), storage.dtype,
                     storage.device_index))
@@ -105,7 +114,7 @@ def _part(value, static_floats, dynamic, tensors):
     if isinstance(value, TpuTensor):
         storage = value._storage
         if dynamic is not None:
-            dynamic.append(storage.buffer)
+            dynamic.append(storage.lazy_buffer)
         tensors.append(value)
         return (value.shape, value.stride(), value.storage_offset(), storage.dtype,
                 storage.device_index)
@@ -276,8 +285,9 @@ def cast_leaves(func, outputs, specs) -> list:
 
 
 def _lowered_program(info: OpInfo, func, key, specs):
-    """The op's executable: inputs → flat output buffers; and the output structure it records
-    while tracing (what ops without a meta kernel return)."""
+    """The op's executable: inputs → flat output buffers; the Python function it jits (what a
+    fused-mode region traces); and the output structure it records while tracing (what ops
+    without a meta kernel return)."""
     structure = {}
     lowering = info.lowering
 
@@ -295,8 +305,8 @@ def _lowered_program(info: OpInfo, func, key, specs):
                 for a, spec in zip(cast_leaves(func, outputs, specs), specs)]
 
     if info.concrete:
-        return run, structure
-    return jax.jit(run, compiler_options=runtime.compiler_options()), structure
+        return run, run, structure
+    return jax.jit(run, compiler_options=runtime.compiler_options()), run, structure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,10 +388,11 @@ NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConvers
 
 
 class _Lowered:
-    __slots__ = ("func", "fn", "index", "random", "build", "structure", "single")
+    __slots__ = ("func", "fn", "body", "index", "random", "build", "structure", "single",
+                 "out_avals")
 
-    def __init__(self, func, fn, index, random, build, structure, meta):
-        self.func, self.fn, self.index, self.random = func, fn, index, random
+    def __init__(self, func, fn, body, index, random, build, structure, meta, specs, jitted):
+        self.func, self.fn, self.body, self.index, self.random = func, fn, body, index, random
         self.build, self.structure = build, structure
         # One tensor result (most ops): built inline, its size in bytes known in advance.
         self.single = None
@@ -389,19 +400,42 @@ class _Lowered:
             shape = tuple(meta.shape)
             self.single = (meta.dtype, shape, contiguous_strides(shape),
                            meta.numel() * meta.element_size())
+        # The flat buffers' shapes and dtypes, where fused mode can record the op: a jitted
+        # executable whose results are all tensors of known shape.
+        self.out_avals = None
+        if jitted and build is not None and all(spec is not None for spec in specs):
+            self.out_avals = tuple(flat_aval(shape, dtype) for shape, dtype in specs)
 
-    def __call__(self, args, kwargs, inputs, tensors):
+    def __call__(self, args, kwargs, inputs, tensors, first=False):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        flat = self.fn(*inputs)
-        if _sync:
-            wait(flat, self.func)
+        if lazy.active:
+            flat = self._fused(inputs, first)
+        else:
+            flat = self.fn(*inputs)
+            if _sync:
+                wait(flat, self.func)
         if self.single is not None:
             dtype, shape, strides, nbytes = self.single
             return new_tensor(Storage(flat[0], dtype, self.index, nbytes), shape, strides)
         if self.build is None:
             return _wrap_unknown(flat, self.structure, self.index)
         return self.build(flat, self.index)
+
+    def _fused(self, inputs, first):
+        if self.out_avals is None:
+            return self.fn(*lazy.concrete(inputs))
+        if first:  # a lowering that needs values fails here, not when the region runs
+            jax.eval_shape(self.fn, *[lazy.aval_of(v) for v in inputs])
+        return lazy.region(self.index).record(self.body, inputs, self.out_avals)
+
+
+def flat_aval(shape, dtype) -> tuple:
+    """(shape, dtype) of the flat buffer holding a tensor of ``shape`` and torch ``dtype``."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return (numel,), storage_dtype(dtype)
 
 
 def run_lowered(info: OpInfo, func, args, kwargs):
@@ -417,10 +451,11 @@ def run_lowered(info: OpInfo, func, args, kwargs):
     index = device_index_of(func, args, kwargs)
     specs, build = _output_plan(meta) if (meta := meta_outputs(func, args, kwargs)) is not None \
         else (None, None)
-    fn, structure = _lowered_program(info, func, key, specs)
-    entry = _Lowered(func, fn, index, info.lowering.random, build, structure, meta)
+    fn, body, structure = _lowered_program(info, func, key, specs)
+    entry = _Lowered(func, fn, body, index, info.lowering.random, build, structure, meta, specs,
+                     not info.concrete)
     try:
-        result = entry(args, kwargs, inputs, tensors)
+        result = entry(args, kwargs, inputs, tensors, first=True)
     except NEEDS_VALUES as error:
         if isinstance(error, NotImplementedError) and "compiled" not in str(error):
             raise

@@ -58,7 +58,9 @@ def register() -> None:
             f"PyTorch's PrivateUse1 device is already named '{current}' by another backend in "
             f"this process; tpu_train needs it to be 'tpu'. Use one backend per process.")
 
-    from tpu_train.device import accelerator, factories, generator, module, pinned, tying
+    from tpu_train.device import accelerator, factories, generator, lazy, module, pinned, tying
+
+    lazy.set_mode(lazy.mode_from_environment())  # a misspelt TPU_TRAIN_EAGER_MODE fails here
 
     module.__tpu_train__ = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpu_train.device.lazy import Pending
 from tpu_train.ops.dtypes import storage_dtype
 
 Geometry = tuple  # (size tuple, stride tuple, offset int)
@@ -62,11 +63,27 @@ class Storage:
 
     @property
     def buffer(self) -> jax.Array:
-        """The flat buffer; waits for a host-to-device copy still in flight (:meth:`fill_later`)."""
+        """The flat buffer; waits for a host-to-device copy still in flight (:meth:`fill_later`)
+        and runs the fused-mode region that computes it (:mod:`tpu_train.device.lazy`)."""
         if self._pending is not None:
             self._buffer = self._pending.result()
             self._pending = None
-        return self._buffer
+        buffer = self._buffer
+        if type(buffer) is Pending:
+            buffer = self._buffer = buffer.value()
+        return buffer
+
+    @property
+    def lazy_buffer(self):
+        """The flat buffer, or in fused mode the :class:`~tpu_train.device.lazy.Pending` value
+        that will become it, without running anything: what an op being recorded takes."""
+        if self._pending is not None:
+            self._buffer = self._pending.result()
+            self._pending = None
+        buffer = self._buffer
+        if type(buffer) is Pending and buffer.array is not None:
+            buffer = self._buffer = buffer.array
+        return buffer
 
     @buffer.setter
     def buffer(self, value: jax.Array) -> None:

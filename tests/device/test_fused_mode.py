@@ -1,0 +1,158 @@
+"""Fused eager mode: ops are recorded and run as one program when a value is needed.
+
+The aliasing suite and the training tests run in both modes (test_aliasing.py,
+test_training.py); these tests check the mode itself: what runs a region, that nothing runs
+before, and that results equal strict mode's.
+"""
+
+import pytest
+import torch
+
+import tpu_train
+from tpu_train.device import lazy, op_cache
+
+
+def _counts():
+    return lazy.stats()
+
+
+def _ran_since(before):
+    return _counts()["regions_run"] - before["regions_run"]
+
+
+def test_eager_mode_switches_and_restores_the_mode():
+    assert lazy.mode() == "strict"
+    with tpu_train.eager_mode("fused"):
+        assert lazy.mode() == "fused"
+        with tpu_train.eager_mode("debug"):
+            assert lazy.mode() == "debug" and op_cache._sync
+        assert lazy.mode() == "fused" and not op_cache._sync
+    assert lazy.mode() == "strict"
+
+
+def test_unknown_modes_are_refused_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="unknown tpu eager mode 'lazy'; choose one of strict"):
+        with tpu_train.eager_mode("lazy"):
+            pass
+    monkeypatch.setenv(lazy.MODE_ENV, "Fused")
+    assert lazy.mode_from_environment() == "fused"
+    monkeypatch.setenv(lazy.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="TPU_TRAIN_EAGER_MODE='fast' is not an eager mode"):
+        lazy.mode_from_environment()
+
+
+def _chain(x):
+    y = torch.sin(x) * 2 + 1
+    y.mul_(x)
+    return y.sum(dim=0)
+
+
+@pytest.mark.parametrize("read", ["item", "cpu", "repr", "python_if", "synchronize", "exit"])
+def test_a_value_read_runs_the_region_and_nothing_runs_before(read):
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4).to("tpu")
+    expected = _chain(x.cpu())
+    with tpu_train.eager_mode("fused"):
+        before = _counts()
+        y = _chain(x)
+        assert _counts()["ops_recorded"] - before["ops_recorded"] >= 4
+        assert _ran_since(before) == 0
+        if read == "item":
+            y[0].item()
+        elif read == "cpu":
+            y.cpu()
+        elif read == "repr":
+            repr(y)
+        elif read == "python_if":
+            if y[0] > 0:
+                pass
+        elif read == "synchronize":
+            torch.tpu.synchronize()
+    assert _ran_since(before) == 1
+    torch.testing.assert_close(y.cpu(), expected, rtol=1e-6, atol=0)
+
+
+def test_a_region_runs_when_it_reaches_its_bounded_size(monkeypatch):
+    monkeypatch.setenv(lazy.MAX_OPS_ENV, "5")
+    x = torch.ones(4, device="tpu")
+    with tpu_train.eager_mode("fused"):
+        before = _counts()
+        for _ in range(12):
+            x = x + 1
+        assert _ran_since(before) == 2  # at the 5th and the 10th op
+    assert float(x.sum()) == 4 * 13
+
+
+def test_a_bad_region_size_is_refused(monkeypatch):
+    monkeypatch.setenv(lazy.MAX_OPS_ENV, "many")
+    with pytest.raises(ValueError, match="TPU_TRAIN_FUSED_MAX_OPS='many' is not a whole number"):
+        lazy.set_mode("fused")
+    assert lazy.mode() == "strict"
+
+
+def test_a_loop_compiles_its_region_once():
+    x = torch.randn(8, 8).to("tpu")
+    w = torch.randn(8, 8).to("tpu")
+    with tpu_train.eager_mode("fused"):
+        compiled = []
+        for _ in range(4):
+            w = w - 0.1 * torch.tanh(x @ w)
+            w.sum().item()
+            compiled.append(_counts()["programs_compiled"])
+    assert compiled[1] == compiled[2] == compiled[3]
+
+
+def test_backward_is_recorded_from_the_autograd_thread():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    reference = [p.detach().clone() for p in model.parameters()]
+    model.to("tpu")
+    x = torch.randn(4, 6)
+    with tpu_train.eager_mode("fused"):
+        loss = model(x.to("tpu")).square().mean()
+        before = _counts()
+        loss.backward()
+        assert _counts()["ops_recorded"] > before["ops_recorded"]
+        assert _ran_since(before) == 0
+        grads = [p.grad.cpu() for p in model.parameters()]
+    cpu = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    with torch.no_grad():
+        for p, r in zip(cpu.parameters(), reference):
+            p.copy_(r)
+    cpu(x).square().mean().backward()
+    for got, p in zip(grads, cpu.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_random_ops_draw_the_same_values_as_in_strict_mode():
+    x = torch.ones(64, 64, device="tpu")
+    results = {}
+    for mode in ("strict", "fused"):
+        torch.manual_seed(3)
+        with tpu_train.eager_mode(mode):
+            mask = torch.nn.functional.dropout(x, 0.5)
+            noise = torch.randn(64, 64, device="tpu") * 2 + 1
+            results[mode] = mask.cpu(), noise.cpu()
+    assert torch.equal(results["strict"][0], results["fused"][0])
+    # The same draws; XLA may fuse the scaling into the sampling and round differently.
+    torch.testing.assert_close(results["strict"][1], results["fused"][1], rtol=1e-6, atol=1e-6)
+    assert results["strict"][1].std() > 1.5
+
+
+def test_ops_that_need_values_run_as_in_strict_mode():
+    x = torch.tensor([0.0, 3.0, 0.0, 5.0]).to("tpu")
+    with tpu_train.eager_mode("fused"):
+        y = x * 2
+        nonzero = torch.nonzero(y)  # result shape depends on y's values: y's region runs first
+        z = y[nonzero.squeeze(1)] + 1
+    assert z.cpu().tolist() == [7.0, 11.0]
+
+
+def test_values_cross_devices_and_regions():
+    if tpu_train.device_count() < 2:
+        pytest.skip("needs two tpu devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    with tpu_train.eager_mode("fused"):
+        a = torch.arange(6.0, device="tpu:0") * 3
+        b = a.to("tpu:1") + 1
+        c = b * torch.ones(6, device="tpu:1")
+    assert c.device == torch.device("tpu", 1)
+    assert c.cpu().tolist() == [3.0 * i + 1 for i in range(6)]

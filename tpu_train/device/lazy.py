@@ -1,0 +1,261 @@
+"""Eager modes, and the recording behind the fused one.
+
+``strict`` (the default) runs every op as its own XLA executable as soon as it is called.
+``fused`` records ops instead of running them: each op's output buffer is a :class:`Pending`
+value, the op's cached executable and its inputs are appended to its device's region, and the
+region runs as one XLA program when a value is needed. ``debug`` is strict and waits after
+every op, so that an error points at the op that caused it (``TPU_TRAIN_SYNC=1`` is the same).
+
+What flushes a region: reading a pending buffer for anything but recording another op (``.item()``,
+``.cpu()``, ``print``, a Python ``if`` on a tensor, a collective, a host copy, FSDP2 resizing a
+storage), ``torch.tpu.synchronize()``, leaving fused mode, an op that cannot be recorded (one
+that needs concrete values, or whose result shapes depend on them) and the region reaching
+``TPU_TRAIN_FUSED_MAX_OPS`` ops.
+
+A region's program is keyed by its structure: which cached executables ran in which order,
+how their inputs were wired (an earlier op's output, or an input of the region) and which
+outputs are still referenced when it runs. A training loop therefore compiles its regions once;
+values that change (a learning rate, the batch) are inputs. Outputs nobody references any
+more (a forward's intermediates freed by backward) are not outputs of the program at all, and
+XLA fuses across op boundaries -- the two things strict mode cannot do.
+
+Aliasing holds as in strict mode: a tensor's storage holds a buffer; an in-place op's recorded
+executable reads the destination's current buffer (perhaps pending) and the storage takes the
+new pending buffer, so every view reads the write, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+
+import jax
+
+from tpu_train.device import runtime
+
+MODE_ENV = "TPU_TRAIN_EAGER_MODE"
+MAX_OPS_ENV = "TPU_TRAIN_FUSED_MAX_OPS"
+STRICT, FUSED, DEBUG = "strict", "fused", "debug"
+MODES = (STRICT, FUSED, DEBUG)
+
+active = False  # fused mode is on: read on every op call
+_mode = STRICT
+_mode_listeners: list = []
+_lock = threading.RLock()  # the autograd engine records backward ops from its own thread
+_regions: dict = {}
+_programs: dict = {}
+_MAX_PROGRAMS = 512
+_counts = {"ops_recorded": 0, "regions_run": 0, "programs_compiled": 0}
+
+
+def _max_ops() -> int:
+    value = os.environ.get(MAX_OPS_ENV, "")
+    try:
+        return max(1, int(value)) if value else 8192
+    except ValueError:
+        raise ValueError(f"{MAX_OPS_ENV}={value!r} is not a whole number of ops; unset it or "
+                         "give a positive integer such as 8192") from None
+
+
+_max_region_ops = 8192
+
+
+class Pending:
+    """The flat buffer an op recorded in fused mode will produce: its shape and dtype are
+    known, its value once its region has run."""
+
+    __slots__ = ("shape", "dtype", "region", "address", "array", "__weakref__")
+
+    def __init__(self, shape, dtype, region, address):
+        self.shape, self.dtype, self.region, self.address = shape, dtype, region, address
+        self.array = None
+
+    def value(self) -> jax.Array:
+        if self.array is None:
+            self.region.flush()
+            if self.array is None:  # pragma: no cover - a flush fills every live value
+                raise RuntimeError("internal error: a pending tpu buffer was not computed")
+        return self.array
+
+    @property
+    def aval(self):
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+
+class Region:
+    """The ops recorded on one device since its last flush."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self._reset()
+
+    def _reset(self):
+        self.ops: list = []  # (body, wiring): wiring per input, int (region input) or (op, out)
+        self.outputs: list = []  # per op: weak references to its Pending results
+        self.inputs: list = []
+        self.input_slots: dict = {}  # id(array) -> region input position
+
+    def _wire(self, value):
+        if type(value) is Pending:
+            if value.array is not None:
+                value = value.array
+            elif value.region is self:
+                return value.address
+            else:
+                value = value.value()  # another device's region: run it first
+        if isinstance(value, jax.Array):
+            slot = self.input_slots.get(id(value))
+            if slot is not None:
+                return slot
+            self.input_slots[id(value)] = len(self.inputs)
+        self.inputs.append(value)
+        return len(self.inputs) - 1
+
+    def record(self, body, inputs, out_avals) -> list:
+        """Append ``body(*inputs)`` (an op executable's traceable function); its results as
+        :class:`Pending` buffers."""
+        with _lock:
+            wiring = tuple([self._wire(v) for v in inputs])
+            position = len(self.ops)
+            self.ops.append((body, wiring))
+            results = [Pending(shape, dtype, self, (position, j))
+                       for j, (shape, dtype) in enumerate(out_avals)]
+            self.outputs.append([weakref.ref(p) for p in results])
+            _counts["ops_recorded"] += 1
+            full = len(self.ops) >= _max_region_ops
+        if full:
+            self.flush()
+        return results
+
+    def flush(self) -> None:
+        """Run the recorded ops as one program; every pending result still referenced gets
+        its value."""
+        with _lock:
+            if not self.ops:
+                return
+            ops, outputs, inputs = self.ops, self.outputs, self.inputs
+            self._reset()
+            live, pendings = [], []
+            for position, refs in enumerate(outputs):
+                for j, ref in enumerate(refs):
+                    pending = ref()
+                    if pending is not None:
+                        live.append((position, j))
+                        pendings.append(pending)
+            key = (tuple(ops), tuple(live))
+            program = _programs.get(key)
+            if program is None:
+                program = _program(ops, live)
+                _counts["programs_compiled"] += 1
+                if len(_programs) >= _MAX_PROGRAMS:
+                    _programs.clear()
+                _programs[key] = program
+            results = program(*inputs)
+            _counts["regions_run"] += 1
+            for pending, value in zip(pendings, results):
+                pending.array = value
+                pending.region = None
+
+
+def _program(ops, live):
+    """One jitted function replaying ``ops`` (each the Python function an op's executable jits).
+    """
+
+    def replay(*inputs):
+        values = {}
+        for position, (body, wiring) in enumerate(ops):
+            args = [inputs[w] if type(w) is int else values[w] for w in wiring]
+            for j, out in enumerate(body(*args)):
+                values[(position, j)] = out
+        return [values[address] for address in live]
+
+    return jax.jit(replay, compiler_options=runtime.compiler_options())
+
+
+def region(index: int) -> Region:
+    found = _regions.get(index)
+    if found is None:
+        with _lock:
+            found = _regions.setdefault(index, Region(index))
+    return found
+
+
+def flush_all() -> None:
+    for found in list(_regions.values()):
+        found.flush()
+
+
+def stats() -> dict:
+    """Counts since the process started: ops recorded in fused mode, regions run, and region
+    programs compiled (a loop that repeats one structure stops compiling after its first pass)."""
+    with _lock:
+        return dict(_counts)
+
+
+def concrete(inputs: list) -> list:
+    """``inputs`` with every pending buffer replaced by its value (running its region)."""
+    return [v.value() if type(v) is Pending else v for v in inputs]
+
+
+def has_pending(inputs) -> bool:
+    return any(type(v) is Pending for v in inputs)
+
+
+def aval_of(value):
+    """What ``jax.eval_shape`` needs for an executable input."""
+    return value.aval if type(value) is Pending else value
+
+
+# ---------------------------------------------------------------------------------------------
+# The mode
+# ---------------------------------------------------------------------------------------------
+
+
+def mode() -> str:
+    return _mode
+
+
+def set_mode(name: str) -> None:
+    """Switch the process's eager mode; leaving ``fused`` runs what was recorded."""
+    global active, _mode, _max_region_ops
+    if name not in MODES:
+        raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
+                         f"(e.g. {MODE_ENV}=fused)")
+    if name == FUSED:
+        _max_region_ops = _max_ops()
+    if _mode == FUSED and name != FUSED:
+        active = False
+        flush_all()
+    _mode = name
+    active = name == FUSED
+    for listener in _mode_listeners:
+        listener(name)
+
+
+def on_mode_change(listener) -> None:
+    """``listener(mode)`` after every switch (the op cache follows ``debug``)."""
+    _mode_listeners.append(listener)
+
+
+@contextlib.contextmanager
+def eager_mode(name: str):
+    """``with tpu_train.eager_mode("fused"): ...`` -- the mode inside the block, the previous
+    one (and everything recorded, run) after it."""
+    previous = _mode
+    set_mode(name)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+def mode_from_environment() -> str:
+    value = os.environ.get(MODE_ENV, "").strip().lower()
+    if not value:
+        return STRICT
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r} is not an eager mode; use one of "
+                         f"{', '.join(MODES)} or unset it")
+    return value
