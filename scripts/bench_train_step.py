@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training-step benchmark on workload W1: tpu eager vs tpu compiled vs hand-written JAX.
+"""Training-step benchmark on workload W1: tpu eager (strict, fused) vs tpu compiled vs JAX.
 
 W1 is a Llama-style decoder (dim 512, 4 layers, 8 heads, 4 kv heads, SwiGLU hidden 1408, vocab
 8192, RMSNorm, RoPE) trained on causal-LM cross-entropy with AdamW (lr 1e-4, weight decay 0.1),
@@ -8,6 +8,8 @@ their steps are interleaved (eager, compiled, jax, eager, ...) so that machine n
 every mode alike.
 
 * ``eager``: the model on the ``tpu`` device, ``loss.backward()`` and ``optimizer.step()`` op by op;
+* ``fused``: the same eager code in fused eager mode (``tpu_train.eager_mode("fused")``): the
+  step's ops are recorded and run as one region when the step's values are read;
 * ``compiled``: the same model and optimizer through ``tpu_train.compile.compile_train_step``;
 * ``jax``: the same network written directly in JAX with ``optax.adamw``, one ``jax.jit`` step
   with donated parameters and optimizer state.
@@ -16,7 +18,7 @@ Prints ONE JSON line: per mode the fastest and median step seconds (step 1, whic
 excluded), tokens/s at the median, trace + compile seconds, resident memory, the loss at the
 first and last step; and the compiled/jax ratios. Usage::
 
-    python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager|compiled|jax] [--steps N]
+    python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager,fused,compiled,jax] [--steps N]
     python scripts/bench_train_step.py --isolated R [--only ...] [--steps N]
 
 ``--isolated R`` measures what one process cannot separate: each mode runs alone in a fresh
@@ -41,7 +43,8 @@ import numpy as np
 
 BATCH, SEQ = 4, 256
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-4, 0.1, (0.9, 0.999), 1e-8
-MODES = ("eager", "compiled", "jax")
+MODES = ("eager", "fused", "compiled", "jax")
+DEFAULT_MODES = ("eager", "compiled", "jax")
 
 
 def w1_config():
@@ -120,6 +123,14 @@ class EagerMode(TorchMode):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+class FusedMode(EagerMode):
+    def step(self, batch):
+        import tpu_train
+
+        with tpu_train.eager_mode("fused"):  # leaving the mode runs the step's region
+            return super().step(batch)
 
 
 class CompiledMode(TorchMode):
@@ -260,12 +271,19 @@ def jax_rsqrt(x):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--only", choices=MODES, action="append",
-                        help="run only this mode (repeatable); default: all three interleaved")
+    parser.add_argument("--only", action="append", metavar="MODE[,MODE...]",
+                        help=f"run only these modes ({', '.join(MODES)}; repeatable); default: "
+                             f"{', '.join(DEFAULT_MODES)} interleaved")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--isolated", type=int, metavar="R", default=0,
                         help="R rounds of one subprocess per mode: peak RSS and compile time")
     args = parser.parse_args(argv)
+    if args.only:
+        args.only = [name for item in args.only for name in item.split(",") if name]
+        unknown = sorted(set(args.only) - set(MODES))
+        if unknown:
+            parser.error(f"--only: unknown mode(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(MODES)}")
     if args.steps < 2:
         parser.error("--steps must be >= 2 (step 1 compiles and is not timed)")
     if args.isolated:
@@ -282,8 +300,8 @@ def main(argv=None) -> dict:
     if args.dtype == "bf16":
         cpu_model = cpu_model.to(torch.bfloat16)
     batches = make_batches(args.steps, cfg.vocab_size)
-    classes = {"eager": EagerMode, "compiled": CompiledMode, "jax": JaxMode}
-    names = args.only or list(MODES)
+    classes = {"eager": EagerMode, "fused": FusedMode, "compiled": CompiledMode, "jax": JaxMode}
+    names = args.only or list(DEFAULT_MODES)
     modes, results = {}, {}
     for name in names:
         before = rss_mb()
@@ -314,6 +332,10 @@ def main(argv=None) -> dict:
             "loss_step1": float(np.asarray(to_numpy(r["losses"][0]))),
             f"loss_step{args.steps}": float(np.asarray(to_numpy(r["losses"][-1]))),
         }
+    if "compiled" in report["modes"] and "fused" in report["modes"]:
+        f, c = report["modes"]["fused"], report["modes"]["compiled"]
+        report["fused_over_compiled"] = {"fastest": round(f["fastest_s"] / c["fastest_s"], 3),
+                                         "median": round(f["median_s"] / c["median_s"], 3)}
     if "compiled" in report["modes"] and "jax" in report["modes"]:
         c, j = report["modes"]["compiled"], report["modes"]["jax"]
         report["compiled_over_jax"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),

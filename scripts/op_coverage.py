@@ -7,6 +7,7 @@ and rate (with ``--grad``), time taken, torch and jax versions.
     python scripts/op_coverage.py                       # forward, float32, 3 samples per op
     python scripts/op_coverage.py --grad --samples 5 --json-out /tmp/ops.json
     python scripts/op_coverage.py --grad --write-known-failures   # refresh the CI list
+    python scripts/op_coverage.py --samples 1 --eager-mode fused  # the same in fused eager mode
 
 ``--ops add sin ...`` restricts the sweep to some entries (``name`` or ``name.variant``).
 See docs/op_coverage.md.
@@ -92,10 +93,15 @@ def main(argv=None) -> int:
     parser.add_argument("--write-known-failures", action="store_true",
                         help=f"write the failing op keys to {KNOWN_FAILURES.relative_to(ROOT)}")
     parser.add_argument("--verbose", "-v", action="store_true", help="one line per op on stderr")
+    parser.add_argument("--eager-mode", choices=("strict", "fused"), default=None,
+                        help="run the tpu side in this eager mode (default: TPU_TRAIN_EAGER_MODE,"
+                             " else strict)")
     parser.add_argument("--in-process", action="store_true",
                         help="no child process (faster start; a native crash ends the sweep)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.eager_mode:  # read at import by this process and by the worker processes
+        os.environ["TPU_TRAIN_EAGER_MODE"] = args.eager_mode
     if args.worker:
         return worker(args.dtype, args.samples, args.grad)
 
@@ -153,6 +159,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "jax": jax.__version__,
         "platform": jax.default_backend(),
+        "eager_mode": os.environ.get("TPU_TRAIN_EAGER_MODE") or "strict",
     })
 
     if args.json_out is not None:
@@ -162,8 +169,8 @@ def main(argv=None) -> int:
         args.json_out.write_text(json.dumps(per_op, indent=1) + "\n")
 
     if args.write_known_failures:
-        if args.ops or args.dtype != "float32":
-            parser.error("--write-known-failures needs the full float32 sweep")
+        if args.ops or args.dtype != "float32" or summary["eager_mode"] != "strict":
+            parser.error("--write-known-failures needs the full float32 sweep in strict mode")
         known = {
             "comment": "op_db entries (name or name.variant) failing on the tpu device in float32 "
                        "on the first `samples` samples; tests/ops/test_opinfo.py runs the same "

@@ -7,7 +7,8 @@ check goes both ways:
 * an entry that fails and is not listed fails its test (a regression: the error is shown);
 * a listed entry that now passes fails its test too, asking to take it off the list.
 
-The gradient sweep runs the same way but is marked ``slow`` (``pytest -m slow``). Refresh the
+The forward check also runs in fused eager mode (every 8th entry by default, all with
+``-m slow``). The gradient sweep runs the same way but is marked ``slow`` (``pytest -m slow``). Refresh the
 list with ``python scripts/op_coverage.py --grad --write-known-failures`` (docs/op_coverage.md).
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tpu_train
 from tests.ops import opinfo_harness as harness
 
 KNOWN_FAILURES_PATH = Path(__file__).with_name("opinfo_known_failures.json")
@@ -49,6 +51,19 @@ def _check(op, known: set, grad: bool) -> None:
 @pytest.mark.parametrize("op", OPS, ids=KEYS)
 def test_forward_float32(op):
     _check(op, set(KNOWN["forward"]), grad=False)
+
+
+# Fused eager mode on the same list: every FUSED_STRIDE-th entry in the default run, the
+# whole sweep with ``-m slow`` (``scripts/op_coverage.py --eager-mode fused`` gives the figures).
+FUSED_STRIDE = 8
+FUSED_PARAMS = [pytest.param(op, id=key, marks=() if i % FUSED_STRIDE == 0 else pytest.mark.slow)
+                for i, (op, key) in enumerate(zip(OPS, KEYS))]
+
+
+@pytest.mark.parametrize("op", FUSED_PARAMS)
+def test_forward_float32_fused_mode(op):
+    with tpu_train.eager_mode("fused"):
+        _check(op, set(KNOWN["forward"]), grad=False)
 
 
 @pytest.mark.slow

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import weakref
 
 import jax
+import numpy
 
 from tpu_train.device import runtime
 
@@ -48,6 +50,8 @@ _regions: dict = {}
 _programs: dict = {}
 _MAX_PROGRAMS = 512
 _counts = {"ops_recorded": 0, "regions_run": 0, "programs_compiled": 0}
+_ARRAY_TYPE = type(jax.numpy.zeros(()))
+_getrefcount = sys.getrefcount
 
 
 def _max_ops() -> int:
@@ -69,7 +73,8 @@ class Pending:
     __slots__ = ("shape", "dtype", "region", "address", "array", "__weakref__")
 
     def __init__(self, shape, dtype, region, address):
-        self.shape, self.dtype, self.region, self.address = shape, dtype, region, address
+        self.shape, self.region, self.address = shape, region, address
+        self.dtype = numpy.dtype(dtype)  # as jax.Array's (jnp.float32 hashes differently)
         self.array = None
 
     def value(self) -> jax.Array:
@@ -144,10 +149,11 @@ class Region:
                     if pending is not None:
                         live.append((position, j))
                         pendings.append(pending)
-            key = (tuple(ops), tuple(live))
+            donate = _donatable(inputs, pendings)
+            key = (tuple(ops), tuple(live), donate)
             program = _programs.get(key)
             if program is None:
-                program = _program(ops, live)
+                program = _program(ops, live, donate)
                 _counts["programs_compiled"] += 1
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
@@ -159,7 +165,27 @@ class Region:
                 pending.region = None
 
 
-def _program(ops, live):
+def _donatable(inputs, pendings) -> tuple:
+    """Region inputs whose buffer nothing else references (an optimizer's old parameter and
+    state buffers, replaced by the region's writes) and that an output of the same shape can
+    reuse: the program updates them in place instead of allocating. Each reference is
+    counted: the input list, this loop's variable and ``getrefcount``'s argument."""
+    wanted = {}
+    for pending in pendings:
+        aval = (pending.shape, pending.dtype)
+        wanted[aval] = wanted.get(aval, 0) + 1
+    donate = []
+    for position in range(len(inputs)):  # not enumerate: its tuple would hold a reference
+        value = inputs[position]
+        if type(value) is _ARRAY_TYPE and _getrefcount(value) == 3:
+            aval = (value.shape, value.dtype)
+            if wanted.get(aval, 0) > 0:
+                wanted[aval] -= 1
+                donate.append(position)
+    return tuple(donate)
+
+
+def _program(ops, live, donate):
     """One jitted function replaying ``ops`` (each the Python function an op's executable jits).
     """
 
@@ -171,7 +197,7 @@ def _program(ops, live):
                 values[(position, j)] = out
         return [values[address] for address in live]
 
-    return jax.jit(replay, compiler_options=runtime.compiler_options())
+    return jax.jit(replay, donate_argnums=donate, compiler_options=runtime.compiler_options())
 
 
 def region(index: int) -> Region:
