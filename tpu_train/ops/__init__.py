@@ -9,7 +9,7 @@ FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
     "matmul", "linalg_factor", "nn", "conv", "resample", "attention", "transformer", "shape",
     "indexing", "scatter",
-    "special", "fft", "sorting", "misc",
+    "special", "bessel", "fft", "sorting", "misc",
     # Last: registers only what no family above lowers.
     "compile_extras",
 ]
