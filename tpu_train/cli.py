@@ -32,7 +32,7 @@ runs it. ``recipe=./my_recipe.py`` runs a user's copy of one: it composes the co
 Config groups: ``model`` (debug_tiny, llama3_2_1b, llama3_1_8b, ...), ``data`` (bundled,
 jsonl), ``optim`` (adamw, adamw_finetune, adamw_lora),
 ``scheduler`` (warmup_cosine, wsd, constant), ``parallel``, ``checkpoint``, ``logging``,
-``recipe``; plain sections ``trainer`` (max_steps, seed, mode=eager|compiled, device=cpu|tpu,
+``recipe``; plain sections ``trainer`` (max_steps, seed, mode=eager|fused|compiled, device=cpu|tpu,
 precision=fp32|bf16, grad_accum_steps, max_grad_norm, activation_checkpointing,
 val_every_n_steps, on_nan=stop|skip), ``run`` (dir) and ``plan`` (chip).
 

@@ -63,6 +63,8 @@ VALUES = {
     "bad_device": (["trainer.device=gpu"], "valid devices: cpu, tpu"),
     "indexed_device": (["trainer.device=tpu:9"], "trainer.device"),
     "compiled_on_cpu": (["trainer.mode=compiled"], "trainer.mode=compiled needs trainer.device=tpu"),
+    "fused_on_cpu": (["trainer.mode=fused"], "trainer.mode=fused needs trainer.device=tpu"),
+    "unknown_mode": (["trainer.mode=lazy"], "trainer.mode"),
     "batch_size_zero": (["data.batch_size=0"], "data.batch_size"),
     "seq_len_zero": (["data.seq_len=0"], "data.seq_len"),
     "seq_len_too_long": (["data.seq_len=100000"], "exceeds the model's max_seq_len"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tpu_train
-from tpu_train.device import lazy, op_cache
+from tpu_train.device import lazy, op_cache, storage_of
 
 
 def _counts():
@@ -156,3 +156,20 @@ def test_values_cross_devices_and_regions():
         c = b * torch.ones(6, device="tpu:1")
     assert c.device == torch.device("tpu", 1)
     assert c.cpu().tolist() == [3.0 * i + 1 for i in range(6)]
+
+
+def test_overwritten_buffers_are_donated_and_held_ones_are_not():
+    w = torch.ones(256, device="tpu")
+    other = torch.ones(256, device="tpu")
+    held = storage_of(other).buffer  # the caller still holds other's buffer
+    with tpu_train.eager_mode("fused"):
+        before = _counts()["inputs_donated"]
+        for _ in range(3):
+            w.mul_(2)
+            other.add_(w)
+            w.sum().item()
+        assert _counts()["inputs_donated"] - before >= 3  # w's old buffer, each step
+    assert not held.is_deleted()
+    assert float(held.sum()) == 256
+    assert w.cpu().tolist() == [8.0] * 256
+    assert other.cpu().tolist() == [1.0 + 2 + 4 + 8] * 256

@@ -49,7 +49,7 @@ _lock = threading.RLock()  # the autograd engine records backward ops from its o
 _regions: dict = {}
 _programs: dict = {}
 _MAX_PROGRAMS = 512
-_counts = {"ops_recorded": 0, "regions_run": 0, "programs_compiled": 0}
+_counts = {"ops_recorded": 0, "regions_run": 0, "programs_compiled": 0, "inputs_donated": 0}
 _ARRAY_TYPE = type(jax.numpy.zeros(()))
 _getrefcount = sys.getrefcount
 
@@ -160,6 +160,7 @@ class Region:
                 _programs[key] = program
             results = program(*inputs)
             _counts["regions_run"] += 1
+            _counts["inputs_donated"] += len(donate)
             for pending, value in zip(pendings, results):
                 pending.array = value
                 pending.region = None
@@ -214,8 +215,9 @@ def flush_all() -> None:
 
 
 def stats() -> dict:
-    """Counts since the process started: ops recorded in fused mode, regions run, and region
-    programs compiled (a loop that repeats one structure stops compiling after its first pass)."""
+    """Counts since the process started: ops recorded in fused mode, regions run, region
+    programs compiled (a loop that repeats one structure stops compiling after its first pass)
+    and region inputs donated (old buffers the program overwrote in place)."""
     with _lock:
         return dict(_counts)
 

@@ -19,9 +19,12 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 
 class StepMode(Enum):
-    """How a training step runs: op by op in PyTorch, or as one compiled program."""
+    """How a training step runs: op by op in PyTorch (``eager``), eager with its ops recorded
+    and run as fused regions (``fused``: tpu_train's fused eager mode), or as one compiled
+    program."""
 
     eager = "eager"
+    fused = "fused"
     compiled = "compiled"
 
 
@@ -163,7 +166,8 @@ class TrainerConfig:
     max_steps: int = 100
     seed: int = 0
     # The whole step as one XLA program on the tpu device (the JAX CPU client where there is no
-    # accelerator).  trainer.mode=eager trainer.device=cpu runs plain PyTorch, for debugging.
+    # accelerator).  trainer.mode=eager trainer.device=cpu runs plain PyTorch, for debugging;
+    # trainer.mode=fused runs the eager step in fused eager mode on the tpu device.
     mode: StepMode = StepMode.compiled
     device: str = "tpu"  # "cpu" or "tpu"
     precision: Precision = Precision.fp32

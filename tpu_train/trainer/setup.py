@@ -184,12 +184,12 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
     """
     trainer = job.cfg.trainer
     assert OnNonFinite(trainer.on_nan) in (OnNonFinite.skip, OnNonFinite.stop)
-    if job.mode is StepMode.eager:
+    if job.mode in (StepMode.eager, StepMode.fused):
         _, size = parallel.data_parallel_rank()
         eager = EagerStep(model, optimizer, scheduler, job.device, job.precision,
                           trainer.max_grad_norm, skip_non_finite=True, data_parallel_size=size,
                           tensor_parallel_size=parallel.shape.tensor if parallel.sharded else 1)
-        return TrainStep(parallel, eager)
+        return TrainStep(parallel, eager if job.mode is StepMode.eager else _fused(eager))
     from tpu_train.compile import compile_train_step
 
     autocast = torch.bfloat16 if job.precision is Precision.bf16 else None
@@ -205,6 +205,18 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
         return compiled({k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]})
 
     return TrainStep(parallel, run, compiled)
+
+
+def _fused(step: Callable) -> Callable:
+    """``step`` in fused eager mode: its ops are recorded and run as regions, each when the
+    step reads a value (the finiteness check, the loss) or at the step's end."""
+    from tpu_train.device.lazy import eager_mode
+
+    def run(micro_batches):
+        with eager_mode("fused"):
+            return step(micro_batches)
+
+    return run
 
 
 def checkpoint_to_resume(job: Job) -> Path | None:

@@ -83,7 +83,9 @@ class EagerStep:
         self.model.train()
         lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
         local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-        total_tokens = max(int(self._sum_over_processes(torch.tensor(local_tokens))), 1)
+        # A Python float, not an int: a float is an input of the device's op executables, an
+        # int a constant in them, which would make a new program for every batch's token count.
+        total_tokens = float(max(int(self._sum_over_processes(torch.tensor(local_tokens))), 1))
         # FSDP averages gradients over the data-parallel ranks; each rank's share of the
         # global token-weighted loss is scaled up by their number to undo that mean.
         loss_total = torch.zeros((), device=self.device)

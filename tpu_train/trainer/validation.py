@@ -175,6 +175,9 @@ def validate_config(cfg: DictConfig) -> None:
     _require(StepMode(trainer.mode) is not StepMode.compiled or trainer.device == "tpu",
              f"trainer.mode=compiled needs trainer.device=tpu (the compiled step is one program on "
              f"the tpu device), got trainer.device={trainer.device!r}; use trainer.mode=eager on the CPU")
+    _require(StepMode(trainer.mode) is not StepMode.fused or trainer.device == "tpu",
+             f"trainer.mode=fused needs trainer.device=tpu (fused eager mode records tpu ops), got "
+             f"trainer.device={trainer.device!r}; use trainer.mode=eager on the CPU")
     _require(trainer.cpu_threads is None or trainer.cpu_threads >= 1,
              f"trainer.cpu_threads must be >= 1 or null (PyTorch's default), got {trainer.cpu_threads}")
     _require(trainer.val_every_n_steps >= 0,

@@ -1,0 +1,40 @@
+"""``trainer.mode=fused``: the eager step in fused eager mode, through the command line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.trainer.cli_helpers import TINY, run_in_process
+from tpu_train.device import lazy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 4
+# TINY's shapes on the tpu device (TINY itself runs plain PyTorch on the CPU).
+ON_TPU = [*TINY[:-2], "trainer.device=tpu", f"trainer.max_steps={STEPS}"]
+
+
+def _logged(out: str) -> list[tuple[str, str]]:
+    return re.findall(r"step \d+/\d+ \| loss (\S+) \| lr \S+ \| grad_norm (\S+)", out)
+
+
+def test_fused_mode_trains_like_eager_and_compiles_its_regions_once(tmp_path):
+    code, eager_out, err = run_in_process(*ON_TPU, "trainer.mode=eager",
+                                          f"run.dir={tmp_path / 'eager'}")
+    assert code == 0, err
+    before = lazy.stats()
+    code, fused_out, err = run_in_process(*ON_TPU, "trainer.mode=fused",
+                                          f"run.dir={tmp_path / 'fused'}")
+    assert code == 0, err
+    after = lazy.stats()
+    assert "step: fused" in fused_out
+    assert len(_logged(fused_out)) == STEPS
+    assert _logged(fused_out) == _logged(eager_out)
+    # Each step runs as regions (forward + backward up to the finiteness check, then the
+    # update); the first two steps compile them (the optimizer state is created at the
+    # first), later steps reuse the programs.
+    assert after["regions_run"] - before["regions_run"] >= 2 * STEPS
+    assert after["programs_compiled"] - before["programs_compiled"] <= 6
+    assert lazy.mode() == "strict"
