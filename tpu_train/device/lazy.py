@@ -30,7 +30,6 @@ import contextlib
 import os
 import sys
 import threading
-import weakref
 
 import jax
 import numpy
@@ -70,11 +69,11 @@ class Pending:
     """The flat buffer an op recorded in fused mode will produce: its shape and dtype are
     known, its value once its region has run."""
 
-    __slots__ = ("shape", "dtype", "region", "address", "array", "__weakref__")
+    __slots__ = ("shape", "dtype", "region", "address", "array")
 
     def __init__(self, shape, dtype, region, address):
-        self.shape, self.region, self.address = shape, region, address
-        self.dtype = numpy.dtype(dtype)  # as jax.Array's (jnp.float32 hashes differently)
+        """``dtype``: a ``numpy.dtype``, as a ``jax.Array``'s (``jnp.float32`` hashes apart)."""
+        self.shape, self.dtype, self.region, self.address = shape, dtype, region, address
         self.array = None
 
     def value(self) -> jax.Array:
@@ -98,9 +97,9 @@ class Region:
 
     def _reset(self):
         self.ops: list = []  # (body, wiring): wiring per input, int (region input) or (op, out)
-        self.outputs: list = []  # per op: weak references to its Pending results
+        self.outputs: list = []  # per op: its Pending results
         self.inputs: list = []
-        self.input_slots: dict = {}  # id(array) -> region input position
+        self.input_slots: dict = {}  # what an input is (see _wire) -> its position
 
     def _wire(self, value):
         if type(value) is Pending:
@@ -110,29 +109,41 @@ class Region:
                 return value.address
             else:
                 value = value.value()  # another device's region: run it first
-        if isinstance(value, jax.Array):
-            slot = self.input_slots.get(id(value))
-            if slot is not None:
-                return slot
-            self.input_slots[id(value)] = len(self.inputs)
-        self.inputs.append(value)
-        return len(self.inputs) - 1
+        # One program input per distinct array, and per distinct scalar value: an optimizer
+        # passes the same learning rate, betas and step count for every parameter, and each
+        # input costs the program call a few µs.
+        cls = type(value)
+        if cls is _ARRAY_TYPE:
+            key = id(value)  # the inputs list keeps the array, so its id stays unique
+        elif cls is float:
+            key = (float, value.hex())  # hex: -0.0 and nan are told apart exactly
+        elif cls is numpy.ndarray and value.ndim == 0:
+            key = (value.dtype.str, value.tobytes())
+        else:
+            self.inputs.append(value)
+            return len(self.inputs) - 1
+        slot = self.input_slots.get(key)
+        if slot is None:
+            slot = self.input_slots[key] = len(self.inputs)
+            self.inputs.append(value)
+        return slot
 
     def record(self, body, inputs, out_avals) -> list:
         """Append ``body(*inputs)`` (an op executable's traceable function); its results as
         :class:`Pending` buffers."""
         with _lock:
+            if len(self.ops) >= _max_region_ops:
+                self.flush()
             wiring = tuple([self._wire(v) for v in inputs])
             position = len(self.ops)
             self.ops.append((body, wiring))
             results = [Pending(shape, dtype, self, (position, j))
                        for j, (shape, dtype) in enumerate(out_avals)]
-            self.outputs.append([weakref.ref(p) for p in results])
+            self.outputs.append(results)
             _counts["ops_recorded"] += 1
-            full = len(self.ops) >= _max_region_ops
-        if full:
-            self.flush()
-        return results
+            # The caller's own list: its references keep the results live (flush counts them)
+            # until the caller's tensors hold them.
+            return list(results)
 
     def flush(self) -> None:
         """Run the recorded ops as one program; every pending result still referenced gets
@@ -143,11 +154,13 @@ class Region:
             ops, outputs, inputs = self.ops, self.outputs, self.inputs
             self._reset()
             live, pendings = [], []
-            for position, refs in enumerate(outputs):
-                for j, ref in enumerate(refs):
-                    pending = ref()
-                    if pending is not None:
-                        live.append((position, j))
+            for results in outputs:
+                for index in range(len(results)):
+                    pending = results[index]
+                    # Referenced by more than the results list, this variable and getrefcount's
+                    # argument: a tensor still holds it, so it is an output of the program.
+                    if _getrefcount(pending) > 3:
+                        live.append(pending.address)
                         pendings.append(pending)
             donate = _donatable(inputs, pendings)
             key = (tuple(ops), tuple(live), donate)

@@ -36,6 +36,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -435,7 +436,7 @@ def flat_aval(shape, dtype) -> tuple:
     numel = 1
     for n in shape:
         numel *= n
-    return (numel,), storage_dtype(dtype)
+    return (numel,), numpy.dtype(storage_dtype(dtype))
 
 
 def run_lowered(info: OpInfo, func, args, kwargs):
