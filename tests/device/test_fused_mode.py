@@ -173,3 +173,15 @@ def test_overwritten_buffers_are_donated_and_held_ones_are_not():
     assert float(held.sum()) == 256
     assert w.cpu().tolist() == [8.0] * 256
     assert other.cpu().tolist() == [1.0 + 2 + 4 + 8] * 256
+
+
+def test_equal_scalars_share_an_input_and_distinct_ones_stay_apart():
+    x = torch.ones(3, device="tpu")
+    with tpu_train.eager_mode("fused"):
+        zero, negative_zero = x * 0.0, x * -0.0
+        lr_a, lr_b, nan = x * 0.1, x * 0.1, x * float("nan")
+        step = torch.tensor(3.0)  # a 0-dim CPU tensor, as torch.optim's step count
+        scaled = x * step
+    assert not torch.signbit(zero.cpu()).any() and torch.signbit(negative_zero.cpu()).all()
+    assert torch.equal(lr_a.cpu(), lr_b.cpu()) and torch.isnan(nan.cpu()).all()
+    assert scaled.cpu().tolist() == [3.0] * 3
