@@ -185,3 +185,21 @@ def test_equal_scalars_share_an_input_and_distinct_ones_stay_apart():
     assert not torch.signbit(zero.cpu()).any() and torch.signbit(negative_zero.cpu()).all()
     assert torch.equal(lr_a.cpu(), lr_b.cpu()) and torch.isnan(nan.cpu()).all()
     assert scaled.cpu().tolist() == [3.0] * 3
+
+
+def test_a_failing_region_fails_every_read_of_its_results(monkeypatch):
+    def failing_program(ops, live, donate):
+        def run(*inputs):
+            raise ValueError("out of device memory")
+        return run
+
+    monkeypatch.setattr(lazy, "_program", failing_program)
+    x = torch.ones(4, device="tpu")
+    with tpu_train.eager_mode("fused"):
+        y = (x + 1) * 3
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="fused tpu region of 2 ops failed when it "
+                                                   "ran: out of device memory"):
+                y.cpu()
+    monkeypatch.undo()
+    assert (x + 1).cpu().tolist() == [2.0] * 4  # the device goes on working

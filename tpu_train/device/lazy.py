@@ -69,15 +69,17 @@ class Pending:
     """The flat buffer an op recorded in fused mode will produce: its shape and dtype are
     known, its value once its region has run."""
 
-    __slots__ = ("shape", "dtype", "region", "address", "array")
+    __slots__ = ("shape", "dtype", "region", "address", "array", "failure")
 
     def __init__(self, shape, dtype, region, address):
         """``dtype``: a ``numpy.dtype``, as a ``jax.Array``'s (``jnp.float32`` hashes apart)."""
         self.shape, self.dtype, self.region, self.address = shape, dtype, region, address
-        self.array = None
+        self.array = self.failure = None
 
     def value(self) -> jax.Array:
         if self.array is None:
+            if self.failure is not None:  # its region failed: every read says so
+                raise self.failure
             self.region.flush()
             if self.array is None:  # pragma: no cover - a flush fills every live value
                 raise RuntimeError("internal error: a pending tpu buffer was not computed")
@@ -171,7 +173,16 @@ class Region:
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
                 _programs[key] = program
-            results = program(*inputs)
+            try:
+                results = program(*inputs)
+            except Exception as error:  # noqa: BLE001 - every pending result reports it
+                _programs.pop(key, None)  # a failure may be transient (memory): retry next time
+                failure = RuntimeError(
+                    f"a fused tpu region of {len(ops)} ops failed when it ran: {error} (run with "
+                    f"{MODE_ENV}=debug to find the op)")
+                for pending in pendings:
+                    pending.failure, pending.region = failure, None
+                raise failure from error
             _counts["regions_run"] += 1
             _counts["inputs_donated"] += len(donate)
             for pending, value in zip(pendings, results):
