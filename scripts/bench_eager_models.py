@@ -4,6 +4,7 @@ Exact command (from the repository root)::
 
     python scripts/bench_eager_models.py               # --repeats 9
     python scripts/bench_eager_models.py --quick       # a smoke run, not a measurement
+    python scripts/bench_eager_models.py --fused-max-ops 150,300,8192   # + fused region bounds
 
 The model is transformers' ``LlamaForCausalLM`` with a tiny config (hidden 128, 2 layers,
 4 heads / 2 kv heads, MLP 256, vocabulary 1000), batch 4, sequence 64, AdamW, labels = the
@@ -13,7 +14,8 @@ Sides, each with the same initial weights: eager tpu in ``strict`` mode, eager t
 mode, and torch on CPU with one intra-op thread. Steps rotate over the sides (the order rotates
 too) after 2 warm-up steps each, so drift on a shared machine hits all of them. The losses after
 the same number of steps are printed as a sanity check, with the number of aten ops one tpu step
-dispatches and the machine's load average before and after.
+dispatches and the machine's load average before and after. ``--fused-max-ops`` adds one more
+fused side per region bound (``TPU_TRAIN_FUSED_MAX_OPS`` during its steps), in the same rotation.
 
 One JSON line on stdout.
 """
@@ -47,14 +49,18 @@ BATCH, SEQ = 4, 64
 
 class Step:
     def __init__(self, model: torch.nn.Module, device: torch.device, ids: torch.Tensor,
-                 mode: str = "strict"):
-        self.device, self.mode = device, mode
+                 mode: str = "strict", max_ops: int | None = None):
+        self.device, self.mode, self.max_ops = device, mode, max_ops
         self.model = model.to(device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
         self.ids = ids.to(device)
         self.loss = None
 
     def __call__(self) -> float:
+        if self.max_ops is not None:  # read when fused mode is entered
+            os.environ["TPU_TRAIN_FUSED_MAX_OPS"] = str(self.max_ops)
+        else:
+            os.environ.pop("TPU_TRAIN_FUSED_MAX_OPS", None)
         start = time.perf_counter()
         with tpu_train.eager_mode(self.mode):
             loss = self.model(input_ids=self.ids, labels=self.ids).loss
@@ -87,7 +93,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed steps per side")
     parser.add_argument("--quick", action="store_true", help="2 steps per side, 1 warm-up")
+    parser.add_argument("--fused-max-ops", default="",
+                        help="comma-separated region bounds: one more fused side each")
     args = parser.parse_args(argv)
+    bounds = [int(n) for n in args.fused_max_ops.split(",") if n]
     import transformers
 
     repeats, warm_up = (2, 1) if args.quick else (args.repeats, 2)
@@ -99,20 +108,23 @@ def main(argv=None) -> dict:
                         generator=torch.Generator().manual_seed(1))
     tpu = Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids)
     fused = Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, mode="fused")
+    bounded = [Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, mode="fused",
+                    max_ops=n) for n in bounds]
     cpu = Step(cpu_model, torch.device("cpu"), ids)
-    sides = [tpu, fused, cpu]
+    sides = [tpu, fused, cpu, *bounded]
     for _ in range(warm_up):  # the first steps compile every op and create the optimizer state
         for side in sides:
             side()
     with _OpCounter() as counter:
         tpu()
-    fused()
-    cpu()  # keep every side at the same number of steps
+    for side in sides[1:]:  # keep every side at the same number of steps
+        side()
     samples = {id(side): [] for side in sides}
     for r in range(repeats):
-        for side in sides[r % 3:] + sides[:r % 3]:
+        turn = r % len(sides)
+        for side in sides[turn:] + sides[:turn]:
             samples[id(side)].append(side())
-    a, f, b = (_summary(samples[id(side)]) for side in sides)
+    a, f, b = (_summary(samples[id(side)]) for side in (tpu, fused, cpu))
     result = {
         "benchmark": "bench_eager_models",
         "model": "transformers.LlamaForCausalLM", "config": CONFIG, "batch": BATCH, "seq": SEQ,
@@ -131,6 +143,12 @@ def main(argv=None) -> dict:
         "loss_tpu": float(tpu.loss.cpu()), "loss_tpu_fused": float(fused.loss.cpu()),
         "loss_cpu": float(cpu.loss),
     }
+    if bounded:
+        result["fused_by_max_ops"] = {
+            str(side.max_ops): {**(s := _summary(samples[id(side)])),
+                                "ratio_min": round(s["min"] / b["min"], 2),
+                                "ratio_median": round(s["median"] / b["median"], 2)}
+            for side in bounded}
     print(json.dumps(result), flush=True)
     return result
 
