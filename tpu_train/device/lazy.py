@@ -49,7 +49,8 @@ _regions: dict = {}
 _programs: dict = {}
 _MAX_PROGRAMS = 512
 _counts = {"ops_recorded": 0, "regions_run": 0, "programs_compiled": 0, "inputs_donated": 0}
-_ARRAY_TYPE = type(jax.numpy.zeros(()))
+_ARRAY_TYPE = None  # jax.Array's concrete class: known once a region exists (creating an
+# array at import would start JAX's backends before a multi-process runtime can be joined)
 _getrefcount = sys.getrefcount
 
 
@@ -94,6 +95,9 @@ class Region:
     """The ops recorded on one device since its last flush."""
 
     def __init__(self, index: int):
+        global _ARRAY_TYPE
+        if _ARRAY_TYPE is None:
+            _ARRAY_TYPE = type(jax.numpy.zeros((), device=runtime.jax_device(index)))
         self.index = index
         self._reset()
 
