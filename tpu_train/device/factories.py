@@ -114,6 +114,8 @@ def copy_from(self, dst, non_blocking=False):
     ``_copy_from`` under dispatch keys that bypass ``__torch_dispatch__``."""
     from tpu_train.device.mutation import assign
 
+    if dst.numel() == 0:  # torch.tensor([]): transformers' caches start so every forward
+        return dst
     assign(dst, self, "_copy_from")
     return dst
 
