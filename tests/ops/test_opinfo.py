@@ -7,7 +7,7 @@ check goes both ways:
 * an entry that fails and is not listed fails its test (a regression: the error is shown);
 * a listed entry that now passes fails its test too, asking to take it off the list.
 
-The forward check also runs in fused eager mode (every 8th entry by default, all with
+The forward check also runs in fused eager mode (every 16th entry by default, all with
 ``-m slow``). The gradient sweep runs the same way but is marked ``slow`` (``pytest -m slow``). Refresh the
 list with ``python scripts/op_coverage.py --grad --write-known-failures`` (docs/op_coverage.md).
 """
@@ -55,7 +55,7 @@ def test_forward_float32(op):
 
 # Fused eager mode on the same list: every FUSED_STRIDE-th entry in the default run, the
 # whole sweep with ``-m slow`` (``scripts/op_coverage.py --eager-mode fused`` gives the figures).
-FUSED_STRIDE = 8
+FUSED_STRIDE = 16
 FUSED_PARAMS = [pytest.param(op, id=key, marks=() if i % FUSED_STRIDE == 0 else pytest.mark.slow)
                 for i, (op, key) in enumerate(zip(OPS, KEYS))]
 
