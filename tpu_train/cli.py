@@ -168,7 +168,8 @@ def _run_plan_job(cfg: DictConfig) -> None:
 # TPU_TRAIN_PLATFORM, no such devices, an unusable cache directory): matched by name, since
 # importing their classes would re-run the import that failed.
 _ENVIRONMENT_ERRORS = {"tpu_train.device.runtime.PlatformError",
-                       "tpu_train.device.compilation_cache.CompilationCacheError"}
+                       "tpu_train.device.compilation_cache.CompilationCacheError",
+                       "tpu_train.device.lazy.EagerModeError"}
 
 
 def _is_bad_input(exc: BaseException) -> bool:

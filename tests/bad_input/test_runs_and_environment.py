@@ -112,6 +112,8 @@ PROCESS_ENVIRONMENTS = {
                                "cannot create the compilation cache directory"),
     "cache_size_not_a_number": ({"TPU_TRAIN_CACHE_DIR": "TMP/cache", "TPU_TRAIN_CACHE_MAX_GB": "lots"},
                                 "TPU_TRAIN_CACHE_MAX_GB='lots' is not a positive number"),
+    "eager_mode_unknown": ({"TPU_TRAIN_EAGER_MODE": "bogus"},
+                           "TPU_TRAIN_EAGER_MODE='bogus' is not an eager mode"),
 }
 
 

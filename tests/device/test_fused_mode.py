@@ -84,7 +84,7 @@ def test_a_region_runs_when_it_reaches_its_bounded_size(monkeypatch):
 
 def test_a_bad_region_size_is_refused(monkeypatch):
     monkeypatch.setenv(lazy.MAX_OPS_ENV, "many")
-    with pytest.raises(ValueError, match="TPU_TRAIN_FUSED_MAX_OPS='many' is not a whole number"):
+    with pytest.raises(lazy.EagerModeError, match="TPU_TRAIN_FUSED_MAX_OPS=.many. is not a whole number"):
         lazy.set_mode("fused")
     assert lazy.mode() == "strict"
 

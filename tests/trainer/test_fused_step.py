@@ -38,3 +38,11 @@ def test_fused_mode_trains_like_eager_and_compiles_its_regions_once(tmp_path):
     assert after["regions_run"] - before["regions_run"] >= 2 * STEPS
     assert after["programs_compiled"] - before["programs_compiled"] <= 6
     assert lazy.mode() == "strict"
+
+
+def test_a_bad_region_size_is_one_line_before_the_run_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv(lazy.MAX_OPS_ENV, "many")
+    code, out, err = run_in_process(*ON_TPU, "trainer.mode=fused", f"run.dir={tmp_path / 'run'}")
+    assert code == 2, (out, err)
+    assert err.strip().count("\n") == 0 and "TPU_TRAIN_FUSED_MAX_OPS='many'" in err, err
+    assert not (tmp_path / "run").exists()

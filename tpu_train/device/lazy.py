@@ -54,13 +54,18 @@ _ARRAY_TYPE = None  # jax.Array's concrete class: known once a region exists (cr
 _getrefcount = sys.getrefcount
 
 
-def _max_ops() -> int:
+class EagerModeError(ValueError):
+    """A bad eager-mode setting in the environment (the command line reports it as one line)."""
+
+
+def region_size_from_environment() -> int:
+    """``TPU_TRAIN_FUSED_MAX_OPS`` (default 8192): the ops a fused region holds at most."""
     value = os.environ.get(MAX_OPS_ENV, "")
     try:
         return max(1, int(value)) if value else 8192
     except ValueError:
-        raise ValueError(f"{MAX_OPS_ENV}={value!r} is not a whole number of ops; unset it or "
-                         "give a positive integer such as 8192") from None
+        raise EagerModeError(f"{MAX_OPS_ENV}={value!r} is not a whole number of ops; unset it "
+                             "or give a positive integer such as 8192") from None
 
 
 _max_region_ops = 8192
@@ -280,7 +285,7 @@ def set_mode(name: str) -> None:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
     if name == FUSED:
-        _max_region_ops = _max_ops()
+        _max_region_ops = region_size_from_environment()
     if _mode == FUSED and name != FUSED:
         active = False
         flush_all()
@@ -312,6 +317,6 @@ def mode_from_environment() -> str:
     if not value:
         return STRICT
     if value not in MODES:
-        raise ValueError(f"{MODE_ENV}={value!r} is not an eager mode; use one of "
-                         f"{', '.join(MODES)} or unset it")
+        raise EagerModeError(f"{MODE_ENV}={value!r} is not an eager mode; use one of "
+                             f"{', '.join(MODES)} or unset it")
     return value

@@ -60,7 +60,12 @@ def register() -> None:
 
     from tpu_train.device import accelerator, factories, generator, lazy, module, pinned, tying
 
-    lazy.set_mode(lazy.mode_from_environment())  # a misspelt TPU_TRAIN_EAGER_MODE fails here
+    try:
+        lazy.set_mode(lazy.mode_from_environment())
+    except lazy.EagerModeError as error:  # reported at first device use (see runtime)
+        from tpu_train.device import runtime
+
+        runtime.defer_environment_error(error)
 
     module.__tpu_train__ = True
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend

@@ -121,9 +121,21 @@ def compiler_options() -> dict | None:
     return cpu_compiler_options() or None if platform() == "cpu" else None
 
 
+# Errors in the process's environment found while ``import tpu_train`` registers the device
+# (a misspelt TPU_TRAIN_EAGER_MODE): raised at first device use, like a bad platform, so that
+# the import succeeds and the command line can report them as one line.
+_environment_errors: list = []
+
+
+def defer_environment_error(error: Exception) -> None:
+    _environment_errors.append(error)
+
+
 @functools.lru_cache(maxsize=None)
 def devices() -> tuple:
     """The local JAX devices of the chosen platform; ``tpu:i`` is ``devices()[i]``."""
+    if _environment_errors:
+        raise _environment_errors[0]
     jax = _jax()
     for alias in _JAX_ALIASES[platform()]:
         try:

@@ -178,6 +178,13 @@ def validate_config(cfg: DictConfig) -> None:
     _require(StepMode(trainer.mode) is not StepMode.fused or trainer.device == "tpu",
              f"trainer.mode=fused needs trainer.device=tpu (fused eager mode records tpu ops), got "
              f"trainer.device={trainer.device!r}; use trainer.mode=eager on the CPU")
+    if StepMode(trainer.mode) is StepMode.fused:
+        from tpu_train.device.lazy import EagerModeError, region_size_from_environment
+
+        try:
+            region_size_from_environment()
+        except EagerModeError as error:
+            raise ConfigError(str(error)) from None
     _require(trainer.cpu_threads is None or trainer.cpu_threads >= 1,
              f"trainer.cpu_threads must be >= 1 or null (PyTorch's default), got {trainer.cpu_threads}")
     _require(trainer.val_every_n_steps >= 0,
