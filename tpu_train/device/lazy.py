@@ -260,10 +260,6 @@ def concrete(inputs: list) -> list:
     return [v.value() if type(v) is Pending else v for v in inputs]
 
 
-def has_pending(inputs) -> bool:
-    return any(type(v) is Pending for v in inputs)
-
-
 def aval_of(value):
     """What ``jax.eval_shape`` needs for an executable input."""
     return value.aval if type(value) is Pending else value
