@@ -206,3 +206,37 @@ def test_transformers_llama_without_kv_cache_is_scanned():
                         loss_rtol(F32, len(data), HF_REDUCTION))
     (scan,) = _scans(step)
     assert len(body(scan.args[0]).input_metas) >= 3  # hidden states, mask, cos, sin...
+
+
+def test_layer_gradients_are_read_at_the_programs_layer_indices():
+    """Layer j's gradients leave the backward stack through a dynamic slice at the program's
+    j-th layer-index input, not through a slice at the constant j: every layer's update and
+    gradient-norm fusions are then one computation, which XLA compiles once per parameter slot
+    instead of once per layer (docs/compile.md, "Scanned layers")."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpu_train.compile.layer_scan import _layer_slice, layer_indices
+
+    _, _, step = _run(True)
+    (program,) = step.cache.entries.values()
+    assert program.layer_indices == LAYERS
+
+    def read(stacked, *indices):
+        with layer_indices(indices):
+            return [_layer_slice(stacked, j) for j in range(LAYERS)]
+
+    stacked = jnp.arange(LAYERS * 4.0).reshape(LAYERS, 4)
+    indices = [jnp.int32(j) for j in range(LAYERS)]
+    def primitives_of(jaxpr):  # nested calls (jax wraps some lax functions in a jit) included
+        for eqn in jaxpr.eqns:
+            inner = eqn.params.get("jaxpr")
+            if inner is None:
+                yield eqn.primitive.name
+            else:
+                yield from primitives_of(getattr(inner, "jaxpr", inner))
+
+    primitives = list(primitives_of(jax.make_jaxpr(read)(stacked, *indices).jaxpr))
+    assert "slice" not in primitives and primitives.count("dynamic_slice") == LAYERS, primitives
+    assert [list(map(float, row)) for row in read(stacked, *indices)] == \
+        [list(map(float, row)) for row in stacked]

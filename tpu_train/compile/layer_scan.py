@@ -32,6 +32,7 @@ without a policy: its residuals are its inputs only, and its backward recomputes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import weakref
@@ -191,6 +192,40 @@ LAYER_SCAN_BACKWARD = torch.ops.tpu_train_compile.layer_scan_backward.default
 
 def _count(b: LayerBody, tensors: Sequence) -> int:
     return (len(tensors) - b.n_inputs) // b.n_states if b.n_states else 0
+
+
+def largest_stack(gm: torch.fx.GraphModule) -> int:
+    """The most layers one ``layer_scan`` of ``gm`` runs (0: none): how many layer indices a
+    program passes in (:func:`layer_indices`)."""
+    return max((_count(body(node.args[0]), node.args[1]) for node in gm.graph.nodes
+                if node.target is LAYER_SCAN), default=0)
+
+
+# Layer j's gradients are read out of the backward scan's stacked result [N, ...] for the
+# optimizer. Read with the constant j (a static slice), XLA fuses the slice into each
+# parameter's update and gradient-norm fusions, so that every layer's fusions differ by their
+# offset and each is compiled on its own: at 32 layers nearly all of the program's kernels,
+# and XLA's CPU compile time grows with depth. Read at an index that is a program input, the
+# fusions of a slot are one computation for every layer, compiled once.
+_layer_index_inputs: Sequence | None = None
+
+
+@contextlib.contextmanager
+def layer_indices(values: Sequence):
+    """While a step program is traced: ``values[j]``, a traced int32 scalar input holding ``j``,
+    is where the backward stack reads layer ``j``'s gradients."""
+    global _layer_index_inputs
+    previous, _layer_index_inputs = _layer_index_inputs, values
+    try:
+        yield
+    finally:
+        _layer_index_inputs = previous
+
+
+def _layer_slice(stacked, layer: int):
+    if _layer_index_inputs is not None and layer < len(_layer_index_inputs):
+        return jax.lax.dynamic_index_in_dim(stacked, _layer_index_inputs[layer], keepdims=False)
+    return stacked[layer]
 
 
 def scanned_layer_count(gm: torch.fx.GraphModule) -> int:
@@ -373,7 +408,7 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
     stacked = [next(grads_by_slot) if differentiable[s] else None for s in range(b.n_states)]
     for layer in range(n):
         for s, m in enumerate(b.state_metas):
-            result.append(stacked[s][layer] if stacked[s] is not None
+            result.append(_layer_slice(stacked[s], layer) if stacked[s] is not None
                           else jnp.zeros(m.shape, storage_dtype(m.dtype)))
     summed = iter(input_grads)
     for i, m in enumerate(b.input_metas):

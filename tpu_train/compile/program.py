@@ -1,8 +1,10 @@
 """Build the XLA program of one training step from its two traced graphs.
 
-``program(params, states, consts, batch, scalars[, key])`` takes the parameters and optimizer
+``program(params, states, consts, batch, scalars, layer_indices[, key])`` takes the parameters
+and optimizer
 state as flat buffers (exactly the ``tpu`` storages' buffers, so donation lets XLA update them
-in place) and returns the new flat buffers, the new values of mutated buffers, and the loss,
+in place), and ``layer_indices`` (int32 scalars ``0 .. N-1`` for a model whose layers run under
+``lax.scan``: :func:`tpu_train.compile.layer_scan.layer_indices`), and returns the new flat buffers, the new values of mutated buffers, and the loss,
 gradient norm and learning rate. With ``skip_non_finite`` (a field of the step) it also
 returns a ``finite`` flag (loss and gradient norm both finite), and when the flag is false the
 "new" parameters, optimizer state and mutated buffers are the old ones (``jnp.where`` in the
@@ -30,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy
 import torch
 
 from tpu_train.compile import interpreter, layer_groups, layer_scan, tracing
@@ -56,6 +59,14 @@ class Program:
     lowered: Any = None  # the ``jax.stages.Lowered`` (cost and memory analysis)
     in_shardings: Any = None  # SPMD only: what the executable's arguments must be placed as
     seconds: dict = dataclasses.field(default_factory=dict)  # trace / lower / compile (if timed)
+    layer_indices: int = 0  # how many int32 layer-index scalars the program takes
+
+    def layer_index_values(self, device) -> list:
+        """The ``layer_indices`` argument: ``j`` at position ``j`` (made once per placement)."""
+        if not self.layer_indices:
+            return []
+        placement = device if self.in_shardings is None else self.in_shardings[5][0]
+        return list(_layer_index_values(self.layer_indices, placement))
 
     def analysis(self) -> dict[str, Any]:
         """XLA's per-device memory and cost figures of the compiled program
@@ -144,7 +155,13 @@ def _key_dtype():
     return jax.random.key(0).dtype
 
 
-def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, scalar) -> list:
+@functools.lru_cache(maxsize=None)
+def _layer_index_values(count: int, placement) -> tuple:
+    return tuple(jax.device_put(numpy.int32(j), placement) for j in range(count))
+
+
+def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, scalar,
+                     layer_indices: int) -> list:
     """The step's arguments as shapes, dtypes and the given shardings only: nothing is
     allocated to lower and compile. Parameters and states go in as their flat storages."""
 
@@ -156,7 +173,8 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
             described(st.states, [(t.numel(),) for t in st.states], states),
             described(st.consts, [tuple(c.shape) for c in st.consts], consts),
             described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves], batch),
-            jax.ShapeDtypeStruct(tuple(scalars.shape), jnp.float32, sharding=scalar)]
+            jax.ShapeDtypeStruct(tuple(scalars.shape), jnp.float32, sharding=scalar),
+            [jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)] * layer_indices]
     if random:
         args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=scalar))
     return args
@@ -219,6 +237,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     interpreter.check_lowerings(update_gm.graph)
     stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)
     stages.scanned_layers = layer_scan.scanned_layer_count(grad_gm)
+    n_indices = layer_scan.largest_stack(grad_gm)
 
     n_params, n_consts = len(st.params), len(st.consts)
     mutated = tuple(i - n_params for i in _mutated_placeholders(grad_gm)
@@ -299,7 +318,11 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         at_use = {i: functools.partial(pin, sharding=c)
                   for i, c in enumerate(shardings.compute_params)}
 
-    def program(param_flat, state_flat, consts, batch, scalars_in, key=None):
+    def program(param_flat, state_flat, consts, batch, scalars_in, layer_index, key=None):
+        with layer_scan.layer_indices(layer_index):
+            return train_step(param_flat, state_flat, consts, batch, scalars_in, key)
+
+    def train_step(param_flat, state_flat, consts, batch, scalars_in, key):
         params = [a.reshape(s) for a, s in zip(param_flat, param_shapes)]
         if spmd:
             params = [pin(p, s) for p, s in zip(params, shardings.params)]
@@ -351,26 +374,26 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         if values is None:
             args = _abstract_inputs(st, scalars, random, [one] * len(st.params),
                                     [one] * len(st.states), [one] * n_consts,
-                                    [one] * len(st.batch_leaves), one)
+                                    [one] * len(st.batch_leaves), one, n_indices)
         else:
             args = [values["params"], values["states"], values["consts"], values["batch"],
-                    jax.device_put(scalars, device)]
+                    jax.device_put(scalars, device), list(_layer_index_values(n_indices, device))]
             if random:
                 args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=one))
     else:
         rep = shardings.replicated
         in_shardings = [flat_params, flat_states, list(shardings.consts), list(shardings.batch),
-                        rep] + ([rep] if random else [])
+                        rep, [rep] * n_indices] + ([rep] if random else [])
         out_shardings = (flat_params, flat_states, [rep] * len(mutated), rep, rep, rep) \
             + ((rep,) if skip else ())
         jitted = jax.jit(program, in_shardings=tuple(in_shardings),
                          out_shardings=out_shardings, donate_argnums=donate)
         args = _abstract_inputs(st, scalars, random, flat_params, flat_states, shardings.consts,
-                                shardings.batch, rep)
+                                shardings.batch, rep, n_indices)
     lowered = stages.time("lower", jitted.lower, *args)
     executable = stages.time("compile", compile_lowered, lowered,
                              _platform(device, mesh)) if compile else None
     if spmd and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm,
-                   lowered=lowered, in_shardings=in_shardings)
+                   lowered=lowered, in_shardings=in_shardings, layer_indices=n_indices)

@@ -159,7 +159,7 @@ class CompiledTrainStep:
 
         entry = self.cache.get_or_build(signature, build)
         args = [param_arrays, state_arrays, const_arrays, batch_arrays,
-                jax.device_put(scalars, device)]
+                jax.device_put(scalars, device), entry.layer_index_values(device)]
         if entry.random:
             args.append(rng.next_key(index))
         new_params, new_states, new_consts, loss, grad_norm, lr, *flag = entry.executable(*args)
