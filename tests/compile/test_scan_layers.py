@@ -228,6 +228,7 @@ def test_layer_gradients_are_read_at_the_programs_layer_indices():
 
     stacked = jnp.arange(LAYERS * 4.0).reshape(LAYERS, 4)
     indices = [jnp.int32(j) for j in range(LAYERS)]
+
     def primitives_of(jaxpr):  # nested calls (jax wraps some lax functions in a jit) included
         for eqn in jaxpr.eqns:
             inner = eqn.params.get("jaxpr")

@@ -1,11 +1,11 @@
 """Build the XLA program of one training step from its two traced graphs.
 
 ``program(params, states, consts, batch, scalars, layer_indices[, key])`` takes the parameters
-and optimizer
-state as flat buffers (exactly the ``tpu`` storages' buffers, so donation lets XLA update them
-in place), and ``layer_indices`` (int32 scalars ``0 .. N-1`` for a model whose layers run under
-``lax.scan``: :func:`tpu_train.compile.layer_scan.layer_indices`), and returns the new flat buffers, the new values of mutated buffers, and the loss,
-gradient norm and learning rate. With ``skip_non_finite`` (a field of the step) it also
+and optimizer state as flat buffers (exactly the ``tpu`` storages' buffers, so donation lets
+XLA update them in place) and ``layer_indices`` (int32 scalars ``0 .. N-1`` for a model whose
+layers run under ``lax.scan``: :func:`tpu_train.compile.layer_scan.layer_indices`), and returns
+the new flat buffers, the new values of mutated buffers, and the loss, gradient norm and
+learning rate. With ``skip_non_finite`` (a field of the step) it also
 returns a ``finite`` flag (loss and gradient norm both finite), and when the flag is false the
 "new" parameters, optimizer state and mutated buffers are the old ones (``jnp.where`` in the
 same program: a non-finite update never leaves it). Gradient accumulation runs the gradient graph under
@@ -65,7 +65,8 @@ class Program:
         """The ``layer_indices`` argument: ``j`` at position ``j`` (made once per placement)."""
         if not self.layer_indices:
             return []
-        placement = device if self.in_shardings is None else self.in_shardings[5][0]
+        placement = device if self.in_shardings is None \
+            else self.in_shardings[_LAYER_INDEX_ARGUMENT][0]
         return list(_layer_index_values(self.layer_indices, placement))
 
     def analysis(self) -> dict[str, Any]:
@@ -153,6 +154,10 @@ def _has_layer_scans(gm: torch.fx.GraphModule) -> bool:
 def _key_dtype():
     """The dtype of a typed PRNG key (the program's optional last argument)."""
     return jax.random.key(0).dtype
+
+
+# The program's arguments: params, states, consts, batch, scalars, layer indices[, key].
+_LAYER_INDEX_ARGUMENT = 5
 
 
 @functools.lru_cache(maxsize=None)
