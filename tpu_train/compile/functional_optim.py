@@ -102,6 +102,9 @@ class OptimizerAdapter:
     state_keys: tuple[str, ...] = ()
     #: number of host scalars per parameter group (column 0 is always the lr)
     num_scalars: int = 1
+    #: True when :meth:`update` of one parameter reads nothing of the others: the update is
+    #: then traced once per distinct parameter signature (:mod:`.update_templates`)
+    per_parameter: bool = False
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
@@ -143,6 +146,7 @@ class AdamAdapter(OptimizerAdapter):
     """``torch.optim.Adam`` / ``AdamW``; scalars: lr, 1 - lr*wd, -lr/bc1, sqrt(bc2)."""
 
     num_scalars = 4
+    per_parameter = True
 
     def __init__(self, optimizer):
         super().__init__(optimizer)
@@ -228,6 +232,7 @@ class SGDAdapter(OptimizerAdapter):
     """
 
     num_scalars = 3
+    per_parameter = True
 
     def state_keys_for(self, group):
         return ("momentum_buffer",) if _scalar(group["momentum"]) != 0 else ()

@@ -197,9 +197,12 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
     return gm, weighted[-1]
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s total 2-norm (norm of the per-tensor norms)."""
-    norms = [torch.linalg.vector_norm(g, 2) for g in grads]
+def global_grad_norm(grads: Sequence[torch.Tensor], per_tensor: Callable | None = None
+                     ) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s total 2-norm (norm of the per-tensor norms);
+    ``per_tensor(grads)`` computes the per-tensor norms if given."""
+    norms = per_tensor(grads) if per_tensor is not None else \
+        [torch.linalg.vector_norm(g, 2) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms), 2)
 
 
@@ -209,23 +212,43 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
                        state_fakes: list, scalars_fake) -> torch.fx.GraphModule:
     """The update graph; placeholders ``params + grads + states + [scalars]``, returns
     ``[new params..., new states..., grad_norm]``. ``states`` is flat: per parameter, its
-    ``state_counts[i]`` tensors in the adapter's key order; ``scalars`` is ``[groups, k]``."""
+    ``state_counts[i]`` tensors in the adapter's key order; ``scalars`` is ``[groups, k]``.
+
+    An adapter whose update is ``per_parameter`` is traced once per distinct parameter
+    signature (:mod:`.update_templates`): the graph then holds one node per signature."""
+    from tpu_train.compile.update_templates import TemplatedUpdate  # it imports this module
+
     n = len(param_fakes)
+    per_param_states, cursor = [], 0
+    for count in state_counts:
+        per_param_states.append(state_fakes[cursor:cursor + count])
+        cursor += count
+    group_of = [g for g, size in enumerate(group_sizes) for _ in range(size)]
+    templated = None
+    if getattr(adapter, "per_parameter", False):
+        templated = TemplatedUpdate(adapter, group_settings, fakes, param_fakes,
+                                     per_param_states, group_of, scalars_fake,
+                                     clip=max_grad_norm is not None)
 
     def update_step(*flat):
         params = list(flat[:n])
         grads = list(flat[n:2 * n])
         flat_states = list(flat[2 * n:-1])
         scalars = flat[-1]
-        grad_norm = global_grad_norm(grads)
+        grad_norm = global_grad_norm(grads, templated.norms if templated is not None else None)
+        clip_coef = None
         if max_grad_norm is not None:
             # clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), always multiplied.
             clip_coef = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            grads = [g * clip_coef.to(g.dtype) for g in grads]
         states, cursor = [], 0
         for count in state_counts:
             states.append(flat_states[cursor:cursor + count])
             cursor += count
+        if templated is not None:
+            return _templated_update(templated, params, grads, states, scalars, group_of,
+                                     clip_coef) + [grad_norm]
+        if clip_coef is not None:
+            grads = [g * clip_coef.to(g.dtype) for g in grads]
         new_params, new_states, start = [], [], 0
         for g, (settings, size) in enumerate(zip(group_settings, group_sizes)):
             stop = start + size
@@ -241,4 +264,21 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
     # clipping and optimizer arithmetic run in the parameters' own dtype, as eager code that
     # calls optimizer.step() outside its autocast region does.
     with fakes.mode, torch.autocast("tpu", enabled=False):
-        return _trace(update_step, param_fakes + grad_fakes + state_fakes + [scalars_fake])
+        gm = _trace(update_step, param_fakes + grad_fakes + state_fakes + [scalars_fake])
+    if templated is not None:
+        gm.meta["update_templates"] = templated.templates  # alive as long as the graph
+    return gm
+
+
+def _templated_update(templated, params, grads, states, scalars, group_of, clip_coef) -> list:
+    rows, coefs = {}, {}
+    for group in group_of:
+        if group not in rows:
+            rows[group] = scalars[group]
+    for grad in grads:
+        if clip_coef is not None and grad.dtype not in coefs:
+            coefs[grad.dtype] = clip_coef.to(grad.dtype)
+    new_params, new_states = templated.update(
+        params, grads, states, [rows[g] for g in group_of],
+        [coefs.get(g.dtype) for g in grads])
+    return new_params + new_states

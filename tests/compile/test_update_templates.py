@@ -1,0 +1,74 @@
+"""The optimizer update traced once per distinct parameter signature (compile/update_templates.py).
+
+The hand-written adapters (Adam, AdamW, SGD) update each parameter on its own, so the update
+graph holds one ``template_map`` node per signature instead of every parameter's ops: its size
+no longer grows with depth, and the program computes what the per-parameter trace computed.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from tpu_train.compile import lower_train_step
+from tpu_train.compile.functional_optim import AdamAdapter, SGDAdapter
+from tpu_train.compile.update_templates import TEMPLATE_MAP
+from tpu_train.models import Llama, LlamaConfig
+
+from .helpers import OPTIMIZERS, lm_batches, lm_loss, run_compiled, tiny_llama
+
+
+def _update_graph(n_layers: int, make_opt, max_grad_norm=1.0) -> torch.fx.GraphModule:
+    cfg = LlamaConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=128,
+                      ffn_hidden_dim=176, max_seq_len=32)
+    with torch.device("meta"):
+        model = Llama(cfg)
+        batch = {"tokens": torch.empty(2, 32, dtype=torch.int64),
+                 "labels": torch.empty(2, 32, dtype=torch.int64)}
+    program = lower_train_step(model, make_opt(model.parameters()), lm_loss, batch,
+                               max_grad_norm=max_grad_norm, compile=False, scan_layers=True)
+    return program.update_graph
+
+
+def _ops(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is not operator.getitem]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_update_graph_does_not_grow_with_depth(name):
+    shallow, deep = _update_graph(2, OPTIMIZERS[name]), _update_graph(6, OPTIMIZERS[name])
+    assert _ops(shallow) == _ops(deep)  # node for node: the same graph, only more getitems
+    assert _ops(deep).count(TEMPLATE_MAP) == len(deep.meta["update_templates"])
+    # One norm template and one update template per distinct (flat) parameter signature:
+    # the Llama's embedding/head, attention, MLP and norm weights, not one per layer.
+    assert len(deep.meta["update_templates"]) <= 12
+
+
+def test_an_optimizer_traced_whole_is_not_split_into_templates():
+    # A traced step() may couple its parameters: it stays one trace of the whole group.
+    _, _, _, step = run_compiled(tiny_llama(), lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+                                 lm_loss, lm_batches(1))
+    (program,) = step.cache.entries.values()
+    assert TEMPLATE_MAP not in _ops(program.update_graph)
+    assert "update_templates" not in program.update_graph.meta
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_templated_update_computes_what_the_per_parameter_trace_computes(name, monkeypatch):
+    batches = lm_batches(3)
+    metrics, model, _, _ = run_compiled(tiny_llama(), OPTIMIZERS[name], lm_loss, batches,
+                                        max_grad_norm=0.5)
+    monkeypatch.setattr(AdamAdapter, "per_parameter", False)
+    monkeypatch.setattr(SGDAdapter, "per_parameter", False)
+    ref_metrics, ref_model, _, ref_step = run_compiled(tiny_llama(), OPTIMIZERS[name], lm_loss,
+                                                       batches, max_grad_norm=0.5)
+    (program,) = ref_step.cache.entries.values()
+    assert TEMPLATE_MAP not in _ops(program.update_graph)  # the reference is the plain trace
+    for m, ref in zip(metrics, ref_metrics):
+        assert m["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+    for (key, p), ref in zip(model.state_dict().items(), ref_model.state_dict().values()):
+        torch.testing.assert_close(p.cpu(), ref.cpu(), rtol=1e-6, atol=1e-7, msg=key)

@@ -1,0 +1,181 @@
+"""One traced optimizer update per distinct parameter signature, shared by the parameters with it.
+
+The hand-written optimizer adapters (:mod:`.functional_optim`) update each parameter on its
+own: the same chain of ops for every parameter with the same shape, dtype and state. Traced
+parameter by parameter, a 32-layer Llama's AdamW update is ~3,200 graph nodes, each paid
+for once by ``make_fx`` (fake tensors, functionalization, proxies) and again by the lowering
+to JAX; that cost grows with depth even when the layers themselves run as one scanned body.
+
+Here each distinct signature — param group, parameter, gradient and state shapes and dtypes,
+clipping or not — is traced once into an :class:`UpdateTemplate` (a small FX graph), and
+the update graph holds one ``parameter_update(template, tensors)`` node per parameter. Lowered,
+a template is one ``jax.jit`` function (traced once) that every node calls; XLA inlines the
+calls, so the program is the one the per-parameter trace gave (same ops on the same values).
+
+Only adapters that declare ``per_parameter = True`` (the update of one parameter reads nothing
+of the others) take this path; an optimizer's traced ``step()`` may couple its parameters and
+is traced whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Sequence
+
+import jax
+import torch
+
+from tpu_train.compile import checkpointing, interpreter, tracing
+
+_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY.define("template_map(int template, Tensor[] tensors) -> Tensor[]")
+TEMPLATE_MAP = torch.ops.tpu_train_compile.template_map.default
+
+_TEMPLATES: "weakref.WeakValueDictionary[int, Template]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+class Template:
+    """A traced per-tensor function (``n_inputs`` placeholders, a list of outputs) that a
+    ``template_map`` node applies to each consecutive ``n_inputs`` of its tensors."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.id = next(_IDS)
+        self.gm = gm
+        self.n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.output_metas = [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
+                             for n in output.args[0]]
+        self._jitted = None
+        _TEMPLATES[self.id] = self
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.output_metas)
+
+    def lowered(self):
+        """The template as a JAX function, traced once for all the tensors that share it."""
+        if self._jitted is None:
+            gm = self.gm
+            self._jitted = jax.jit(lambda *values: interpreter.run_graph(gm, list(values))[0])
+        return self._jitted
+
+
+def template(template_id: int) -> Template:
+    found = _TEMPLATES.get(template_id)
+    if found is None:
+        raise RuntimeError(f"template {template_id} is gone: the program that used it was freed")
+    return found
+
+
+def _not_run(*_):
+    raise RuntimeError("template_map only exists inside a traced compiled step")
+
+
+_LIBRARY.impl("template_map", _not_run, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::template_map")
+def _(template_id, tensors):
+    t = template(template_id)
+    device = tensors[0].device
+    return [torch.empty(shape, dtype=dtype, device=device)
+            for _ in range(len(tensors) // t.n_inputs) for shape, dtype in t.output_metas]
+
+
+def _lower_template_map(template_id: int, tensors: Sequence, constrain=None, uses=None):
+    t = template(template_id)
+    function = t.lowered()
+    outputs = []
+    for start in range(0, len(tensors), t.n_inputs):
+        outputs.extend(function(*tensors[start:start + t.n_inputs]))
+    return outputs
+
+
+interpreter.GRAPH_OPS[TEMPLATE_MAP] = _lower_template_map
+
+
+def trace_template(fn, fakes: tracing.FakeFactory, like: Sequence[torch.Tensor]) -> Template:
+    """``fn`` traced on fresh fake tensors shaped like ``like`` (outside any other trace)."""
+    args = [fakes.like(t.shape, t.dtype, t.device) for t in like]
+    with fakes.mode, torch.autocast("tpu", enabled=False):
+        return Template(tracing.trace_forward(fn, args))
+
+
+def map_templates(calls: Sequence[tuple[Template, Sequence[torch.Tensor]]]) -> list[list]:
+    """Inside a trace: each ``(template, inputs)`` applied, as one node per distinct template.
+
+    Returns each call's outputs, in the order of ``calls``."""
+    by_template: dict[int, list[int]] = {}
+    for position, (t, _) in enumerate(calls):
+        by_template.setdefault(t.id, []).append(position)
+    results: list = [None] * len(calls)
+    for template_id, positions in by_template.items():
+        t = calls[positions[0]][0]
+        tensors = [x for p in positions for x in calls[p][1]]
+        out = TEMPLATE_MAP(template_id, tensors)
+        for k, p in enumerate(positions):
+            results[p] = list(out[k * t.n_outputs:(k + 1) * t.n_outputs])
+    return results
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype
+
+
+class TemplatedUpdate:
+    """Gradient norms and the per-parameter optimizer update as ``template_map`` nodes.
+
+    Built before the update graph's trace (templates are traced here, not inside it): one
+    norm template per gradient signature, one update template per param group, parameter and
+    state signature and clipping.
+    """
+
+    def __init__(self, adapter, group_settings: Sequence[dict], fakes: tracing.FakeFactory,
+                 param_fakes: Sequence, state_fakes: Sequence[Sequence], group_of: Sequence[int],
+                 scalars_fake: torch.Tensor, clip: bool):
+        row = fakes.like(scalars_fake.shape[1:], scalars_fake.dtype, scalars_fake.device)
+        norms: dict = {}
+        updates: dict = {}
+        self._norm_of: list[Template] = []
+        self._update_of: list[Template] = []
+        for param, states, group in zip(param_fakes, state_fakes, group_of):
+            if _meta(param) not in norms:
+                norms[_meta(param)] = trace_template(
+                    lambda g: [torch.linalg.vector_norm(g, 2)], fakes, [param])
+            self._norm_of.append(norms[_meta(param)])
+            key = (group, _meta(param), tuple(_meta(s) for s in states))
+            if key not in updates:
+                like = [param, param, *states, row]
+                if clip:
+                    like.append(fakes.like((), param.dtype, param.device))
+                updates[key] = trace_template(
+                    _one_parameter(adapter, group_settings[group], len(states), clip), fakes, like)
+            self._update_of.append(updates[key])
+        self.templates = list(norms.values()) + list(updates.values())  # kept alive with a graph
+
+    def norms(self, grads: Sequence) -> list:
+        """Each gradient's 2-norm (``torch.linalg.vector_norm``)."""
+        return [out[0] for out in map_templates(
+            [(t, [g]) for t, g in zip(self._norm_of, grads)])]
+
+    def update(self, params, grads, states, rows, coefs) -> tuple[list, list]:
+        """New parameters and their new states (flat), from per-parameter inputs: ``rows[i]``
+        the group's host scalars, ``coefs[i]`` the clip coefficient in the gradient's dtype
+        (None without clipping)."""
+        calls = []
+        for t, p, g, s, row, coef in zip(self._update_of, params, grads, states, rows, coefs):
+            calls.append((t, [p, g, *s, row] + ([coef] if coef is not None else [])))
+        outputs = map_templates(calls)
+        return [out[0] for out in outputs], [x for out in outputs for x in out[1:]]
+
+
+def _one_parameter(adapter, settings: dict, n_states: int, clip: bool):
+    def one_parameter(param, grad, *rest):
+        states, scalars = list(rest[:n_states]), rest[n_states]
+        if clip:
+            grad = grad * rest[n_states + 1]
+        new_params, new_states = adapter.update(settings, [param], [grad], [states], scalars)
+        return [new_params[0]] + list(new_states[0])
+    return one_parameter
