@@ -22,9 +22,10 @@ first and last step; and the compiled/jax ratios. Usage::
     python scripts/bench_train_step.py --isolated R [--only ...] [--steps N]
 
 ``--isolated R`` measures what one process cannot separate: each mode runs alone in a fresh
-subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled,
-jax, ...), and the report gives per mode the min and median over rounds of the process's peak
-RSS and of trace + compile seconds, and the compiled/jax ratios of both.
+subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled
+with a warm persistent cache, compiled, ...), and the report gives per mode the min and median
+over rounds of the process's peak RSS and of trace + compile seconds, the compiled/jax ratios
+of both (cold: no persistent cache) and the warm/cold ratio of the compiled step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -345,32 +347,58 @@ def main(argv=None) -> dict:
 
 
 def isolated(args) -> dict:
-    """Each mode alone in its own process, interleaved over rounds (module docstring)."""
+    """Each mode alone in its own process, interleaved over rounds (module docstring).
+
+    Every mode runs cold (``TPU_TRAIN_CACHE_DIR=off``: nothing is read from or written to a
+    persistent compilation cache). With ``compiled`` among the modes, ``compiled_warm`` also
+    runs each round against a cache directory that one untimed run filled before the rounds.
+    """
     import subprocess
+    import tempfile
 
     names = args.only or ["compiled", "jax"]
-    samples = {name: {"peak_rss_mb": [], "trace_compile_s": [], "median_s": []} for name in names}
-    for _ in range(args.isolated):
-        for name in names:
-            out = subprocess.run([sys.executable, __file__, "--only", name, "--steps",
-                                  str(args.steps), "--dtype", args.dtype],
-                                 check=True, capture_output=True, text=True).stdout
-            child = json.loads(out.strip().splitlines()[-1])
-            samples[name]["peak_rss_mb"].append(child["peak_rss_mb"])
-            samples[name]["trace_compile_s"].append(child["modes"][name]["trace_compile_s"])
-            samples[name]["median_s"].append(child["modes"][name]["median_s"])
+    runs = [(name, name) for name in names]
+    cache_dir = tempfile.mkdtemp(prefix="bench_train_step_cache_")
+
+    def run(mode: str, cache: str) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--only", mode, "--steps",
+                              str(args.steps), "--dtype", args.dtype],
+                             check=True, capture_output=True, text=True,
+                             env=dict(os.environ, TPU_TRAIN_CACHE_DIR=cache)).stdout
+        child = json.loads(out.strip().splitlines()[-1])
+        return dict(child["modes"][mode], peak_rss_mb=child["peak_rss_mb"])
+
+    if "compiled" in names:
+        runs.append(("compiled_warm", "compiled"))
+    samples = {label: {"peak_rss_mb": [], "trace_compile_s": [], "median_s": []}
+               for label, _ in runs}
+    try:
+        if "compiled" in names:
+            run("compiled", cache_dir)  # fills the cache
+        for _ in range(args.isolated):
+            for label, mode in runs:
+                child = run(mode, cache_dir if label == "compiled_warm" else "off")
+                for key in samples[label]:
+                    samples[label][key].append(child[key])
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     report = {"workload": "W1", "dtype": args.dtype, "steps": args.steps,
-              "rounds": args.isolated, "modes": {}}
+              "rounds": args.isolated, "date": time.strftime("%Y-%m-%d"),
+              "load_after": [round(x, 2) for x in os.getloadavg()], "modes": {}}
     for name, figures in samples.items():
         report["modes"][name] = {
             key: {"min": round(min(v), 3), "median": round(statistics.median(v), 3),
                   "all": [round(x, 3) for x in v]} for key, v in figures.items()}
+
+    def ratios(a: str, b: str, keys) -> dict:
+        return {key: {stat: round(report["modes"][a][key][stat] / report["modes"][b][key][stat],
+                                  3) for stat in ("min", "median")} for key in keys}
+
     if "compiled" in samples and "jax" in samples:
-        report["compiled_over_jax"] = {
-            key: {stat: round(report["modes"]["compiled"][key][stat]
-                              / report["modes"]["jax"][key][stat], 3)
-                  for stat in ("min", "median")}
-            for key in ("peak_rss_mb", "trace_compile_s")}
+        report["compiled_over_jax"] = ratios("compiled", "jax", ("peak_rss_mb", "trace_compile_s"))
+    if "compiled_warm" in samples:
+        report["compiled_warm_over_cold"] = ratios("compiled_warm", "compiled",
+                                                   ("trace_compile_s",))
     print(json.dumps(report))
     return report
 
