@@ -35,10 +35,12 @@ def test_fsdp_divides_the_sharded_state():
                     activation_checkpointing=True)
     assert ckpt["bytes_activations"] < eight["bytes_activations"] / 4
     assert ckpt["bytes_fsdp_gathered"] < eight["bytes_fsdp_gathered"] / 4
-    # with checkpointing: the head and two layers gathered, the head's gradient unreduced
+    # with checkpointing, the larger phase: the head gathered with its gradient unreduced and
+    # a layer prefetched (the 8B's), or two layers gathered and one layer's gradient
     head = cfg.vocab_size * cfg.dim
     layer = (num_params(cfg) - 2 * head - cfg.dim) // cfg.n_layers
-    assert ckpt["bytes_fsdp_gathered"] == 4 * (head + 2 * layer + head)
+    assert 2 * head + layer > 3 * layer
+    assert ckpt["bytes_fsdp_gathered"] == 4 * (2 * head + layer)
     flash = estimate(cfg, num_devices=8, data=1, fsdp=8, batch=8, seq_len=1024,
                      flash_attention=True, act_bytes=2)
     assert flash["bytes_activations"] < eight["bytes_activations"] / 2

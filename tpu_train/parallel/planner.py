@@ -188,11 +188,12 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     by default), AdamW two float32 moments; activations ``act_bytes`` each (2 under bf16
     autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally
     needs the all-gathered (still tensor-sharded) weights: all of them without checkpointing
-    (the backward reuses the forward's gathered weights), the largest tensor and two layers'
-    with it (and with ``scan_layers``, which gathers each layer's weights inside the loop; the
-    loop also stacks every layer's local weight shards once);
-    and one unreduced gradient in flight (the largest of a layer's and a single tensor's). Returns a flat dict of
-    figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
+    (the backward reuses the forward's gathered weights) and one unreduced gradient in flight
+    (the largest of a layer's and a single tensor's); with checkpointing or ``scan_layers``
+    (which gathers each layer's weights inside the loop, and stacks every layer's local weight
+    shards once) the larger of the head's backward (head gathered, its gradient unreduced, a
+    layer prefetched) and a layer's (two layers gathered, one layer's gradient unreduced).
+    Returns a flat dict of figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
     from tpu_train.models import flops_per_token, num_params
 
@@ -212,16 +213,19 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     optimizer = 2 * local * 4
     if shape.fsdp > 1:
         # Gathered weights: the backward reads every layer's weights again, so without
-        # checkpointing all of them stay live from the forward. With it the compiled step
-        # gathers weights where ops read them, about a layer's worth at a time, each gathered
-        # while the previous one computes (compile/interpreter.py): the largest tensor
-        # (embedding or head) plus two layers. Gradients are reduce-scattered as they are
-        # made: beside the weights only the largest unreduced gradient in flight (a layer's,
-        # or the embedding's / head's) is whole.
-        live = gathered
+        # checkpointing all of them stay live from the forward, beside the largest unreduced
+        # gradient in flight (gradients are reduce-scattered as they are made).
+        fsdp_working = gathered + max(one_layer, largest)
         if activation_checkpointing or scan_layers:
-            live = min(gathered, largest + min(2, cfg.n_layers) * one_layer)
-        fsdp_working = int((live + max(one_layer, largest)) * param_bytes)
+            # Gathered where ops read them instead, a layer's worth at a time with the next
+            # one gathered meanwhile (compile/interpreter.py, layer_scan.py): the peak is the
+            # larger of two phases, not their sum. The head's backward holds the gathered
+            # head, its unreduced gradient and the first layer being gathered; a layer's
+            # backward holds two layers' gathered weights and one layer's unreduced gradient.
+            head_phase = 2 * largest + one_layer
+            layer_phase = (min(2, cfg.n_layers) + 1) * one_layer
+            fsdp_working = min(fsdp_working, max(head_phase, layer_phase))
+        fsdp_working = int(fsdp_working * param_bytes)
     else:
         fsdp_working = 0
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
