@@ -227,8 +227,8 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
     templated = None
     if getattr(adapter, "per_parameter", False):
         templated = TemplatedUpdate(adapter, group_settings, fakes, param_fakes,
-                                     per_param_states, group_of, scalars_fake,
-                                     clip=max_grad_norm is not None)
+                                    per_param_states, group_of, scalars_fake,
+                                    clip=max_grad_norm is not None)
 
     def update_step(*flat):
         params = list(flat[:n])
