@@ -12,7 +12,8 @@ every mode alike.
   step's ops are recorded and run as one region when the step's values are read;
 * ``compiled``: the same model and optimizer through ``tpu_train.compile.compile_train_step``;
 * ``jax``: the same network written directly in JAX with ``optax.adamw``, one ``jax.jit`` step
-  with donated parameters and optimizer state.
+  with donated parameters and optimizer state, returning the loss and the global gradient
+  norm (``optax.global_norm``) as the compiled step does.
 
 Prints ONE JSON line: per mode the fastest and median step seconds (step 1, which compiles,
 excluded), tokens/s at the median, trace + compile seconds, resident memory, the loss at the
@@ -237,8 +238,11 @@ class JaxMode:
         import optax
 
         loss, grads = self.jax.value_and_grad(self._loss)(params, tokens, labels)
+        # The compiled step returns the global gradient norm with the loss (a trainer logs
+        # it every step): the same outputs here, so both programs do the same work.
+        grad_norm = optax.global_norm(grads)
         updates, opt_state = self.opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss, grad_norm
 
     def step(self, batch):
         jax = self.jax
@@ -253,8 +257,8 @@ class JaxMode:
             self.compile_s = time.perf_counter() - start
             self.stages = {"trace_lower_s": round(lowered_at - start, 3),
                            "xla_compile_s": round(time.perf_counter() - lowered_at, 3)}
-        self.params, self.opt_state, loss = self.compiled(self.params, self.opt_state, tokens,
-                                                          labels)
+        self.params, self.opt_state, loss, _ = self.compiled(self.params, self.opt_state,
+                                                             tokens, labels)
         return loss
 
     def block(self, loss):
