@@ -219,10 +219,7 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
     from tpu_train.compile.update_templates import TemplatedUpdate  # it imports this module
 
     n = len(param_fakes)
-    per_param_states, cursor = [], 0
-    for count in state_counts:
-        per_param_states.append(state_fakes[cursor:cursor + count])
-        cursor += count
+    per_param_states = _per_parameter(state_fakes, state_counts)
     group_of = [g for g, size in enumerate(group_sizes) for _ in range(size)]
     templated = None
     if getattr(adapter, "per_parameter", False):
@@ -240,10 +237,7 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
         if max_grad_norm is not None:
             # clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), always multiplied.
             clip_coef = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
-        states, cursor = [], 0
-        for count in state_counts:
-            states.append(flat_states[cursor:cursor + count])
-            cursor += count
+        states = _per_parameter(flat_states, state_counts)
         if templated is not None:
             return _templated_update(templated, params, grads, states, scalars, group_of,
                                      clip_coef) + [grad_norm]
@@ -268,6 +262,15 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
     if templated is not None:
         gm.meta["update_templates"] = templated.templates  # alive as long as the graph
     return gm
+
+
+def _per_parameter(flat_states: Sequence, state_counts: Sequence[int]) -> list:
+    """The flat state list split per parameter (``state_counts[i]`` tensors for parameter i)."""
+    states, cursor = [], 0
+    for count in state_counts:
+        states.append(list(flat_states[cursor:cursor + count]))
+        cursor += count
+    return states
 
 
 def _templated_update(templated, params, grads, states, scalars, group_of, clip_coef) -> list:
