@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten_with_path
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import program as program_mod
 from tpu_train.compile.functional_optim import OptimizerAdapter, adapter_for
+from tpu_train.compile.loss_graph import AUTODIFF_CHOICES
 from tpu_train.device import autocast, runtime
 
 __all__ = ["StepDefinition", "StepInputs", "autocast_region", "check_step_settings",
@@ -43,9 +44,14 @@ class StepDefinition:
     grad_accum_steps: int = 1
     donate: bool = True
     scan_layers: bool | None = None
+    autodiff: str = "jax"
 
 
-def check_step_settings(max_grad_norm: float | None, grad_accum_steps: int) -> None:
+def check_step_settings(max_grad_norm: float | None, grad_accum_steps: int,
+                        autodiff: str = "jax") -> None:
+    if autodiff not in AUTODIFF_CHOICES:
+        raise ValueError(f"autodiff must be one of {', '.join(map(repr, AUTODIFF_CHOICES))}, "
+                         f"got {autodiff!r}")
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
     if max_grad_norm is not None and not max_grad_norm > 0:
@@ -194,7 +200,8 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      loss_fn: Callable[[torch.nn.Module, Any], Any], batch, *, mesh=None,
                      plan=None, max_grad_norm: float | None = None, grad_accum_steps: int = 1,
                      donate: bool = True, autocast_dtype: torch.dtype | None = None,
-                     compile: bool = True, scan_layers: bool | None = None) -> program_mod.Program:
+                     compile: bool = True, scan_layers: bool | None = None,
+                     autodiff: str = "jax") -> program_mod.Program:
     """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
 
     Args are those of ``compile_train_step``; ``batch`` is a pytree of tensors whose shapes
@@ -208,10 +215,10 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``executable`` (None without compile), ``analysis()`` (XLA's memory and FLOPs per device)
     and ``seconds`` (trace / lower / compile).
     """
-    check_step_settings(max_grad_norm, grad_accum_steps)
+    check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
     adapter = adapter_for(optimizer)
     step = StepDefinition(model, optimizer, loss_fn, adapter, max_grad_norm,
-                          int(grad_accum_steps), bool(donate), scan_layers)
+                          int(grad_accum_steps), bool(donate), scan_layers, autodiff)
     inputs = collect_step_inputs(model, optimizer, adapter, batch, _tensor_names(model))
     if not inputs.params:
         raise ValueError("the optimizer holds no parameter that requires grad")

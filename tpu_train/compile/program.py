@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from tpu_train.compile import interpreter, layer_groups, layer_scan, tracing
+from tpu_train.compile import interpreter, layer_groups, layer_scan, loss_graph, tracing
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
@@ -60,6 +60,10 @@ class Program:
     in_shardings: Any = None  # SPMD only: what the executable's arguments must be placed as
     seconds: dict = dataclasses.field(default_factory=dict)  # trace / lower / compile (if timed)
     layer_indices: int = 0  # how many int32 layer-index scalars the program takes
+    # "jax": JAX differentiates the traced forward (grad_graph is then the loss graph);
+    # "torch": PyTorch's backward was traced. autodiff_note says why not "jax", if not.
+    autodiff: str = "torch"
+    autodiff_note: str = ""
 
     def layer_index_values(self, device) -> list:
         """The ``layer_indices`` argument: ``j`` at position ``j`` (made once per placement)."""
@@ -185,6 +189,47 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     return args
 
 
+def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes):
+    """``(graph, weighted, note)``: the loss graph for JAX to differentiate where it carries
+    the step's gradients (:mod:`.loss_graph`; ``note`` is then empty), else PyTorch's
+    gradient graph and why (``note``)."""
+    args = (step.model, step.loss_fn, st.param_names, st.const_names, st.batch_spec, fakes,
+            param_fakes, const_fakes, batch_fakes)
+    scan_layers = getattr(step, "scan_layers", None)
+    least = layer_groups.min_scanned_layers(scan_layers)
+    if getattr(step, "autodiff", "jax") != "jax":
+        note = "autodiff='torch'"
+    elif least is not None and layer_groups.find_groups(step.model, least):
+        note = "scanned layers are differentiated by their own scan"
+    else:
+        try:
+            return loss_graph.trace_loss_graph(*args) + ("",)
+        except Exception as error:  # noqa: BLE001
+            # TorchAutogradNeeded, or what torch.func refuses in a forward-only trace: a
+            # forward that writes a buffer (BatchNorm's running statistics) writes a tensor
+            # the vjp captured. PyTorch's gradient graph handles both; an error in the user's
+            # code is raised by that trace as before.
+            note = f"{type(error).__name__}: {error}".splitlines()[0]
+    gm, weighted = layer_groups.traced_with_groups(
+        step.model, lambda: tracing.trace_grad_graph(*args), scan_layers)
+    return gm, weighted, note
+
+
+def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain, at_use):
+    """``(grads, loss, weight, new consts)`` of the loss graph, by ``jax.grad``."""
+    n_params = len(params)
+
+    def loss_and_rest(diff):
+        (loss, weight), mutations = interpreter.run_graph(
+            loss_gm, list(diff) + consts + batch, rng_key=key, constrain=constrain,
+            at_use=at_use)
+        return loss, (loss.astype(jnp.float32), weight, mutations)
+
+    grads, (loss, weight, mutations) = jax.grad(loss_and_rest, has_aux=True)(list(params))
+    new_consts = [mutations.get(n_params + i, c) for i, c in enumerate(consts)]
+    return list(grads), loss, weight, new_consts
+
+
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
                   compile: bool = True) -> Program:
     """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
@@ -212,13 +257,9 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     param_fakes = [fake(p) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    def trace_grad():
-        return tracing.trace_grad_graph(step.model, step.loss_fn, st.param_names,
-                                        st.const_names, st.batch_spec, fakes, param_fakes,
-                                        const_fakes, batch_fakes)
-
-    grad_gm, weighted = stages.time("trace", layer_groups.traced_with_groups, step.model,
-                                    trace_grad, getattr(step, "scan_layers", None))
+    grad_gm, weighted, autodiff_note = stages.time(
+        "trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes, batch_fakes)
+    jax_autodiff = not autodiff_note
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it
@@ -256,6 +297,9 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     skip = bool(getattr(step, "skip_non_finite", False))
 
     def gradients(params, consts, batch, key):
+        if jax_autodiff:
+            return _differentiated_loss_graph(grad_gm, params, consts, batch, key,
+                                              constrain=constrain, at_use=at_use)
         outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key,
                                                    constrain=constrain, at_use=at_use)
         new_consts = [mutations.get(n_params + i, consts[i]) for i in range(n_consts)]
@@ -401,4 +445,5 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     if spmd and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm,
-                   lowered=lowered, in_shardings=in_shardings, layer_indices=n_indices)
+                   lowered=lowered, in_shardings=in_shardings, layer_indices=n_indices,
+                   autodiff="jax" if jax_autodiff else "torch", autodiff_note=autodiff_note)

@@ -151,6 +151,33 @@ def _check_loss(value, what: str) -> torch.Tensor:
     return value
 
 
+def loss_closure(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequence[str],
+                 const_names: Sequence[str]):
+    """``loss_of(diff_values, const_values, batch) -> (loss, weight)`` with the module's tensors
+    swapped for the given values, a list to which each call appends whether the loss is
+    weighted, and the module ``loss_of`` calls (trace it under :func:`traced_checkpoints` of
+    it). ``loss_fn`` returns either a loss (weight 1) or ``(loss_sum, count)``; the weight
+    comes back as float32."""
+    wrapper = _LossModule(model, loss_fn)
+    diff_keys = ["model." + n for n in diff_names]
+    const_keys = ["model." + n for n in const_names]
+    weighted = []
+
+    def loss_of(diff_values, const_values, batch):
+        mapping = dict(zip(diff_keys, diff_values))
+        mapping.update(zip(const_keys, const_values))
+        result = torch.func.functional_call(wrapper, mapping, (batch,))
+        if isinstance(result, (tuple, list)) and len(result) == 2:
+            loss, weight = _check_loss(result[0], "loss"), _check_loss(result[1], "count")
+            weighted.append(True)
+            return loss, weight.to(torch.float32)
+        loss = _check_loss(result, "loss")
+        weighted.append(False)
+        return loss, torch.ones((), dtype=torch.float32, device=loss.device)
+
+    return loss_of, weighted, wrapper
+
+
 def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequence[str],
                      const_names: Sequence[str], batch_spec, fakes: FakeFactory,
                      diff_fakes: list, const_fakes: list, batch_fakes: list):
@@ -162,11 +189,8 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
     are of ``loss_sum`` and the step divides the sums over micro-batches by the total count,
     so that accumulation weighs every item (token) equally.
     """
-    wrapper = _LossModule(model, loss_fn)
-    diff_keys = ["model." + n for n in diff_names]
-    const_keys = ["model." + n for n in const_names]
+    loss_of, weighted, wrapper = loss_closure(model, loss_fn, diff_names, const_names)
     n_diff, n_const = len(diff_fakes), len(const_fakes)
-    weighted = []
 
     def grad_step(*flat):
         diff = list(flat[:n_diff])
@@ -176,20 +200,12 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         # The constants are arguments of the transformed function (not captured from outside
         # it): a forward that overwrites a buffer (BatchNorm's running statistics) is then
         # allowed by torch.func, and functionalization records the write as a graph output.
-        def loss_of(diff_values, const_values):
-            mapping = dict(zip(diff_keys, diff_values))
-            mapping.update(zip(const_keys, const_values))
-            result = torch.func.functional_call(wrapper, mapping, (batch,))
-            if isinstance(result, (tuple, list)) and len(result) == 2:
-                loss, weight = _check_loss(result[0], "loss"), _check_loss(result[1], "count")
-                weighted.append(True)
-                return loss, weight.detach().to(torch.float32)
-            loss = _check_loss(result, "loss")
-            weighted.append(False)
-            return loss, torch.ones((), dtype=torch.float32, device=loss.device)
+        def differentiated(diff_values, const_values):
+            loss, weight = loss_of(diff_values, const_values, batch)
+            return loss, weight.detach()
 
-        grads, (loss, weight) = torch.func.grad_and_value(loss_of, argnums=0, has_aux=True)(
-            diff, const)
+        grads, (loss, weight) = torch.func.grad_and_value(differentiated, argnums=0,
+                                                          has_aux=True)(diff, const)
         return list(grads) + [loss.detach().to(torch.float32), weight]
 
     with fakes.mode, traced_checkpoints(wrapper):

@@ -45,8 +45,8 @@ class CompiledTrainStep:
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
                  name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False,
-                 scan_layers=None):
-        check_step_settings(max_grad_norm, grad_accum_steps)
+                 scan_layers=None, autodiff="jax"):
+        check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
         self.skip_non_finite = bool(skip_non_finite)
         self.model = model
         self.optimizer = optimizer
@@ -56,6 +56,7 @@ class CompiledTrainStep:
         self.grad_accum_steps = int(grad_accum_steps)
         self.donate = bool(donate)
         self.scan_layers = None if scan_layers is None else bool(scan_layers)
+        self.autodiff = autodiff
         self.mesh = mesh  # with plan: an SPMD program (see tpu_train.compile.program)
         self.plan = plan
         self.adapter = adapter_for(optimizer)
@@ -111,6 +112,7 @@ class CompiledTrainStep:
                     ("grad_accum_steps", self.grad_accum_steps),
                     ("donate", self.donate),
                     ("scan_layers", self.scan_layers),
+                    ("autodiff", self.autodiff),
                     ("skip_non_finite", self.skip_non_finite),
                     ("optimizer param group sizes", tuple(st.group_sizes)),
                     ("params that own their storage", values["whole"]),
@@ -225,7 +227,8 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        mesh=None, plan=None,
                        autocast_dtype: torch.dtype | None = None,
                        skip_non_finite: bool = False,
-                       scan_layers: bool | None = None) -> CompiledTrainStep:
+                       scan_layers: bool | None = None,
+                       autodiff: str = "jax") -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -264,6 +267,11 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             less with depth (``tpu_train.compile.layer_groups``). None (default): stacks of
             at least ``SCAN_MIN_LAYERS`` (20) layers; True: every stack; False: none. Where
             the model does not call its layers as such a stack, they are traced one by one.
+        autodiff: ``"jax"`` (default): trace the forward only and let JAX differentiate it,
+            where the forward graph carries all of autograd's behaviour (no ``detach`` /
+            ``no_grad`` / hook / custom ``autograd.Function`` touching the gradient path, no
+            buffer written by the forward, no scanned stack: ``tpu_train.compile.loss_graph``);
+            otherwise, and with ``"torch"``, PyTorch's backward is traced.
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}`` (plus ``"finite"`` with
@@ -274,4 +282,4 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
                              donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
                              autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite,
-                             scan_layers=scan_layers)
+                             scan_layers=scan_layers, autodiff=autodiff)

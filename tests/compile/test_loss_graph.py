@@ -1,0 +1,139 @@
+"""JAX differentiates the traced forward where that forward carries all of autograd's behaviour,
+and PyTorch's traced backward is used where it does not (tpu_train.compile.loss_graph).
+
+Each fallback case cuts or changes a gradient the way only autograd knows (detach, ``.data``,
+``no_grad``, a tensor hook, a forward that writes a buffer): differentiated through the forward
+graph by JAX, its gradients would be wrong, so each case is checked against CPU PyTorch, and the
+path it took is asserted. The models that do take the JAX path are checked against the traced
+PyTorch backward of the same step.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.tolerances import loss_rtol, update_rtol
+from tpu_train.compile import compile_train_step, lower_train_step
+
+from .helpers import (DEVICE, assert_losses_close, assert_params_close, lm_batches, lm_loss,
+                      run_compiled, run_reference, tiny_llama, to_device)
+
+STEPS = 3
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class _Base(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, 8)
+        self.second = torch.nn.Linear(8, 8)
+        self.third = torch.nn.Linear(8, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+
+class Detaches(_Base):
+    def forward(self, x):
+        y = torch.tanh(self.first(x))
+        return self.third(self.second(y.detach()) + y)
+
+
+class ReadsData(_Base):
+    def forward(self, x):
+        y = torch.tanh(self.first(x))
+        return self.third(self.second(y) * y.data)
+
+
+class NoGradOnActivations(_Base):
+    def forward(self, x):
+        y = torch.tanh(self.first(x))
+        with torch.no_grad():
+            norm = y.abs().mean() + 1.0
+        return self.third(self.second(y) / norm)
+
+
+class TensorHook(_Base):
+    def forward(self, x):
+        y = torch.tanh(self.first(x))
+        y.register_hook(lambda grad: grad * 3.0)
+        return self.third(self.second(y))
+
+
+class BatchNormed(_Base):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.third(self.norm(self.second(torch.tanh(self.first(x)))))
+
+
+class NoGradOnBuffersOnly(_Base):
+    """``no_grad`` around values that do not depend on the parameters (transformers' rotary
+    embedding does this) changes no gradient: the JAX path stays."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.scale * 2.0
+        return self.third(self.second(torch.tanh(self.first(x))) * scale)
+
+
+def _loss(model, batch):
+    return F.mse_loss(model(batch["x"]), batch["y"])
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(5, 6, generator=g), "y": torch.randn(5, 3, generator=g)}
+            for _ in range(STEPS)]
+
+
+CASES = {Detaches: "torch", ReadsData: "torch", NoGradOnActivations: "torch",
+         TensorHook: "torch", BatchNormed: "torch", NoGradOnBuffersOnly: "jax"}
+
+
+def _path(model, loss_fn, batch, **kwargs):
+    device_model = model.to(DEVICE) if next(model.parameters()).device != DEVICE else model
+    program = lower_train_step(device_model, _sgd(device_model.parameters()), loss_fn,
+                               to_device(batch), compile=False, **kwargs)
+    return program.autodiff, program.autodiff_note
+
+
+@pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
+def test_autograd_only_features_take_the_traced_backward_and_train_like_cpu(cls):
+    batches = _batches()
+    autodiff, note = _path(cls(), _loss, batches[0])
+    assert autodiff == CASES[cls], note
+    assert (note == "") == (autodiff == "jax")
+    expected, reference, _, _ = run_reference(cls(), _sgd, _loss, batches, device="cpu")
+    metrics, model, _, _ = run_compiled(cls(), _sgd, _loss, batches)
+    rtol = loss_rtol(torch.float32, STEPS, 8)
+    assert_losses_close([m["loss"] for m in metrics], expected, rtol)
+    assert_params_close(model, reference, update_rtol(torch.float32, STEPS, 8))
+
+
+def test_jax_and_torch_autodiff_compute_the_same_steps():
+    batches = lm_batches(STEPS)
+    assert _path(tiny_llama(), lm_loss, batches[0]) == ("jax", "")
+    assert _path(tiny_llama(), lm_loss, batches[0], autodiff="torch")[0] == "torch"
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+
+    jax_metrics, jax_model, _, _ = run_compiled(tiny_llama(), adamw, lm_loss, batches,
+                                                max_grad_norm=1.0)
+    torch_metrics, torch_model, _, _ = run_compiled(tiny_llama(), adamw, lm_loss, batches,
+                                                    max_grad_norm=1.0, autodiff="torch")
+    for key in ("loss", "grad_norm"):
+        assert_losses_close([m[key] for m in jax_metrics], [m[key] for m in torch_metrics],
+                            loss_rtol(torch.float32, STEPS, 128))
+    assert_params_close(jax_model, torch_model, 1e-4)
+
+
+def test_an_unknown_autodiff_is_a_one_line_error():
+    model = torch.nn.Linear(2, 2).to(DEVICE)
+    with pytest.raises(ValueError, match=r"autodiff must be one of 'jax', 'torch', got 'tf'"):
+        compile_train_step(model, _sgd(model.parameters()), _loss, autodiff="tf")
