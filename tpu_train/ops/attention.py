@@ -20,14 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tpu_train.ops.matmul import accumulator_dtype, lax_precision
+from tpu_train.ops.matmul import dot_general
 from tpu_train.ops.registry import aten, lowers
 
 
 def _dot(a, b, contracting, batch=((0, 1), (0, 1))):
-    dtype = jnp.result_type(a, b)
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), (contracting, batch), precision=lax_precision(),
-                           preferred_element_type=accumulator_dtype(a, b))
+    return dot_general(a, b, contracting, batch)
 
 
 def _grouped(x, kv_heads):

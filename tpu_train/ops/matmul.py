@@ -11,6 +11,8 @@ precision, named after ``torch.set_float32_matmul_precision``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -62,14 +64,44 @@ def accumulator_dtype(*arrays):
     return dtype
 
 
-def _dot_general(a, b, contracting, batch=((), ())):
-    """A ``lax.dot_general`` with torch's accumulation dtype and the current precision."""
+def dot_general(a, b, contracting, batch=((), ())):
+    """A ``lax.dot_general`` with torch's accumulation dtype and the current precision.
+
+    bf16 / f16 operands give an f32 product (the caller rounds it to the operands' dtype, as
+    torch does). Its gradient is taken like PyTorch's ``mm`` backward: products of the
+    low-precision incoming gradient with the low-precision operands. Left to JAX's own
+    transpose rule, the f32 product's f32 cotangent would make every backward product an f32
+    one (multi-pass on a TPU's matrix unit) when JAX differentiates a compiled step."""
     dtype = jnp.result_type(a, b)
     a, b = a.astype(dtype), b.astype(dtype)
-    return lax.dot_general(
-        a, b, (contracting, batch),
-        precision=lax_precision(),
-        preferred_element_type=accumulator_dtype(a, b))
+    if accumulator_dtype(a, b) != dtype:
+        return _low_precision_dot(a, b, (tuple(map(tuple, contracting)),
+                                         tuple(map(tuple, batch))), lax_precision())
+    return lax.dot_general(a, b, (contracting, batch), precision=lax_precision())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _low_precision_dot(a, b, dimension_numbers, precision):
+    return lax.dot_general(a, b, dimension_numbers, precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _low_precision_dot_forward(a, b, dimension_numbers, precision):
+    return _low_precision_dot(a, b, dimension_numbers, precision), (a, b)
+
+
+def _low_precision_dot_backward(dimension_numbers, precision, operands, cotangent):
+    a, b = operands
+
+    def rounded_product(a, b):  # f32 accumulation inside the dot, rounded to a's dtype
+        return lax.dot_general(a, b, dimension_numbers, precision=precision,
+                               preferred_element_type=a.dtype)
+
+    _, pullback = jax.vjp(rounded_product, a, b)
+    return pullback(cotangent.astype(a.dtype))
+
+
+_low_precision_dot.defvjp(_low_precision_dot_forward, _low_precision_dot_backward)
 
 
 def _scale(x, factor):
@@ -92,11 +124,11 @@ def _add_scaled_input(product, inp, beta, alpha):
 
 
 def _mm(a, b):
-    return _dot_general(a, b, ((1,), (0,)))
+    return dot_general(a, b, ((1,), (0,)))
 
 
 def _bmm(a, b):
-    return _dot_general(a, b, ((2,), (1,)), ((0,), (0,)))
+    return dot_general(a, b, ((2,), (1,)), ((0,), (0,)))
 
 
 @lowers(aten.mm.default)
@@ -131,28 +163,28 @@ def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
 @lowers(aten.addbmm.default)
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     # Sum over the batch as part of the contraction rather than a separate reduction.
-    product = _dot_general(batch1, batch2, ((0, 2), (0, 1)))
+    product = dot_general(batch1, batch2, ((0, 2), (0, 1)))
     return _add_scaled_input(product, self, beta, alpha)
 
 
 @lowers(aten.mv.default)
 def mv(self, vec):
-    return _dot_general(self, vec, ((1,), (0,)))
+    return dot_general(self, vec, ((1,), (0,)))
 
 
 @lowers(aten.addmv.default)
 def addmv(self, mat, vec, *, beta=1, alpha=1):
-    return _add_scaled_input(_dot_general(mat, vec, ((1,), (0,))), self, beta, alpha)
+    return _add_scaled_input(dot_general(mat, vec, ((1,), (0,))), self, beta, alpha)
 
 
 @lowers(aten.dot.default)
 def dot(self, tensor):
-    return _dot_general(self, tensor, ((0,), (0,)))
+    return dot_general(self, tensor, ((0,), (0,)))
 
 
 @lowers(aten.vdot.default)
 def vdot(self, other):
-    return _dot_general(jnp.conj(self), other, ((0,), (0,)))
+    return dot_general(jnp.conj(self), other, ((0,), (0,)))
 
 
 @lowers(aten.outer.default)
