@@ -50,9 +50,14 @@ def decomposition_table() -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _decomposition_table(lowering_count: int) -> dict:
-    from torch._decomp import core_aten_decompositions
+    import torch._decomp
 
-    table = core_aten_decompositions()
+    # ``core_aten_decompositions()`` is this table plus an entry per CompositeImplicitAutograd
+    # op, which a make_fx trace decomposes by itself (the same graphs and programs here, W1 and
+    # five transformers models); collecting those ops looks up every aten operator in the C++
+    # dispatcher, 0.2 s of every process's first compile.
+    core = getattr(torch._decomp, "_core_aten_decompositions_post_autograd", None)
+    table = core() if core is not None else torch._decomp.core_aten_decompositions()
     return {op: fn for op, fn in table.items()
             if op in _KEEP_DECOMPOSED or registry.get_lowering(op) is None}
 
