@@ -11,6 +11,8 @@ every mode alike.
 * ``fused``: the same eager code in fused eager mode (``tpu_train.eager_mode("fused")``): the
   step's ops are recorded and run as one region when the step's values are read;
 * ``compiled``: the same model and optimizer through ``tpu_train.compile.compile_train_step``;
+* ``compiled_torch_autodiff``: the same with ``autodiff="torch"`` (PyTorch's backward traced
+  instead of JAX differentiating the traced forward);
 * ``jax``: the same network written directly in JAX with ``optax.adamw``, one ``jax.jit`` step
   with donated parameters and optimizer state, returning the loss and the global gradient
   norm (``optax.global_norm``) as the compiled step does; compiled with XLA's defaults;
@@ -49,7 +51,7 @@ import numpy as np
 
 BATCH, SEQ = 4, 256
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-4, 0.1, (0.9, 0.999), 1e-8
-MODES = ("eager", "fused", "compiled", "jax", "jax_xla_options")
+MODES = ("eager", "fused", "compiled", "compiled_torch_autodiff", "jax", "jax_xla_options")
 DEFAULT_MODES = ("eager", "compiled", "jax")
 
 
@@ -140,11 +142,11 @@ class FusedMode(EagerMode):
 
 
 class CompiledMode(TorchMode):
-    def __init__(self, cpu_model, dtype):
+    def __init__(self, cpu_model, dtype, autodiff="jax"):
         super().__init__(cpu_model, dtype)
         from tpu_train.compile import compile_train_step
 
-        self.step_fn = compile_train_step(self.model, self.optimizer, lm_loss)
+        self.step_fn = compile_train_step(self.model, self.optimizer, lm_loss, autodiff=autodiff)
 
     def step(self, batch):
         loss = self.step_fn(self.to_device(batch))["loss"]
@@ -312,7 +314,8 @@ def main(argv=None) -> dict:
         cpu_model = cpu_model.to(torch.bfloat16)
     batches = make_batches(args.steps, cfg.vocab_size)
     classes = {"eager": EagerMode, "fused": FusedMode, "compiled": CompiledMode, "jax": JaxMode,
-               "jax_xla_options": lambda model, dtype: JaxMode(model, dtype, xla_options=True)}
+               "jax_xla_options": lambda model, dtype: JaxMode(model, dtype, xla_options=True),
+               "compiled_torch_autodiff": lambda model, dtype: CompiledMode(model, dtype, "torch")}
     names = args.only or list(DEFAULT_MODES)
     modes, results = {}, {}
     for name in names:

@@ -82,6 +82,35 @@ class NoGradOnBuffersOnly(_Base):
         return self.third(self.second(torch.tanh(self.first(x))) * scale)
 
 
+class AtTheEdges(torch.nn.Module):
+    """Values where a derivative is a choice: relu at 0, hardtanh and clamp at their bounds, the
+    norm of a zero row, a max-pool window of equal values. JAX differentiates the loss graph
+    here; each lowering must give PyTorch's choice (relu'(0) = 0, not maximum's 1/2; a zero
+    vector's norm gradient 0, not NaN; the first maximum of a window gets the gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        row = [0.0, 1.0, -1.0, 0.5, -0.5, 2.0, 0.25, 0.25]
+        self.p = torch.nn.Parameter(torch.tensor([row, row]))
+
+    def forward(self, x):
+        p = self.p
+        rows = torch.stack([p[0] * 0.0, p[1]])  # a zero row to normalize
+        pooled = F.max_pool1d(p.unsqueeze(0), 2)
+        parts = [F.relu(p), F.hardtanh(p), torch.clamp(p, -0.5, 0.5),
+                 F.normalize(rows, dim=1), pooled.squeeze(0).repeat(1, 2)]
+        return sum(part * x[i] for i, part in enumerate(parts))
+
+
+class NotDifferentiableByJax(_Base):
+    """``polygamma`` lowers through a ``while_loop``, which JAX cannot differentiate in reverse
+    mode: found when the program is lowered, the step falls back to PyTorch's backward."""
+
+    def forward(self, x):
+        y = torch.sigmoid(self.first(x)) + 1.0
+        return self.third(self.second(torch.special.polygamma(1, y)))
+
+
 def _loss(model, batch):
     return F.mse_loss(model(batch["x"]), batch["y"])
 
@@ -93,7 +122,8 @@ def _batches():
 
 
 CASES = {Detaches: "torch", ReadsData: "torch", NoGradOnActivations: "torch",
-         TensorHook: "torch", BatchNormed: "torch", NoGradOnBuffersOnly: "jax"}
+         TensorHook: "torch", BatchNormed: "torch", NoGradOnBuffersOnly: "jax",
+         NotDifferentiableByJax: "torch"}
 
 
 def _path(model, loss_fn, batch, **kwargs):
@@ -109,11 +139,28 @@ def test_autograd_only_features_take_the_traced_backward_and_train_like_cpu(cls)
     autodiff, note = _path(cls(), _loss, batches[0])
     assert autodiff == CASES[cls], note
     assert (note == "") == (autodiff == "jax")
+    if cls is NotDifferentiableByJax:
+        assert note.startswith("JAX could not differentiate the loss graph"), note
     expected, reference, _, _ = run_reference(cls(), _sgd, _loss, batches, device="cpu")
     metrics, model, _, _ = run_compiled(cls(), _sgd, _loss, batches)
     rtol = loss_rtol(torch.float32, STEPS, 8)
     assert_losses_close([m["loss"] for m in metrics], expected, rtol)
     assert_params_close(model, reference, update_rtol(torch.float32, STEPS, 8))
+
+
+def test_derivatives_at_ties_and_zeros_are_pytorchs():
+    g = torch.Generator().manual_seed(5)
+    batches = [{"x": torch.randn(5, 2, 8, generator=g), "y": torch.zeros(2, 8)}]
+
+    def loss(model, batch):
+        return (model(batch["x"]) - batch["y"]).square().sum() * 0.5 + model(batch["x"]).sum()
+
+    assert _path(AtTheEdges(), loss, batches[0]) == ("jax", "")
+    expected, reference, _, _ = run_reference(AtTheEdges(), _sgd, loss, batches, device="cpu")
+    metrics, model, _, _ = run_compiled(AtTheEdges(), _sgd, loss, batches)
+    assert torch.isfinite(model.p.detach().cpu()).all()
+    assert_losses_close([m["loss"] for m in metrics], expected, 1e-6)
+    assert_params_close(model, reference, 1e-6)
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])

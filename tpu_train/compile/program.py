@@ -189,7 +189,7 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     return args
 
 
-def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes):
+def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes, autodiff: str):
     """``(graph, weighted, note)``: the loss graph for JAX to differentiate where it carries
     the step's gradients (:mod:`.loss_graph`; ``note`` is then empty), else PyTorch's
     gradient graph and why (``note``)."""
@@ -197,7 +197,7 @@ def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes):
             param_fakes, const_fakes, batch_fakes)
     scan_layers = getattr(step, "scan_layers", None)
     least = layer_groups.min_scanned_layers(scan_layers)
-    if getattr(step, "autodiff", "jax") != "jax":
+    if autodiff != "jax":
         note = "autodiff='torch'"
     elif least is not None and layer_groups.find_groups(step.model, least):
         note = "scanned layers are differentiated by their own scan"
@@ -231,14 +231,14 @@ def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain
 
 
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
-                  compile: bool = True) -> Program:
+                  compile: bool = True, autodiff: str | None = None) -> Program:
     """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
 
     ``step`` has the fields of :class:`tpu_train.compile.lowering.StepDefinition`.
     ``mesh`` and ``plan`` (both or neither) compile an SPMD program (module docstring).
     ``values`` may be None: inputs are then described from ``st``'s shapes and dtypes alone
     (on ``device`` without a mesh). ``compile=False`` stops after lowering
-    (``Program.executable`` is then None).
+    (``Program.executable`` is then None). ``autodiff`` overrides the step's.
     """
     if (mesh is None) != (plan is None):
         raise ValueError("an SPMD step needs both mesh= and plan= (got only "
@@ -258,7 +258,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
     grad_gm, weighted, autodiff_note = stages.time(
-        "trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes, batch_fakes)
+        "trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes, batch_fakes,
+        autodiff or getattr(step, "autodiff", "jax"))
     jax_autodiff = not autodiff_note
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
@@ -439,7 +440,18 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                          out_shardings=out_shardings, donate_argnums=donate)
         args = _abstract_inputs(st, scalars, random, flat_params, flat_states, shardings.consts,
                                 shardings.batch, rep, n_indices)
-    lowered = stages.time("lower", jitted.lower, *args)
+    try:
+        lowered = stages.time("lower", jitted.lower, *args)
+    except Exception as error:  # noqa: BLE001
+        if not jax_autodiff:
+            raise
+        # A lowering JAX cannot differentiate (a reverse-mode while_loop, a variadic
+        # reduction): PyTorch's backward formulas are traced instead.
+        program = build_program(step, st, values, scalars, device, stages, mesh=mesh,
+                                plan=plan, compile=compile, autodiff="torch")
+        program.autodiff_note = "JAX could not differentiate the loss graph: " + \
+            f"{type(error).__name__}: {error}".splitlines()[0]
+        return program
     executable = stages.time("compile", compile_lowered, lowered,
                              _platform(device, mesh)) if compile else None
     if spmd and executable is not None:

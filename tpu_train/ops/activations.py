@@ -27,7 +27,9 @@ def _opmath(*tensors):
 def relu(self):
     if self.dtype == jnp.bool_:
         return self
-    return jnp.maximum(self, jnp.zeros((), self.dtype))
+    # A select, not ``maximum``: differentiated by JAX (a compiled step's loss graph), the
+    # gradient at 0 is then 0 as in PyTorch's relu backward, not ``maximum``'s tie split 1/2.
+    return jnp.where(self <= 0, jnp.zeros((), self.dtype), self)
 
 
 @lowers(aten.threshold.default)
@@ -139,7 +141,8 @@ def leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
 def hardtanh(self, min_val=-1, max_val=1):
     dtype, compute, (x,) = _opmath(self)
     low, high = cast_scalar(min_val, compute), cast_scalar(max_val, compute)
-    return jnp.minimum(jnp.maximum(x, low), high).astype(dtype)
+    # Selects: JAX's gradient is then PyTorch's, zero at either bound (see relu).
+    return jnp.where(x <= low, low, jnp.where(x >= high, high, x)).astype(dtype)
 
 
 @lowers(aten.hardtanh_backward.default)

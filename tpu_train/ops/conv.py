@@ -9,6 +9,7 @@ transpose would use.
 
 from __future__ import annotations
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +139,16 @@ def _max_with_first_index(a, b):
 
 def _max_pool_with_indices(self, spatial, kernel_size, stride, padding, dilation, ceil_mode):
     kernel, stride, padding, dilation = _pool_args(self, spatial, kernel_size, stride, padding, dilation)
+    geometry = tuple(tuple(int(v) for v in values) for values in (kernel, stride, padding, dilation))
+    return _max_pool_selecting(self, spatial, geometry, bool(ceil_mode))
+
+
+# The pair (max, index of the first max) is a variadic ``reduce_window``, which JAX cannot
+# differentiate; differentiated (a compiled step's loss graph), the gradient goes to each
+# window's recorded index, as ``max_pool*_with_indices_backward`` routes it in PyTorch.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _max_pool_selecting(self, spatial, geometry, ceil_mode):
+    kernel, stride, padding, dilation = geometry
     in_sizes = self.shape[-spatial:]
     _, high = _pool_geometry(in_sizes, kernel, stride, padding, dilation, ceil_mode)
     plane = np.arange(int(np.prod(in_sizes)), dtype=np.int32).reshape(in_sizes)
@@ -150,6 +161,19 @@ def _max_pool_with_indices(self, spatial, kernel_size, stride, padding, dilation
         _max_with_first_index, _window(spatial, self, kernel), _window(spatial, self, stride), pads,
         window_dilation=_window(spatial, self, dilation))
     return out, indices
+
+
+def _max_pool_selecting_forward(self, spatial, geometry, ceil_mode):
+    out, indices = _max_pool_selecting(self, spatial, geometry, ceil_mode)
+    return (out, indices), (self, indices)
+
+
+def _max_pool_selecting_backward(spatial, geometry, ceil_mode, saved, cotangents):
+    self, indices = saved
+    return (_max_pool_backward(cotangents[0], self, spatial, indices).astype(self.dtype),)
+
+
+_max_pool_selecting.defvjp(_max_pool_selecting_forward, _max_pool_selecting_backward)
 
 
 def _max_pool_backward(grad_output, self, spatial, indices):

@@ -530,11 +530,13 @@ def _clamp(self, low, high, scalar_bounds):
         cast = lambda b: None if b is None else b.astype(dtype).astype(compute)  # noqa: E731
     x = self.astype(dtype).astype(compute)
     low, high = cast(low), cast(high)
-    # max then min, each NaN-propagating: PyTorch's order when min > max too.
+    # max then min, each NaN-propagating: PyTorch's order when min > max too. Selects rather
+    # than maximum / minimum: JAX's gradient is then PyTorch's, which passes at the bounds
+    # (``maximum`` would split a tie 1/2 : 1/2).
     if low is not None:
-        x = jnp.maximum(x, low)
+        x = jnp.where(x < low, low, x)
     if high is not None:
-        x = jnp.minimum(x, high)
+        x = jnp.where(x > high, high, x)
     return x.astype(dtype)
 
 

@@ -355,6 +355,14 @@ def logsumexp(self, dim, keepdim=False):
     return jax.nn.logsumexp(x, axis=axes, keepdims=keepdim).astype(result)
 
 
+def _sqrt_zero_gradient_at_zero(squares):
+    """``sqrt``, whose JAX gradient is 0 (not NaN) where the sum of squares is 0: PyTorch's
+    norm backward at a zero vector (``F.normalize`` of a zero row trains under torch)."""
+    zero = squares == 0
+    return jnp.where(zero, jnp.zeros((), squares.dtype),
+                     jnp.sqrt(jnp.where(zero, jnp.ones((), squares.dtype), squares)))
+
+
 @lowers(aten.linalg_vector_norm.default, static_floats=True)
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     result = torch_default_dtype(dtype, float_result_dtype(self.dtype))
@@ -370,7 +378,8 @@ def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
         if ord == 1:
             return jnp.sum(x, axis=axes, keepdims=keepdim).astype(result)
         if ord == 2:
-            return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim)).astype(result)
+            return _sqrt_zero_gradient_at_zero(jnp.sum(x * x, axis=axes,
+                                                       keepdims=keepdim)).astype(result)
     ord = cast_scalar(ord, x.dtype)
     return (jnp.sum(x ** ord, axis=axes, keepdims=keepdim) ** (1 / ord)).astype(result)
 
