@@ -153,11 +153,31 @@ def test_changing_precision_retraces_an_already_jitted_lowering():
         matmul.set_matmul_precision("highest")
 
 
+def _dots(jaxpr) -> list:
+    """The dot_general equations of ``jaxpr``, nested ones (custom_vjp, jit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", None)
+            if inner is not None:
+                found.extend(_dots(inner if hasattr(inner, "eqns") else inner.jaxpr))
+    return found
+
+
 def test_bf16_mm_accumulates_in_f32():
 
-    jaxpr = jax.make_jaxpr(matmul.mm)(jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16))
-    dot = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"][0]
+    a, b = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
+    (dot,) = _dots(jax.make_jaxpr(matmul.mm)(a, b).jaxpr)
     assert dot.params["preferred_element_type"] == jnp.float32
+    # Differentiated by JAX, the backward products are bf16 x bf16 like torch's mm backward
+    # (f32 accumulation inside the dot, rounded to bf16), not f32 x f32.
+    grads = jax.make_jaxpr(jax.grad(lambda x, y: matmul.mm(x, y).astype(jnp.float32).sum(),
+                                    argnums=(0, 1)))(a, b)
+    dots = _dots(grads.jaxpr)
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    assert sum(e.params["preferred_element_type"] == jnp.bfloat16 for e in dots) == 2
     # A long bf16 sum whose partial sums would lose bits if rounded to bf16 each step.
     a = torch.full((1, 4096), 1.0, dtype=torch.bfloat16)
     b = torch.full((4096, 1), 1.0 + 2 ** -7, dtype=torch.bfloat16)

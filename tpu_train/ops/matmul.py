@@ -97,8 +97,10 @@ def _low_precision_dot_backward(dimension_numbers, precision, operands, cotangen
         return lax.dot_general(a, b, dimension_numbers, precision=precision,
                                preferred_element_type=a.dtype)
 
-    _, pullback = jax.vjp(rounded_product, a, b)
-    return pullback(cotangent.astype(a.dtype))
+    cotangent = cotangent.astype(a.dtype)
+    (grad_a,) = jax.linear_transpose(lambda x: rounded_product(x, b), a)(cotangent)
+    (grad_b,) = jax.linear_transpose(lambda y: rounded_product(a, y), b)(cotangent)
+    return grad_a, grad_b
 
 
 _low_precision_dot.defvjp(_low_precision_dot_forward, _low_precision_dot_backward)
