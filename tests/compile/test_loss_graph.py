@@ -141,6 +141,8 @@ def test_autograd_only_features_take_the_traced_backward_and_train_like_cpu(cls)
     assert (note == "") == (autodiff == "jax")
     if cls is NotDifferentiableByJax:
         assert note.startswith("JAX could not differentiate the loss graph"), note
+    elif autodiff == "torch":
+        assert note.startswith("the forward uses autograd itself: "), note
     expected, reference, _, _ = run_reference(cls(), _sgd, _loss, batches, device="cpu")
     metrics, model, _, _ = run_compiled(cls(), _sgd, _loss, batches)
     rtol = loss_rtol(torch.float32, STEPS, 8)
@@ -189,3 +191,19 @@ def test_an_unknown_autodiff_is_a_one_line_error():
     model = torch.nn.Linear(2, 2).to(DEVICE)
     with pytest.raises(ValueError, match=r"autodiff must be one of 'jax', 'torch', got 'tf'"):
         compile_train_step(model, _sgd(model.parameters()), _loss, autodiff="tf")
+
+
+def test_a_fallback_is_said_in_the_compile_log_line():
+    from tpu_train.trainer.summary import describe_compilation
+
+    model = Detaches().to(DEVICE)
+    step = compile_train_step(model, _sgd(model.parameters()), _loss)
+    step(to_device(_batches()[0]))
+    (record,) = step.compilations
+    assert record.autodiff_fallback.startswith("TorchAutogradNeeded: detach()"), record
+    assert "; PyTorch's backward traced (TorchAutogradNeeded: detach()" in \
+        describe_compilation(record)
+    plain = NoGradOnBuffersOnly().to(DEVICE)
+    step = compile_train_step(plain, _sgd(plain.parameters()), _loss)
+    step(to_device(_batches()[0]))
+    assert step.compilations[0].autodiff_fallback == ""

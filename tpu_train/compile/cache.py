@@ -91,6 +91,8 @@ class CompileRecord:
     graph_nodes: int
     from_cache: bool = False  # the executable was loaded from the persistent compilation cache
     scanned_layers: int = 0  # layers run inside lax.scan loops (``scan_layers``)
+    # Why PyTorch's backward was traced where JAX would have differentiated the forward.
+    autodiff_fallback: str = ""
 
     @property
     def total_s(self) -> float:
@@ -104,6 +106,7 @@ class TimedStages:
         self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
         self.graph_nodes = 0
         self.scanned_layers = 0
+        self.autodiff_fallback = ""
         self.compiles = 0  # calls timed as the "compile" stage
         self.cache_hits = 0  # of which JAX loaded the executable from the persistent cache
 
@@ -162,14 +165,18 @@ class CompileCache:
         s = stages.seconds
         record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes,
                                from_cache=stages.from_cache,
-                               scanned_layers=stages.scanned_layers)
+                               scanned_layers=stages.scanned_layers,
+                               autodiff_fallback=stages.autodiff_fallback)
         self.records.append(record)
         count = len(self.records)
         xla = "loaded from the compilation cache in" if record.from_cache else "XLA compile"
+        fallback = (f"; PyTorch's backward traced ({record.autodiff_fallback})"
+                    if record.autodiff_fallback else "")
         logger.info(
             "%s: compilation #%d (%s): trace %.2fs, lower %.2fs, %s %.2fs, "
-            "%d graph nodes, %d layers scanned", self.name, count, cause, record.trace_s,
-            record.lower_s, xla, record.compile_s, record.graph_nodes, record.scanned_layers)
+            "%d graph nodes, %d layers scanned%s", self.name, count, cause, record.trace_s,
+            record.lower_s, xla, record.compile_s, record.graph_nodes, record.scanned_layers,
+            fallback)
         if count > self.warn_after:
             logger.warning(
                 "%s has compiled %d times (more than %d): the latest because %s. Each "

@@ -189,6 +189,11 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     return args
 
 
+# Starts the note of a step whose forward JAX could have differentiated but for the model's
+# use of autograd (logged with the compilation: that step traces the slower way).
+_FALLBACK_PREFIX = "the forward uses autograd itself: "
+
+
 def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes, autodiff: str):
     """``(graph, weighted, note)``: the loss graph for JAX to differentiate where it carries
     the step's gradients (:mod:`.loss_graph`; ``note`` is then empty), else PyTorch's
@@ -209,7 +214,7 @@ def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes, aut
             # forward that writes a buffer (BatchNorm's running statistics) writes a tensor
             # the vjp captured. PyTorch's gradient graph handles both; an error in the user's
             # code is raised by that trace as before.
-            note = f"{type(error).__name__}: {error}".splitlines()[0]
+            note = _FALLBACK_PREFIX + f"{type(error).__name__}: {error}".splitlines()[0]
     gm, weighted = layer_groups.traced_with_groups(
         step.model, lambda: tracing.trace_grad_graph(*args), scan_layers)
     return gm, weighted, note
@@ -261,6 +266,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         "trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes, batch_fakes,
         autodiff or getattr(step, "autodiff", "jax"))
     jax_autodiff = not autodiff_note
+    if autodiff_note.startswith(_FALLBACK_PREFIX):
+        stages.autodiff_fallback = autodiff_note[len(_FALLBACK_PREFIX):]
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it
@@ -451,6 +458,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                 plan=plan, compile=compile, autodiff="torch")
         program.autodiff_note = "JAX could not differentiate the loss graph: " + \
             f"{type(error).__name__}: {error}".splitlines()[0]
+        stages.autodiff_fallback = program.autodiff_note
         return program
     executable = stages.time("compile", compile_lowered, lowered,
                              _platform(device, mesh)) if compile else None

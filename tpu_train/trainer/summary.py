@@ -101,10 +101,15 @@ def describe_compilation(record) -> str:
     """``compiled the train step in 9.8 s (trace 2.1, lower 0.9, XLA 6.8): first call``, or
     ``loaded the train step from the compilation cache in 1.9 s (trace 1.2, lower 0.6, XLA
     load 0.1): first call`` when XLA's executable came from the persistent cache; with
-    ``; 32 layers scanned`` when layer stacks run as ``lax.scan`` loops (``scan_layers``)."""
+    ``; 32 layers scanned`` when layer stacks run as ``lax.scan`` loops (``scan_layers``), and
+    ``; PyTorch's backward traced (...)`` when the model's use of autograd kept JAX from
+    differentiating the forward (a slower trace; ``tpu_train.compile.loss_graph``)."""
     times = f"(trace {record.trace_s:.1f}, lower {record.lower_s:.1f}"
     scanned = getattr(record, "scanned_layers", 0)
     cause = record.cause + (f"; {scanned} layers scanned" if scanned else "")
+    fallback = getattr(record, "autodiff_fallback", "")
+    if fallback:
+        cause += f"; PyTorch's backward traced ({fallback[:120]})"
     if getattr(record, "from_cache", False):
         return (f"loaded the train step from the compilation cache in {record.total_s:.1f} s "
                 f"{times}, XLA load {record.compile_s:.1f}): {cause}")
