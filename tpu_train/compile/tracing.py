@@ -4,7 +4,9 @@ Two graphs make one step:
 
 * the **gradient graph** ``(params, constants, batch) -> (grads, loss, weight)``: the user's
   ``loss_fn(model, batch)`` under ``torch.func.grad_and_value`` with the module's tensors
-  swapped for graph inputs by ``torch.func.functional_call``;
+  swapped for graph inputs by ``torch.func.functional_call``. By default the step traces only
+  the forward of the same call instead (:mod:`.loss_graph`) and JAX differentiates it; this
+  graph is traced where the forward uses autograd itself;
 * the **update graph** ``(params, grads, states, scalars) -> (new params, new states,
   grad norm)``: global-norm clipping and the optimizer update (:mod:`.functional_optim`).
 
