@@ -84,6 +84,11 @@ def test_losses_match_one_device(layout):
 
 STACK_CFG = dataclasses.replace(CFG, n_layers=3)
 STACK_STEPS = 3
+# The first layer's gradients pass through every layer's reductions, forward and back: six per
+# layer (q/k/v, scores, values, output, the MLP's two), the head and the loss. The scanned and
+# unrolled programs block their dots differently, so those chained roundings add up
+# (tests/tolerances.py: depth).
+STACK_DEPTH = 2 * (6 * STACK_CFG.n_layers + 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +125,8 @@ def test_scanned_layers_match_the_unrolled_one_device_step(layout):
     (program,) = step.cache.entries.values()
     assert sum(n.target is LAYER_SCAN for n in program.grad_graph.graph.nodes) == 1
     assert losses == pytest.approx(reference, rel=loss_rtol(F32, STACK_STEPS, SPMD_N))
-    assert_params_within(model, ref_model, param_bound("adamw", ref_model, STACK_STEPS, SPMD_N))
+    assert_params_within(model, ref_model, param_bound("adamw", ref_model, STACK_STEPS, SPMD_N,
+                                                       depth=STACK_DEPTH))
 
 
 def test_activation_checkpointing_under_fsdp_matches_one_device():
