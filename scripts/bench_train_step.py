@@ -17,8 +17,8 @@ every mode alike.
   with donated parameters and optimizer state, returning the loss and the global gradient
   norm (``optax.global_norm``) as the compiled step does; compiled with XLA's defaults;
 * ``jax_xla_options``: the same JAX step compiled with the XLA options the ``tpu`` runtime
-  gives every program it compiles (``runtime.compiler_options()``): the compiler the compiled
-  step gets. Today XLA's defaults on every platform, so the same as ``jax``.
+  gives every program it compiles (``runtime.compiler_options()``; on the CPU client, dots by
+  XLA's own emitter rather than the YNNPACK library): the compiler the compiled step gets.
 
 Prints ONE JSON line: per mode the fastest and median step seconds (step 1, which compiles,
 excluded), tokens/s at the median, trace + compile seconds, resident memory, the loss at the
