@@ -91,6 +91,8 @@ class CompileRecord:
     graph_nodes: int
     from_cache: bool = False  # the executable was loaded from the persistent compilation cache
     scanned_layers: int = 0  # layers run inside lax.scan loops (``scan_layers``)
+    # Layers called as one body traced once per stack (``shared_layers``).
+    shared_layer_calls: int = 0
     # Why PyTorch's backward was traced where JAX would have differentiated the forward.
     autodiff_fallback: str = ""
 
@@ -106,6 +108,7 @@ class TimedStages:
         self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
         self.graph_nodes = 0
         self.scanned_layers = 0
+        self.shared_layer_calls = 0
         self.autodiff_fallback = ""
         self.compiles = 0  # calls timed as the "compile" stage
         self.cache_hits = 0  # of which JAX loaded the executable from the persistent cache
@@ -166,6 +169,7 @@ class CompileCache:
         record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes,
                                from_cache=stages.from_cache,
                                scanned_layers=stages.scanned_layers,
+                               shared_layer_calls=stages.shared_layer_calls,
                                autodiff_fallback=stages.autodiff_fallback)
         self.records.append(record)
         count = len(self.records)
@@ -174,9 +178,9 @@ class CompileCache:
                     if record.autodiff_fallback else "")
         logger.info(
             "%s: compilation #%d (%s): trace %.2fs, lower %.2fs, %s %.2fs, "
-            "%d graph nodes, %d layers scanned%s", self.name, count, cause, record.trace_s,
-            record.lower_s, xla, record.compile_s, record.graph_nodes, record.scanned_layers,
-            fallback)
+            "%d graph nodes, %d layers scanned, %d layer calls of shared bodies%s", self.name,
+            count, cause, record.trace_s, record.lower_s, xla, record.compile_s,
+            record.graph_nodes, record.scanned_layers, record.shared_layer_calls, fallback)
         if count > self.warn_after:
             logger.warning(
                 "%s has compiled %d times (more than %d): the latest because %s. Each "

@@ -79,14 +79,14 @@ class GroupBroken(Exception):
         self.group, self.reason = group, reason
 
 
-def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def layer_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return (list(module.named_parameters(remove_duplicate=False))
             + list(module.named_buffers(remove_duplicate=False)))
 
 
 def _state_signature(module: torch.nn.Module) -> tuple:
     return tuple((name, tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter))
-                 for name, t in _state(module))
+                 for name, t in layer_state(module))
 
 
 def _attributes(module: torch.nn.Module) -> tuple:
@@ -128,7 +128,7 @@ def _forward_kind(module: torch.nn.Module):
 def _shares_tensors(layers) -> bool:
     seen = set()
     for layer in layers:
-        ids = {id(t) for _, t in _state(layer)}
+        ids = {id(t) for _, t in layer_state(layer)}
         if ids & seen:
             return True
         seen |= ids
@@ -144,7 +144,7 @@ def find_groups(model: torch.nn.Module, min_layers: int = 2) -> list[list[torch.
             continue
         layers = list(module)
         first = layers[0]
-        if not _state(first) or _shares_tensors(layers):
+        if not layer_state(first) or _shares_tensors(layers):
             continue
         same = all(type(layer) is type(first)
                    and _state_signature(layer) == _state_signature(first)
@@ -173,20 +173,38 @@ class Group:
         self.next_layer, self.stacked, self.returned = 0, None, None
 
 
-def _split_arguments(args, kwargs):
+def split_arguments(args, kwargs):
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     statics = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return leaves, spec, tensors, statics
 
 
-def _signature(layer, forward, spec, statics, tensors) -> tuple | None:
+def _attributes_key(layer: torch.nn.Module, index: int) -> tuple:
+    """The layer's attributes as part of its body's key: what a traced body bakes in (an
+    ``eps``, a window), so that two models with the same shapes do not share a body. An int
+    equal to the layer's own position (``layer_idx``) is keyed as "the index"."""
+    key = []
+    for prefix, name, value in _attributes(layer):
+        if type(value) is int and value == index:
+            value = "<layer index>"
+        try:
+            hash(value)
+        except TypeError:
+            value = type(value)
+        key.append((prefix, name, value))
+    return tuple(key)
+
+
+def call_signature(layer, index, forward, spec, statics, tensors) -> tuple | None:
+    """What a traced body of ``layer`` (at position ``index`` of its stack) called with these
+    arguments depends on; None where an argument is an object a body cannot be keyed by."""
     if not all(isinstance(s, _STATIC_TYPES) for s in statics):
         return None  # an object argument (a cache, a config): no body for it
     autocast = (torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
     # ``forward``: what the layer's call runs (the instance attribute is our hook by now).
     forward_kind = (type(forward), getattr(forward, "func", None))
-    return (type(layer), _state_signature(layer), forward_kind,
+    return (type(layer), _state_signature(layer), _attributes_key(layer, index), forward_kind,
             str(spec), tuple(statics), tuple((tuple(t.shape), t.dtype) for t in tensors),
             autocast, torch.is_grad_enabled())
 
@@ -201,7 +219,7 @@ class Tracer:
         layer = group.layers[index]
         if not group.enabled:
             return forward(*args, **kwargs)
-        leaves, spec, tensors, statics = _split_arguments(args, kwargs)
+        leaves, spec, tensors, statics = split_arguments(args, kwargs)
         if index == 0:
             return self._first(group, layer, forward, args, kwargs, spec, tensors, statics)
         if group.stacked is None:
@@ -218,7 +236,8 @@ class Tracer:
         return self._slice(group, index)
 
     def _first(self, group, layer, forward, args, kwargs, spec, tensors, statics):
-        signature = _signature(layer, forward, spec, statics, tensors) if tensors else None
+        signature = call_signature(layer, 0, forward, spec, statics, tensors) if tensors \
+            else None
         # Inside a checkpointed region the layer runs below the gradient transform: it is
         # recomputed as a whole there, layer by layer.
         if signature is None or not torch.is_grad_enabled() \
@@ -231,7 +250,7 @@ class Tracer:
         if found == _UNSCANNABLE:
             group.enabled = False
             return forward(*args, **kwargs)
-        states = [t for layer_ in group.layers for _, t in _state(layer_)]
+        states = [t for layer_ in group.layers for _, t in layer_state(layer_)]
         outputs = layer_scan.LayerScan.apply(found, len(group.layers), *states, *tensors)
         group.stacked = list(outputs[:found.n_outputs])
         group.body, group.spec, group.statics, group.inputs = found, spec, statics, tensors
@@ -252,7 +271,7 @@ class Tracer:
 
 
 @contextlib.contextmanager
-def _forwards_replaced(tracer: Tracer):
+def forwards_replaced(tracer: Tracer):
     replaced = []
     for group in tracer.groups:
         group.reset()
@@ -275,17 +294,36 @@ def _forwards_replaced(tracer: Tracer):
                 layer.forward = previous
 
 
-def _metas(tensors) -> list:
+def metas(tensors) -> list:
     return [layer_scan.Meta(tuple(t.shape), t.dtype) for t in tensors]
 
 
-def trace_body(need: NeedBody):
-    """The body of ``need``'s layer call, or ``_UNSCANNABLE`` (module docstring)."""
+@dataclasses.dataclass
+class TracedLayer:
+    """One layer call traced on fake tensors: ``gm``'s placeholders are the layer's states
+    then the call's tensor arguments; it returns the leaves of the call's result."""
+
+    gm: torch.fx.GraphModule
+    state_metas: list
+    input_metas: list
+    outputs: list  # the result's leaves, as traced (fake tensors or other values)
+    output_spec: Any
+    checkpointed: bool
+
+    def body(self) -> "layer_scan.LayerBody":
+        return layer_scan.LayerBody(self.gm, self.state_metas, self.input_metas,
+                                    metas(self.outputs), self.output_spec,
+                                    checkpointed=self.checkpointed)
+
+
+def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -> TracedLayer:
+    """``need``'s layer call traced alone under ``autocast`` (enabled, dtype); ``wrap(run,
+    n_states)``, if given, returns the function traced in place of ``run(*states, *inputs)``."""
     layer = need.layer
-    names = [name for name, _ in _state(layer)]
-    state_metas = _metas([t for _, t in _state(layer)])
-    leaves, spec, tensors, _ = _split_arguments(need.args, need.kwargs)
-    input_metas = _metas(tensors)
+    names = [name for name, _ in layer_state(layer)]
+    state_metas = metas([t for _, t in layer_state(layer)])
+    leaves, spec, tensors, _ = split_arguments(need.args, need.kwargs)
+    input_metas = metas(tensors)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     fakes = tracing.FakeFactory()
     device = tensors[0].device
@@ -304,24 +342,26 @@ def trace_body(need: NeedBody):
         return out_leaves
 
     fake_inputs = [fakes.like(m.shape, m.dtype, device) for m in state_metas + input_metas]
-    autocast_enabled, autocast_dtype = need.signature[-2]
+    traced = run_layer if wrap is None else wrap(run_layer, len(names))
+    autocast_enabled, autocast_dtype = autocast
     with fakes.mode, checkpointing.checkpoint_calls_recorded(checkpointed), \
             torch.autocast("tpu", dtype=autocast_dtype, enabled=autocast_enabled):
-        gm = tracing.trace_forward(run_layer, fake_inputs)
-    outputs = output_info["leaves"]
-    if not _scannable(gm, outputs, input_metas):
+        gm = tracing.trace_forward(traced, fake_inputs)
+    return TracedLayer(gm, state_metas, input_metas, output_info["leaves"],
+                       output_info["spec"], bool(checkpointed))
+
+
+def trace_body(need: NeedBody):
+    """The body of ``need``'s layer call, or ``_UNSCANNABLE`` (module docstring)."""
+    traced = trace_layer(need, need.signature[-2])
+    if not _scannable(traced.gm, traced.outputs, traced.input_metas):
         return _UNSCANNABLE
-    return layer_scan.LayerBody(gm, state_metas, input_metas, _metas(outputs),
-                                output_info["spec"], checkpointed=bool(checkpointed))
+    return traced.body()
 
 
-def _scannable(gm, outputs, input_metas) -> bool:
-    if not outputs or not all(isinstance(o, torch.Tensor) and o.is_floating_point()
-                              for o in outputs):
-        return False
-    if (tuple(outputs[0].shape), outputs[0].dtype) != (input_metas[0].shape,
-                                                       input_metas[0].dtype):
-        return False
+def pure_graph(gm: torch.fx.GraphModule) -> bool:
+    """Does ``gm`` neither write its inputs nor draw random numbers (so that it computes the
+    same for every call with the same inputs)?"""
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -331,6 +371,16 @@ def _scannable(gm, outputs, input_metas) -> bool:
         if lowering is not None and lowering.random:
             return False
     return True
+
+
+def _scannable(gm, outputs, input_metas) -> bool:
+    if not outputs or not all(isinstance(o, torch.Tensor) and o.is_floating_point()
+                              for o in outputs):
+        return False
+    if (tuple(outputs[0].shape), outputs[0].dtype) != (input_metas[0].shape,
+                                                       input_metas[0].dtype):
+        return False
+    return pure_graph(gm)
 
 
 def traced_with_groups(model: torch.nn.Module, trace: Callable[[], Any],
@@ -346,7 +396,7 @@ def traced_with_groups(model: torch.nn.Module, trace: Callable[[], Any],
     tracer = Tracer(groups)
     while True:
         try:
-            with _forwards_replaced(tracer):
+            with forwards_replaced(tracer):
                 result = trace()
                 tracer.finish()
             return result

@@ -94,6 +94,7 @@ class LayerBody:
         self.checkpointed = checkpointed
         self._layout: ResidualLayout | None = None
         self.lowered_treedef = None  # set by the forward's lowering, read by the backward's
+        self._jitted: dict = {}
         _BODIES[self.id] = self
 
     @property
@@ -120,6 +121,16 @@ class LayerBody:
         if mutations:
             raise interpreter.MissingLoweringError("a scanned layer wrote one of its inputs")
         return list(outputs)
+
+    def jitted(self, constrain=None) -> Callable:
+        """One layer as a ``jax.jit`` function of ``*states, *inputs`` returning its outputs:
+        JAX traces it once however many layers call it (:mod:`.shared_layers`)."""
+        found = self._jitted.get(constrain)
+        if found is None:
+            n = self.n_states
+            found = jax.jit(lambda *values: self.run(values[:n], values[n:], constrain))
+            self._jitted[constrain] = found
+        return found
 
     def vjp(self, states: Sequence, inputs: Sequence, constrain=None):
         """``(outputs, vjp function, its leaves, their sources)`` of one layer."""

@@ -27,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.compile import tracing
+from tpu_train.compile import shared_layers, tracing
 
 AUTODIFF_CHOICES = ("jax", "torch")
 
@@ -74,14 +74,38 @@ class _AutogradProbe(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _probed(run: Callable, requires: Sequence[bool]) -> Callable:
+    """``run`` traced as the loss graph's forward is: under the probe, and under
+    ``torch.func.vjp`` of the arguments that require grad (``requires``)."""
+    wanted = [i for i, r in enumerate(requires) if r]
+
+    def probed(*flat):
+        def of(differentiated):
+            full = list(flat)
+            for i, value in zip(wanted, differentiated):
+                full[i] = value
+            with _AutogradProbe():
+                return run(*full)
+
+        if not wanted:
+            return of([])
+        outputs, _ = torch.func.vjp(of, [flat[i] for i in wanted])
+        return outputs
+
+    return probed
+
+
 def trace_loss_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequence[str],
                      const_names: Sequence[str], batch_spec, fakes: tracing.FakeFactory,
-                     diff_fakes: list, const_fakes: list, batch_fakes: list):
+                     diff_fakes: list, const_fakes: list, batch_fakes: list, *,
+                     share_layers: bool = True):
     """The loss graph and whether the loss is weighted (raises :class:`TorchAutogradNeeded`).
 
     Placeholders as :func:`tracing.trace_grad_graph`'s (``diff + consts + batch``); it returns
     ``[loss, weight]``: the loss in its own dtype (what is differentiated) and the weight as
-    float32 (see ``trace_grad_graph`` for ``(loss_sum, count)`` losses).
+    float32 (see ``trace_grad_graph`` for ``(loss_sum, count)`` losses). With
+    ``share_layers``, repeated layers are traced once and called per layer
+    (:mod:`.shared_layers`); the program is the same either way.
     """
     n_diff, n_const = len(diff_fakes), len(const_fakes)
     loss_of, weighted, wrapper = tracing.loss_closure(model, loss_fn, diff_names, const_names)
@@ -98,6 +122,10 @@ def trace_loss_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         loss, _, weight = torch.func.vjp(probed, diff, has_aux=True)
         return [loss, weight]
 
-    with fakes.mode, tracing.traced_checkpoints(wrapper):
-        gm = tracing.trace_forward(loss_step, diff_fakes + const_fakes + batch_fakes)
+    def trace():
+        with fakes.mode, tracing.traced_checkpoints(wrapper):
+            return tracing.trace_forward(loss_step, diff_fakes + const_fakes + batch_fakes)
+
+    gm = shared_layers.traced_with_shared_layers(model, trace, _probed) if share_layers \
+        else trace()
     return gm, weighted[-1]

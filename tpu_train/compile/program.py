@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from tpu_train.compile import interpreter, layer_groups, layer_scan, loss_graph, tracing
+from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph, shared_layers,
+                               tracing)
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
@@ -291,6 +292,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     interpreter.check_lowerings(update_gm.graph)
     stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)
     stages.scanned_layers = layer_scan.scanned_layer_count(grad_gm)
+    stages.shared_layer_calls = shared_layers.called_layers(grad_gm)
     n_indices = layer_scan.largest_stack(grad_gm)
 
     n_params, n_consts = len(st.params), len(st.consts)

@@ -1,0 +1,134 @@
+"""Repeated layers traced once and called once per layer, in the loss graph.
+
+The loss graph (:mod:`.loss_graph`) is the step's forward, for JAX to differentiate. Traced op
+by op, a decoder stack adds every layer's ops to it again: ``make_fx`` traces each copy, and
+the lowering interprets and differentiates each copy. Here the layers of a group
+(:func:`.layer_groups.find_groups`: interchangeable layers of one ``nn.ModuleList``) are traced
+once per call signature into a :class:`~.layer_scan.LayerBody`, and the loss graph holds one
+``layer_call(body, states + inputs)`` node per layer. Lowered, the body is one ``jax.jit``
+function that every layer's node calls with that layer's own parameters: JAX traces,
+differentiates and lowers it once, and XLA inlines the calls, so the program computes what
+the layer-by-layer graph computes (the same ops on the same values).
+
+Unlike a scan (:mod:`.layer_scan`), a call needs nothing of its neighbours: each layer may be
+called with any arguments of the same signature, in any order, and its parameters stay
+separate arrays. A layer is traced inline, as before, where its call does not fit: an argument
+that is neither a tensor nor a plain value (a cache object), a body that draws random numbers
+(each layer needs its own) or writes its inputs, a result whose leaves are not all tensors, a
+checkpointed layer (the step then traces PyTorch's backward, see :mod:`.loss_graph`).
+
+As for scans, an int attribute holding a layer's own position (``layer_idx``) is taken for
+bookkeeping (a KV-cache slot) and keyed as "the index"; every other attribute is part of the
+body's key, so two models with the same shapes but another ``eps`` get bodies of their own.
+
+The body is traced under what the rest of the loss graph is traced under (``wrap_body``: the
+autograd probe, under ``torch.func.vjp`` of the call's tensors that require grad), so a layer's
+own ``detach()`` ends the trace as it would inline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from tpu_train.compile import checkpointing, interpreter, layer_groups, layer_scan
+
+_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY.define("layer_call(int body, Tensor[] tensors) -> Tensor[]")
+LAYER_CALL = torch.ops.tpu_train_compile.layer_call.default
+
+_NOT_SHARED = "not shared"
+# (call signature, requires_grad of each tensor) -> LayerBody or _NOT_SHARED. Kept for the
+# process's next compilations, like the scanned bodies.
+_BODIES: dict = {}
+
+
+def _not_run(*_):
+    raise RuntimeError("layer_call only exists inside a traced compiled step")
+
+
+_LIBRARY.impl("layer_call", _not_run, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::layer_call")
+def _(body_id, tensors):
+    device = tensors[0].device
+    return [torch.empty(m.shape, dtype=m.dtype, device=device)
+            for m in layer_scan.body(body_id).output_metas]
+
+
+def _lower_layer_call(body_id: int, tensors: Sequence, constrain=None, uses=None) -> list:
+    values = [t if use is None else use(t)
+              for t, use in zip(tensors, uses or [None] * len(tensors))]
+    return list(layer_scan.body(body_id).jitted(constrain)(*values))
+
+
+interpreter.GRAPH_OPS[LAYER_CALL] = _lower_layer_call
+
+
+def called_layers(gm: torch.fx.GraphModule) -> int:
+    """How many ``layer_call`` nodes ``gm`` has (layers traced once, called per layer)."""
+    return sum(1 for node in gm.graph.nodes if node.target is LAYER_CALL)
+
+
+class _CallTracer:
+    """The forward replacement of every grouped layer: a ``layer_call`` where a body fits."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+    def call(self, group, index: int, forward: Callable, args, kwargs):
+        layer = group.layers[index]
+        # Inside a checkpointed region the layer runs below the gradient transform.
+        if not torch.is_grad_enabled() or checkpointing.inside_recomputed_region():
+            return forward(*args, **kwargs)
+        _, spec, tensors, statics = layer_groups.split_arguments(args, kwargs)
+        signature = layer_groups.call_signature(layer, index, forward, spec, statics, tensors) \
+            if tensors else None
+        if signature is None:
+            return forward(*args, **kwargs)
+        states = [t for _, t in layer_groups.layer_state(layer)]
+        key = (signature, tuple(t.requires_grad for t in states + tensors))
+        body = _BODIES.get(key)
+        if body is None:
+            raise layer_groups.NeedBody(key, layer, args, kwargs)
+        if body is _NOT_SHARED:
+            return forward(*args, **kwargs)
+        outputs = LAYER_CALL(body.id, states + tensors)
+        return tree_unflatten(list(outputs), body.output_spec)
+
+
+def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
+    signature, requires = need.signature
+    wrap = None if wrap_body is None else (lambda run, n_states: wrap_body(run, requires))
+    try:
+        traced = layer_groups.trace_layer(need, signature[-2], wrap)
+    except Exception:  # noqa: BLE001 - traced inline instead, where any error is the user's
+        return _NOT_SHARED
+    # A checkpointed layer is traced inline, where the probe sends the step to PyTorch's
+    # backward and its recomputation (``trace_layer`` records checkpoint calls instead).
+    if traced.checkpointed or not traced.outputs \
+            or not all(isinstance(o, torch.Tensor) for o in traced.outputs) \
+            or not layer_groups.pure_graph(traced.gm):
+        return _NOT_SHARED
+    return traced.body()
+
+
+def traced_with_shared_layers(model: torch.nn.Module, trace: Callable[[], Any],
+                              wrap_body: Callable | None = None):
+    """``trace()`` with each grouped layer of ``model`` a ``layer_call`` (module docstring).
+
+    ``wrap_body(run, requires)`` returns the function to trace for a body in place of
+    ``run(*states, *inputs)``; ``requires[i]``: does that tensor require grad in the call."""
+    groups = [layer_groups.Group(layers) for layers in layer_groups.find_groups(model, 2)]
+    if not groups:
+        return trace()
+    tracer = _CallTracer(groups)
+    while True:
+        try:
+            with layer_groups.forwards_replaced(tracer):
+                return trace()
+        except layer_groups.NeedBody as need:
+            _BODIES[need.signature] = _trace_body(need, wrap_body)
