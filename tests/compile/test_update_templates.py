@@ -46,9 +46,26 @@ def test_update_graph_does_not_grow_with_depth(name):
     shallow, deep = _update_graph(2, OPTIMIZERS[name]), _update_graph(6, OPTIMIZERS[name])
     assert _ops(shallow) == _ops(deep)  # node for node: the same graph, only more getitems
     assert _ops(deep).count(TEMPLATE_MAP) == len(deep.meta["update_templates"])
-    # One norm template and one update template per distinct (flat) parameter signature:
-    # the Llama's embedding/head, attention, MLP and norm weights, not one per layer.
-    assert len(deep.meta["update_templates"]) <= 12
+    # The flat updates of one dtype and state signature name no length: one norm template and
+    # one update template serve every parameter (embedding, attention, MLP, norm weights).
+    assert len(deep.meta["update_templates"]) == 2
+    assert all(t.any_length for t in deep.meta["update_templates"])
+
+
+def test_a_template_that_names_its_length_is_not_shared():
+    from tpu_train.compile.tracing import FakeFactory
+    from tpu_train.compile.update_templates import trace_template
+
+    fakes = FakeFactory()
+    device = torch.device("tpu", 0)
+    elementwise = trace_template(lambda p: [p * 2.0 + 1.0], fakes,
+                                 [fakes.like((6,), F32, device)])
+    assert elementwise.any_length == 6
+    assert elementwise.output_shapes((10,)) == [(10,)]
+    sized = trace_template(lambda p: [p + torch.arange(6, device=p.device)], fakes,
+                           [fakes.like((6,), F32, device)])
+    assert sized.any_length is None
+    assert sized.output_shapes((10,)) == [(6,)]
 
 
 def test_an_optimizer_traced_whole_is_not_split_into_templates():

@@ -12,6 +12,12 @@ the update graph holds one ``parameter_update(template, tensors)`` node per para
 a template is one ``jax.jit`` function (traced once) that every node calls; XLA inlines the
 calls, so the program is the one the per-parameter trace gave (same ops on the same values).
 
+A template traced on flat tensors whose graph names no length (elementwise arithmetic on
+``(n,)`` tensors and 0-dim scalars, as Adam's, AdamW's and SGD's updates and the 2-norm are)
+also serves every other length: the parameters of one group, dtype and state signature share
+it whatever their sizes (W1: two templates instead of ten), and ``jax.jit`` specializes it per
+length when the program is lowered.
+
 Only adapters that declare ``per_parameter = True`` (the update of one parameter reads nothing
 of the others) take this path; an optimizer's traced ``step()`` may couple its parameters and
 is traced whole.
@@ -47,8 +53,17 @@ class Template:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         self.output_metas = [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                              for n in output.args[0]]
+        # The length n it was traced for, if it serves every flat length (module docstring).
+        self.any_length = _length_free(gm)
         self._jitted = None
         _TEMPLATES[self.id] = self
+
+    def output_shapes(self, first_input_shape: tuple) -> list[tuple]:
+        """Shapes of one call's outputs, for a call whose first input has this shape."""
+        if self.any_length is None:
+            return [shape for shape, _ in self.output_metas]
+        return [first_input_shape if shape == (self.any_length,) else shape
+                for shape, _ in self.output_metas]
 
     @property
     def n_outputs(self) -> int:
@@ -81,7 +96,38 @@ def _(template_id, tensors):
     t = template(template_id)
     device = tensors[0].device
     return [torch.empty(shape, dtype=dtype, device=device)
-            for _ in range(len(tensors) // t.n_inputs) for shape, dtype in t.output_metas]
+            for start in range(0, len(tensors), t.n_inputs)
+            for shape, (_, dtype) in zip(t.output_shapes(tuple(tensors[start].shape)),
+                                         t.output_metas)]
+
+
+def _ints(value):
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _ints(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _ints(item)
+    elif type(value) is int:
+        yield value
+
+
+def _length_free(gm: torch.fx.GraphModule) -> int | None:
+    """``n`` if ``gm`` was traced on flat tensors of one length ``n`` (and 0-dim / short
+    vectors of other lengths) and no op argument is the int ``n``: the same graph then computes
+    the same ops for any length. None otherwise (a length that equals some index or count in
+    the graph is taken for a length: such a template is simply not shared)."""
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    if not shapes or len(shapes[0]) != 1:
+        return None
+    length = shapes[0][0]
+    if length < 2 or any(len(shape) > 1 for shape in shapes):
+        return None
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(i == length for i in _ints((node.args, node.kwargs))):
+            return None
+    return length
 
 
 def _lower_template_map(template_id: int, tensors: Sequence, constrain=None, uses=None):
@@ -124,6 +170,38 @@ def _meta(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.dtype
 
 
+class _Templates:
+    """Templates by the signature of their inputs; a length-free template (module docstring)
+    also answers for flat inputs of the same dtypes and of any length."""
+
+    def __init__(self):
+        self._exact: dict = {}
+        self._any_length: dict = {}
+
+    @staticmethod
+    def _length_free_key(key, like):
+        if len(like[0].shape) != 1:
+            return None
+        length = like[0].shape[0]
+        return key, tuple((t.dtype, t.dim() == 0 or tuple(t.shape) == (length,)) for t in like)
+
+    def get(self, key, like: Sequence[torch.Tensor], trace) -> Template:
+        exact = (key, tuple(_meta(t) for t in like))
+        found = self._exact.get(exact)
+        loose = self._length_free_key(key, like)
+        if found is None and loose is not None:
+            found = self._any_length.get(loose)
+        if found is None:
+            found = trace()
+            if found.any_length is not None and loose is not None:
+                self._any_length[loose] = found
+        self._exact[exact] = found
+        return found
+
+    def all(self) -> list[Template]:
+        return list({id(t): t for t in self._exact.values()}.values())
+
+
 class TemplatedUpdate:
     """Gradient norms and the per-parameter optimizer update as ``template_map`` nodes.
 
@@ -136,24 +214,19 @@ class TemplatedUpdate:
                  param_fakes: Sequence, state_fakes: Sequence[Sequence], group_of: Sequence[int],
                  scalars_fake: torch.Tensor, clip: bool):
         row = fakes.like(scalars_fake.shape[1:], scalars_fake.dtype, scalars_fake.device)
-        norms: dict = {}
-        updates: dict = {}
+        norms, updates = _Templates(), _Templates()
         self._norm_of: list[Template] = []
         self._update_of: list[Template] = []
         for param, states, group in zip(param_fakes, state_fakes, group_of):
-            if _meta(param) not in norms:
-                norms[_meta(param)] = trace_template(
-                    lambda g: [torch.linalg.vector_norm(g, 2)], fakes, [param])
-            self._norm_of.append(norms[_meta(param)])
-            key = (group, _meta(param), tuple(_meta(s) for s in states))
-            if key not in updates:
-                like = [param, param, *states, row]
-                if clip:
-                    like.append(fakes.like((), param.dtype, param.device))
-                updates[key] = trace_template(
-                    _one_parameter(adapter, group_settings[group], len(states), clip), fakes, like)
-            self._update_of.append(updates[key])
-        self.templates = list(norms.values()) + list(updates.values())  # kept alive with a graph
+            self._norm_of.append(norms.get("norm", [param], lambda: trace_template(
+                lambda g: [torch.linalg.vector_norm(g, 2)], fakes, [param])))
+            like = [param, param, *states, row]
+            if clip:
+                like.append(fakes.like((), param.dtype, param.device))
+            update = _one_parameter(adapter, group_settings[group], len(states), clip)
+            self._update_of.append(updates.get(
+                group, like, lambda: trace_template(update, fakes, like)))
+        self.templates = norms.all() + updates.all()  # kept alive with a graph
 
     def norms(self, grads: Sequence) -> list:
         """Each gradient's 2-norm (``torch.linalg.vector_norm``)."""
