@@ -167,6 +167,16 @@ def test_logsumexp_and_norms(dtype):
                                                                  ulps="transcendental"))
 
 
+@pytest.mark.parametrize("length", [720896, 4100, 96])
+def test_2_norm_of_a_long_flat_vector(length):
+    """A flat buffer's 2-norm (the optimizer's gradient norms) is summed as rows of up to 512
+    when its length allows (720896: 1408 x 512; 4100: 64-row multiples do not divide it, so it
+    stays flat; 96: too short): the same value within the rounding of the sum."""
+    x = make((length,), torch.float32, -3, 3)
+    assert_lowering_matches(aten.linalg_vector_norm.default, x,
+                            **tolerance(torch.float32, length, scale=3, ulps="transcendental"))
+
+
 def test_logsumexp_infinities():
     x = torch.tensor([[float("inf"), 1.0], [-float("inf"), -float("inf")], [float("nan"), 1.0]])
     assert_lowering_matches(aten.logsumexp.default, x, [1])

@@ -355,12 +355,39 @@ def logsumexp(self, dim, keepdim=False):
     return jax.nn.logsumexp(x, axis=axes, keepdims=keepdim).astype(result)
 
 
+@jax.custom_jvp
 def _sqrt_zero_gradient_at_zero(squares):
     """``sqrt``, whose JAX gradient is 0 (not NaN) where the sum of squares is 0: PyTorch's
-    norm backward at a zero vector (``F.normalize`` of a zero row trains under torch)."""
+    norm backward at a zero vector (``F.normalize`` of a zero row trains under torch). The
+    forward stays one ``sqrt``: a program that only computes norms (the optimizer's gradient
+    norms) gets no select around each one."""
+    return jnp.sqrt(squares)
+
+
+@_sqrt_zero_gradient_at_zero.defjvp
+def _sqrt_zero_gradient_at_zero_jvp(primals, tangents):
+    (squares,), (tangent,) = primals, tangents
+    root = jnp.sqrt(squares)
     zero = squares == 0
-    return jnp.where(zero, jnp.zeros((), squares.dtype),
-                     jnp.sqrt(jnp.where(zero, jnp.ones((), squares.dtype), squares)))
+    half_over_root = 0.5 / jnp.where(zero, jnp.ones((), root.dtype), root)
+    return root, jnp.where(zero, jnp.zeros((), root.dtype), tangent * half_over_root)
+
+
+# A full reduction of a long 1-D vector (a flat gradient buffer's norm) is summed as rows of
+# this many elements: XLA's CPU backend splits a long 1-D reduction into one more stage (one
+# more kernel to compile and run) than the same reduction over rows.
+_NORM_ROW = 512
+
+
+def _as_rows(x):
+    """``x`` as ``[n / k, k]`` rows when it is a long 1-D vector (``k`` the largest power of
+    two up to :data:`_NORM_ROW` dividing its length, at least 64), else ``x``."""
+    if x.ndim != 1:
+        return x
+    row = _NORM_ROW
+    while row >= 64 and x.shape[0] % row:
+        row //= 2
+    return x.reshape(-1, row) if row >= 64 and x.shape[0] >= 2 * row else x
 
 
 @lowers(aten.linalg_vector_norm.default, static_floats=True)
@@ -378,6 +405,8 @@ def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
         if ord == 1:
             return jnp.sum(x, axis=axes, keepdims=keepdim).astype(result)
         if ord == 2:
+            if dim is None and not keepdim:
+                x, axes = _as_rows(x), None
             return _sqrt_zero_gradient_at_zero(jnp.sum(x * x, axis=axes,
                                                        keepdims=keepdim)).astype(result)
     ord = cast_scalar(ord, x.dtype)
