@@ -190,35 +190,43 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     return args
 
 
-# Starts the note of a step whose forward JAX could have differentiated but for the model's
-# use of autograd (logged with the compilation: that step traces the slower way).
-_FALLBACK_PREFIX = "the forward uses autograd itself: "
+@dataclasses.dataclass
+class _GradientTrace:
+    """What :func:`_trace_gradients` traced: the loss graph for JAX to differentiate (``note``
+    empty), or PyTorch's gradient graph and why (``note``; ``model_fallback``: the error by
+    which the model's own use of autograd ended the forward's trace, which the compile log
+    names)."""
+
+    gm: torch.fx.GraphModule
+    weighted: bool
+    note: str = ""
+    model_fallback: str = ""
 
 
-def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes, autodiff: str):
-    """``(graph, weighted, note)``: the loss graph for JAX to differentiate where it carries
-    the step's gradients (:mod:`.loss_graph`; ``note`` is then empty), else PyTorch's
-    gradient graph and why (``note``)."""
+def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes,
+                     autodiff: str) -> _GradientTrace:
     args = (step.model, step.loss_fn, st.param_names, st.const_names, st.batch_spec, fakes,
             param_fakes, const_fakes, batch_fakes)
     scan_layers = getattr(step, "scan_layers", None)
     least = layer_groups.min_scanned_layers(scan_layers)
+    model_fallback = ""
     if autodiff != "jax":
         note = "autodiff='torch'"
     elif least is not None and layer_groups.find_groups(step.model, least):
         note = "scanned layers are differentiated by their own scan"
     else:
         try:
-            return loss_graph.trace_loss_graph(*args) + ("",)
+            return _GradientTrace(*loss_graph.trace_loss_graph(*args))
         except Exception as error:  # noqa: BLE001
             # TorchAutogradNeeded, or what torch.func refuses in a forward-only trace: a
             # forward that writes a buffer (BatchNorm's running statistics) writes a tensor
             # the vjp captured. PyTorch's gradient graph handles both; an error in the user's
             # code is raised by that trace as before.
-            note = _FALLBACK_PREFIX + f"{type(error).__name__}: {error}".splitlines()[0]
+            model_fallback = f"{type(error).__name__}: {error}".splitlines()[0]
+            note = "the forward uses autograd itself: " + model_fallback
     gm, weighted = layer_groups.traced_with_groups(
         step.model, lambda: tracing.trace_grad_graph(*args), scan_layers)
-    return gm, weighted, note
+    return _GradientTrace(gm, weighted, note, model_fallback)
 
 
 def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain, at_use):
@@ -263,12 +271,12 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     param_fakes = [fake(p) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    grad_gm, weighted, autodiff_note = stages.time(
+    traced = stages.time(
         "trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes, batch_fakes,
         autodiff or getattr(step, "autodiff", "jax"))
+    grad_gm, weighted, autodiff_note = traced.gm, traced.weighted, traced.note
     jax_autodiff = not autodiff_note
-    if autodiff_note.startswith(_FALLBACK_PREFIX):
-        stages.autodiff_fallback = autodiff_note[len(_FALLBACK_PREFIX):]
+    stages.autodiff_fallback = traced.model_fallback
     groups = step.optimizer.param_groups
     settings = [dict(step.adapter.static_settings(g)) for g in groups]
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it
