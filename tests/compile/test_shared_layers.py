@@ -105,13 +105,28 @@ def test_models_with_the_same_shapes_but_other_settings_get_their_own_bodies():
     _trains_like_cpu(lambda: Stack(scale=1.5))
 
 
-def test_a_layer_that_detaches_inside_makes_the_step_trace_pytorchs_backward():
-    program = _program(Stack(detach=True), mlp_batches(1)[0])
+class DetachesBetweenLayers(Stack):
+    """A ``detach()`` of a layer call's output: the call's outputs must answer
+    ``requires_grad`` as the layer's own would, or the probe would not see it."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, torch.sigmoid(h.mean(-1, keepdim=True) + i))
+            if i == 1:
+                h = h.detach() * 0.5 + h
+        return self.out(h)
+
+
+@pytest.mark.parametrize("make_model", [lambda: Stack(detach=True), DetachesBetweenLayers],
+                         ids=["inside_a_layer", "between_layers"])
+def test_a_detach_makes_the_step_trace_pytorchs_backward(make_model):
+    program = _program(make_model(), mlp_batches(1)[0])
     assert program.autodiff == "torch"
     assert program.autodiff_note.startswith("the forward uses autograd itself: "
                                             "TorchAutogradNeeded: detach()"), \
         program.autodiff_note
-    _trains_like_cpu(lambda: Stack(detach=True))
+    _trains_like_cpu(make_model)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
