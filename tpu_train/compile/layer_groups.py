@@ -317,8 +317,8 @@ class TracedLayer:
 
 
 def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -> TracedLayer:
-    """``need``'s layer call traced alone under ``autocast`` (enabled, dtype); ``wrap(run,
-    n_states)``, if given, returns the function traced in place of ``run(*states, *inputs)``."""
+    """``need``'s layer call traced alone under ``autocast`` (enabled, dtype); ``wrap(run)``,
+    if given, returns the function traced in place of ``run(*states, *inputs)``."""
     layer = need.layer
     names = [name for name, _ in layer_state(layer)]
     state_metas = metas([t for _, t in layer_state(layer)])
@@ -342,7 +342,7 @@ def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -
         return out_leaves
 
     fake_inputs = [fakes.like(m.shape, m.dtype, device) for m in state_metas + input_metas]
-    traced = run_layer if wrap is None else wrap(run_layer, len(names))
+    traced = run_layer if wrap is None else wrap(run_layer)
     autocast_enabled, autocast_dtype = autocast
     with fakes.mode, checkpointing.checkpoint_calls_recorded(checkpointed), \
             torch.autocast("tpu", dtype=autocast_dtype, enabled=autocast_enabled):

@@ -97,15 +97,13 @@ def _probed(run: Callable, requires: Sequence[bool]) -> Callable:
 
 def trace_loss_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequence[str],
                      const_names: Sequence[str], batch_spec, fakes: tracing.FakeFactory,
-                     diff_fakes: list, const_fakes: list, batch_fakes: list, *,
-                     share_layers: bool = True):
+                     diff_fakes: list, const_fakes: list, batch_fakes: list):
     """The loss graph and whether the loss is weighted (raises :class:`TorchAutogradNeeded`).
 
     Placeholders as :func:`tracing.trace_grad_graph`'s (``diff + consts + batch``); it returns
     ``[loss, weight]``: the loss in its own dtype (what is differentiated) and the weight as
-    float32 (see ``trace_grad_graph`` for ``(loss_sum, count)`` losses). With
-    ``share_layers``, repeated layers are traced once and called per layer
-    (:mod:`.shared_layers`); the program is the same either way.
+    float32 (see ``trace_grad_graph`` for ``(loss_sum, count)`` losses). Repeated layers are
+    traced once and called per layer (:mod:`.shared_layers`).
     """
     n_diff, n_const = len(diff_fakes), len(const_fakes)
     loss_of, weighted, wrapper = tracing.loss_closure(model, loss_fn, diff_names, const_names)
@@ -126,6 +124,5 @@ def trace_loss_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         with fakes.mode, tracing.traced_checkpoints(wrapper):
             return tracing.trace_forward(loss_step, diff_fakes + const_fakes + batch_fakes)
 
-    gm = shared_layers.traced_with_shared_layers(model, trace, _probed) if share_layers \
-        else trace()
+    gm = shared_layers.traced_with_shared_layers(model, trace, _probed)
     return gm, weighted[-1]

@@ -102,7 +102,7 @@ class _CallTracer:
 
 def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
     signature, requires = need.signature
-    wrap = None if wrap_body is None else (lambda run, n_states: wrap_body(run, requires))
+    wrap = None if wrap_body is None else (lambda run: wrap_body(run, requires))
     try:
         traced = layer_groups.trace_layer(need, signature[-2], wrap)
     except Exception:  # noqa: BLE001 - traced inline instead, where any error is the user's
