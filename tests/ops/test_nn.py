@@ -108,6 +108,28 @@ def test_softmax_backward(dtype, dim):
     assert_lowering_matches(aten._log_softmax_backward_data.default, grad, log_out, dim, dtype, **tol)
 
 
+@pytest.mark.parametrize("op, backward", [
+    (aten._softmax.default, aten._softmax_backward_data.default),
+    (aten._log_softmax.default, aten._log_softmax_backward_data.default),
+    (aten._safe_softmax.default, aten._softmax_backward_data.default)])
+def test_jax_derivative_of_softmax_is_torchs_backward(op, backward):
+    # The compiled step takes JAX's derivative of the forward lowerings: it is PyTorch's
+    # backward formula (the backward lowering's values, bit for bit) and carries nothing
+    # through the row max (no equality mask of each row's maximum in the program).
+    import jax
+
+    x, grad = to_jax(rand(4, 6) * 4), to_jax(rand(4, 6, seed=1))
+    if op == aten._safe_softmax.default:
+        x = x.at[1].set(-jnp.inf).at[2, :3].set(-jnp.inf)
+    forward = registry.get_lowering(op).fn
+    args = (-1,) if op == aten._safe_softmax.default else (-1, False)
+    out, pullback = jax.vjp(lambda v: forward(v, *args), x)
+    expected = registry.get_lowering(backward).fn(grad, out, -1, jnp.float32)
+    assert jnp.array_equal(pullback(grad)[0], expected)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda v: forward(v, *args).sum()))(x))
+    assert "reduce_max" in jaxpr and "bool[4,6] = eq" not in jaxpr
+
+
 # --- layer / RMS / group norm ----------------------------------------------------------------
 
 

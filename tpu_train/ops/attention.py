@@ -80,7 +80,8 @@ def scaled_dot_product_fused_attention(query, key, value, attn_bias=None, dropou
     b, h, sq, _ = query.shape
     sk = key.shape[2]
     scores = _masked_scores(query, key, attn_bias, is_causal, scale)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    # The shift is a constant to autodiff: neither output depends on it.
+    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     # Fully masked rows (all -inf) give zero output and -inf logsumexp, like torch's safe softmax.
     shifted = jnp.exp(scores - jnp.where(jnp.isneginf(row_max), 0.0, row_max))
     total = jnp.sum(shifted, axis=-1, keepdims=True)

@@ -7,6 +7,9 @@ casts each result to the dtype torch predicts. Backward ops return ``None`` for 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -33,41 +36,84 @@ def _empty(dtype=jnp.float32):
 # --- softmax ---------------------------------------------------------------------------------
 
 
+def _softmax_backward(g, y, axis):
+    return y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+
+
+def _log_softmax_backward(g, y, axis):
+    return g - jnp.exp(y) * jnp.sum(g, axis=axis, keepdims=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def softmax_along(x, axis, empty_rows_to_zero=False):
+    """Softmax of ``x`` along ``axis``; with ``empty_rows_to_zero`` a row of all ``-inf`` gives
+    zeros (torch's safe softmax), otherwise NaN (torch's softmax).
+
+    Its JAX derivative is PyTorch's softmax backward, ``y * (g - sum(g * y))``, computed as the
+    backward lowering computes it: differentiating the formula instead would also carry a
+    gradient through the row max (a one-hot of each row's maximum, zero in exact arithmetic)
+    and through the division.
+    """
+    row_max = jnp.max(x, axis=axis, keepdims=True)
+    if empty_rows_to_zero:
+        row_max = jnp.where(jnp.isneginf(row_max), 0, row_max)
+    e = jnp.exp(x - row_max)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    if empty_rows_to_zero:
+        return jnp.where(total == 0, 0, e / jnp.where(total == 0, 1, total))
+    return e / total
+
+
+def _softmax_along_forward(x, axis, empty_rows_to_zero):
+    y = softmax_along(x, axis, empty_rows_to_zero)
+    return y, y
+
+
+softmax_along.defvjp(_softmax_along_forward,
+                     lambda axis, empty_rows_to_zero, y, g: (_softmax_backward(g, y, axis),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def log_softmax_along(x, axis):
+    """Log-softmax of ``x`` along ``axis``, whose JAX derivative is PyTorch's log-softmax
+    backward, ``g - exp(y) * sum(g)`` (see ``softmax_along``)."""
+    shifted = x - jnp.max(x, axis=axis, keepdims=True)
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
+
+
+def _log_softmax_along_forward(x, axis):
+    y = log_softmax_along(x, axis)
+    return y, y
+
+
+log_softmax_along.defvjp(_log_softmax_along_forward,
+                         lambda axis, y, g: (_log_softmax_backward(g, y, axis),))
+
+
 @lowers(aten._softmax.default)
 def softmax(self, dim, half_to_float):
-    x = _up(self)
-    shifted = x - jnp.max(x, axis=dim, keepdims=True)
-    e = jnp.exp(shifted)
-    return e / jnp.sum(e, axis=dim, keepdims=True)
+    return softmax_along(_up(self), dim)
 
 
 @lowers(aten._log_softmax.default)
 def log_softmax(self, dim, half_to_float):
-    x = _up(self)
-    shifted = x - jnp.max(x, axis=dim, keepdims=True)
-    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=dim, keepdims=True))
+    return log_softmax_along(_up(self), dim)
 
 
 @lowers(aten._safe_softmax.default)
 def safe_softmax(self, dim, dtype=None):
     """Softmax whose fully masked rows (all ``-inf``) give zeros instead of NaN."""
-    x = _up(self)
-    row_max = jnp.max(x, axis=dim, keepdims=True)
-    e = jnp.exp(x - jnp.where(jnp.isneginf(row_max), 0, row_max))
-    total = jnp.sum(e, axis=dim, keepdims=True)
-    return jnp.where(total == 0, 0, e / jnp.where(total == 0, 1, total))
+    return softmax_along(_up(self), dim, True)
 
 
 @lowers(aten._softmax_backward_data.default)
 def softmax_backward_data(grad_output, output, dim, input_dtype):
-    g, y = _up(grad_output), _up(output)
-    return y * (g - jnp.sum(g * y, axis=dim, keepdims=True))
+    return _softmax_backward(_up(grad_output), _up(output), dim)
 
 
 @lowers(aten._log_softmax_backward_data.default)
 def log_softmax_backward_data(grad_output, output, dim, input_dtype):
-    g, y = _up(grad_output), _up(output)
-    return g - jnp.exp(y) * jnp.sum(g, axis=dim, keepdims=True)
+    return _log_softmax_backward(_up(grad_output), _up(output), dim)
 
 
 # --- layer norm and RMS norm -----------------------------------------------------------------

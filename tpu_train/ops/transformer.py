@@ -22,6 +22,7 @@ from jax import lax
 from jax.scipy import special
 
 from tpu_train.ops.matmul import accumulator_dtype, lax_precision
+from tpu_train.ops.nn import softmax_along
 from tpu_train.ops.registry import aten, lowers
 
 
@@ -53,11 +54,7 @@ def _masked_softmax(scores, mask, mask_type):
         mask = _mask_for_scores(mask, mask_type, scores)
         scores = (jnp.where(mask, -jnp.inf, scores) if mask.dtype == jnp.bool_
                   else scores + mask.astype(scores.dtype))
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    fully_masked = jnp.isneginf(row_max)
-    shifted = jnp.exp(scores - jnp.where(fully_masked, 0.0, row_max))
-    total = jnp.sum(shifted, axis=-1, keepdims=True)
-    return jnp.where(fully_masked, 0.0, shifted / jnp.where(fully_masked, 1.0, total))
+    return softmax_along(scores, -1, True)
 
 
 def _attention(query, key, value, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
