@@ -133,7 +133,12 @@ def test_a_model_that_is_not_a_plain_stack_is_traced_layer_by_layer(wrapper):
     ref, _, _, _ = run_compiled(model, OPTIMIZERS["adamw"], _lm_loss, batches,
                                 scan_layers=False)
     assert _scans(step) == []
-    assert [m["loss"] for m in metrics] == [m["loss"] for m in ref]
+    # Asked to scan, the step traces PyTorch's backward of the whole model; the reference
+    # (scan_layers=False) takes JAX's gradients of a forward whose layers share one traced
+    # body. The same lowerings on the same values: only the order XLA sums the backward in
+    # may differ (as in test_loss_graph's jax / torch autodiff comparison).
+    assert_losses_close([m["loss"] for m in metrics], [m["loss"] for m in ref],
+                        loss_rtol(torch.float32, len(batches), 128))
 
 
 def test_default_scans_deep_stacks_only():

@@ -12,6 +12,7 @@ import operator
 import pytest
 import torch
 
+from tests import tolerances
 from tests.tolerances import loss_rtol
 from tpu_train.compile import lower_train_step
 from tpu_train.compile.functional_optim import AdamAdapter, SGDAdapter
@@ -99,3 +100,32 @@ def test_templated_update_computes_what_the_per_parameter_trace_computes(name, m
                                                rel=loss_rtol(F32, steps, reduction, depth))
     assert_params_within(model, ref_model, param_bound(name, tiny_llama(), steps, reduction,
                                                        depth=depth))
+
+
+def test_templated_update_keeps_each_param_groups_settings():
+    # Two groups (another lr, no weight decay in the second) with clipping: each template call
+    # reads its own group's row of scalars, as the per-parameter trace does.
+    def two_groups(params):
+        params = list(params)
+        return torch.optim.AdamW([{"params": params[:4]},
+                                  {"params": params[4:], "lr": 1e-2, "weight_decay": 0.0}],
+                                 lr=3e-3, weight_decay=0.1)
+
+    batches = lm_batches(2)
+    metrics, model, _, step = run_compiled(tiny_llama(), two_groups, lm_loss, batches,
+                                           max_grad_norm=0.5)
+    (program,) = step.cache.entries.values()
+    # One norm template, one update template per group.
+    assert _ops(program.update_graph).count(TEMPLATE_MAP) == 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AdamAdapter, "per_parameter", False)
+        ref_metrics, ref_model, _, _ = run_compiled(tiny_llama(), two_groups, lm_loss, batches,
+                                                    max_grad_norm=0.5)
+    steps, reduction, depth = len(batches), 128, 2 * (6 * 2 + 2)
+    for m, ref in zip(metrics, ref_metrics):
+        assert m["grad_norm"] == pytest.approx(ref["grad_norm"],
+                                               rel=loss_rtol(F32, steps, reduction, depth))
+    # Bounds for the larger lr, 1e-2: a group given the other's row moves its parameters by
+    # about the difference of the two lrs a step, far outside them.
+    assert_params_within(model, ref_model, lambda name, ref: tolerances.param_atol(
+        F32, 1e-2, steps, reduction=reduction, numel=ref.numel(), depth=depth))

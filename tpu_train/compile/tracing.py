@@ -220,13 +220,14 @@ def trace_grad_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
     return gm, weighted[-1]
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], per_tensor: Callable | None = None
-                     ) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s total 2-norm (norm of the per-tensor norms);
-    ``per_tensor(grads)`` computes the per-tensor norms if given."""
-    norms = per_tensor(grads) if per_tensor is not None else \
-        [torch.linalg.vector_norm(g, 2) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
+def global_grad_norm(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s total 2-norm from the per-tensor 2-norms."""
+    return torch.linalg.vector_norm(torch.stack(list(norms)), 2)
+
+
+def clip_coefficient(grad_norm: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)), always multiplied."""
+    return torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
 
 
 def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Sequence[int],
@@ -241,31 +242,25 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
     signature (:mod:`.update_templates`): the graph then holds one node per signature."""
     from tpu_train.compile.update_templates import TemplatedUpdate  # it imports this module
 
-    n = len(param_fakes)
-    per_param_states = _per_parameter(state_fakes, state_counts)
-    group_of = [g for g, size in enumerate(group_sizes) for _ in range(size)]
-    templated = None
     if getattr(adapter, "per_parameter", False):
+        group_of = [g for g, size in enumerate(group_sizes) for _ in range(size)]
         templated = TemplatedUpdate(adapter, group_settings, fakes, param_fakes,
-                                    per_param_states, group_of, scalars_fake,
-                                    clip=max_grad_norm is not None)
+                                    _per_parameter(state_fakes, state_counts), group_of,
+                                    scalars_fake, clip=max_grad_norm is not None)
+        return templated.graph(fakes, param_fakes, grad_fakes, state_fakes, state_counts,
+                               scalars_fake, max_grad_norm)
+    n = len(param_fakes)
 
     def update_step(*flat):
         params = list(flat[:n])
         grads = list(flat[n:2 * n])
         flat_states = list(flat[2 * n:-1])
         scalars = flat[-1]
-        grad_norm = global_grad_norm(grads, templated.norms if templated is not None else None)
-        clip_coef = None
+        grad_norm = global_grad_norm([torch.linalg.vector_norm(g, 2) for g in grads])
         if max_grad_norm is not None:
-            # clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)), always multiplied.
-            clip_coef = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
+            coef = clip_coefficient(grad_norm, max_grad_norm)
+            grads = [g * coef.to(g.dtype) for g in grads]
         states = _per_parameter(flat_states, state_counts)
-        if templated is not None:
-            return _templated_update(templated, params, grads, states, scalars, group_of,
-                                     clip_coef) + [grad_norm]
-        if clip_coef is not None:
-            grads = [g * clip_coef.to(g.dtype) for g in grads]
         new_params, new_states, start = [], [], 0
         for g, (settings, size) in enumerate(zip(group_settings, group_sizes)):
             stop = start + size
@@ -281,10 +276,7 @@ def trace_update_graph(adapter, group_settings: Sequence[dict], group_sizes: Seq
     # clipping and optimizer arithmetic run in the parameters' own dtype, as eager code that
     # calls optimizer.step() outside its autocast region does.
     with fakes.mode, torch.autocast("tpu", enabled=False):
-        gm = _trace(update_step, param_fakes + grad_fakes + state_fakes + [scalars_fake])
-    if templated is not None:
-        gm.meta["update_templates"] = templated.templates  # alive as long as the graph
-    return gm
+        return _trace(update_step, param_fakes + grad_fakes + state_fakes + [scalars_fake])
 
 
 def _per_parameter(flat_states: Sequence, state_counts: Sequence[int]) -> list:
@@ -294,17 +286,3 @@ def _per_parameter(flat_states: Sequence, state_counts: Sequence[int]) -> list:
         states.append(list(flat_states[cursor:cursor + count]))
         cursor += count
     return states
-
-
-def _templated_update(templated, params, grads, states, scalars, group_of, clip_coef) -> list:
-    rows, coefs = {}, {}
-    for group in group_of:
-        if group not in rows:
-            rows[group] = scalars[group]
-    for grad in grads:
-        if clip_coef is not None and grad.dtype not in coefs:
-            coefs[grad.dtype] = clip_coef.to(grad.dtype)
-    new_params, new_states = templated.update(
-        params, grads, states, [rows[g] for g in group_of],
-        [coefs.get(g.dtype) for g in grads])
-    return new_params + new_states

@@ -26,6 +26,7 @@ is traced whole.
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from typing import Sequence
 
@@ -91,14 +92,19 @@ def _not_run(*_):
 _LIBRARY.impl("template_map", _not_run, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::template_map")
-def _(template_id, tensors):
-    t = template(template_id)
+def _map_outputs(t: Template, tensors: Sequence[torch.Tensor], empty) -> list:
+    """``empty(shape, dtype, device)`` for each output of ``t`` mapped over ``tensors``."""
     device = tensors[0].device
-    return [torch.empty(shape, dtype=dtype, device=device)
+    return [empty(shape, dtype, device)
             for start in range(0, len(tensors), t.n_inputs)
             for shape, (_, dtype) in zip(t.output_shapes(tuple(tensors[start].shape)),
                                          t.output_metas)]
+
+
+@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::template_map")
+def _(template_id, tensors):
+    return _map_outputs(template(template_id), tensors,
+                        lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))
 
 
 def _ints(value):
@@ -149,21 +155,45 @@ def trace_template(fn, fakes: tracing.FakeFactory, like: Sequence[torch.Tensor])
         return Template(tracing.trace_forward(fn, args))
 
 
-def map_templates(calls: Sequence[tuple[Template, Sequence[torch.Tensor]]]) -> list[list]:
-    """Inside a trace: each ``(template, inputs)`` applied, as one node per distinct template.
-
-    Returns each call's outputs, in the order of ``calls``."""
+def _map_nodes(graph: torch.fx.Graph, fakes: tracing.FakeFactory,
+               calls: Sequence[tuple[Template, Sequence[torch.fx.Node]]]) -> list[list]:
+    """``graph`` gets one ``template_map`` node per distinct template among ``calls`` (each a
+    ``(template, input nodes)``); returns each call's output nodes, in the order of ``calls``."""
     by_template: dict[int, list[int]] = {}
     for position, (t, _) in enumerate(calls):
         by_template.setdefault(t.id, []).append(position)
     results: list = [None] * len(calls)
     for template_id, positions in by_template.items():
         t = calls[positions[0]][0]
-        tensors = [x for p in positions for x in calls[p][1]]
-        out = TEMPLATE_MAP(template_id, tensors)
+        inputs = [x for p in positions for x in calls[p][1]]
+        node = graph.call_function(TEMPLATE_MAP, (template_id, inputs))
+        node.meta["val"] = _map_outputs(t, [x.meta["val"] for x in inputs], fakes.like)
         for k, p in enumerate(positions):
-            results[p] = list(out[k * t.n_outputs:(k + 1) * t.n_outputs])
+            results[p] = [_item(graph, node, k * t.n_outputs + j) for j in range(t.n_outputs)]
     return results
+
+
+def _item(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> torch.fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = node.meta["val"][index]
+    return item
+
+
+def _placeholder(graph: torch.fx.Graph, name: str, value: torch.Tensor) -> torch.fx.Node:
+    node = graph.placeholder(name)
+    node.meta["val"] = value
+    return node
+
+
+def _inline(graph: torch.fx.Graph, root: torch.nn.Module, gm: torch.fx.GraphModule,
+            inputs: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``gm``'s nodes copied into ``graph`` with its placeholders bound to ``inputs`` (its
+    constants onto ``root``); returns the nodes of its outputs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            setattr(root, node.target, getattr(gm, node.target))
+    return list(graph.graph_copy(gm.graph, dict(zip(placeholders, inputs))))
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -217,6 +247,7 @@ class TemplatedUpdate:
         norms, updates = _Templates(), _Templates()
         self._norm_of: list[Template] = []
         self._update_of: list[Template] = []
+        self._group_of = list(group_of)
         for param, states, group in zip(param_fakes, state_fakes, group_of):
             self._norm_of.append(norms.get("norm", [param], lambda: trace_template(
                 lambda g: [torch.linalg.vector_norm(g, 2)], fakes, [param])))
@@ -228,20 +259,53 @@ class TemplatedUpdate:
                 group, like, lambda: trace_template(update, fakes, like)))
         self.templates = norms.all() + updates.all()  # kept alive with a graph
 
-    def norms(self, grads: Sequence) -> list:
-        """Each gradient's 2-norm (``torch.linalg.vector_norm``)."""
-        return [out[0] for out in map_templates(
-            [(t, [g]) for t, g in zip(self._norm_of, grads)])]
+    def graph(self, fakes: tracing.FakeFactory, param_fakes: Sequence, grad_fakes: Sequence,
+              state_fakes: Sequence, state_counts: Sequence[int], scalars_fake: torch.Tensor,
+              max_grad_norm: float | None) -> torch.fx.GraphModule:
+        """The update graph (``tracing.trace_update_graph``'s placeholders and outputs), built
+        node by node: a ``make_fx`` trace of it would wrap every parameter, gradient and state
+        tensor (W1: 313 inputs, 235 outputs) only to record a handful of nodes. The part between
+        the norms and the updates (global norm, clip coefficient, each group's scalars) is
+        traced on its own, on the per-parameter norms."""
+        graph, root = torch.fx.Graph(), torch.nn.Module()
+        params = [_placeholder(graph, f"param_{i}", f) for i, f in enumerate(param_fakes)]
+        grads = [_placeholder(graph, f"grad_{i}", f) for i, f in enumerate(grad_fakes)]
+        flat_states = [_placeholder(graph, f"state_{i}", f) for i, f in enumerate(state_fakes)]
+        scalars = _placeholder(graph, "scalars", scalars_fake)
+        norms = [out[0] for out in _map_nodes(graph, fakes, [
+            (t, [g]) for t, g in zip(self._norm_of, grads)])]
 
-    def update(self, params, grads, states, rows, coefs) -> tuple[list, list]:
-        """New parameters and their new states (flat), from per-parameter inputs: ``rows[i]``
-        the group's host scalars, ``coefs[i]`` the clip coefficient in the gradient's dtype
-        (None without clipping)."""
-        calls = []
-        for t, p, g, s, row, coef in zip(self._update_of, params, grads, states, rows, coefs):
-            calls.append((t, [p, g, *s, row] + ([coef] if coef is not None else [])))
-        outputs = map_templates(calls)
-        return [out[0] for out in outputs], [x for out in outputs for x in out[1:]]
+        groups = list(dict.fromkeys(self._group_of))
+        dtypes = list(dict.fromkeys(g.dtype for g in grad_fakes)) if max_grad_norm is not None else []
+
+        def between(*flat):  # per-parameter norms, then the [groups, k] scalars
+            grad_norm = tracing.global_grad_norm(list(flat[:-1]))
+            coefs = []
+            if max_grad_norm is not None:
+                coef = tracing.clip_coefficient(grad_norm, max_grad_norm)
+                coefs = [coef.to(dtype) for dtype in dtypes]
+            return [grad_norm] + coefs + [flat[-1][g] for g in groups]
+
+        with fakes.mode, torch.autocast("tpu", enabled=False):
+            between_gm = tracing.trace_forward(between, [n.meta["val"] for n in norms]
+                                               + [scalars_fake])
+        grad_norm, *rest = _inline(graph, root, between_gm, norms + [scalars])
+        coef_of = dict(zip(dtypes, rest[:len(dtypes)]))
+        row_of = dict(zip(groups, rest[len(dtypes):]))
+
+        calls, cursor = [], 0
+        for t, p, g, count, group in zip(self._update_of, params, grads, state_counts,
+                                         self._group_of):
+            inputs = [p, g, *flat_states[cursor:cursor + count], row_of[group]]
+            cursor += count
+            calls.append((t, inputs + ([coef_of[g.meta["val"].dtype]] if coef_of else [])))
+        outputs = _map_nodes(graph, fakes, calls)
+        new_params = [out[0] for out in outputs]
+        new_states = [x for out in outputs for x in out[1:]]
+        graph.output(new_params + new_states + [grad_norm])
+        gm = torch.fx.GraphModule(root, graph)
+        gm.meta["update_templates"] = self.templates  # alive as long as the graph
+        return gm
 
 
 def _one_parameter(adapter, settings: dict, n_states: int, clip: bool):
