@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tpu_train
-from tpu_train.device import lazy, op_cache, storage_of
+from tpu_train.device import lazy, op_cache, runtime, storage_of
 
 
 def _counts():
@@ -69,6 +69,22 @@ def test_a_value_read_runs_the_region_and_nothing_runs_before(read):
             torch.tpu.synchronize()
     assert _ran_since(before) == 1
     torch.testing.assert_close(y.cpu(), expected, rtol=1e-6, atol=0)
+
+
+def test_factories_are_recorded_and_a_host_copy_into_a_fresh_tensor_runs_nothing():
+    host = torch.arange(6, dtype=torch.float32)
+    with tpu_train.eager_mode("fused"):
+        before = _counts()
+        zeros = torch.zeros(2, 3, device="tpu")
+        full = torch.full((4,), 2.5, device="tpu")
+        on_one = torch.full((3,), 7, device="tpu:1")  # a region of fills only
+        copied = host.to("tpu")  # torch.empty, then the whole buffer replaced
+        assert _counts()["ops_recorded"] - before["ops_recorded"] >= 4
+        assert _ran_since(before) == 0
+    assert zeros.cpu().tolist() == [[0.0] * 3] * 2 and full.cpu().tolist() == [2.5] * 4
+    assert storage_of(on_one).buffer.devices() == {runtime.jax_device(1)}
+    assert on_one.cpu().tolist() == [7] * 3
+    assert torch.equal(copied.cpu(), host)
 
 
 def test_a_region_runs_when_it_reaches_its_bounded_size(monkeypatch):
@@ -188,7 +204,7 @@ def test_equal_scalars_share_an_input_and_distinct_ones_stay_apart():
 
 
 def test_a_failing_region_fails_every_read_of_its_results(monkeypatch):
-    def failing_program(ops, live, donate):
+    def failing_program(ops, live, donate, device):
         def run(*inputs):
             raise ValueError("out of device memory")
         return run

@@ -40,7 +40,7 @@ def _strided(size, stride, dtype, device, fill=0) -> TpuTensor:
     if any(n < 0 for n in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension: {list(size)}")
     extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
-    buffer = allocate(extent, dtype, runtime.jax_device(index), fill)
+    buffer = allocate(extent, dtype, index, fill)
     return TpuTensor(Storage(buffer, dtype, index), size, stride, 0)
 
 

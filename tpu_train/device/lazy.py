@@ -174,10 +174,10 @@ class Region:
                         live.append(pending.address)
                         pendings.append(pending)
             donate = _donatable(inputs, pendings)
-            key = (tuple(ops), tuple(live), donate)
+            key = (self.index, tuple(ops), tuple(live), donate)
             program = _programs.get(key)
             if program is None:
-                program = _program(ops, live, donate)
+                program = _program(ops, live, donate, runtime.jax_device(self.index))
                 _counts["programs_compiled"] += 1
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
@@ -219,8 +219,9 @@ def _donatable(inputs, pendings) -> tuple:
     return tuple(donate)
 
 
-def _program(ops, live, donate):
-    """One jitted function replaying ``ops`` (each the Python function an op's executable jits).
+def _program(ops, live, donate, device):
+    """One jitted function replaying ``ops`` (each the Python function an op's executable jits),
+    its results on ``device`` (a region of fills only has no array input to place it by).
     """
 
     def replay(*inputs):
@@ -231,7 +232,8 @@ def _program(ops, live, donate):
                 values[(position, j)] = out
         return [values[address] for address in live]
 
-    return jax.jit(replay, donate_argnums=donate, compiler_options=runtime.compiler_options())
+    return jax.jit(replay, donate_argnums=donate, compiler_options=runtime.compiler_options(),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
 def region(index: int) -> Region:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpu_train.device import lazy, runtime
 from tpu_train.device.lazy import Pending
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -297,29 +298,45 @@ def read(storage: Storage, size: tuple, stride: tuple, offset: int) -> jax.Array
 
 
 def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.Array) -> None:
-    """Write ``value`` (broadcast and cast as needed) through the view into ``storage``."""
-    buffer = storage.buffer
+    """Write ``value`` (broadcast and cast as needed) through the view into ``storage``.
+
+    A write of the whole storage replaces its buffer without reading the old one (in fused
+    mode, a fresh tensor's recorded fill is then never run: a host-to-device copy into
+    ``torch.empty`` does not flush the region)."""
     target = storage_dtype(storage.dtype)
-    if _is_whole(size, stride, offset, buffer.shape[0]) and tuple(value.shape) == tuple(size):
+    if _is_whole(size, stride, offset, storage.numel) and tuple(value.shape) == tuple(size):
         new = value.reshape(-1)
         if new.dtype != target:
             new = new.astype(target)
         storage.buffer = new
         return
-    storage.buffer = _writer(tuple(size), tuple(stride), int(offset))(buffer, value)
+    storage.buffer = _writer(tuple(size), tuple(stride), int(offset))(storage.buffer, value)
 
 
-def allocate(numel: int, dtype: torch.dtype, device, fill=0) -> jax.Array:
-    """A fresh flat buffer on ``device`` (a jax Device)."""
+def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):
+    """A fresh flat buffer on device ``device_index``; in fused mode, the pending buffer of a
+    fill recorded in the device's region (XLA then fuses the fill into what reads it)."""
+    device = runtime.jax_device(device_index)
     if type(fill) in (bool, float) or (type(fill) is int and -2**31 <= fill < 2**31):
         # One cached executable per (size, dtype, device), the fill value an input (an int
         # input is 32-bit: wider ones take the general path): eager jnp.full costs ~100 µs of
         # JAX's Python per factory call (torch.zeros, new_zeros in slice_backward, ...).
-        return _filler(numel, storage_dtype(dtype), device)(fill)
+        dtype = storage_dtype(dtype)
+        if lazy.active:
+            aval = ((numel,), np.dtype(dtype))
+            return lazy.region(device_index).record(_fill_body(numel, dtype), [fill], [aval])[0]
+        return _filler(numel, dtype, device)(fill)[0]
     return jnp.full((numel,), fill, dtype=storage_dtype(dtype), device=device)
 
 
 @functools.lru_cache(maxsize=4096)
+def _fill_body(numel: int, dtype):
+    """What a fused region replays for a fill (one function per size and dtype: the region's
+    program is keyed by the functions it replays)."""
+    return lambda value: [jnp.full((numel,), value, dtype=dtype)]
+
+
+@functools.lru_cache(maxsize=4096)
 def _filler(numel: int, dtype, device):
-    return jax.jit(lambda value: jnp.full((numel,), value, dtype=dtype),
+    return jax.jit(_fill_body(numel, dtype),
                    out_shardings=jax.sharding.SingleDeviceSharding(device))
