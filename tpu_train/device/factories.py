@@ -8,6 +8,7 @@ zeros, ...) is built by torch from these plus ops on the new tensor.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -75,10 +76,11 @@ def arange_start_step(start, end, step=1, *, dtype=None, layout=None, device=Non
     meta = torch.arange(start, end, step, dtype=dtype, device="meta")
     values = start + step * np.arange(meta.numel(), dtype=np.float64)
     index = _index(device)
-    array = jnp.asarray(values.astype(storage_dtype(meta.dtype)) if meta.dtype.is_floating_point
-                        else np.floor(values).astype(storage_dtype(meta.dtype)),
-                        device=runtime.jax_device(index))
-    return wrap(array, meta.dtype, index, meta.shape)
+    host = (values if meta.dtype.is_floating_point else np.floor(values)).astype(
+        storage_dtype(meta.dtype))
+    # A plain transfer of a fresh host array (jnp.asarray would dispatch a conversion too):
+    # transformers calls arange for positions on every forward.
+    return wrap(jax.device_put(host, runtime.jax_device(index)), meta.dtype, index, meta.shape)
 
 
 def arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory=None):
