@@ -7,10 +7,12 @@ for once by ``make_fx`` (fake tensors, functionalization, proxies) and again by 
 to JAX; that cost grows with depth even when the layers themselves run as one scanned body.
 
 Here each distinct signature — param group, parameter, gradient and state shapes and dtypes,
-clipping or not — is traced once into an :class:`UpdateTemplate` (a small FX graph), and
-the update graph holds one ``parameter_update(template, tensors)`` node per parameter. Lowered,
-a template is one ``jax.jit`` function (traced once) that every node calls; XLA inlines the
-calls, so the program is the one the per-parameter trace gave (same ops on the same values).
+clipping or not — is traced once into a :class:`Template` (a small FX graph), and the update
+graph, built node by node around them (:meth:`TemplatedUpdate.graph`), holds one
+``template_map(template, tensors)`` node per template, applied to every parameter with its
+signature. Lowered, a template is one ``jax.jit`` function (traced once per length) that every
+parameter's slice of the node calls; XLA inlines the calls, so the program is the one the
+per-parameter trace gave (same ops on the same values).
 
 A template traced on flat tensors whose graph names no length (elementwise arithmetic on
 ``(n,)`` tensors and 0-dim scalars, as Adam's, AdamW's and SGD's updates and the 2-norm are)
