@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tokenizer.py"
 def test_bundled_corpus_is_small_and_reproducible(tmp_path):
     corpus = default_corpus_dir()
     total = sum(p.stat().st_size for p in corpus.iterdir())
-    assert total < 2 * 1024 * 1024
+    assert total < 5 * 1024 * 1024  # the fine-tuning examples are 3.4 MB of it
     written = build_corpus(tmp_path)
     assert set(written) == {PRETRAIN, TASKS_TRAIN, TASKS_HELDOUT}
     for name, path in written.items():

@@ -35,7 +35,13 @@ GENERATED_PARAGRAPHS = 1000
 PRETRAIN_TASK_EXAMPLES = 16000
 # Of the 8974 distinct training prompts of addition (the rest are held out).
 PRETRAIN_EXTRA_ADD_EXAMPLES = 8500
-FINETUNE_EXAMPLES = 8000
+# Fine-tuning sees ~120 examples a step: the default's 600 steps read the 48000 examples about
+# 1.5 times; over 8000 (nine passes) it ended at 90.5 % held-out exact match, against 92.5 % here
+# (docs/recipes.md).
+FINETUNE_EXAMPLES = 48000
+# The tokenizer was trained on the pretraining texts and the first 8000 fine-tuning examples;
+# it, and the base model pretrained with it, stay as they are when the fine-tuning file grows.
+TOKENIZER_FINETUNE_EXAMPLES = 8000
 HELDOUT_EXAMPLES = 600
 
 
@@ -79,12 +85,13 @@ def build_corpus(out_dir: str | Path | None = None, seed: int = 0) -> dict[str, 
 
 
 def iter_corpus_texts(corpus_dir: str | Path | None = None) -> Iterator[str]:
-    """Every text of the corpus (pretraining texts, then fine-tuning prompts + responses)."""
+    """The tokenizer's training texts: every pretraining text, then the prompt + response of the
+    first :data:`TOKENIZER_FINETUNE_EXAMPLES` fine-tuning examples."""
     corpus_dir = Path(corpus_dir) if corpus_dir is not None else default_corpus_dir()
     with (corpus_dir / PRETRAIN).open(encoding="utf-8") as f:
         for line in f:
             yield json.loads(line)["text"]
     with (corpus_dir / TASKS_TRAIN).open(encoding="utf-8") as f:
-        for line in f:
+        for line in itertools.islice(f, TOKENIZER_FINETUNE_EXAMPLES):
             record = json.loads(line)
             yield record["prompt"] + record["response"]
