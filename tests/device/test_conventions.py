@@ -250,6 +250,44 @@ def test_accelerator_device_index_selects_the_tpu_device():
     assert torch.ones(2, device="tpu").device == torch.device("tpu", 0)
 
 
+def test_optimizers_and_clipping_take_their_foreach_paths_by_default_as_on_cuda():
+    """torch picks the multi-tensor path for a PrivateUse1 device when the parameters' type is
+    foreach-capable; a tpu parameter is one, so AdamW and clip_grad_norm_ run a few _foreach_
+    ops for all parameters, not one op chain per parameter, and AdamW still steps like CPU's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    batch = torch.randn(8, 12)
+    for model, x in ((cpu_model, batch), (tpu_model, batch.to("tpu"))):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            with Names() as seen:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+            optimizer.zero_grad()
+        foreach = [n for n in seen.names if n.startswith("_foreach_")]
+        if x.device.type == "tpu":
+            assert "_foreach_norm" in foreach and "_foreach_lerp_" in foreach, seen.names
+            assert len(seen.names) < 40, len(seen.names)  # 4 parameters, one list each
+        else:  # the CPU oracle keeps torch's CPU default for AdamW: the per-parameter path
+            assert "_foreach_lerp_" not in foreach
+    for p_cpu, p_tpu in zip(cpu_model.parameters(), tpu_model.parameters()):
+        limit = param_atol(torch.float32, 1e-2, 3, reduction=16, numel=p_cpu.numel())
+        assert _rms(p_tpu.cpu() - p_cpu) <= limit
+
+
 # -- autocast ------------------------------------------------------------------------------------
 
 
