@@ -40,7 +40,6 @@ import torch
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import interpreter, tracing
 from tpu_train.compile.lowering import autocast_region
-from tpu_train.compile.program import compile_lowered
 from tpu_train.device import runtime
 from tpu_train.device.tensor import TpuTensor, owns_whole_storage, storage_of
 from tpu_train.ops import matmul as matmul_mod
@@ -230,7 +229,7 @@ class CompiledDecoder:
             ((buckets.batch,), jnp.bool_), ((), jnp.int32), ((eos_count,), jnp.int32))]
         args.append(jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
         lowered = stages.time("lower", jax.jit(program).lower, *args)
-        return stages.time("compile", compile_lowered, lowered, device.platform)
+        return stages.time("compile", lowered.compile)
 
 
 def _left_padded(rows: list[list[int]], buckets: Buckets):

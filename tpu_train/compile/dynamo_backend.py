@@ -114,8 +114,6 @@ def _as_jax(value, device_index: int):
     if isinstance(value, TpuTensor):
         return value.jax_value()
     if isinstance(value, torch.Tensor):
-        from tpu_train.device import runtime
-
         return jax.device_put(host_array(value), runtime.jax_device(device_index))
     return value
 
@@ -162,7 +160,7 @@ def lower_graph(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
             raise NotImplementedError("input mutation inside a tpu-compiled graph")
         return outputs
 
-    jitted = jax.jit(program, compiler_options=runtime.compiler_options())
+    jitted = jax.jit(program)
 
     @torch._dynamo.disable
     def run(*args):

@@ -40,7 +40,6 @@ from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
-from tpu_train.device import runtime
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -112,20 +111,6 @@ def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
             if lowering is not None and lowering.random:
                 return True
     return False
-
-
-def _platform(device, mesh) -> str | None:
-    if device is not None:
-        return getattr(device, "platform", None)
-    devices = getattr(getattr(mesh, "jax_mesh", mesh), "devices", None)
-    return devices.flat[0].platform if hasattr(devices, "flat") else None
-
-
-def compile_lowered(lowered, platform: str | None):
-    """``lowered.compile()`` with the device runtime's CPU options where they apply (the eager
-    ops take the same ones, so a compiled step rounds like the ops it replaces)."""
-    options = runtime.cpu_compiler_options() if platform == "cpu" else {}
-    return lowered.compile(dict(options)) if options else lowered.compile()
 
 
 def _mutated_placeholders(gm: torch.fx.GraphModule) -> list[int]:
@@ -470,8 +455,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             f"{type(error).__name__}: {error}".splitlines()[0]
         stages.autodiff_fallback = program.autodiff_note
         return program
-    executable = stages.time("compile", compile_lowered, lowered,
-                             _platform(device, mesh)) if compile else None
+    executable = stages.time("compile", lowered.compile) if compile else None
     if spmd and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm,

@@ -18,7 +18,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import lazy, mutation, op_cache, runtime
+from tpu_train.device import lazy, mutation, op_cache
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
@@ -43,7 +43,7 @@ class _Mutating:
 
     def __init__(self, func, run, donate_slots, index, random, written, fresh, returns):
         self.func, self.run, self.index, self.random = func, run, index, random
-        self.fn = jax.jit(run, compiler_options=runtime.compiler_options())
+        self.fn = jax.jit(run)
         self.donating, self.donate_slots = None, donate_slots
         self.written, self.fresh, self.returns = written, fresh, returns
 
@@ -75,8 +75,7 @@ class _Mutating:
         return lazy.region(self.index).record(self.run, inputs, avals)
 
     def _donating(self):
-        self.donating = jax.jit(self.run, donate_argnums=self.donate_slots,
-                                compiler_options=runtime.compiler_options())
+        self.donating = jax.jit(self.run, donate_argnums=self.donate_slots)
         return self.donating
 
 

@@ -232,7 +232,7 @@ def _program(ops, live, donate, device):
                 values[(position, j)] = out
         return [values[address] for address in live]
 
-    return jax.jit(replay, donate_argnums=donate, compiler_options=runtime.compiler_options(),
+    return jax.jit(replay, donate_argnums=donate,
                    out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 

@@ -93,36 +93,6 @@ def _choose(jax, requested: str | None) -> str:
     raise PlatformError("JAX reports no devices at all")
 
 
-# XLA's CPU backend hands float32 dots to the YNNPACK library by default, whose rounding
-# differs from torch's CPU kernels more than XLA's own dot emitter does. Measured on W1
-# (Llama-style, 20 AdamW steps, worst parameter tensor against CPU PyTorch): 2.1e-5 with the
-# library, 6.3e-6 without. The CPU client is the stand-in for a chip, where agreement with
-# PyTorch matters more than a library choice; eager ops and compiled steps take the same
-# options so that they round alike. Measured again on 2026-12-02, the library made a fused
-# eager step ~15 % and the compiled W1 step ~9 % faster, but the embedded default's held-out
-# exact match fell from 91.0 % to 89.5 % (its target is 90 %): kept off (docs/compile.md).
-_CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_compiler_options() -> dict:
-    """XLA options for programs compiled for the CPU client (empty when this XLA lacks them)."""
-    jax = _jax()
-    try:
-        probe = jax.jit(lambda x: x + 1, compiler_options=dict(_CPU_COMPILER_OPTIONS))
-        zero = jax.device_put(jax.numpy.zeros((), jax.numpy.float32),
-                              jax.local_devices(backend="cpu")[0])
-        probe(zero).block_until_ready()
-    except Exception:  # noqa: BLE001 - an unknown option is reported as a runtime error
-        return {}
-    return dict(_CPU_COMPILER_OPTIONS)
-
-
-def compiler_options() -> dict | None:
-    """Options for every program this process compiles for its platform (None: XLA's defaults)."""
-    return cpu_compiler_options() or None if platform() == "cpu" else None
-
-
 # Errors in the process's environment found while ``import tpu_train`` registers the device
 # (a misspelt TPU_TRAIN_EAGER_MODE): raised at first device use, like a bad platform, so that
 # the import succeeds and the command line can report them as one line.
