@@ -98,9 +98,9 @@ def _opt_into_foreach_defaults() -> None:
     """Optimizers and ``clip_grad_norm_`` pick their multi-tensor (``_foreach_*``) paths by
     default on a PrivateUse1 device, as on CUDA, but only for the tensor types PyTorch lists as
     foreach-capable: a tpu tensor is a Python subclass, so without this ``AdamW`` took its
-    per-parameter path (transformers' tiny Llama, 21 parameters: 212 ops a step instead of 54). PyTorch's own
-    subclass DTensor opts in the same way (``torch.distributed.tensor``). The compiled step is
-    unaffected: it traces its own per-parameter copy of the optimizer."""
+    per-parameter path (transformers' tiny Llama, 21 parameters: 212 ops a step instead of 54).
+    PyTorch's own subclass DTensor opts in the same way (``torch.distributed.tensor``). The
+    compiled step is unaffected: it traces its own per-parameter copy of the optimizer."""
     from tpu_train.device.tensor import TpuTensor
 
     for module_name in ("torch.optim.optimizer", "torch.utils._foreach_utils"):
