@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 
 import torch
 
@@ -104,8 +103,8 @@ def _opt_into_foreach_defaults() -> None:
     from tpu_train.device.tensor import TpuTensor
 
     for module_name in ("torch.optim.optimizer", "torch.utils._foreach_utils"):
-        supported = getattr(sys.modules.get(module_name) or importlib.import_module(module_name),
-                            "_foreach_supported_types", None)
+        supported = getattr(importlib.import_module(module_name), "_foreach_supported_types",
+                            None)
         if isinstance(supported, list) and TpuTensor not in supported:
             supported.append(TpuTensor)
 
