@@ -39,6 +39,24 @@ def new_tensor(storage: Storage, size: tuple, stride: tuple, offset: int = 0) ->
     return tensor
 
 
+def _outside_dynamo(function):
+    """``function`` and everything it calls run eagerly even while torch.compile is active.
+
+    torch.compile must never trace the eager execution path (it is JAX code): after a graph
+    break the eager ops run here, outside dynamo. ``torch.compiler.disable`` does that with a
+    Python wrapper that swaps dynamo's frame callback on every call, about a tenth of a small
+    op's cost. Marking the function's code "skip, and skip what it calls" has the same effect,
+    checked in C only while dynamo's callback is set: free otherwise."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # a torch without per-code strategies: the wrapper
+        return torch.compiler.disable(function)
+    set_code_exec_strategy(function.__code__,
+                           FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return function
+
+
 def _dispatch(func, args, kwargs):
     """The first op call imports the dispatcher (it imports this module) and takes its place."""
     global _dispatch
@@ -70,10 +88,8 @@ class TpuTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    @torch._dynamo.disable
+    @_outside_dynamo
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # torch.compile must never trace the eager execution path itself (it is JAX code);
-        # after a graph break the eager ops run here, outside dynamo.
         for t in types:
             if t is not TpuTensor and not issubclass(t, TpuTensor):
                 # Another subclass (e.g. torch's AsyncCollectiveTensor) wraps a tpu tensor: let
