@@ -224,3 +224,49 @@ def test_tolist_and_numpy_convert_like_cuda_tensors():
     with pytest.raises(TypeError, match=r"can't convert tpu:0 device type tensor to numpy"):
         on_device.numpy()
     assert (on_device.numpy(force=True) == base.numpy()).all()
+
+
+def test_lazy_conjugate_and_negative_views_give_torch_values():
+    # torch.fft.ifft of a real tensor is conj(fft) / n through the lazy conj view: its flag
+    # would be lost on a wrapper subclass, giving the unconjugated spectrum.
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.fft.ifft(x.to("tpu")).cpu(), torch.fft.ifft(x))
+    z = torch.complex(x, x.flip(0))
+    on_device = z.to("tpu")
+    torch.testing.assert_close(on_device.conj().cpu(), z.conj().resolve_conj())
+    torch.testing.assert_close((on_device.conj() * 2).cpu(), z.conj() * 2)
+    torch.testing.assert_close(torch._neg_view(on_device).cpu(), -z)
+    # Autograd through conj (mH): gradients equal CPU's.
+    a = z[:, :4].clone().requires_grad_()
+    b = a.detach().to("tpu").requires_grad_()
+    (a @ a.mH).abs().sum().backward()
+    (b @ b.mH).abs().sum().backward()
+    torch.testing.assert_close(b.grad.cpu(), a.grad)
+
+
+def test_resize_as_follows_resize():
+    x = torch.arange(12.0).to("tpu")
+    x.resize_as_(torch.empty(2, 3, device="tpu"))
+    assert x.shape == (2, 3) and x.stride() == (3, 1)
+    torch.testing.assert_close(x.cpu(), torch.arange(6.0).view(2, 3))
+    x.resize_as_(torch.empty(3, 4))  # back within the storage it was created with
+    torch.testing.assert_close(x.cpu(), torch.arange(12.0).view(3, 4))
+
+
+def test_view_as_real_and_complex_are_copies_with_torch_values():
+    # Meta's Llama RoPE: complex rotation through view_as_complex / view_as_real.
+    generator = torch.Generator().manual_seed(0)
+    xq = torch.randn(2, 5, 4, 8, generator=generator)
+    freqs = torch.polar(torch.ones(5, 1, 4), torch.randn(5, 1, 4, generator=generator))
+
+    def rope(x, f):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * f).flatten(3)
+
+    torch.testing.assert_close(rope(xq.to("tpu"), freqs.to("tpu")).cpu(), rope(xq, freqs))
+    # Complex autograd formulas read view_as_real: the FFT's gradient equals CPU's.
+    a = xq[0, 0].clone().requires_grad_()
+    b = a.detach().to("tpu").requires_grad_()
+    torch.fft.fft(a).abs().sum().backward()
+    torch.fft.fft(b).abs().sum().backward()
+    torch.testing.assert_close(b.grad.cpu(), a.grad)

@@ -64,6 +64,12 @@ GRAD_TOLERANCE_SCALE = math.sqrt(GRAD_DEPTH)
 POLYGAMMA_GRADIENT_ORDER = {"lgamma": lambda sample: 0, "digamma": lambda sample: 1,
                             "polygamma": lambda sample: int(sample.args[0]) + 1
                             if sample.args else 1}
+# Outputs that are polygamma functions, by the same argument: next to a pole a float32 result
+# (CPU's included) is off by its accuracy times kappa, so the forward tolerance is scaled by it.
+POLYGAMMA_OUTPUT_ORDER = {"digamma": lambda sample: 0,
+                          "polygamma": lambda sample: int(sample.args[0]) if sample.args else 0,
+                          "special.polygamma": lambda sample: int(sample.args[0])
+                          if sample.args else 0}
 
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -246,13 +252,18 @@ def _check_sample_forward(op, sample, dtype) -> None:
     dev_input = to_device(sample.input)
     dev_args = sample.args if op.name in CPU_ARGS_OPS else to_device(sample.args)
     dev_kwargs = _device_kwargs(sample.kwargs, DEVICE)
+    # Both results go through the sample's output_process_fn_grad, as in PyTorch's own
+    # device-vs-CPU comparison (test_compare_cpu): for ops whose results are defined up to a
+    # choice (eigenvector and singular vector signs) it keeps what is well defined.
     try:
-        expected = op(sample.input, *sample.args, **sample.kwargs)
+        expected = sample.output_process_fn_grad(op(sample.input, *sample.args,
+                                                    **sample.kwargs))
     except Exception as exc:  # noqa: BLE001
         raise OracleError(_first_line(exc)) from exc
-    actual = op(dev_input, *dev_args, **dev_kwargs)
+    actual = sample.output_process_fn_grad(op(dev_input, *dev_args, **dev_kwargs))
     atol, rtol = tolerances(op, dtype)
-    _compare(to_cpu(actual), expected, atol, rtol, compares_values(op), "output")
+    scale = _polygamma_condition(POLYGAMMA_OUTPUT_ORDER.get(op.name), sample)
+    _compare(to_cpu(actual), expected, atol * scale, rtol * scale, compares_values(op), "output")
 
 
 def _check_sample_grad(op, sample, dtype, seed: int) -> bool:
@@ -276,14 +287,15 @@ def _check_sample_grad(op, sample, dtype, seed: int) -> bool:
                                 output_process_fn_grad=sample.output_process_fn_grad)
     actual = _run_grad(op, device_sample, cotangents)
     atol, rtol = tolerances(op, dtype)
-    scale = GRAD_TOLERANCE_SCALE * _gradient_condition(op, sample)
+    scale = GRAD_TOLERANCE_SCALE * _polygamma_condition(POLYGAMMA_GRADIENT_ORDER.get(op.name),
+                                                        sample)
     _compare(to_cpu(actual), expected, atol * scale, rtol * scale, True, "grad")
     return True
 
 
-def _gradient_condition(op, sample) -> float:
-    """The largest condition number of the op's derivative on the sample (1 for most ops)."""
-    order = POLYGAMMA_GRADIENT_ORDER.get(op.name)
+def _polygamma_condition(order, sample) -> float:
+    """The largest condition number on the sample of polygamma(``order(sample)``), the function
+    compared (1 where ``order`` is None: most ops)."""
     x = sample.input
     if order is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return 1.0

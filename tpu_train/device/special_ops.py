@@ -94,7 +94,8 @@ def inplace_view(func, args, kwargs):
 
     tensor = args[0]
     meta = to_meta(tensor)
-    func(meta, *args[1:], **kwargs)
+    func(meta, *torch.utils._pytree.tree_map(to_meta, args[1:]),
+         **torch.utils._pytree.tree_map(to_meta, kwargs))
     set_geometry(tensor, meta.shape, meta.stride(), meta.storage_offset())
     return tensor
 
@@ -178,7 +179,37 @@ def _new_empty_strided(func, args, kwargs):
     return torch.empty_strided(args[1], args[2], **_like_options(args[0], kwargs))
 
 
+def _resize_as_(func, args, kwargs):
+    return _resize_(aten.resize_.default, (args[0], tuple(args[1].shape)), kwargs)
+
+
+def _materialized_conj(func, args, kwargs):
+    # torch's lazy conjugation (``x.conj()`` of a complex tensor) and negation are views
+    # carrying a flag that only native devices' Conjugate / Negative fallbacks resolve; a
+    # wrapper subclass's later ops would never see it. Here they are copies, as in XLA:
+    # values are exact, but writes through the result do not reach the base.
+    return aten._conj_physical.default(args[0])
+
+
+def _materialized_neg(func, args, kwargs):
+    return aten.neg.default(args[0])
+
+
+def _reinterpreted_copy(copy_op):
+    """``view_as_real`` / ``view_as_complex`` reinterpret a storage's dtype, which a flat
+    buffer of one dtype cannot alias: a copy, with the same caveat as ``_materialized_conj``
+    (autograd's complex formulas and RoPE-style code only read the result)."""
+    def handler(func, args, kwargs):
+        return copy_op(*args, **kwargs)
+
+    return handler
+
+
 HANDLERS = {
+    aten._conj.default: _materialized_conj,
+    aten._neg_view.default: _materialized_neg,
+    aten.view_as_real.default: _reinterpreted_copy(aten.view_as_real_copy.default),
+    aten.view_as_complex.default: _reinterpreted_copy(aten.view_as_complex_copy.default),
     aten._linalg_check_errors.default: _linalg_check_errors,
     aten.rand_like.default: _rand_like,
     aten.randn_like.default: _randn_like,
@@ -191,6 +222,7 @@ HANDLERS = {
     aten._fused_sdp_choice.default: _fused_sdp_choice,
     aten._has_compatible_shallow_copy_type.default: _compatible_shallow_copy,
     aten.resize_.default: _resize_,
+    aten.resize_as_.default: _resize_as_,
     aten.record_stream.default: _record_stream,
     aten.set_.source_Tensor: _set_source_tensor,
     aten.lift_fresh_copy.default: _lift_fresh_copy,
