@@ -7,7 +7,7 @@ import importlib
 
 FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
-    "matmul", "linalg_factor", "nn", "conv", "resample", "attention", "transformer", "shape",
+    "matmul", "linalg_factor", "ldl", "nn", "conv", "resample", "attention", "transformer", "shape",
     "indexing", "scatter",
     "special", "bessel", "embedding_bag", "fractional_pool", "histogram", "allclose", "rrelu",
     "segment_reduce", "grid_sample3d", "upsample_aa", "ctc",
