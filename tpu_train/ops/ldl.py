@@ -127,22 +127,34 @@ def linalg_ldl_factor_ex(self, *, hermitian=False, check_errors=False):
     return factor(self)
 
 
+def _swap_rows(b, i, j):
+    idx = jnp.arange(b.shape[0])
+    return b[jnp.where(idx == i, j, jnp.where(idx == j, i, idx))]
+
+
+def _replay(pivots, b, one, two, start, more):
+    """``sytrs``'s loop over pivot blocks: ``one`` / ``two`` for a 1 x 1 / 2 x 2 block at row
+    ``k`` return the new ``b`` and the next ``k``, from ``start`` while ``more(k)``."""
+    def step(state):
+        b, k = state
+        return lax.cond(pivots[k] > 0, one, two, b, k, pivots[k])
+
+    b, _ = lax.while_loop(lambda s: more(s[1]), step, (b, jnp.asarray(start, jnp.int32)))
+    return b
+
+
 def _solve_lower(ld, pivots, b):
     """Forward pass of ``sytrs``: ``b`` ← D⁻¹ L⁻¹ P b, replaying the interchanges in order."""
     n = ld.shape[-1]
     idx = jnp.arange(n)
 
-    def swap(b, i, j):
-        perm = jnp.where(idx == i, j, jnp.where(idx == j, i, idx))
-        return b[perm]
-
     def one(b, k, p):
-        b = swap(b, k, p - 1)
+        b = _swap_rows(b, k, p - 1)
         b = b - jnp.where(idx > k, ld[:, k], 0)[:, None] * b[k][None, :]
         return b.at[k].set(b[k] / ld[k, k]), k + 1
 
     def two(b, k, p):
-        b = swap(b, k + 1, -p - 1)
+        b = _swap_rows(b, k + 1, -p - 1)
         b = b - jnp.where(idx > k + 1, ld[:, k], 0)[:, None] * b[k][None, :]
         b = b - jnp.where(idx > k + 1, ld[:, k + 1], 0)[:, None] * b[k + 1][None, :]
         akm1k = ld[k + 1, k]
@@ -152,13 +164,7 @@ def _solve_lower(ld, pivots, b):
         b = b.at[k].set((ak * bkm1 - bk) / denom)
         return b.at[k + 1].set((akm1 * bk - bkm1) / denom), k + 2
 
-    def step(state):
-        b, k = state
-        p = pivots[k]
-        return lax.cond(p > 0, one, two, b, k, p)
-
-    b, _ = lax.while_loop(lambda s: s[1] < n, step, (b, jnp.zeros((), jnp.int32)))
-    return b
+    return _replay(pivots, b, one, two, 0, lambda k: k < n)
 
 
 def _solve_upper(ld, pivots, b):
@@ -166,30 +172,20 @@ def _solve_upper(ld, pivots, b):
     n = ld.shape[-1]
     idx = jnp.arange(n)
 
-    def swap(b, i, j):
-        perm = jnp.where(idx == i, j, jnp.where(idx == j, i, idx))
-        return b[perm]
-
     def dot_below(b, k, column):
         weights = jnp.where(idx > k, ld[:, column], 0)
         return jnp.sum(weights[:, None] * b, axis=0)
 
     def one(b, k, p):
         b = b.at[k].add(-dot_below(b, k, k))
-        return swap(b, k, p - 1), k - 1
+        return _swap_rows(b, k, p - 1), k - 1
 
     def two(b, k, p):
         below = dot_below(b, k, k), dot_below(b, k, k - 1)
         b = b.at[k].add(-below[0]).at[k - 1].add(-below[1])
-        return swap(b, k, -p - 1), k - 2
+        return _swap_rows(b, k, -p - 1), k - 2
 
-    def step(state):
-        b, k = state
-        p = pivots[k]
-        return lax.cond(p > 0, one, two, b, k, p)
-
-    b, _ = lax.while_loop(lambda s: s[1] >= 0, step, (b, jnp.asarray(n - 1, jnp.int32)))
-    return b
+    return _replay(pivots, b, one, two, n - 1, lambda k: k >= 0)
 
 
 @lowers(aten.linalg_ldl_solve.default)
