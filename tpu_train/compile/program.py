@@ -229,20 +229,27 @@ def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain
     return list(grads), loss, weight, new_consts
 
 
-def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
-                  compile: bool = True, autodiff: str | None = None) -> Program:
-    """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
+@dataclasses.dataclass
+class _TracedStep:
+    """The step's two traced graphs and what the program needs to know about them."""
 
-    ``step`` has the fields of :class:`tpu_train.compile.lowering.StepDefinition`.
-    ``mesh`` and ``plan`` (both or neither) compile an SPMD program (module docstring).
-    ``values`` may be None: inputs are then described from ``st``'s shapes and dtypes alone
-    (on ``device`` without a mesh). ``compile=False`` stops after lowering
-    (``Program.executable`` is then None). ``autodiff`` overrides the step's.
-    """
-    if (mesh is None) != (plan is None):
-        raise ValueError("an SPMD step needs both mesh= and plan= (got only "
-                         f"{'mesh' if plan is None else 'plan'})")
-    spmd = mesh is not None
+    grad_gm: torch.fx.GraphModule  # the loss graph (JAX differentiates it) or PyTorch's gradients
+    update_gm: torch.fx.GraphModule  # the optimizer update, on flat (or, SPMD, natural) shapes
+    weighted: bool  # the loss is a (sum, count) pair: micro-batches weigh by their count
+    autodiff_note: str  # empty: JAX differentiates; else why PyTorch's backward was traced
+    batch_fakes: list  # one micro-batch's fake leaves (activation sharding is planned on them)
+    mutated: tuple  # positions in the constants list whose values the step rewrites
+    random: bool
+    layer_indices: int  # the largest scanned stack: how many layer-index scalars to pass
+    grad_norm_dtype: torch.dtype
+
+    @property
+    def jax_autodiff(self) -> bool:
+        return not self.autodiff_note
+
+
+def _trace_step(step, st, scalars, stages, autodiff: str, spmd: bool) -> _TracedStep:
+    """Trace the gradient (or loss) graph and the update graph on fake tpu tensors."""
     fakes = tracing.FakeFactory()
     k = step.grad_accum_steps
     # Tracing happens on the tpu device whatever the tensors are (a planner's model lives on
@@ -256,14 +263,11 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     param_fakes = [fake(p) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    traced = stages.time(
-        "trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes, batch_fakes,
-        autodiff or getattr(step, "autodiff", "jax"))
-    grad_gm, weighted, autodiff_note = traced.gm, traced.weighted, traced.note
-    jax_autodiff = not autodiff_note
+    traced = stages.time("trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes,
+                         batch_fakes, autodiff)
     stages.autodiff_fallback = traced.model_fallback
-    groups = step.optimizer.param_groups
-    settings = [dict(step.adapter.static_settings(g)) for g in groups]
+    settings = [dict(step.adapter.static_settings(g)) for g in step.optimizer.param_groups]
+
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it
     # is traced on flat tensors: it then reads and writes exactly the flat storage buffers,
     # and XLA updates the donated buffers in place. (Traced on 2-D shapes, with the flat
@@ -281,82 +285,38 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     update_gm = stages.time("trace", tracing.trace_update_graph, step.adapter, settings,
                             st.group_sizes, st.state_counts, step.max_grad_norm, fakes,
                             flat_param_fakes, grad_fakes, state_fakes, scalars_fake)
+    grad_gm = traced.gm
     interpreter.check_lowerings(grad_gm.graph)
     interpreter.check_lowerings(update_gm.graph)
     stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)
     stages.scanned_layers = layer_scan.scanned_layer_count(grad_gm)
     stages.shared_layer_calls = shared_layers.called_layers(grad_gm)
-    n_indices = layer_scan.largest_stack(grad_gm)
 
     n_params, n_consts = len(st.params), len(st.consts)
     mutated = tuple(i - n_params for i in _mutated_placeholders(grad_gm)
                     if n_params <= i < n_params + n_consts)
-    random = _has_random_ops(grad_gm)
-    param_shapes = [tuple(p.shape) for p in st.params]
     grad_norm_node = [n for n in update_gm.graph.nodes if n.op == "output"][0].args[0][-1]
-    grad_norm_dtype = grad_norm_node.meta["val"].dtype
+    return _TracedStep(grad_gm, update_gm, traced.weighted, traced.note, batch_fakes, mutated,
+                       _has_random_ops(grad_gm), layer_scan.largest_stack(grad_gm),
+                       grad_norm_node.meta["val"].dtype)
 
-    constrain = activation_constraint(plan, mesh, step.model, batch_fakes) if spmd else None
-    skip = bool(getattr(step, "skip_non_finite", False))
 
-    def gradients(params, consts, batch, key):
-        if jax_autodiff:
-            return _differentiated_loss_graph(grad_gm, params, consts, batch, key,
-                                              constrain=constrain, at_use=at_use)
-        outputs, mutations = interpreter.run_graph(grad_gm, params + consts + batch, rng_key=key,
-                                                   constrain=constrain, at_use=at_use)
-        new_consts = [mutations.get(n_params + i, consts[i]) for i in range(n_consts)]
-        return outputs[:-2], outputs[-2], outputs[-1], new_consts
+@dataclasses.dataclass
+class _SpmdLayout:
+    """Where the SPMD program's values live (:func:`tpu_train.compile.spmd.step_shardings`)."""
 
-    def normalise(grads, loss, total):
-        # Plain losses: the mean over micro-batches. (loss_sum, count) losses: sums over the
-        # total count, so every counted item weighs the same (an empty step divides by 1).
-        if not weighted:
-            if k == 1:
-                return list(grads), loss
-            return [(g / k).astype(g.dtype) for g in grads], loss / k
-        total = jnp.where(total > 0, total, 1.0)
-        return [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads], loss / total
+    shardings: Any
+    flat_params: list  # each parameter's flat storage, split like its plan spec
+    flat_states: list
+    constrain: Any  # the activation sharding constraint
+    at_use: dict | None  # parameter index -> pin to its compute layout where an op reads it
 
-    def accumulate(params, consts, batch, key):
-        micro = [b.reshape((k, b.shape[0] // k) + b.shape[1:]) for b in batch]
 
-        def body(carry, xs):
-            grad_sum, loss_sum, weight_sum, carried = carry
-            micro_batch, i = xs
-            current = list(consts)
-            for position, value in zip(mutated, carried):
-                current[position] = value
-            micro_key = None if key is None else jax.random.fold_in(key, i)
-            grads, loss, weight, new_consts = gradients(params, current, list(micro_batch),
-                                                        micro_key)
-            grad_sum = [a + g.astype(a.dtype) for a, g in zip(grad_sum, grads)]
-            return (grad_sum, loss_sum + loss, weight_sum + weight,
-                    [new_consts[p] for p in mutated]), None
-
-        init = ([jnp.zeros_like(p) for p in params], jnp.zeros((), jnp.float32),
-                jnp.zeros((), jnp.float32), [consts[p] for p in mutated])
-        (grad_sum, loss_sum, weight_sum, carried), _ = jax.lax.scan(
-            body, init, (micro, jnp.arange(k)))
-        new_consts = list(consts)
-        for position, value in zip(mutated, carried):
-            new_consts[position] = value
-        grads, loss = normalise(grad_sum, loss_sum, weight_sum)
-        return grads, loss, new_consts
-
-    state_shapes = [tuple(t.shape) for t in st.states]
-    shardings = None
-    if spmd:
-        shardings = step_shardings(
-            plan, mesh, param_names=st.param_names, param_shapes=param_shapes,
-            state_owners=_state_owners(st), state_shapes=state_shapes, num_consts=n_consts,
-            batch_shapes=[tuple(b.shape) for b in st.batch_leaves])
-        flat_params = [flat_storage_sharding(s) for s in shardings.params]
-        flat_states = [flat_storage_sharding(s) for s in shardings.states]
-
-    def pin(value, sharding):
-        return jax.lax.with_sharding_constraint(value, sharding)
-
+def _spmd_layout(step, st, plan, mesh, traced: _TracedStep) -> _SpmdLayout:
+    shardings = step_shardings(
+        plan, mesh, param_names=st.param_names, param_shapes=[tuple(p.shape) for p in st.params],
+        state_owners=_state_owners(st), state_shapes=[tuple(t.shape) for t in st.states],
+        num_consts=len(st.consts), batch_shapes=[tuple(b.shape) for b in st.batch_leaves])
     # Weights are stored on the plan's layout and used on its compute layout: FSDP's
     # all-gather made explicit (spmd.compute_sharding). Left to sharding propagation, XLA
     # chose for Llama-3.1-70B on 128 devices (one 128-token sequence each) to keep the MLP
@@ -366,40 +326,58 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     # fenced stored weight; without them once at the top, which compiles faster (70B plan:
     # XLA compile 76 s vs 131 s, same memory within 2.5 %).
     at_use = None
-    if spmd and (_has_checkpointed_regions(grad_gm) or _has_layer_scans(grad_gm)):
-        at_use = {i: functools.partial(pin, sharding=c)
+    if _has_checkpointed_regions(traced.grad_gm) or _has_layer_scans(traced.grad_gm):
+        at_use = {i: functools.partial(_pin, sharding=c)
                   for i, c in enumerate(shardings.compute_params)}
+    return _SpmdLayout(shardings, [flat_storage_sharding(s) for s in shardings.params],
+                       [flat_storage_sharding(s) for s in shardings.states],
+                       activation_constraint(plan, mesh, step.model, traced.batch_fakes), at_use)
 
-    def program(param_flat, state_flat, consts, batch, scalars_in, layer_index, key=None):
-        with layer_scan.layer_indices(layer_index):
-            return train_step(param_flat, state_flat, consts, batch, scalars_in, key)
 
-    def train_step(param_flat, state_flat, consts, batch, scalars_in, key):
-        params = [a.reshape(s) for a, s in zip(param_flat, param_shapes)]
-        if spmd:
-            params = [pin(p, s) for p, s in zip(params, shardings.params)]
-        if spmd and at_use is None:  # gathered once, at the top
-            params = [pin(p, c) for p, c in zip(params, shardings.compute_params)]
-        if k == 1:
-            grads, loss, weight, new_consts = gradients(params, list(consts), list(batch), key)
-            grads, loss = normalise(grads, loss, weight)
+def _pin(value, sharding):
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
+class _StepFunction:
+    """The step as a JAX function of flat buffers: gradients (one batch, or a scan over
+    micro-batches), then the optimizer update; the program's body (module docstring)."""
+
+    def __init__(self, step, st, traced: _TracedStep, layout: _SpmdLayout | None):
+        self.traced, self.layout = traced, layout
+        self.k = step.grad_accum_steps
+        self.skip = bool(getattr(step, "skip_non_finite", False))
+        self.n_params, self.n_consts = len(st.params), len(st.consts)
+        self.param_shapes = [tuple(p.shape) for p in st.params]
+        self.state_shapes = [tuple(t.shape) for t in st.states]
+
+    def __call__(self, param_flat, state_flat, consts, batch, scalars_in, key):
+        traced, layout, mutated = self.traced, self.layout, self.traced.mutated
+        params = [a.reshape(s) for a, s in zip(param_flat, self.param_shapes)]
+        if layout is not None:
+            params = [_pin(p, s) for p, s in zip(params, layout.shardings.params)]
+            if layout.at_use is None:  # gathered once, at the top
+                params = [_pin(p, c) for p, c in zip(params, layout.shardings.compute_params)]
+        if self.k == 1:
+            grads, loss, weight, new_consts = self.gradients(params, list(consts), list(batch),
+                                                             key)
+            grads, loss = self.normalise(grads, loss, weight)
         else:
-            grads, loss, new_consts = accumulate(params, list(consts), list(batch), key)
-        if spmd:
-            grads = [pin(g, s) for g, s in zip(grads, shardings.params)]
-            states = [pin(a.reshape(s), sh) for a, s, sh in
-                      zip(state_flat, state_shapes, shardings.states)]
+            grads, loss, new_consts = self.accumulate(params, list(consts), list(batch), key)
+        if layout is not None:
+            grads = [_pin(g, s) for g, s in zip(grads, layout.shardings.params)]
+            states = [_pin(a.reshape(s), sh) for a, s, sh in
+                      zip(state_flat, self.state_shapes, layout.shardings.states)]
             update_in = (params, list(grads), states)
         else:
             update_in = (list(param_flat), [g.reshape(-1) for g in grads], list(state_flat))
+        changed = [new_consts[p] for p in mutated]
 
         def update(operands):
             p, g, s = operands
-            outputs, _ = interpreter.run_graph(update_gm, p + g + s + [scalars_in])
-            return outputs[:n_params], outputs[n_params:-1], outputs[-1]
+            outputs, _ = interpreter.run_graph(traced.update_gm, p + g + s + [scalars_in])
+            return outputs[:self.n_params], outputs[self.n_params:-1], outputs[-1]
 
-        changed = [new_consts[p] for p in mutated]
-        if not skip:
+        if not self.skip:
             new_params, new_states, grad_norm = update(update_in)
         else:
             # The gradient norm decides; only it is kept from this run of the update graph
@@ -412,52 +390,138 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                 finite, lambda operands: update(operands)[:2],
                 lambda operands: (operands[0], operands[2]), update_in)
             changed = [jnp.where(finite, n, consts[p]) for n, p in zip(changed, mutated)]
-        if spmd:  # back to the flat storage layout (the out_shardings say how it is split)
+        if layout is not None:  # back to the flat storage layout (the out_shardings split it)
             new_params = [o.reshape(-1) for o in new_params]
             new_states = [o.reshape(-1) for o in new_states]
         result = (new_params, new_states, changed, loss, grad_norm, scalars_in[0, 0])
-        return result + (finite,) if skip else result
+        return result + (finite,) if self.skip else result
 
+    def gradients(self, params, consts, batch, key):
+        """``(grads, loss, weight, new consts)`` of one (micro-)batch."""
+        traced = self.traced
+        constrain = None if self.layout is None else self.layout.constrain
+        at_use = None if self.layout is None else self.layout.at_use
+        if traced.jax_autodiff:
+            return _differentiated_loss_graph(traced.grad_gm, params, consts, batch, key,
+                                              constrain=constrain, at_use=at_use)
+        outputs, mutations = interpreter.run_graph(traced.grad_gm, params + consts + batch,
+                                                   rng_key=key, constrain=constrain,
+                                                   at_use=at_use)
+        new_consts = [mutations.get(self.n_params + i, consts[i]) for i in range(self.n_consts)]
+        return outputs[:-2], outputs[-2], outputs[-1], new_consts
+
+    def normalise(self, grads, loss, total):
+        # Plain losses: the mean over micro-batches. (loss_sum, count) losses: sums over the
+        # total count, so every counted item weighs the same (an empty step divides by 1).
+        k = self.k
+        if not self.traced.weighted:
+            if k == 1:
+                return list(grads), loss
+            return [(g / k).astype(g.dtype) for g in grads], loss / k
+        total = jnp.where(total > 0, total, 1.0)
+        return [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads], loss / total
+
+    def accumulate(self, params, consts, batch, key):
+        """Gradients summed over ``k`` micro-batches by ``lax.scan``, then normalised."""
+        k, mutated = self.k, self.traced.mutated
+        micro = [b.reshape((k, b.shape[0] // k) + b.shape[1:]) for b in batch]
+
+        def body(carry, xs):
+            grad_sum, loss_sum, weight_sum, carried = carry
+            micro_batch, i = xs
+            current = list(consts)
+            for position, value in zip(mutated, carried):
+                current[position] = value
+            micro_key = None if key is None else jax.random.fold_in(key, i)
+            grads, loss, weight, new_consts = self.gradients(params, current,
+                                                             list(micro_batch), micro_key)
+            grad_sum = [a + g.astype(a.dtype) for a, g in zip(grad_sum, grads)]
+            return (grad_sum, loss_sum + loss, weight_sum + weight,
+                    [new_consts[p] for p in mutated]), None
+
+        init = ([jnp.zeros_like(p) for p in params], jnp.zeros((), jnp.float32),
+                jnp.zeros((), jnp.float32), [consts[p] for p in mutated])
+        (grad_sum, loss_sum, weight_sum, carried), _ = jax.lax.scan(
+            body, init, (micro, jnp.arange(k)))
+        new_consts = list(consts)
+        for position, value in zip(mutated, carried):
+            new_consts[position] = value
+        grads, loss = self.normalise(grad_sum, loss_sum, weight_sum)
+        return grads, loss, new_consts
+
+
+def _jitted_with_arguments(program, step, st, traced: _TracedStep, layout: _SpmdLayout | None,
+                           values, scalars, device):
+    """``(jitted program, its arguments to lower with, in_shardings)``."""
     donate = (0, 1) if step.donate else ()
-    if not spmd:
+    n_indices, random = traced.layer_indices, traced.random
+    if layout is None:
         jitted = jax.jit(program, donate_argnums=donate)
-        in_shardings = None
         one = jax.sharding.SingleDeviceSharding(device)
         if values is None:
             args = _abstract_inputs(st, scalars, random, [one] * len(st.params),
-                                    [one] * len(st.states), [one] * n_consts,
+                                    [one] * len(st.states), [one] * len(st.consts),
                                     [one] * len(st.batch_leaves), one, n_indices)
         else:
             args = [values["params"], values["states"], values["consts"], values["batch"],
                     jax.device_put(scalars, device), list(_layer_index_values(n_indices, device))]
             if random:
                 args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=one))
-    else:
-        rep = shardings.replicated
-        in_shardings = [flat_params, flat_states, list(shardings.consts), list(shardings.batch),
-                        rep, [rep] * n_indices] + ([rep] if random else [])
-        out_shardings = (flat_params, flat_states, [rep] * len(mutated), rep, rep, rep) \
-            + ((rep,) if skip else ())
-        jitted = jax.jit(program, in_shardings=tuple(in_shardings),
-                         out_shardings=out_shardings, donate_argnums=donate)
-        args = _abstract_inputs(st, scalars, random, flat_params, flat_states, shardings.consts,
-                                shardings.batch, rep, n_indices)
+        return jitted, args, None
+    shardings, rep = layout.shardings, layout.shardings.replicated
+    in_shardings = [layout.flat_params, layout.flat_states, list(shardings.consts),
+                    list(shardings.batch), rep, [rep] * n_indices] + ([rep] if random else [])
+    out_shardings = (layout.flat_params, layout.flat_states, [rep] * len(traced.mutated), rep,
+                     rep, rep) + ((rep,) if getattr(step, "skip_non_finite", False) else ())
+    jitted = jax.jit(program, in_shardings=tuple(in_shardings), out_shardings=out_shardings,
+                     donate_argnums=donate)
+    args = _abstract_inputs(st, scalars, random, layout.flat_params, layout.flat_states,
+                            shardings.consts, shardings.batch, rep, n_indices)
+    return jitted, args, in_shardings
+
+
+def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
+                  compile: bool = True, autodiff: str | None = None) -> Program:
+    """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
+
+    ``step`` has the fields of :class:`tpu_train.compile.lowering.StepDefinition`.
+    ``mesh`` and ``plan`` (both or neither) compile an SPMD program (module docstring).
+    ``values`` may be None: inputs are then described from ``st``'s shapes and dtypes alone
+    (on ``device`` without a mesh). ``compile=False`` stops after lowering
+    (``Program.executable`` is then None). ``autodiff`` overrides the step's.
+    """
+    if (mesh is None) != (plan is None):
+        raise ValueError("an SPMD step needs both mesh= and plan= (got only "
+                         f"{'mesh' if plan is None else 'plan'})")
+    traced = _trace_step(step, st, scalars, stages, autodiff or getattr(step, "autodiff", "jax"),
+                         spmd=mesh is not None)
+    layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
+    step_function = _StepFunction(step, st, traced, layout)
+
+    def program(param_flat, state_flat, consts, batch, scalars_in, layer_index, key=None):
+        with layer_scan.layer_indices(layer_index):
+            return step_function(param_flat, state_flat, consts, batch, scalars_in, key)
+
+    jitted, args, in_shardings = _jitted_with_arguments(program, step, st, traced, layout,
+                                                        values, scalars, device)
     try:
         lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001
-        if not jax_autodiff:
+        if not traced.jax_autodiff:
             raise
         # A lowering JAX cannot differentiate (a reverse-mode while_loop, a variadic
         # reduction): PyTorch's backward formulas are traced instead.
-        program = build_program(step, st, values, scalars, device, stages, mesh=mesh,
-                                plan=plan, compile=compile, autodiff="torch")
-        program.autodiff_note = "JAX could not differentiate the loss graph: " + \
+        fallback = build_program(step, st, values, scalars, device, stages, mesh=mesh,
+                                 plan=plan, compile=compile, autodiff="torch")
+        fallback.autodiff_note = "JAX could not differentiate the loss graph: " + \
             f"{type(error).__name__}: {error}".splitlines()[0]
-        stages.autodiff_fallback = program.autodiff_note
-        return program
+        stages.autodiff_fallback = fallback.autodiff_note
+        return fallback
     executable = stages.time("compile", lowered.compile) if compile else None
-    if spmd and executable is not None:
+    if layout is not None and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
-    return Program(executable, random, mutated, grad_norm_dtype, grad_gm, update_gm,
-                   lowered=lowered, in_shardings=in_shardings, layer_indices=n_indices,
-                   autodiff="jax" if jax_autodiff else "torch", autodiff_note=autodiff_note)
+    return Program(executable, traced.random, traced.mutated, traced.grad_norm_dtype,
+                   traced.grad_gm, traced.update_gm, lowered=lowered, in_shardings=in_shardings,
+                   layer_indices=traced.layer_indices,
+                   autodiff="jax" if traced.jax_autodiff else "torch",
+                   autodiff_note=traced.autodiff_note)
