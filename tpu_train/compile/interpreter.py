@@ -293,69 +293,80 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
     :class:`_OrderedReads`): without that XLA's CPU scheduler issued every layer's forward
     all-gathers before the first matmul.
     """
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(inputs):
-        raise ValueError(f"graph has {len(placeholders)} inputs, got {len(inputs)} values")
-    index_of = {}
-    for i, (node, value) in enumerate(zip(placeholders, inputs)):
-        env[node] = value
-        index_of[node] = i
-    mutations: dict[int, Any] = {}
-    random_counter = 0
-    carries = _carried(gm, placeholders, at_use or {})
-    order = _OrderedReads(gm, carries) if carries else None
+    return _GraphRun(gm, inputs, rng_key, constrain, at_use).run()
 
-    def load(arg):
-        return env[arg] if isinstance(arg, torch.fx.Node) else arg
 
-    def load_for_use(arg):
-        if isinstance(arg, torch.fx.Node) and arg in carries:
-            return carries[arg](order.value(arg, env))
-        return load(arg)
+class _GraphRun:
+    """One evaluation of a graph (:func:`run_graph`): the values of its nodes so far."""
 
-    outputs = None
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "get_attr":
-            env[node] = _constant_value(getattr(gm, node.target))
-            continue
-        if node.op == "output":
-            outputs = _plain(tree_map(load, node.args[0]))
-            break
-        if node.op != "call_function":
-            raise NotImplementedError(f"unexpected FX node kind {node.op} ({node.format_node()})")
-        target = node.target
-        if target is operator.getitem or target is OPTIMIZATION_BARRIER:
-            args = tree_map(load, node.args)
-            if target is operator.getitem:
-                env[node] = args[0][args[1]]
+    def __init__(self, gm, inputs, rng_key, constrain, at_use):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise ValueError(f"graph has {len(placeholders)} inputs, got {len(inputs)} values")
+        self.gm, self.rng_key, self.constrain = gm, rng_key, constrain
+        self.env: dict[torch.fx.Node, Any] = dict(zip(placeholders, inputs))
+        self.index_of = {node: i for i, node in enumerate(placeholders)}
+        self.mutations: dict[int, Any] = {}
+        self.random_counter = 0
+        self.carries = _carried(gm, placeholders, at_use or {})
+        self.order = _OrderedReads(gm, self.carries) if self.carries else None
+
+    def load(self, arg):
+        return self.env[arg] if isinstance(arg, torch.fx.Node) else arg
+
+    def load_for_use(self, arg):
+        if isinstance(arg, torch.fx.Node) and arg in self.carries:
+            return self.carries[arg](self.order.value(arg, self.env))
+        return self.load(arg)
+
+    def run(self):
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "get_attr":
+                self.env[node] = _constant_value(getattr(self.gm, node.target))
+            elif node.op == "output":
+                return _plain(tree_map(self.load, node.args[0])), self.mutations
+            elif node.op == "call_function":
+                self.env[node] = self._evaluate(node)
             else:
-                # Recomputed checkpoint regions start from fenced values (see .checkpointing).
-                env[node] = fence(args[0])
-            continue
+                raise NotImplementedError(
+                    f"unexpected FX node kind {node.op} ({node.format_node()})")
+        return None, self.mutations
+
+    def _evaluate(self, node):
+        target = node.target
+        if target is operator.getitem:
+            args = tree_map(self.load, node.args)
+            return args[0][args[1]]
+        if target is OPTIMIZATION_BARRIER:
+            # Recomputed checkpoint regions start from fenced values (see .checkpointing).
+            return fence(tree_map(self.load, node.args)[0])
         if target in GRAPH_OPS:
             # The op applies the at-use functions itself, where its body reads each input.
-            uses = [carries.get(a) if isinstance(a, torch.fx.Node) else None
+            uses = [self.carries.get(a) if isinstance(a, torch.fx.Node) else None
                     for a in tree_flatten(node.args)[0]]
-            env[node] = GRAPH_OPS[target](*tree_map(load, node.args), constrain=constrain,
-                                          uses=uses[1:])
-            continue
-        if order is not None:
-            order.enter(node, env)
-        args = tree_map(load_for_use, node.args)
-        kwargs = tree_map(load_for_use, node.kwargs)
+            return GRAPH_OPS[target](*tree_map(self.load, node.args), constrain=self.constrain,
+                                     uses=uses[1:])
+        if self.order is not None:
+            self.order.enter(node, self.env)
+        args = tree_map(self.load_for_use, node.args)
+        kwargs = tree_map(self.load_for_use, node.kwargs)
         if target is aten.copy_.default:
-            destination = node.args[0]
-            if destination not in index_of:
-                raise NotImplementedError(
-                    f"copy_ into an intermediate value in a functional graph ({node.format_node()})")
-            value = jnp.broadcast_to(args[1], args[0].shape).astype(args[0].dtype)
-            mutations[index_of[destination]] = value
-            env[destination] = value  # later readers see the written value
-            env[node] = value
-            continue
+            return self._copy_into_input(node, args)
+        return self._call(node, target, args, kwargs)
+
+    def _copy_into_input(self, node, args):
+        destination = node.args[0]
+        if destination not in self.index_of:
+            raise NotImplementedError(
+                f"copy_ into an intermediate value in a functional graph ({node.format_node()})")
+        value = jnp.broadcast_to(args[1], args[0].shape).astype(args[0].dtype)
+        self.mutations[self.index_of[destination]] = value
+        self.env[destination] = value  # later readers see the written value
+        return value
+
+    def _call(self, node, target, args, kwargs):
         writes = None
         if isinstance(target, torch._ops.OpOverload) and registry.is_mutating(target):
             variant = functional_variant(target)
@@ -367,31 +378,29 @@ def run_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], *, rng_key=None,
             raise MissingLoweringError(f"no lowering for {target} ({node.format_node()})")
         args, kwargs = registry.scalars_as_arrays(target, args, kwargs)
         if lowering.random:
-            if rng_key is None:
+            if self.rng_key is None:
                 raise ValueError(f"{target} is random but the graph was run without an rng_key")
-            kwargs = dict(kwargs, rng_key=jax.random.fold_in(rng_key, random_counter))
-            random_counter += 1
+            kwargs = dict(kwargs, rng_key=jax.random.fold_in(self.rng_key, self.random_counter))
+            self.random_counter += 1
         result = lowering.fn(*args, **kwargs)
         if writes is None:
             value = _cast_to_torch_dtypes(result, _node_dtypes(node))
-            if constrain is not None:
-                value = jax.tree_util.tree_map(constrain, value)
-            env[node] = value
-            if order is not None:
-                order.saw(value)
-            continue
+            if self.constrain is not None:
+                value = jax.tree_util.tree_map(self.constrain, value)
+            if self.order is not None:
+                self.order.saw(value)
+            return value
         # A write into a tensor the graph reads: later nodes, and the caller for graph
         # inputs, see the new value (cast back to the written tensor's dtype).
         for arg_index, out_index in writes.items():
             destination = node.args[arg_index]
             new = result if out_index is None else result[out_index]
-            new = new.astype(env[destination].dtype)
-            env[destination] = new
-            if destination in index_of:
-                mutations[index_of[destination]] = new
+            new = new.astype(self.env[destination].dtype)
+            self.env[destination] = new
+            if destination in self.index_of:
+                self.mutations[self.index_of[destination]] = new
         value = result if n_returns is None else tuple(result[:n_returns])
-        env[node] = _cast_to_torch_dtypes(value, _node_dtypes(node))
-    return outputs, mutations
+        return _cast_to_torch_dtypes(value, _node_dtypes(node))
 
 
 def count_ops(gm: torch.fx.GraphModule) -> int:

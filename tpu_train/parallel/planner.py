@@ -211,23 +211,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     params = local * param_bytes
     grads = local * param_bytes
     optimizer = 2 * local * 4
-    if shape.fsdp > 1:
-        # Gathered weights: the backward reads every layer's weights again, so without
-        # checkpointing all of them stay live from the forward, beside the largest unreduced
-        # gradient in flight (gradients are reduce-scattered as they are made).
-        fsdp_working = gathered + max(one_layer, largest)
-        if activation_checkpointing or scan_layers:
-            # Gathered where ops read them instead, a layer's worth at a time with the next
-            # one gathered meanwhile (compile/interpreter.py, layer_scan.py): the peak is the
-            # larger of two phases, not their sum. The head's backward holds the gathered
-            # head, its unreduced gradient and the first layer being gathered; a layer's
-            # backward holds two layers' gathered weights and one layer's unreduced gradient.
-            head_phase = 2 * largest + one_layer
-            layer_phase = (min(2, cfg.n_layers) + 1) * one_layer
-            fsdp_working = min(fsdp_working, max(head_phase, layer_phase))
-        fsdp_working = int(fsdp_working * param_bytes)
-    else:
-        fsdp_working = 0
+    fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes,
+                                       activation_checkpointing or scan_layers)
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
     stacked = int(local * param_bytes * cfg.n_layers * one_layer / gathered) \
         if scan_layers and gathered else 0
@@ -259,17 +244,41 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "warnings": alignment_warnings(cfg, shape),
     }
     if chip is not None:
-        c = get_chip(chip)
-        step_s = hardware_flops / num_devices / (c.bf16_tflops * 1e12 * mfu)
-        usable = int(c.hbm_bytes * (1 - HEADROOM))
-        result.update({
-            "chip": c.name, "chip_hbm_bytes": c.hbm_bytes, "chip_bf16_tflops": c.bf16_tflops,
-            "assumed_mfu": mfu, "step_time_s": step_s,
-            "tokens_per_s_per_chip": tokens / num_devices / step_s,
-            "fits": total <= usable,
-            "hbm_use_fraction": total / c.hbm_bytes,
-        })
+        result.update(_chip_figures(get_chip(chip), hardware_flops / num_devices,
+                                    tokens / num_devices, total, mfu))
     return result
+
+
+def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: int,
+                        gathered_at_use: bool) -> int:
+    """Bytes of all-gathered weights and unreduced gradients FSDP holds at its peak."""
+    if shape.fsdp == 1:
+        return 0
+    # Gathered weights: the backward reads every layer's weights again, so without
+    # checkpointing all of them stay live from the forward, beside the largest unreduced
+    # gradient in flight (gradients are reduce-scattered as they are made).
+    working = gathered + max(one_layer, largest)
+    if gathered_at_use:
+        # Gathered where ops read them instead, a layer's worth at a time with the next
+        # one gathered meanwhile (compile/interpreter.py, layer_scan.py): the peak is the
+        # larger of two phases, not their sum. The head's backward holds the gathered
+        # head, its unreduced gradient and the first layer being gathered; a layer's
+        # backward holds two layers' gathered weights and one layer's unreduced gradient.
+        head_phase = 2 * largest + one_layer
+        layer_phase = (min(2, cfg.n_layers) + 1) * one_layer
+        working = min(working, max(head_phase, layer_phase))
+    return int(working * param_bytes)
+
+
+def _chip_figures(c, hardware_flops_per_chip: float, tokens_per_chip: float, total: int,
+                  mfu: float) -> dict[str, Any]:
+    """Step time at ``mfu`` of chip ``c``'s bf16 peak, and whether ``total`` bytes fit."""
+    step_s = hardware_flops_per_chip / (c.bf16_tflops * 1e12 * mfu)
+    usable = int(c.hbm_bytes * (1 - HEADROOM))
+    return {"chip": c.name, "chip_hbm_bytes": c.hbm_bytes, "chip_bf16_tflops": c.bf16_tflops,
+            "assumed_mfu": mfu, "step_time_s": step_s,
+            "tokens_per_s_per_chip": tokens_per_chip / step_s,
+            "fits": total <= usable, "hbm_use_fraction": total / c.hbm_bytes}
 
 
 def precision_of(config: Any) -> str:

@@ -159,16 +159,25 @@ def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
     from omegaconf import OmegaConf
 
-    from tpu_train.models import CONFIGS
-
     missing = sorted(OmegaConf.missing_keys(cfg))
     _require(not missing, f"{', '.join(missing)} must be set (e.g. data.path=/data/train.jsonl "
                           "for data=jsonl)")
-    trainer, optim, sched = cfg.trainer, cfg.optim, cfg.scheduler
     for key in ("trainer.max_steps", "trainer.grad_accum_steps", "trainer.val_batches",
                 "checkpoint.every_n_steps", "checkpoint.keep_last", "logging.every_n_steps",
                 "data.batch_size"):
         _positive(cfg, key)
+    _validate_trainer(cfg.trainer)
+    _validate_optimizer(cfg.optim, cfg.scheduler)
+    _validate_parallel(cfg)
+    _validate_model_and_data(cfg)
+    _validate_data_files(cfg.data)
+    _validate_logging_and_checkpoint(cfg)
+    _validate_run_dir(cfg)
+    _reject_unknown_keys(cfg)
+    _validate_recipe_settings(cfg.recipe)
+
+
+def _validate_trainer(trainer) -> None:
     _require(trainer.seed >= 0, f"trainer.seed must be >= 0, got {trainer.seed}")
     _require(trainer.device in DEVICES,
              f"trainer.device={trainer.device!r} is not a device; valid devices: {', '.join(DEVICES)}")
@@ -191,6 +200,9 @@ def validate_config(cfg: DictConfig) -> None:
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
+
+
+def _validate_optimizer(optim, sched) -> None:
     for key in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum"):
         _require(math.isfinite(optim[key]), f"optim.{key} must be a finite number, got {optim[key]}")
     _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
@@ -208,7 +220,11 @@ def validate_config(cfg: DictConfig) -> None:
     if ScheduleName(sched.name) is ScheduleName.wsd:
         _require(0 < sched.decay_fraction <= 1,
                  f"scheduler.decay_fraction must be in (0, 1], got {sched.decay_fraction}")
-    _validate_parallel(cfg)
+
+
+def _validate_model_and_data(cfg) -> None:
+    from tpu_train.models import CONFIGS
+
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
     if cfg.model.checkpoint is not None:
@@ -232,20 +248,19 @@ def validate_config(cfg: DictConfig) -> None:
     _require(data.tokenizer is None or Path(data.tokenizer).exists(),
              f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
              "the bundled one")
-    _validate_data_files(data)
-    _validate_logging_and_checkpoint(cfg)
-    _validate_run_dir(cfg)
-    _reject_unknown_keys(cfg)
-    lora = cfg.recipe.lora
+
+
+def _validate_recipe_settings(recipe) -> None:
+    lora = recipe.lora
     _require(lora.rank >= 1, f"recipe.lora.rank must be >= 1, got {lora.rank}")
     _require(lora.alpha > 0, f"recipe.lora.alpha must be > 0, got {lora.alpha}")
     _require(0 <= lora.dropout < 1, f"recipe.lora.dropout must be in [0, 1), got {lora.dropout}")
     _require(len(lora.targets) > 0, "recipe.lora.targets must name at least one projection")
-    gen = cfg.recipe.generate
+    gen = recipe.generate
     _require(gen.max_new_tokens >= 1, f"recipe.generate.max_new_tokens must be >= 1, got {gen.max_new_tokens}")
     _require(gen.temperature >= 0, f"recipe.generate.temperature must be >= 0, got {gen.temperature}")
     _require(0 < gen.top_p <= 1, f"recipe.generate.top_p must be in (0, 1], got {gen.top_p}")
     _require(len(gen.prompts) > 0, "recipe.generate.prompts must hold at least one prompt")
-    ev = cfg.recipe.eval
+    ev = recipe.eval
     _require(ev.batches >= 1 and ev.exact_match_examples >= 0 and ev.max_new_tokens >= 1,
              "recipe.eval needs batches >= 1, exact_match_examples >= 0 and max_new_tokens >= 1")
