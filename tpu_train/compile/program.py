@@ -451,7 +451,7 @@ class _StepFunction:
 
 
 def _jitted_with_arguments(program, step, st, traced: _TracedStep, layout: _SpmdLayout | None,
-                           values, scalars, device):
+                           values, scalars, device, returns_finite: bool):
     """``(jitted program, its arguments to lower with, in_shardings)``."""
     donate = (0, 1) if step.donate else ()
     n_indices, random = traced.layer_indices, traced.random
@@ -472,7 +472,7 @@ def _jitted_with_arguments(program, step, st, traced: _TracedStep, layout: _Spmd
     in_shardings = [layout.flat_params, layout.flat_states, list(shardings.consts),
                     list(shardings.batch), rep, [rep] * n_indices] + ([rep] if random else [])
     out_shardings = (layout.flat_params, layout.flat_states, [rep] * len(traced.mutated), rep,
-                     rep, rep) + ((rep,) if getattr(step, "skip_non_finite", False) else ())
+                     rep, rep) + ((rep,) if returns_finite else ())
     jitted = jax.jit(program, in_shardings=tuple(in_shardings), out_shardings=out_shardings,
                      donate_argnums=donate)
     args = _abstract_inputs(st, scalars, random, layout.flat_params, layout.flat_states,
@@ -503,7 +503,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             return step_function(param_flat, state_flat, consts, batch, scalars_in, key)
 
     jitted, args, in_shardings = _jitted_with_arguments(program, step, st, traced, layout,
-                                                        values, scalars, device)
+                                                        values, scalars, device,
+                                                        returns_finite=step_function.skip)
     try:
         lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001
