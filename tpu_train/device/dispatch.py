@@ -34,6 +34,7 @@ from tpu_train.device.op_cache import SYNC_ENV  # noqa: F401 (API)
 aten = torch.ops.aten
 
 _HANDLERS = special_ops.HANDLERS  # other layers add handlers to this dict at import
+_HANDLERS_BY_NAME = special_ops.HANDLERS_BY_NAME
 _INFO = op_cache._INFO
 
 
@@ -41,7 +42,13 @@ def dispatch(func, args, kwargs):
     handler = _HANDLERS.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
-    info = _INFO.get(func) or op_cache.op_info(func)
+    info = _INFO.get(func)
+    if info is None:  # the op's first call
+        handler = _HANDLERS_BY_NAME.pop(special_ops.qualified_name(func), None)
+        if handler is not None:
+            _HANDLERS[func] = handler
+            return handler(func, args, kwargs)
+        info = op_cache.op_info(func)
     kind = info.kind
     if kind is op_cache.LOWERED:
         return op_cache.run_lowered(info, func, args, kwargs)

@@ -205,6 +205,17 @@ def _reinterpreted_copy(copy_op):
     return handler
 
 
+# Handlers for ops whose defining module may not be imported yet (importing it only to name
+# the op would slow ``import tpu_train``), by ``namespace::name.overload``: the dispatcher moves
+# one into HANDLERS the first time its op arrives.
+HANDLERS_BY_NAME: dict = {}
+
+
+def qualified_name(func) -> str:
+    """``namespace::name.overload`` of an op overload (``aten::add.Tensor``)."""
+    return f"{func.name()}.{func._overloadname}"
+
+
 HANDLERS = {
     aten._conj.default: _materialized_conj,
     aten._neg_view.default: _materialized_neg,

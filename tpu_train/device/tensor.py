@@ -48,12 +48,13 @@ def _outside_dynamo(function):
     op's cost. Marking the function's code "skip, and skip what it calls" has the same effect,
     checked in C only while dynamo's callback is set: free otherwise."""
     try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        # The C module, not torch._dynamo.types: importing torch._dynamo costs ~1 s at start-up.
+        from torch._C._dynamo.eval_frame import (_FrameAction, _FrameExecStrategy,
+                                                 set_code_exec_strategy)
     except ImportError:  # a torch without per-code strategies: the wrapper
         return torch.compiler.disable(function)
     set_code_exec_strategy(function.__code__,
-                           FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+                           _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
     return function
 
 

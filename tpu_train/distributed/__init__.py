@@ -3,7 +3,7 @@
 ``import tpu_train.distributed`` registers the ``tpu`` backend with torch.distributed. Start-up
 (``jax.distributed``) happens inside ``init_process_group``; see :mod:`.init`. Launch with
 ``torchrun``, ``torch.multiprocessing.spawn`` or ``python -m tpu_train.launch``. FSDP2
-(``fully_shard``) works on tpu tensors through :mod:`.fsdp_compat`, installed here too.
+(``fully_shard``) works on tpu tensors through :mod:`.fsdp_compat`, installed when FSDP2 is imported.
 """
 
 from tpu_train.distributed import dispatch_hooks, fsdp_compat
@@ -14,6 +14,6 @@ from tpu_train.distributed.process_group import BACKEND, TpuProcessGroup, regist
 register()
 dispatch_hooks.install()
 # FSDP2 frees/re-allocates unsharded parameters by storage resize: route it for tpu tensors.
-fsdp_compat.install()
+fsdp_compat.install_when_imported()
 
 __all__ = ["BACKEND", "CollectiveTimeoutError", "TpuProcessGroup", "initialize", "register"]

@@ -37,9 +37,11 @@ def collective_ops() -> list:
 def install() -> None:
     """Route the collective ops around the lowering table (idempotent)."""
     from tpu_train.device import special_ops
-    from tpu_train.distributed.functional import HANDLERS
+    from tpu_train.distributed.functional import HANDLERS, HANDLERS_BY_NAME
 
     for op, handler in HANDLERS.items():
         special_ops.HANDLERS.setdefault(op, handler)
+    for name, handler in HANDLERS_BY_NAME.items():
+        special_ops.HANDLERS_BY_NAME.setdefault(name, handler)
     for op in collective_ops():
         special_ops.HANDLERS.setdefault(op, _below_python_key)

@@ -14,7 +14,9 @@ shared by all its views. So for tpu tensors the helpers swap that Storage's flat
 empty one (free) or a full-size one (alloc), keeping every view's geometry: the same effect
 ``resize_`` has on a real device. Other tensors go to torch's own helpers unchanged.
 
-:func:`install` runs on ``import tpu_train.distributed``. It checks that the helpers it
+:func:`install_when_imported` runs on ``import tpu_train.distributed``: :func:`install` runs
+right away when FSDP2 is already imported, else as soon as it is (importing FSDP2 takes most of
+a second, which ``import tpu_train`` does not pay for code that never shards). It checks that the helpers it
 replaces are the ones it was written against (names, signatures, the ``resize_`` calls in their
 source) and raises :class:`FsdpCompatError` otherwise, rather than letting FSDP2 fail later
 with the unhelpful "invalid python storage" (or silently skip a free).
@@ -22,6 +24,8 @@ with the unhelpful "invalid python storage" (or silently skip a free).
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import inspect
 import sys
 
@@ -221,6 +225,34 @@ def install() -> None:
                 setattr(module, name, replacement)
     _state["original"] = originals
     _state["installed"] = True
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder):
+    """Finds FSDP2's package like the standard path finder, then runs :func:`install` once
+    the package's module has executed (its submodules, holding the helpers, are loaded then)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _FSDP_PACKAGE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def execute_then_install(module):
+            execute(module)
+            install()
+
+        spec.loader.exec_module = execute_then_install
+        return spec
+
+
+def install_when_imported() -> None:
+    """:func:`install` now when FSDP2 is imported, else right after it is (idempotent)."""
+    if _FSDP_PACKAGE in sys.modules:
+        install()
+    elif not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _InstallAfterImport())
 
 
 def installed() -> bool:

@@ -192,12 +192,9 @@ def _wrapper_handlers() -> dict:
     return {op.default: wrap_tensor_autograd} if op is not None else {}
 
 
-def _dtensor_handlers() -> dict:
-    # The ``_dtensor`` op namespace exists once torch.distributed.tensor is imported.
-    import torch.distributed.tensor  # noqa: F401
-
-    return {torch.ops._dtensor.shard_dim_alltoall.default: shard_dim_alltoall}
-
+# The ``_dtensor`` ops exist once torch.distributed.tensor (~1 s to import) is imported, which
+# only DTensor users do: these handlers are found by name when such an op first arrives.
+HANDLERS_BY_NAME = {"_dtensor::shard_dim_alltoall.default": shard_dim_alltoall}
 
 HANDLERS = {
     F.all_reduce.default: all_reduce,
@@ -213,6 +210,5 @@ HANDLERS = {
     F.all_to_all_single.default: all_to_all_single,
     F.broadcast.default: broadcast,
     F.broadcast_.default: broadcast_,
-    **_dtensor_handlers(),
     **_wrapper_handlers(),
 }

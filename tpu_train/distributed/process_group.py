@@ -336,7 +336,6 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs, inputs, opts=None):
         self._count()
-        n = self.size()
         flat = jnp.concatenate([self._array(t) for t in inputs]).reshape(-1, 1)
         send = [t.numel() for t in inputs]
         recv = [t.numel() for t in outputs]

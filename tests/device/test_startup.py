@@ -1,0 +1,65 @@
+"""What ``import tpu_train`` pays for: torch, JAX and the lowering table, not the parts of torch
+that only some programs use (dynamo, DTensor, FSDP2); those still work once imported."""
+
+import subprocess
+import sys
+
+import torch
+
+import tpu_train  # noqa: F401
+from tpu_train.device import dispatch, special_ops
+
+_HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp")
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def test_import_leaves_dynamo_dtensor_and_fsdp_unimported_and_fsdp_is_adapted_once_imported():
+    out = _run(
+        "import sys, tpu_train\n"
+        f"print([m for m in {_HEAVY!r} if m in sys.modules])\n"
+        "from tpu_train.distributed import fsdp_compat\n"
+        "print(fsdp_compat.installed())\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group\n"
+        "print(fsdp_compat.installed(), _fsdp_param.free_storage is fsdp_compat.free_storage,\n"
+        "      _fsdp_param_group.alloc_storage is fsdp_compat.alloc_storage)\n")
+    assert out.splitlines() == ["[]", "False", "True True True"]
+
+
+def test_fsdp_imported_before_tpu_train_is_adapted_at_import():
+    out = _run("import torch.distributed.fsdp, tpu_train\n"
+               "from tpu_train.distributed import fsdp_compat\n"
+               "print(fsdp_compat.installed())\n")
+    assert out == "True"
+
+
+_lib = torch.library.Library("tpu_train_startup_test", "DEF")
+_lib.define("echo(Tensor x) -> Tensor")
+
+
+def test_a_handler_registered_by_name_serves_its_op_from_the_first_call():
+    calls = []
+
+    def handler(func, args, kwargs):
+        calls.append(func)
+        return args[0] * 2
+
+    op = torch.ops.tpu_train_startup_test.echo.default
+    special_ops.HANDLERS_BY_NAME["tpu_train_startup_test::echo.default"] = handler
+    try:
+        x = torch.ones(3, device="tpu")
+        assert torch.equal(op(x).cpu(), torch.full((3,), 2.0))
+        assert torch.equal(op(x).cpu(), torch.full((3,), 2.0))  # now an ordinary handler
+        assert calls == [op, op]
+        assert special_ops.HANDLERS.get(op) is handler
+        assert "tpu_train_startup_test::echo.default" not in special_ops.HANDLERS_BY_NAME
+    finally:
+        special_ops.HANDLERS.pop(op, None)
+        special_ops.HANDLERS_BY_NAME.pop("tpu_train_startup_test::echo.default", None)
+    assert dispatch._HANDLERS is special_ops.HANDLERS
