@@ -187,6 +187,27 @@ def test_op_error_inside_backward_raises_instead_of_aborting():
         NeedsUnsupportedOp.apply(x).sum().backward()
 
 
+def test_error_in_a_backward_op_without_meta_kernel_raises_instead_of_aborting():
+    # multi_margin_loss_backward has no meta kernel, and autograd calls it from a C++ node:
+    # the error is reported once backward ends (a stand-in result comes from the CPU kernel).
+    from tpu_train.ops import registry
+
+    op = torch.ops.aten.multi_margin_loss_backward.default
+    lowering = registry.get_lowering(op).fn
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("multi_margin_loss_backward refused by this test")
+
+    registry.lowers(op, override=True)(refuse)
+    try:
+        x = torch.randn(3, 5).to("tpu").requires_grad_()
+        loss = torch.nn.functional.multi_margin_loss(x, torch.tensor([1, 0, 4]).to("tpu"))
+        with pytest.raises(NotImplementedError, match="refused by this test"):
+            loss.backward()
+    finally:
+        registry.lowers(op, override=True)(lowering)
+
+
 def test_unsupported_op_names_the_op_and_the_device():
     x = torch.ones(2, 3, device="tpu")
     with pytest.raises(NotImplementedError,
@@ -270,3 +291,15 @@ def test_view_as_real_and_complex_are_copies_with_torch_values():
     torch.fft.fft(a).abs().sum().backward()
     torch.fft.fft(b).abs().sum().backward()
     torch.testing.assert_close(b.grad.cpu(), a.grad)
+
+
+def test_efficient_zero_tensor_is_zeros_on_the_device():
+    # What autograd creates for gradients known to be zero (sgn's at a complex 0, ...).
+    zeros = torch.ops.aten._efficientzerotensor([2, 3], dtype=torch.float32, device="tpu")
+    assert zeros.device.type == "tpu" and zeros.shape == (2, 3)
+    assert torch.equal(zeros.cpu(), torch.zeros(2, 3))
+    x = torch.tensor([0j, 1 + 1j]).to("tpu").requires_grad_()
+    torch.sgn(x).abs().sum().backward()
+    want = torch.tensor([0j, 1 + 1j], requires_grad=True)
+    torch.sgn(want).abs().sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), want.grad)

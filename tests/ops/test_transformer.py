@@ -92,3 +92,25 @@ def test_stacked_encoder_without_padding_matches_cpu():
         expected = encoder(x)
     (got,), _ = _on_tpu(encoder, x)
     _assert_close(got, expected, depth=8)
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["dense", "causal_and_padded"])
+def test_multi_head_attention_training_step_matches_cpu(mask):
+    # The OpInfo entry of multi_head_attention_forward samples dropout_p=0.5, so its values
+    # cannot be compared with the CPU's; the same op without dropout, forward and gradients:
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(DIM, HEADS, batch_first=True, bias=True,
+                                            add_bias_kv=True).train()
+    moved = copy.deepcopy(attention).to("tpu")
+    x = torch.randn(2, 5, DIM)
+    kwargs = {"attn_mask": CAUSAL, "key_padding_mask": PADDING} if mask else {}
+    grads = []
+    for module, device in ((attention, "cpu"), (moved, "tpu")):
+        inputs = x.clone().to(device).requires_grad_()
+        extra = {k: v.to(device) for k, v in kwargs.items()}
+        out, weights = module(inputs, inputs, inputs, **extra)
+        (out.square().sum() + weights.sum()).backward()
+        grads.append([inputs.grad.cpu(), *(p.grad.cpu() for p in module.parameters())])
+    assert len(grads[0]) == len(grads[1]) == 7
+    for got, expected in zip(grads[1], grads[0]):
+        _assert_close(got, expected, depth=4)

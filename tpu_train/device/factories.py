@@ -138,6 +138,9 @@ def register() -> None:
         "arange": arange_end,
         "ones": ones,
         "zeros": zeros,
+        # Autograd's zero gradients (sgn of a complex 0, ...): plain zeros here; CPU and CUDA
+        # mark theirs with the ZeroTensor key only to skip arithmetic on them.
+        "_efficientzerotensor": zeros,
         "_copy_from": copy_from,
         "eye": eye,
         "eye.m": eye_m,

@@ -181,6 +181,8 @@ def _defer_backward_error(func, args, kwargs, error):
 
         torch.autograd.Variable._execution_engine.queue_callback(raise_deferred)
     meta = meta_outputs(func, args, kwargs)
+    if meta is None:  # no meta kernel (many backward ops): the CPU kernel on zeros tells
+        meta = _result_on_cpu_zeros(func, args, kwargs)
     if meta is None:
         raise error
 
@@ -193,6 +195,21 @@ def _defer_backward_error(func, args, kwargs, error):
         return value
 
     return torch.utils._pytree.tree_map(placeholder, meta)
+
+
+def _result_on_cpu_zeros(func, args, kwargs):
+    """``func``'s result with every tpu tensor argument replaced by CPU zeros of its shape and
+    dtype (only shapes and dtypes are read), or None when the CPU kernel refuses them too."""
+    def stand_in(value):
+        if isinstance(value, TpuTensor):
+            return torch.zeros(tuple(value.shape), dtype=value.dtype)
+        return value
+
+    try:
+        return func(*torch.utils._pytree.tree_map(stand_in, args),
+                    **torch.utils._pytree.tree_map(stand_in, kwargs))
+    except Exception:  # noqa: BLE001 - no stand-in: the caller reports the original error
+        return None
 
 
 # -- storage access for the layers above (compile, distributed, parallel) -------------------
