@@ -10,7 +10,7 @@ FAMILIES = [
     "matmul", "linalg_factor", "ldl", "nn", "conv", "resample", "attention", "transformer", "shape",
     "indexing", "scatter",
     "special", "bessel", "embedding_bag", "fractional_pool", "histogram", "allclose", "rrelu",
-    "segment_reduce", "grid_sample3d", "upsample_aa", "ctc", "margin_losses",
+    "segment_reduce", "grid_sample3d", "grid_sample2d", "upsample_aa", "ctc", "margin_losses",
     "linear_cross_entropy", "fft", "sorting", "misc",
     # Last: registers only what no family above lowers.
     "compile_extras",

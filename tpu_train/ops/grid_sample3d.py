@@ -25,25 +25,40 @@ def _reflect(x, twice_low, twice_high):
         return jnp.zeros_like(x)
     low = twice_low / 2
     span = (twice_high - twice_low) / 2
-    x = jnp.abs(x - low)
+    x = x - low
+    x = jnp.where(x < 0, -x, x)  # ATen's sign rule: slope +1 at 0 (jnp.abs has 0 there)
     extra = jnp.fmod(x, span)
     flips = jnp.floor(x / span)
     return jnp.where(jnp.fmod(flips, 2) == 0, extra + low, span - extra + low)
 
 
-def _source(coord, size, padding_mode, align_corners):
+def _unnormalize(coord, size, align_corners):
+    """A normalized coordinate in pixel units (ATen's ``grid_sampler_unnormalize``)."""
     if align_corners:
-        x = (coord + 1) / 2 * (size - 1)
-    else:
-        x = ((coord + 1) * size - 1) / 2
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _source(coord, size, padding_mode, align_corners):
+    return _pad(_unnormalize(coord, size, align_corners), size, padding_mode, align_corners)
+
+
+def _clip(x, size):
+    """``x`` clipped into ``[0, size - 1]`` with ATen's slope 0 at either bound (jnp.clip's is
+    1/2 there: a grid point exactly on a border gets another gradient)."""
+    return jnp.where(x <= 0, 0.0, jnp.where(x >= size - 1, size - 1.0, x))
+
+
+def _pad(x, size, padding_mode, align_corners):
+    """A pixel-unit coordinate moved by the padding mode (ATen's ``compute_coordinates``)."""
     if padding_mode == _BORDER:
-        x = jnp.clip(x, 0, size - 1)
+        x = _clip(x, size)
     elif padding_mode == _REFLECTION:
         if align_corners:
             x = _reflect(x, 0, 2 * (size - 1))
         else:
             x = _reflect(x, -1, 2 * size - 1)
-        x = jnp.clip(x, 0, size - 1)
+        x = _clip(x, size)
     return x
 
 
