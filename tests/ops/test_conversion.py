@@ -29,6 +29,13 @@ def test_to_copy_between_dtypes(source):
     assert_lowering_matches(aten.clone.default, x)
 
 
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.int64])
+def test_prims_convert_element_type(source):
+    x = make((4, 3), source, -6, 6)
+    for target in (torch.float32, torch.bfloat16, torch.int32, torch.bool):
+        assert_lowering_matches(torch.ops.prims.convert_element_type.default, x, target)
+
+
 def test_copy_fill_and_likes():
     x = make((2, 3, 4), torch.bfloat16)
     assert_lowering_matches(aten.copy.default, x, make((3, 1), torch.int64))

@@ -181,6 +181,14 @@ def to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_
     return jnp.copy(result) if result is self else result
 
 
+@lowers(torch.ops.prims.convert_element_type.default)
+def prims_convert_element_type(a, dtype):
+    """What ``renorm``'s and other decompositions cast with (a bfloat16 input's norms are
+    computed in float32, then cast back)."""
+    result = convert(a, storage_dtype(dtype))
+    return jnp.copy(result) if result is a else result
+
+
 @lowers(aten.clone.default)
 def clone(self, *, memory_format=None):
     # A real copy: an eager caller may donate one of the two buffers later.
