@@ -10,11 +10,11 @@ first. The backward is the pullback (``jax.vjp``) of this forward for the input 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from tpu_train.ops.conversion import opmath_dtype
-from tpu_train.ops.grid_sample3d import _NEAREST, _grid_sample, _pad, _unnormalize
+from tpu_train.ops.grid_sample3d import (_NEAREST, _grid_sample, _pad, _unnormalize,
+                                         sampler_pullback)
 from tpu_train.ops.registry import aten, lowers
 
 _BICUBIC = 2
@@ -83,10 +83,5 @@ def grid_sampler_2d(input, grid, interpolation_mode, padding_mode, align_corners
 def grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
                              align_corners, output_mask):
     """``(grad_input, grad_grid)`` (``grad_input`` zeros unless ``output_mask[0]``)."""
-    _, pullback = jax.vjp(
-        lambda i, g: _grid_sample_2d(i, g, interpolation_mode, padding_mode, align_corners),
-        input, grid)
-    grad_input, grad_grid = pullback(grad_output.astype(input.dtype))
-    if not output_mask[0]:
-        grad_input = jnp.zeros_like(input)
-    return grad_input, grad_grid
+    return sampler_pullback(_grid_sample_2d, grad_output, input, grid, interpolation_mode,
+                            padding_mode, align_corners, output_mask)

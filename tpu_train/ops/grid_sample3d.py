@@ -111,9 +111,15 @@ def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners
 def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
                              align_corners, output_mask):
     """``(grad_input, grad_grid)`` (``grad_input`` zeros unless ``output_mask[0]``)."""
+    return sampler_pullback(_grid_sample, grad_output, input, grid, interpolation_mode,
+                            padding_mode, align_corners, output_mask)
+
+
+def sampler_pullback(sample, grad_output, input, grid, interpolation_mode, padding_mode,
+                     align_corners, output_mask):
+    """A grid sampler's backward: the pullback of ``sample`` for the input and the grid."""
     _, pullback = jax.vjp(
-        lambda i, g: _grid_sample(i, g, interpolation_mode, padding_mode, align_corners),
-        input, grid)
+        lambda i, g: sample(i, g, interpolation_mode, padding_mode, align_corners), input, grid)
     grad_input, grad_grid = pullback(grad_output.astype(input.dtype))
     if not output_mask[0]:
         grad_input = jnp.zeros_like(input)
