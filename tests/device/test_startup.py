@@ -51,15 +51,15 @@ def test_a_handler_registered_by_name_serves_its_op_from_the_first_call():
         return args[0] * 2
 
     op = torch.ops.tpu_train_startup_test.echo.default
-    special_ops.HANDLERS_BY_NAME["tpu_train_startup_test::echo.default"] = handler
+    special_ops.HANDLERS_BY_NAME["tpu_train_startup_test.echo.default"] = handler
     try:
         x = torch.ones(3, device="tpu")
         assert torch.equal(op(x).cpu(), torch.full((3,), 2.0))
         assert torch.equal(op(x).cpu(), torch.full((3,), 2.0))  # now an ordinary handler
         assert calls == [op, op]
         assert special_ops.HANDLERS.get(op) is handler
-        assert "tpu_train_startup_test::echo.default" not in special_ops.HANDLERS_BY_NAME
+        assert "tpu_train_startup_test.echo.default" not in special_ops.HANDLERS_BY_NAME
     finally:
         special_ops.HANDLERS.pop(op, None)
-        special_ops.HANDLERS_BY_NAME.pop("tpu_train_startup_test::echo.default", None)
+        special_ops.HANDLERS_BY_NAME.pop("tpu_train_startup_test.echo.default", None)
     assert dispatch._HANDLERS is special_ops.HANDLERS

@@ -44,7 +44,7 @@ def dispatch(func, args, kwargs):
         return handler(func, args, kwargs)
     info = _INFO.get(func)
     if info is None:  # the op's first call
-        handler = _HANDLERS_BY_NAME.pop(special_ops.qualified_name(func), None)
+        handler = _HANDLERS_BY_NAME.pop(str(func), None)
         if handler is not None:
             _HANDLERS[func] = handler
             return handler(func, args, kwargs)

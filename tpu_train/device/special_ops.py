@@ -206,14 +206,9 @@ def _reinterpreted_copy(copy_op):
 
 
 # Handlers for ops whose defining module may not be imported yet (importing it only to name
-# the op would slow ``import tpu_train``), by ``namespace::name.overload``: the dispatcher moves
-# one into HANDLERS the first time its op arrives.
+# the op would slow ``import tpu_train``), by the op's ``str`` (``namespace.name.overload``):
+# the dispatcher moves one into HANDLERS the first time its op arrives.
 HANDLERS_BY_NAME: dict = {}
-
-
-def qualified_name(func) -> str:
-    """``namespace::name.overload`` of an op overload (``aten::add.Tensor``)."""
-    return f"{func.name()}.{func._overloadname}"
 
 
 HANDLERS = {

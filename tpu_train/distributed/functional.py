@@ -194,7 +194,7 @@ def _wrapper_handlers() -> dict:
 
 # The ``_dtensor`` ops exist once torch.distributed.tensor (~1 s to import) is imported, which
 # only DTensor users do: these handlers are found by name when such an op first arrives.
-HANDLERS_BY_NAME = {"_dtensor::shard_dim_alltoall.default": shard_dim_alltoall}
+HANDLERS_BY_NAME = {"_dtensor.shard_dim_alltoall.default": shard_dim_alltoall}
 
 HANDLERS = {
     F.all_reduce.default: all_reduce,

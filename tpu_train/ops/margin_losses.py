@@ -9,9 +9,9 @@ not the 1/2 a ``maximum`` would), and ``multilabel`` reads each row's labels up 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from tpu_train.ops.conv import _vjp_wrt_first
 from tpu_train.ops.registry import aten, lowers
 
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -64,12 +64,9 @@ def _multilabel_margin(x, target, reduction):
 
 
 def _input_gradient(forward, x, grad_output):
-    out, pullback = jax.vjp(forward, x)
-    # torch's meta result of the unreduced loss of one vector is [1] where this forward's is [].
-    cotangent = (grad_output.reshape(out.shape) if grad_output.size == out.size
-                 else jnp.broadcast_to(grad_output, out.shape))
-    (grad,) = pullback(cotangent.astype(out.dtype))
-    return grad
+    # Shaped as grad_output: torch's meta result of the unreduced loss of one vector is [1]
+    # where this forward's is [].
+    return _vjp_wrt_first(lambda v: forward(v).reshape(grad_output.shape), x, grad_output)
 
 
 @lowers(aten.multi_margin_loss.default)
