@@ -45,6 +45,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tree", type=Path, help="another checkout whose tpu_train is timed too")
     args = parser.parse_args(argv)
+    if args.tree is not None and not (args.tree / "tpu_train" / "__init__.py").is_file():
+        parser.error(f"--tree {args.tree}: no tpu_train package there; give a checkout's root")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give at least 1")
     cases = {"torch": ("import torch", ROOT), "jax": ("import jax", ROOT),
              "torch_and_jax": ("import torch, jax", ROOT),
              "tpu_train": ("import tpu_train", ROOT)}
