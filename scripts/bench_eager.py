@@ -5,8 +5,9 @@ Exact command (from the repository root)::
     python scripts/bench_eager.py                 # --repeats 7
     python scripts/bench_eager.py --quick         # a smoke run (tiny batches), not a measurement
     python scripts/bench_eager.py --profile 2000   # also a cProfile table of small adds (stderr)
+    python scripts/bench_eager.py --floor          # also what a Python-subclass device pays per add
 
-Two measurements, each interleaved A/B in one process (timings on a shared machine swing):
+Two measurements (three with ``--floor``), each interleaved A/B in one process (timings on a shared machine swing):
 
 * **per-op latency**: add / matmul / softmax on float32 ``[n, n]`` operands, ``n`` = 128
   (small) and 1024 (medium). One *batch* is ``K`` back-to-back dependent ops
@@ -19,6 +20,11 @@ Two measurements, each interleaved A/B in one process (timings on a shared machi
   (dim 256, 4 heads, SwiGLU, RMSNorm, causal SDPA; batch 2, seq 64) on tpu vs the same model
   on torch CPU (reference only), min and median seconds per step; each tpu step waits for its
   loss and every parameter.
+
+* ``--floor`` (the ``floor`` entry): a 128² add chain through stand-in subclasses that do less
+  and less of an op (:func:`_floor_cases`): PyTorch's dispatch alone, plus a new output
+  tensor, plus the pre-jitted JAX call; the least any device built as a Python tensor subclass
+  pays per op on this machine, next to ``x + y`` on tpu tensors, all in one rotation.
 
 One JSON line on stdout carries every figure plus the torch / jax versions, the device and the
 machine's load average before and after the run.
@@ -246,6 +252,115 @@ def bench_step(repeats: int, device: torch.device, warm_up: int = 2) -> dict:
             "ratio_median": round(a["median"] / b["median"], 2)}
 
 
+# ---------------------------------------------------------------------------------------------
+# The floor: what any device built as a Python tensor subclass pays per op
+# ---------------------------------------------------------------------------------------------
+
+
+def _probe_class(dispatch):
+    """A wrapper subclass on the tpu device that only holds a ``jax.Array`` (``.array``) and
+    answers every op with ``dispatch(func, args)``: the least a Python-subclass device can be."""
+
+    class Probe(torch.Tensor):
+        __slots__ = ("array",)
+
+        @staticmethod
+        def __new__(cls, array, device):
+            probe = torch.Tensor._make_wrapper_subclass(cls, (SIZES["small"],) * 2,
+                                                       dtype=torch.float32, device=device)
+            probe.array = array
+            return probe
+
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return dispatch(cls, args)
+
+    return Probe
+
+
+def _floor_cases(device: torch.device) -> dict:
+    """name -> (chain step, first operands, wait): each case runs ``x = step(x, y)``.
+
+    * ``jax_jit``: the pre-jitted JAX add alone (the per-op cases' reference);
+    * ``dispatch_only``: PyTorch's dispatch of ``x + y`` to a Python subclass whose
+      ``__torch_dispatch__`` returns a tensor made in advance;
+    * ``dispatch_new_tensor``: the same, returning a new wrapper tensor each time (its creation
+      and the release of the previous one);
+    * ``dispatch_jax_call``: ``dispatch_only`` plus the pre-jitted JAX add inside
+      ``__torch_dispatch__``;
+    * ``dispatch_jax_new_tensor``: the JAX add inside ``__torch_dispatch__`` and a new wrapper
+      holding its result: a whole op with nothing else (no key, no cache, no storage model);
+    * ``tpu_add``: ``x + y`` on tpu tensors (what ``add_small`` measures).
+    """
+    n = SIZES["small"]
+    x, y = _operands(n, seed=7)
+    jax_device = jax.devices()[0]
+    jx, jy = jax.device_put(x, jax_device), jax.device_put(y, jax_device)
+    add = jax.jit(lambda a, b: a + b)
+    made = {}
+
+    def returns_made(cls, args):
+        return made[cls]
+
+    def returns_new(cls, args):
+        return cls(jy, device)
+
+    def calls_jax(cls, args):
+        add(args[0].array, args[1].array)
+        return made[cls]
+
+    def calls_jax_returns_new(cls, args):
+        return cls(add(args[0].array, args[1].array), device)
+
+    def probe_case(dispatch):
+        probe = _probe_class(dispatch)
+        made[probe] = probe(jx, device)
+        return (lambda a, b: a + b), (probe(jx, device), probe(jy, device)), \
+            (lambda value: jax.block_until_ready(value.array))
+
+    tx, ty = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+    return {
+        "jax_jit": (add, (jx, jy), lambda value: value.block_until_ready()),
+        "dispatch_only": probe_case(returns_made),
+        "dispatch_new_tensor": probe_case(returns_new),
+        "dispatch_jax_call": probe_case(calls_jax),
+        "dispatch_jax_new_tensor": probe_case(calls_jax_returns_new),
+        "tpu_add": ((lambda a, b: a + b), (tx, ty), wait_tpu),
+    }
+
+
+def bench_floor(repeats: int, k: int, device: torch.device) -> dict:
+    """Microseconds per op of each :func:`_floor_cases` case (chains of ``k`` dependent adds,
+    128 x 128 float32, a wait at the end), the cases rotating in one process; each case's min
+    and median over ``repeats`` rounds, and its ratio to ``jax_jit``."""
+    cases = _floor_cases(device)
+    names = list(cases)
+    samples = {name: [] for name in names}
+
+    def chain(name):
+        step, (x, y), wait = cases[name]
+        start = time.perf_counter()
+        for _ in range(k):
+            x = step(x, y)
+        wait(x)
+        return (time.perf_counter() - start) / k
+
+    for name in names:  # warm-up: compiles the adds
+        chain(name)
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(chain(name))
+    out = {name: _summary(values, 1e6) for name, values in samples.items()}
+    reference = out["jax_jit"]
+    for name in names:
+        out[name]["ratio_min"] = round(out[name]["min"] / reference["min"], 2)
+        out[name]["ratio_median"] = round(out[name]["median"] / reference["median"], 2)
+    return out
+
+
 def profile_add(n_ops: int, device: torch.device, top: int = 25) -> None:
     """cProfile ``n_ops`` small eager adds (steady state); per-op microseconds to stderr."""
     import cProfile
@@ -286,6 +401,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="torch intra-op threads for the CPU reference step (0: leave torch's "
                              "default; 1 avoids thread thrash on a small shared machine)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure what a Python-subclass device pays per add before "
+                             "any code of its own (the 'floor' entry)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also cProfile N small eager adds; the table goes to stderr")
     args = parser.parse_args(argv)
@@ -315,6 +433,8 @@ def main(argv=None) -> dict:
         "ops": bench_ops(repeats, k_small, k_medium, device, warm_up=1 if args.quick else 2),
         "train_step": bench_step(step_repeats, device, warm_up=1 if args.quick else 2),
     }
+    if args.floor:
+        result["floor"] = bench_floor(max(repeats, 2) * 4, k_small, device)
     # A shared machine: the load says how much the figures can be trusted.
     result["load_average_before"] = [round(x, 2) for x in load_before]
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -15,6 +15,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
 os.environ["TPU_TRAIN_CACHE_DIR"] = "off"
+# Every op checks each tensor argument's cached key part against its geometry (op_cache).
+os.environ.setdefault("TPU_TRAIN_VERIFY_KEY_PARTS", "1")
 
 MAX_WORKERS = 4
 

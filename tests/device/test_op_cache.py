@@ -114,16 +114,53 @@ def data_dependent_shapes(d):
     return out
 
 
+def geometry_changes_in_place(d):
+    """The same tensor object keyed before and after its own geometry or storage changes (a
+    tensor keeps its key part: each of these must renew it)."""
+    out = []
+    x = _base(d, (4, 6))
+    out.append(x + 1)
+    x.t_()
+    out.append(x + 1)
+    x.unsqueeze_(0)
+    out.append(x * 2)
+    x.as_strided_((3, 2), (1, 4), 2)
+    out.append(x + 1)
+    y = _base(d, (4, 6))
+    out.append(y - 1)
+    y.data = _base(d, (2, 3)) * 3
+    out.append(y - 1)
+    z = _base(d, (2, 3))
+    out.append(z * 5)
+    z.set_(_base(d, (2, 3)) + 100)
+    out.append(z * 5)
+    w = _base(d, (4, 6))
+    out.append(w + 2)
+    w.resize_(3, 5)
+    out.append(w + 2)
+    return out
+
+
 CASES = [shapes_change, strides_change, offsets_change, baked_scalars_change,
          traced_floats_change, host_scalar_changes, inplace_same_geometry_other_storage,
          inplace_views_other_offsets, out_argument_views, multiple_outputs, copy_and_cast,
-         data_dependent_shapes]
+         data_dependent_shapes, geometry_changes_in_place]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
 def test_matches_cpu_twice(case):
     _run_both(case)
     _run_both(case)  # every key is cached now: the same answers from the entries
+
+
+def test_a_stale_key_part_is_caught_by_the_self_check(monkeypatch):
+    """The test session runs with TPU_TRAIN_VERIFY_KEY_PARTS=1: a tensor whose geometry changed
+    behind the cache's back fails its next op instead of running the old geometry's program."""
+    monkeypatch.setattr(op_cache, "_verify_key_parts", True)
+    x = torch.arange(12.0).reshape(3, 4).to(TPU)
+    x.key_part = ((4, 3),) + x.key_part[1:]
+    with pytest.raises(RuntimeError, match="changed without refresh_key_part"):
+        x + 1
 
 
 def test_a_repeated_call_hits_the_cache():

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_eager_quick_prints_all_keys():
     env = dict(os.environ, TPU_TRAIN_PLATFORM="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_eager.py"), "--quick"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_eager.py"), "--quick",
+                           "--floor"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -27,6 +28,11 @@ def test_bench_eager_quick_prints_all_keys():
             assert set(case[side]) == {"min", "median"}
             assert case[side]["min"] > 0
         assert "ratio_min" in case and "ratio_median" in case
+    floor = result["floor"]
+    assert set(floor) == {"jax_jit", "dispatch_only", "dispatch_new_tensor", "dispatch_jax_call",
+                          "dispatch_jax_new_tensor", "tpu_add"}
+    for case in floor.values():
+        assert case["min"] > 0 and "ratio_min" in case and "ratio_median" in case
     step = result["train_step"]
     for side in ("tpu_eager_s", "torch_cpu_s"):
         assert set(step[side]) == {"min", "median"}

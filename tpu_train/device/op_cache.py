@@ -14,8 +14,9 @@ call does no meta work.
 
 Key: ``(func, part per positional argument, _KWARGS, name, part, name, part, ...)`` where a part is
 
-* a tpu tensor: ``(size, stride, storage_offset, dtype, device_index)``; the ``torch.Size`` in
-  front tells it apart from every other part; its buffer is an executable input;
+* a tpu tensor: its ``key_part``, ``(size, stride, storage_offset, dtype, device_index)``; the
+  size in front (a tuple or ``torch.Size``: no other part starts with one) tells it apart from
+  every other part; its buffer is an executable input;
 * a Python float: the type ``float`` (the value is an input: a learning rate that changes every
   step does not recompile), or ``(float, value.hex())`` for ops whose floats must be constants;
 * an int, bool or complex: ``(type, value)``, baked in (the type keeps ``True`` and ``1`` apart);
@@ -49,6 +50,11 @@ from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
 SYNC_ENV = "TPU_TRAIN_SYNC"
+# A self-check for the device layer's own tests: every tensor argument's cached key part is
+# compared with its geometry as PyTorch reports it (a change of geometry that skipped
+# ``refresh_key_part`` would otherwise run an executable built for the old one).
+VERIFY_KEY_PARTS_ENV = "TPU_TRAIN_VERIFY_KEY_PARTS"
+_verify_key_parts = os.environ.get(VERIFY_KEY_PARTS_ENV, "") not in ("", "0")
 _sync_from_environment = os.environ.get(SYNC_ENV, "") not in ("", "0")
 _sync = _sync_from_environment
 
@@ -82,12 +88,12 @@ def call_key(func, args, kwargs, static_floats, dynamic, tensors) -> tuple:
     append = parts.append
     for value in args:
         if type(value) is TpuTensor:  # inline: the common case
-            storage = value._storage
+            if _verify_key_parts:
+                verify_key_part(value)
             if dynamic is not None:
-                dynamic.append(storage.lazy_buffer)
+                dynamic.append(value._storage.lazy_buffer)
             tensors.append(value)
-            append((value.shape, value.stride(), value.storage_offset(), storage.dtype,
-                    storage.device_index))
+            append(value.key_part)
         else:
             append(_part(value, static_floats, dynamic, tensors))
     if kwargs:
@@ -113,12 +119,12 @@ def _part(value, static_floats, dynamic, tensors):
     if cls is list or cls is tuple or cls is torch.Size:
         return (_SEQ, cls) + tuple([_part(v, static_floats, dynamic, tensors) for v in value])
     if isinstance(value, TpuTensor):
-        storage = value._storage
+        if _verify_key_parts:
+            verify_key_part(value)
         if dynamic is not None:
-            dynamic.append(storage.lazy_buffer)
+            dynamic.append(value._storage.lazy_buffer)
         tensors.append(value)
-        return (value.shape, value.stride(), value.storage_offset(), storage.dtype,
-                storage.device_index)
+        return value.key_part
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.device.type != "cpu":
             raise Unkeyable
@@ -128,6 +134,15 @@ def _part(value, static_floats, dynamic, tensors):
     if isinstance(value, torch._C.Generator):
         return _GENERATOR
     return value
+
+
+def verify_key_part(tensor: TpuTensor) -> None:
+    storage = tensor._storage
+    actual = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+              storage.dtype, storage.device_index)
+    if tensor.key_part != actual:
+        raise RuntimeError(f"internal error: a tpu tensor's geometry changed without "
+                           f"refresh_key_part: keyed as {tensor.key_part}, is {actual}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +261,7 @@ class Decoder:
         if type(part) is not tuple:
             return part
         head = part[0]
-        if type(head) is torch.Size:
+        if type(head) is tuple or type(head) is torch.Size:
             geometry = (tuple(head), part[1], part[2])
             self.ordinal += 1
             if self.inputs is None:

@@ -12,7 +12,7 @@ from torch.utils._mode_utils import no_dispatch
 from tpu_train.device import inplace, op_cache, pinned, runtime
 from tpu_train.device.mutation import assign
 from tpu_train.device.storage import Storage, contiguous_strides
-from tpu_train.device.tensor import TpuTensor, from_host, to_host, wrap
+from tpu_train.device.tensor import TpuTensor, from_host, refresh_key_part, to_host, wrap
 from tpu_train.ops.dtypes import storage_dtype
 
 aten = torch.ops.aten
@@ -86,6 +86,7 @@ def set_geometry(tensor: TpuTensor, size, stride, offset: int) -> None:
             aten.as_strided_.default(tensor, list(size), list(stride), offset)
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    refresh_key_part(tensor)
 
 
 def inplace_view(func, args, kwargs):
@@ -139,6 +140,7 @@ def _set_source_tensor(func, args, kwargs):
     if tuple(destination.shape) == tuple(source.shape) and destination.dtype == source.dtype \
             and destination.stride() == source.stride():
         destination._storage = source._storage
+        refresh_key_part(destination)
         return destination
     raise NotImplementedError(
         "set_ between tpu tensors of different geometry is not supported")

@@ -33,10 +33,19 @@ def _device(index: int) -> torch.device:
 def new_tensor(storage: Storage, size: tuple, stride: tuple, offset: int = 0) -> "TpuTensor":
     """``TpuTensor(storage, size, stride, offset)`` for the op call path, where ``size`` and
     ``stride`` already are tuples (or ``torch.Size``) of ints: no conversions, no ``__init__``."""
+    index = storage.device_index
     tensor = _make_wrapper_subclass(TpuTensor, size, strides=stride, storage_offset=offset,
-                                    dtype=storage.dtype, device=_device(storage.device_index))
+                                    dtype=storage.dtype, device=_device(index))
     tensor._storage = storage
+    tensor.key_part = (size, stride, offset, storage.dtype, index)
     return tensor
+
+
+def refresh_key_part(tensor: "TpuTensor") -> None:
+    """Recompute ``tensor.key_part`` after its geometry or storage changed in place."""
+    storage = tensor._storage
+    tensor.key_part = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+                       storage.dtype, storage.device_index)
 
 
 def _outside_dynamo(function):
@@ -68,10 +77,16 @@ def _dispatch(func, args, kwargs):
 
 
 class TpuTensor(torch.Tensor):
-    """A tensor on a ``tpu`` device; see the module docstring."""
+    """A tensor on a ``tpu`` device; see the module docstring.
+
+    ``key_part`` is what the op cache keys this tensor by, ``(size, stride, storage_offset,
+    dtype, device_index)``, kept with the tensor: reading sizes and strides back from PyTorch
+    costs about a microsecond each per op. Every in-place change of geometry or storage
+    (:func:`refresh_key_part`) renews it."""
 
     _storage: Storage
-    __slots__ = ("_storage",)
+    key_part: tuple
+    __slots__ = ("_storage", "key_part")
 
     @staticmethod
     def __new__(cls, storage: Storage, size, stride, offset: int = 0, requires_grad: bool = False):
@@ -80,6 +95,7 @@ class TpuTensor(torch.Tensor):
             dtype=storage.dtype, device=_device(storage.device_index),
             requires_grad=requires_grad)
         tensor._storage = storage
+        refresh_key_part(tensor)
         return tensor
 
     def __init__(self, *args, **kwargs):
@@ -115,6 +131,7 @@ class TpuTensor(torch.Tensor):
         torch.Tensor.data.__set__(self, new)
         if isinstance(new, TpuTensor):
             self._storage = new._storage
+            refresh_key_part(self)
 
     # -- value access -------------------------------------------------------------------------
 
