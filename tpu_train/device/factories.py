@@ -72,15 +72,27 @@ def scalar_tensor(value, *, dtype=None, layout=None, device=None, pin_memory=Non
 
 def arange_start_step(start, end, step=1, *, dtype=None, layout=None, device=None,
                       pin_memory=None):
-    # torch's meta kernel gives the exact length and dtype rules (float steps included).
-    meta = torch.arange(start, end, step, dtype=dtype, device="meta")
-    values = start + step * np.arange(meta.numel(), dtype=np.float64)
     index = _index(device)
-    host = (values if meta.dtype.is_floating_point else np.floor(values)).astype(
-        storage_dtype(meta.dtype))
-    # A plain transfer of a fresh host array (jnp.asarray would dispatch a conversion too):
-    # transformers calls arange for positions on every forward.
-    return wrap(jax.device_put(host, runtime.jax_device(index)), meta.dtype, index, meta.shape)
+    if dtype is None and _ascending_or_descending_ints(start, end, step):
+        # Positions (transformers calls arange on every forward): int64, exactly Python's range.
+        out_dtype, host = torch.int64, np.arange(start, end, step, dtype=np.int64)
+    else:
+        # torch's meta kernel gives the exact length and dtype rules (float steps included) and
+        # its errors.
+        meta = torch.arange(start, end, step, dtype=dtype, device="meta")
+        values = start + step * np.arange(meta.numel(), dtype=np.float64)
+        out_dtype = meta.dtype
+        host = values if meta.dtype.is_floating_point else np.floor(values)
+    host = host.astype(storage_dtype(out_dtype))
+    # A plain transfer of the host array, already flat: no device op.
+    buffer = jax.device_put(host, runtime.jax_device(index))
+    return TpuTensor(Storage(buffer, out_dtype, index), host.shape, (1,), 0)
+
+
+def _ascending_or_descending_ints(start, end, step) -> bool:
+    if type(start) is not int or type(end) is not int or type(step) is not int:
+        return False
+    return (step > 0 and end >= start) or (step < 0 and end <= start)
 
 
 def arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory=None):

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from tpu_train.device import storage as storage_mod
-from tpu_train.device.tensor import TpuTensor, from_host, to_host
+from tpu_train.device.tensor import TpuTensor, from_host, host_array, to_host
 
 aten = torch.ops.aten
 
@@ -160,7 +160,12 @@ def assign(destination, value, func=None) -> None:
                 value = _move(value, destination.device.index)
             array = value.jax_value()
         else:
-            array = from_host(value.detach().cpu(), destination.device.index).jax_value()
+            host = value.detach().cpu()
+            if host.dtype == destination.dtype and storage_mod.write_host(
+                    destination._storage, tuple(destination.shape), tuple(destination.stride()),
+                    destination.storage_offset(), host_array(host)):
+                return  # a batch copied into a fresh tensor: one transfer
+            array = from_host(host, destination.device.index).jax_value()
         if tuple(array.shape) != tuple(destination.shape):
             if _broadcastable(array.shape, destination.shape):
                 import jax.numpy as jnp

@@ -20,7 +20,8 @@ Key: ``(func, part per positional argument, _KWARGS, name, part, name, part, ...
 * a Python float: the type ``float`` (the value is an input: a learning rate that changes every
   step does not recompile), or ``(float, value.hex())`` for ops whose floats must be constants;
 * an int, bool or complex: ``(type, value)``, baked in (the type keeps ``True`` and ``1`` apart);
-* a list or tuple: ``(_SEQ, type, *parts)``; a 0-dim CPU tensor: ``(_HOST, dtype)``, its value
+* a list or tuple: ``(_INTS, type, values)`` when all its items are ints (sizes, dims), else
+  ``(_SEQ, type, *parts)``; a 0-dim CPU tensor: ``(_HOST, dtype)``, its value
   an input; a generator: ``_GENERATOR`` (random ops draw a fresh PRNG key per call, from it or
   from the device's stream: a key is never cached);
 * anything else (None, dtypes, devices, strings): itself.
@@ -66,7 +67,7 @@ def _follow_mode(name: str) -> None:
 
 lazy.on_mode_change(_follow_mode)
 
-_SEQ, _HOST, _GENERATOR, _KWARGS = (object() for _ in range(4))
+_SEQ, _INTS, _HOST, _GENERATOR, _KWARGS = (object() for _ in range(5))
 _PLAIN_NUMBERS = (int, bool, complex)
 _ENTRIES: dict = {}
 _MAX_ENTRIES = 50_000
@@ -117,6 +118,8 @@ def _part(value, static_floats, dynamic, tensors):
     if cls in _PLAIN_NUMBERS:
         return (cls, value)
     if cls is list or cls is tuple or cls is torch.Size:
+        if all(type(v) is int for v in value):  # sizes and dims: most sequences
+            return (_INTS, cls, tuple(value))
         return (_SEQ, cls) + tuple([_part(v, static_floats, dynamic, tensors) for v in value])
     if isinstance(value, TpuTensor):
         if _verify_key_parts:
@@ -268,6 +271,8 @@ class Decoder:
                 self.slot += 1
                 return Ref(self.slot - 1, self.ordinal - 1, geometry)
             return storage_mod.read_in_trace(self._next(), *geometry)
+        if head is _INTS:
+            return list(part[2]) if part[1] is list else part[1](part[2])
         if head is _SEQ:
             items = [self.value(p, False) for p in part[2:]]
             return items if part[1] is list else part[1](items)

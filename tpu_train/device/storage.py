@@ -313,6 +313,17 @@ def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.
     storage.buffer = _writer(tuple(size), tuple(stride), int(offset))(storage.buffer, value)
 
 
+def write_host(storage: Storage, size: tuple, stride: tuple, offset: int, host: np.ndarray) -> bool:
+    """Replace the whole storage with a host array of exactly the view's shape, already in the
+    storage dtype: one transfer of its flat copy, no device op. False (nothing written) when
+    the view is not the whole storage in order: the caller then takes :func:`write`."""
+    if not _is_whole(size, stride, offset, storage.numel) or host.shape != tuple(size) \
+            or host.dtype != storage_dtype(storage.dtype):
+        return False
+    storage.buffer = jax.device_put(host.reshape(-1), runtime.jax_device(storage.device_index))
+    return True
+
+
 def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):
     """A fresh flat buffer on device ``device_index``; in fused mode, the pending buffer of a
     fill recorded in the device's region (XLA then fuses the fill into what reads it)."""

@@ -284,8 +284,10 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
 
 def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
     """Copy a CPU tensor onto ``tpu:device_index``."""
-    array = jax.device_put(host_array(tensor), runtime.jax_device(device_index))
-    return wrap(array, tensor.dtype, device_index, tensor.shape)
+    # Flattened on the host: a device-side reshape would be one more eager JAX op.
+    array = jax.device_put(host_array(tensor).reshape(-1), runtime.jax_device(device_index))
+    shape = tuple(tensor.shape)
+    return TpuTensor(Storage(array, tensor.dtype, device_index), shape, contiguous_strides(shape))
 
 
 def to_host(tensor: TpuTensor) -> torch.Tensor:
