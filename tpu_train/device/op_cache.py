@@ -46,7 +46,7 @@ from tpu_train.device import generator, lazy, mutation, rng
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
-from tpu_train.device.tensor import TpuTensor, host_array, new_tensor
+from tpu_train.device.tensor import TpuTensor, host_array, new_contiguous_tensor, new_tensor
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -438,7 +438,8 @@ class _Lowered:
                 wait(flat, self.func)
         if self.single is not None:
             dtype, shape, strides, nbytes = self.single
-            return new_tensor(Storage(flat[0], dtype, self.index, nbytes), shape, strides)
+            return new_contiguous_tensor(Storage(flat[0], dtype, self.index, nbytes), shape,
+                                         strides)
         if self.build is None:
             return _wrap_unknown(flat, self.structure, self.index)
         return self.build(flat, self.index)

@@ -41,6 +41,17 @@ def new_tensor(storage: Storage, size: tuple, stride: tuple, offset: int = 0) ->
     return tensor
 
 
+def new_contiguous_tensor(storage: Storage, size: tuple, stride: tuple) -> "TpuTensor":
+    """:func:`new_tensor` for a contiguous tensor at offset 0 whose ``stride`` is the contiguous
+    one for ``size`` (an op's output): PyTorch computes the same strides itself, faster than it
+    parses them."""
+    index = storage.device_index
+    tensor = _make_wrapper_subclass(TpuTensor, size, dtype=storage.dtype, device=_device(index))
+    tensor._storage = storage
+    tensor.key_part = (size, stride, 0, storage.dtype, index)
+    return tensor
+
+
 def refresh_key_part(tensor: "TpuTensor") -> None:
     """Recompute ``tensor.key_part`` after its geometry or storage changed in place."""
     storage = tensor._storage
