@@ -462,6 +462,16 @@ def test_slice_scatter_casts_src_to_base_dtype():
     check(aten.slice_scatter.default, make((4, 3)), make((2, 3), torch.int64), 0, 1, 3)
 
 
+@pytest.mark.parametrize("dim,start,end,step", [
+    (0, 0, 5, 1), (1, 1, 4, 1), (1, -3, 2**63 - 1, 1), (1, 0, -1, 2), (0, 1, 100, 3),
+    (1, 2, 2, 1), (-1, 0, 7, 4), (1, 6, 7, 5)])
+def test_slice_backward(dim, start, end, step):
+    """The gradient of a slice: RoPE's halves and ``x[:, 1:]`` in every transformers model."""
+    view = aten.slice.Tensor(make((5, 7)), dim, start, end, step)
+    check(aten.slice_backward.default, make(tuple(view.shape), seed=1), [5, 7], dim, start,
+          end, step)
+
+
 @pytest.mark.parametrize("dim,index", [(0, 0), (1, -1), (-1, 2), (2, 0)])
 def test_select_scatter(dim, index):
     base = make((3, 4, 5))

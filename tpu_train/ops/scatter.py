@@ -215,6 +215,25 @@ def slice_scatter(self, src, dim=0, start=None, end=None, step=1):
     return jnp.where(mask, placed, self)
 
 
+@lowers(aten.slice_backward.default)
+def slice_backward(grad_output, input_sizes, dim, start, end, step):
+    """The gradient of ``x[..., start:end:step]`` (on ``dim``) for an ``x`` of ``input_sizes``:
+    zeros with ``grad_output`` at the sliced positions, one pad (torch decomposes it into
+    ``new_zeros`` and ``slice_scatter``: two ops and a fill)."""
+    input_sizes = tuple(input_sizes)
+    dim = wrap_dim(dim, len(input_sizes))
+    size = input_sizes[dim]
+    start, end = slice_bounds(size, start, end, step)
+    expected = list(input_sizes)
+    expected[dim] = len(range(start, end, step))
+    _check_src_shape(grad_output, expected)
+    if expected[dim] == 0:
+        return jnp.zeros(input_sizes, grad_output.dtype)
+    config = [(0, 0, 0)] * len(input_sizes)
+    config[dim] = (start, size - (start + (expected[dim] - 1) * step + 1), step - 1)
+    return lax.pad(grad_output, jnp.zeros((), grad_output.dtype), config)
+
+
 @lowers(aten.select_scatter.default)
 def select_scatter(self, src, dim, index):
     """``self`` with ``self.select(dim, index)`` replaced by ``src``."""
