@@ -164,6 +164,20 @@ def test_host_to_device_copy_does_not_alias_host_memory():
     assert torch.equal(device_tensor.cpu(), torch.arange(12.0).reshape(4, 3))
 
 
+@pytest.mark.parametrize("source,target", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.int64), (torch.int64, torch.float32),
+    (torch.float64, torch.float32), (torch.bool, torch.float32), (torch.float32, torch.bool),
+    (torch.int32, torch.int8), (torch.float32, torch.float16)])
+def test_host_to_device_copy_with_a_dtype_casts_as_torch_does(source, target):
+    host = (torch.randn(5, 6, generator=torch.Generator().manual_seed(0)) * 200).to(source)
+    expected = host.to(target)
+    moved = host.to("tpu", target)
+    assert moved.dtype == target and torch.equal(moved.cpu(), expected)
+    into_view = torch.zeros(6, 5, dtype=target, device="tpu").t()
+    into_view.copy_(host)
+    assert torch.equal(into_view.cpu(), expected)
+
+
 # An operator with a CPU kernel only: no lowering and no decomposition exist for it, whatever
 # the op table grows to cover.
 _test_library = torch.library.Library("tpu_train_test", "DEF")

@@ -161,7 +161,9 @@ def assign(destination, value, func=None) -> None:
             array = value.jax_value()
         else:
             host = value.detach().cpu()
-            if host.dtype == destination.dtype and storage_mod.write_host(
+            if host.dtype != destination.dtype:
+                host = host.to(destination.dtype)  # torch's own conversion, on the host
+            if storage_mod.write_host(
                     destination._storage, tuple(destination.shape), tuple(destination.stride()),
                     destination.storage_offset(), host_array(host)):
                 return  # a batch copied into a fresh tensor: one transfer
