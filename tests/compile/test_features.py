@@ -280,6 +280,15 @@ def _copied_entry_parameters(hlo: str) -> list[str]:
     return [name for name in inputs if f"copy({name})" in entry]
 
 
+def test_a_step_updates_its_donated_parameters_in_place_without_copying_them():
+    """On the CPU client the step compiles with copy insertion's region analysis: XLA's default
+    there copies every donated parameter and optimizer state that the step reads, then
+    overwrites (tpu_train.device.runtime.compiler_options)."""
+    _, _, _, step = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss, mlp_batches(1))
+    (entry,) = step.cache.entries.values()
+    assert _copied_entry_parameters(entry.executable.as_text()) == []
+
+
 def test_skip_non_finite_applies_finite_steps_and_passes_skipped_ones_through():
     batches = mlp_batches(3)
     batches[1] = {"x": batches[1]["x"], "y": torch.full_like(batches[1]["y"], float("nan"))}

@@ -40,6 +40,7 @@ from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
+from tpu_train.device import runtime
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -518,7 +519,10 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             f"{type(error).__name__}: {error}".splitlines()[0]
         stages.autodiff_fallback = fallback.autodiff_note
         return fallback
-    executable = stages.time("compile", lowered.compile) if compile else None
+    platform_name = (mesh.devices.flat[0] if mesh is not None else device).platform
+    options = runtime.compiler_options(platform_name)
+    executable = stages.time("compile", functools.partial(
+        lowered.compile, compiler_options=options)) if compile else None
     if layout is not None and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, traced.random, traced.mutated, traced.grad_norm_dtype,

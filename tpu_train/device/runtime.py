@@ -162,3 +162,16 @@ def runtime_info() -> dict:
         "jaxlib": jaxlib.__version__,
         "python": _platform.python_version(),
     }
+
+
+# XLA's CPU compiler keeps a copy of each donated parameter that a step both reads and then
+# overwrites, unless its copy insertion runs the region-based analysis (off by default on CPU;
+# XLA's own host-offloading programs turn it on), which proves the update comes after every
+# read. The W1 training step then stops copying its 16.8 M parameters each step
+# (docs/compile.md). Only the CPU client has the option; other platforms get XLA's defaults.
+_CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+def compiler_options(platform_name: str) -> dict:
+    """XLA options for a training-step program on ``platform_name`` (a JAX device platform)."""
+    return dict(_CPU_COMPILER_OPTIONS) if platform_name == "cpu" else {}
