@@ -15,8 +15,9 @@ every mode alike.
   instead of JAX differentiating the traced forward);
 * ``jax``: the same network written directly in JAX with ``optax.adamw``, one ``jax.jit`` step
   with donated parameters and optimizer state, returning the loss and the global gradient
-  norm (``optax.global_norm``) as the compiled step does; compiled with XLA's defaults, as
-  every program of the ``tpu`` runtime is.
+  norm (``optax.global_norm``) as the compiled step does; compiled with XLA's defaults, as a
+  user's JAX code is (the compiled step adds one CPU-client option of the runtime,
+  ``tpu_train.device.runtime.compiler_options``: no copies of donated parameters).
 
 Prints ONE JSON line: per mode the fastest and median step seconds (step 1, which compiles,
 excluded), tokens/s at the median, trace + compile seconds, resident memory, the loss at the
