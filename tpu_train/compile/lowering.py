@@ -177,17 +177,24 @@ def autocast_region(dtype: torch.dtype | None):
 def lower_collected(step, inputs: StepInputs, scalars: np.ndarray,
                     stages: cache_mod.TimedStages, *, values: dict | None = None, device=None,
                     mesh=None, plan=None, autocast_dtype: torch.dtype | None = None,
-                    compile: bool = True) -> program_mod.Program:
+                    compile: bool = True, runtime_options: bool = False) -> program_mod.Program:
     """Trace and lower (and compile) ``step`` for already collected ``inputs``.
 
     ``step``: a :class:`StepDefinition` or a ``CompiledTrainStep``. The loss is traced under
     ``autocast_dtype`` (the update graph disables autocast itself), whatever autocast region
     surrounds the call. ``values`` (the arrays the step will be called with) may be None:
-    inputs are then described from their shapes and dtypes alone.
+    inputs are then described from their shapes and dtypes alone. ``runtime_options``: compile
+    with the runtime's XLA options for the program's platform, as a step that runs here does
+    (False: XLA's defaults, what the planner reports for another chip).
     """
+    options = None
+    if runtime_options:
+        options = runtime.compiler_options(
+            (mesh.devices.flat[0] if mesh is not None else device).platform)
     with autocast_region(autocast_dtype):
         return program_mod.build_program(step, inputs, values, scalars, device, stages,
-                                         mesh=mesh, plan=plan, compile=compile)
+                                         mesh=mesh, plan=plan, compile=compile,
+                                         compiler_options=options)
 
 
 def _tensor_names(model) -> Callable[[torch.Tensor], str]:
@@ -201,7 +208,7 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      plan=None, max_grad_norm: float | None = None, grad_accum_steps: int = 1,
                      donate: bool = True, autocast_dtype: torch.dtype | None = None,
                      compile: bool = True, scan_layers: bool | None = None,
-                     autodiff: str = "jax") -> program_mod.Program:
+                     autodiff: str = "jax", runtime_options: bool = True) -> program_mod.Program:
     """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
 
     Args are those of ``compile_train_step``; ``batch`` is a pytree of tensors whose shapes
@@ -210,6 +217,8 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     like the parameters (``meta`` for a ``meta`` model). ``mesh`` and ``plan`` (both or neither)
     lower the SPMD program over the mesh; without them the program is for the model's ``tpu``
     device (``tpu:0`` for a ``meta`` model). ``compile=False`` stops after lowering.
+    ``runtime_options=False`` compiles with XLA's defaults instead of the runtime's options for
+    this process's platform (the planner: it reports XLA's buffers for another chip).
 
     Returns the :class:`~tpu_train.compile.program.Program`: ``lowered`` (``jax.stages.Lowered``),
     ``executable`` (None without compile), ``analysis()`` (XLA's memory and FLOPs per device)
@@ -229,6 +238,6 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     stages = cache_mod.TimedStages()
     program = lower_collected(step, inputs, scalars, stages, device=device, mesh=mesh, plan=plan,
                               autocast_dtype=step_autocast_dtype(autocast_dtype),
-                              compile=compile)
+                              compile=compile, runtime_options=runtime_options)
     program.seconds = dict(stages.seconds)
     return program

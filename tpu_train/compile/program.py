@@ -40,7 +40,6 @@ from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
-from tpu_train.device import runtime
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -482,7 +481,8 @@ def _jitted_with_arguments(program, step, st, traced: _TracedStep, layout: _Spmd
 
 
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
-                  compile: bool = True, autodiff: str | None = None) -> Program:
+                  compile: bool = True, autodiff: str | None = None,
+                  compiler_options: dict | None = None) -> Program:
     """Trace, lower and compile the step for the tensors in ``st`` (see ``train_step``).
 
     ``step`` has the fields of :class:`tpu_train.compile.lowering.StepDefinition`.
@@ -490,6 +490,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     ``values`` may be None: inputs are then described from ``st``'s shapes and dtypes alone
     (on ``device`` without a mesh). ``compile=False`` stops after lowering
     (``Program.executable`` is then None). ``autodiff`` overrides the step's.
+    ``compiler_options``: XLA options for the compile (a step that runs here passes the
+    runtime's, :func:`tpu_train.device.runtime.compiler_options`; the planner passes none).
     """
     if (mesh is None) != (plan is None):
         raise ValueError("an SPMD step needs both mesh= and plan= (got only "
@@ -514,15 +516,14 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         # A lowering JAX cannot differentiate (a reverse-mode while_loop, a variadic
         # reduction): PyTorch's backward formulas are traced instead.
         fallback = build_program(step, st, values, scalars, device, stages, mesh=mesh,
-                                 plan=plan, compile=compile, autodiff="torch")
+                                 plan=plan, compile=compile, autodiff="torch",
+                                 compiler_options=compiler_options)
         fallback.autodiff_note = "JAX could not differentiate the loss graph: " + \
             f"{type(error).__name__}: {error}".splitlines()[0]
         stages.autodiff_fallback = fallback.autodiff_note
         return fallback
-    platform_name = (mesh.devices.flat[0] if mesh is not None else device).platform
-    options = runtime.compiler_options(platform_name)
     executable = stages.time("compile", functools.partial(
-        lowered.compile, compiler_options=options)) if compile else None
+        lowered.compile, compiler_options=compiler_options)) if compile else None
     if layout is not None and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, traced.random, traced.mutated, traced.grad_norm_dtype,

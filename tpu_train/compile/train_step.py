@@ -157,7 +157,8 @@ class CompiledTrainStep:
 
         def build(stages):
             return lower_collected(self, st, scalars, stages, values=values, device=device,
-                                   mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype)
+                                   mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype,
+                                   runtime_options=True)
 
         entry = self.cache.get_or_build(signature, build)
         args = [param_arrays, state_arrays, const_arrays, batch_arrays,

@@ -78,7 +78,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
 
     program = lower_train_step(model, optimizer, loss_fn, batch, mesh=mesh, plan=llama_plan(),
                                autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
-                               scan_layers=scan_layers)
+                               scan_layers=scan_layers, runtime_options=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step"}
     out.update(program.analysis())
     out["seconds"] = program.seconds
