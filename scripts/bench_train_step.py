@@ -4,8 +4,9 @@
 W1 is a Llama-style decoder (dim 512, 4 layers, 8 heads, 4 kv heads, SwiGLU hidden 1408, vocab
 8192, RMSNorm, RoPE) trained on causal-LM cross-entropy with AdamW (lr 1e-4, weight decay 0.1),
 batch 4 x 256 tokens. All modes start from the same initial weights and see the same batches;
-their steps are interleaved (eager, compiled, jax, eager, ...) so that machine noise hits
-every mode alike.
+their steps are interleaved, the order rotating by one mode each step (eager, compiled, jax;
+compiled, jax, eager; ...), so that machine noise and the position after another mode hit every
+mode alike.
 
 * ``eager``: the model on the ``tpu`` device, ``loss.backward()`` and ``optimizer.step()`` op by op;
 * ``fused``: the same eager code in fused eager mode (``tpu_train.eager_mode("fused")``): the
@@ -320,7 +321,8 @@ def main(argv=None) -> dict:
         results[name] = {"times": [], "losses": [], "rss_setup_mb": rss_mb() - before}
     del cpu_model
     for i, batch in enumerate(batches):
-        for name, mode in modes.items():
+        order = list(modes.items())
+        for name, mode in order[i % len(order):] + order[:i % len(order)]:
             start = time.perf_counter()
             loss = mode.step(batch)
             mode.block(loss)

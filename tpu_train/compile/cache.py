@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from tpu_train.device import compilation_cache
 
@@ -27,9 +27,9 @@ DEFAULT_WARN_AFTER = 8
 _MAX_LISTED = 6
 
 
-@dataclasses.dataclass(frozen=True)
-class InputSpec:
-    """One program input as the cache sees it."""
+class InputSpec(NamedTuple):
+    """One program input as the cache sees it (a tuple: every call builds one per input, and
+    a compiled step has hundreds, so construction and hashing stay in C)."""
 
     name: str
     shape: tuple

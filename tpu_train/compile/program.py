@@ -393,7 +393,10 @@ class _StepFunction:
         if layout is not None:  # back to the flat storage layout (the out_shardings split it)
             new_params = [o.reshape(-1) for o in new_params]
             new_states = [o.reshape(-1) for o in new_states]
-        result = (new_params, new_states, changed, loss, grad_norm, scalars_in[0, 0])
+        # The metrics leave as one-element vectors: the flat buffers the tensors the step
+        # returns are made of, without a reshape executable each on the host.
+        result = (new_params, new_states, changed, loss.reshape(1), grad_norm.reshape(1),
+                  scalars_in[0, :1])
         return result + (finite,) if self.skip else result
 
     def gradients(self, params, consts, batch, key):

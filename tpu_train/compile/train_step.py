@@ -181,9 +181,9 @@ class CompiledTrainStep:
             self.scheduler.step()
         # The gradient norm is always measured (it is almost free next to the update), also
         # without clipping, so the metrics have the same keys in every configuration.
-        out = {"loss": wrap(loss, torch.float32, index),
-               "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index),
-               "lr": wrap(lr, torch.float32, index)}
+        out = {"loss": wrap(loss, torch.float32, index, shape=()),
+               "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index, shape=()),
+               "lr": wrap(lr, torch.float32, index, shape=())}
         if flag:
             out["finite"] = torch.tensor(applied)
         return out

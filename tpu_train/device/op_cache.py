@@ -46,7 +46,8 @@ from tpu_train.device import generator, lazy, mutation, rng
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
-from tpu_train.device.tensor import TpuTensor, host_array, new_contiguous_tensor, new_tensor
+from tpu_train.device.tensor import (TpuTensor, current_key_part, host_array,
+                                    new_contiguous_tensor, new_tensor)
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -140,9 +141,7 @@ def _part(value, static_floats, dynamic, tensors):
 
 
 def verify_key_part(tensor: TpuTensor) -> None:
-    storage = tensor._storage
-    actual = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-              storage.dtype, storage.device_index)
+    actual = current_key_part(tensor)
     if tensor.key_part != actual:
         raise RuntimeError(f"internal error: a tpu tensor's geometry changed without "
                            f"refresh_key_part: keyed as {tensor.key_part}, is {actual}")

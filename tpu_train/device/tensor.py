@@ -8,6 +8,7 @@ offset; its data live in a flat JAX buffer on PJRT device ``i``. All ATen ops on
 from __future__ import annotations
 
 import collections
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +53,17 @@ def new_contiguous_tensor(storage: Storage, size: tuple, stride: tuple) -> "TpuT
     return tensor
 
 
+def current_key_part(tensor: "TpuTensor") -> tuple:
+    """``tensor.key_part`` as computed now from PyTorch's view of the tensor (slow: three
+    calls into PyTorch)."""
+    storage = tensor._storage
+    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+            storage.dtype, storage.device_index)
+
+
 def refresh_key_part(tensor: "TpuTensor") -> None:
     """Recompute ``tensor.key_part`` after its geometry or storage changed in place."""
-    storage = tensor._storage
-    tensor.key_part = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-                       storage.dtype, storage.device_index)
+    tensor.key_part = current_key_part(tensor)
 
 
 def _outside_dynamo(function):
@@ -260,8 +267,9 @@ def owns_whole_storage(tensor: torch.Tensor) -> bool:
     """True when the tpu tensor is exactly its storage's buffer, in order: its new value can
     replace the buffer, and a split of the buffer is a split of the tensor."""
     storage = storage_of(tensor)
-    return (tensor.storage_offset() == 0 and tensor.numel() == storage.numel
-            and storage_mod.is_contiguous(tuple(tensor.shape), tuple(tensor.stride())))
+    size, stride, offset = tensor.key_part[:3]
+    return (offset == 0 and math.prod(size) == storage.numel
+            and storage_mod.is_contiguous(size, stride))
 
 
 def write_elements(tensor: torch.Tensor, value: jax.Array) -> None:
@@ -277,7 +285,7 @@ def wrap(value: jax.Array, dtype: torch.dtype, device_index: int, shape=None) ->
     target = storage_dtype(dtype)
     if value.dtype != target:
         value = value.astype(target)
-    buffer = value.reshape(-1)
+    buffer = value if value.ndim == 1 else value.reshape(-1)
     return TpuTensor(Storage(buffer, dtype, device_index), shape, contiguous_strides(shape), 0)
 
 
