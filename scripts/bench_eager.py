@@ -43,7 +43,6 @@ from pathlib import Path
 os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 

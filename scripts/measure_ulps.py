@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tests.ops.lowering_check import to_jax, to_torch  # noqa: E402
