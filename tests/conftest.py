@@ -29,3 +29,14 @@ def pytest_xdist_auto_num_workers(config):
     multi-process tests start up to four processes of their own: beyond four workers memory, not
     cores, is what runs out. ``-n 0`` runs everything in one process."""
     return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with multi-process tests run first. With ``--dist loadfile`` a file stays on one
+    worker, and those files are the suite's longest (one holds ~7 minutes of torchrun launches):
+    handed out last, one of them kept a worker busy for minutes after the other had finished.
+    First, the many short files fill in behind them and both workers end together.
+    ``--no-loadscope-reorder`` in ``addopts`` keeps pytest-xdist from re-sorting the files by
+    test count."""
+    heavy = {item.path for item in items if item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: order within files is kept
