@@ -9,7 +9,6 @@ import copy
 import io
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from torch import nn
 
 import tpu_train  # noqa: F401
 from tests.device.test_training import _train as train_steps
+from tests.distributed.harness import free_port_pair
 from tests.tolerances import loss_rtol, param_atol, update_rtol
 
 STEPS = 4
@@ -422,9 +422,7 @@ dist.destroy_process_group()
 def test_init_device_mesh_initialises_the_process_group(tmp_path):
     script = tmp_path / "mesh.py"
     script.write_text(_MESH_SCRIPT)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port_pair()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -4,28 +4,26 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tpu_train.distributed import ports
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port_pair() -> int:
-    """A port P with P and P+1 free (torch's store on P, the JAX coordinator on P+1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+    """A port P with P and P+1 free (torch's store on P, the JAX coordinator on P+1), drawn
+    below the ephemeral range (tpu_train.distributed.ports) from this pytest-xdist worker's
+    own slice of it, so two workers never draw the same port."""
+    low, high = ports.drawing_range()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (high - low + 1) // max(count, 1)
+    return ports.free_port_pair((low + index * width, low + (index + 1) * width - 1))
 
 
 def worker_env(rank: int, world: int, port: int, extra=None) -> dict:

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -71,9 +72,18 @@ def test_multiprocessing_spawn(tmp_path):
                   str(WORLD)], tmp_path, port), "spawn")
 
 
-def test_torchrun(tmp_path):
+def test_torchrun_with_the_port_after_master_port_taken(tmp_path):
+    """torchrun draws MASTER_PORT from the ephemeral range, where an outgoing connection can
+    hold MASTER_PORT+1, the JAX coordinator's default: rank 0 then listens on a port it draws
+    and tells the other ranks through torch's store (JAX's service would segfault otherwise).
+    The spawn test above covers the default port."""
     port = free_port_pair()
-    _check(*_run(["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                  "--master-addr", "127.0.0.1", "--master-port", str(port),
-                  "tests/distributed/workers/launch_worker.py", "torchrun", str(tmp_path)],
-                 tmp_path, port), "torchrun")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        code, out, *rest = _run(["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                                 "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                 "tests/distributed/workers/launch_worker.py", "torchrun",
+                                 str(tmp_path)], tmp_path, port)
+    _check(code, out, *rest, "torchrun")
+    assert f"port {port + 1} (MASTER_PORT+1) is in use on this host" in out, out[-4000:]

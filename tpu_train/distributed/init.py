@@ -12,19 +12,27 @@ Where the settings come from, first match wins:
 * torch's launch environment (torchrun, ``torch.multiprocessing.spawn`` scripts,
   ``python -m tpu_train.launch``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
   ``MASTER_PORT``. The JAX coordinator listens on ``MASTER_ADDR:MASTER_PORT+1`` (torch's
-  TCPStore already owns ``MASTER_PORT``); ``TPU_TRAIN_JAX_COORDINATOR=host:port`` overrides;
+  TCPStore already owns ``MASTER_PORT``), or on a free port process 0 draws when that one is
+  taken, announced through torch's store; ``TPU_TRAIN_JAX_COORDINATOR=host:port`` overrides;
 * on a TPU VM without those variables: JAX's own cluster auto-detection (pod metadata).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
+
+from tpu_train.distributed import ports
 
 COORDINATOR_ENV = "TPU_TRAIN_JAX_COORDINATOR"
 TIMEOUT_ENV = "TPU_TRAIN_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
+# Where process 0 tells the others the coordinator's address (in the world group's store).
+COORDINATOR_KEY = "tpu_train/jax_coordinator"
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict = {"initialized": False, "rank": 0, "world_size": 1}
@@ -55,6 +63,38 @@ def coordinator_address() -> str:
     return f"{host}:{int(port) + 1}"
 
 
+def agree_on_coordinator(rank: int, store=None) -> str:
+    """The JAX coordination service's ``host:port``, the same in every process.
+
+    ``TPU_TRAIN_JAX_COORDINATOR`` is used as given. Otherwise ``MASTER_ADDR:MASTER_PORT+1``
+    when process 0 finds that port free; when it is taken (another job, or any outgoing
+    connection on the host that drew it from the ephemeral range), process 0 listens on a
+    port it draws instead and tells the others through torch's ``store``. Without a store a
+    taken port is an error, raised before the JAX service would fail to bind it (which ends
+    the process with a segfault, naming nothing).
+    """
+    explicit = os.environ.get(COORDINATOR_ENV)
+    if rank != 0 and store is not None and not explicit:
+        return store.get(COORDINATOR_KEY).decode()
+    address = explicit or coordinator_address()
+    host, _, port = address.rpartition(":")
+    if explicit or store is None:
+        if rank == 0 and not ports.port_is_free(int(port)):
+            source = f"{COORDINATOR_ENV}={explicit}" if explicit else "MASTER_PORT+1"
+            raise DistributedInitError(
+                f"port {port} for the JAX coordinator ({source}) is already in use on this "
+                f"host: choose a free port (or another MASTER_PORT)")
+        return address
+    if not ports.port_is_free(int(port)):
+        drawn = ports.free_port()
+        log.warning("port %s (MASTER_PORT+1) is in use on this host; the JAX coordinator "
+                    "listens on %d instead (set %s=host:port to fix one)", port, drawn,
+                    COORDINATOR_ENV)
+        address = f"{host}:{drawn}"
+    store.set(COORDINATOR_KEY, address)
+    return address
+
+
 def collective_timeout(requested: datetime.timedelta | None = None) -> float:
     """Seconds a collective may wait for its peers before the lost ranks are reported.
 
@@ -75,12 +115,14 @@ def collective_timeout(requested: datetime.timedelta | None = None) -> float:
 
 
 def initialize(rank: int | None = None, world_size: int | None = None,
-               local_rank: int | None = None, timeout_s: float | None = None) -> None:
+               local_rank: int | None = None, timeout_s: float | None = None,
+               store=None) -> None:
     """Start ``jax.distributed`` once per process (idempotent; a 1-process job skips it).
 
     Raises a clear error when JAX already created its backends: from then on the process can
     no longer join a multi-process JAX world (create no ``tpu`` tensor before
-    ``init_process_group``).
+    ``init_process_group``). ``store`` (torch's rendezvous store) lets the processes agree on
+    the coordinator's port (:func:`agree_on_coordinator`).
     """
     with _lock:
         if _state["initialized"]:
@@ -119,7 +161,8 @@ def initialize(rank: int | None = None, world_size: int | None = None,
             heartbeat = int(max(100, 2 * (timeout_s or DEFAULT_TIMEOUT_S)))
             if "RANK" in env or "MASTER_PORT" in env or COORDINATOR_ENV in env:
                 jax.distributed.initialize(
-                    coordinator_address=coordinator_address(), num_processes=world_size,
+                    coordinator_address=agree_on_coordinator(rank, store),
+                    num_processes=world_size,
                     process_id=rank, local_device_ids=[local_rank],
                     heartbeat_timeout_seconds=heartbeat)
             else:

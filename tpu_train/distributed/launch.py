@@ -6,7 +6,8 @@
 Sets torch's launch environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for each process, so the script calls
 ``dist.init_process_group("tpu")`` exactly as under torchrun. The JAX coordinator then listens
-on ``MASTER_PORT + 1`` (see :mod:`tpu_train.distributed.init`).
+on ``MASTER_PORT + 1`` (see :mod:`tpu_train.distributed.init`). On one host the launcher draws
+``MASTER_PORT`` below the kernel's ephemeral range (:mod:`tpu_train.distributed.ports`).
 
 Multi-host: run the same command on every host with ``--nnodes``, ``--node-rank`` and
 ``--coordinator host:port`` (the host of node 0; the port is torch's store, port+1 JAX's).
@@ -25,26 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-from tpu_train.distributed import tpu_env
-
-
-def _free_port_pair(host: str = "127.0.0.1") -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind((host, port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports for torch's store and the JAX coordinator")
+from tpu_train.distributed import ports, tpu_env
 
 
 def parse_args(argv=None):
@@ -132,7 +118,7 @@ def main(argv=None) -> int:
         host, _, port = args.coordinator.rpartition(":")
         port = int(port)
     else:
-        host, port = "127.0.0.1", _free_port_pair()
+        host, port = "127.0.0.1", ports.free_port_pair()
     target = ["-m", args.module] if args.module else []
     rest = [args.script] if args.script is not None else []
     if not target and not rest:

@@ -425,7 +425,8 @@ def _create(dist_backend_opts, backend_options=None):
         # The world group: start jax.distributed before anything asks JAX for devices.
         init_mod.initialize(rank=dist_backend_opts.group_rank,
                             world_size=dist_backend_opts.group_size,
-                            timeout_s=init_mod.collective_timeout(timeout))
+                            timeout_s=init_mod.collective_timeout(timeout),
+                            store=dist_backend_opts.store)
     return TpuProcessGroup(dist_backend_opts.store, dist_backend_opts.group_rank,
                            dist_backend_opts.group_size, timeout,
                            dist_backend_opts.group_id, global_ranks)
