@@ -39,7 +39,8 @@ def test_free_port_pair_is_drawn_below_the_ephemeral_range_and_free():
         port = ports.free_port_pair()
         assert ports.LOWEST_DRAWN <= port and port + 1 < low
         assert ports.port_is_free(port) and ports.port_is_free(port + 1)
-    assert ports.free_port_pair((30000, 30001)) == 30000 or not ports.port_is_free(30000)
+    # a span of exactly two ports yields its first
+    assert ports.free_port_pair((port, port + 1)) == port
 
 
 def test_a_listening_socket_makes_its_port_busy_on_the_wildcard_too():
@@ -80,6 +81,13 @@ def test_other_ranks_wait_for_rank_zero_within_the_stores_timeout(monkeypatch):
         init.agree_on_coordinator(1, store)
     store.set(init.COORDINATOR_KEY, "10.0.0.1:1234")
     assert init.agree_on_coordinator(1, store) == "10.0.0.1:1234"
+
+
+@pytest.mark.parametrize("value", ["10.0.0.2", "10.0.0.2:x", ":8477", "10.0.0.2:70000"])
+def test_a_malformed_fixed_address_is_a_one_line_error(monkeypatch, value):
+    monkeypatch.setenv(init.COORDINATOR_ENV, value)
+    with pytest.raises(init.DistributedInitError, match="is not host:port with a port below 65536"):
+        init.agree_on_coordinator(0, _store())
 
 
 @pytest.mark.parametrize("explicit", [True, False])

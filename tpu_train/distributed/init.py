@@ -77,10 +77,13 @@ def agree_on_coordinator(rank: int, store=None) -> str:
     if rank != 0 and store is not None and not explicit:
         return store.get(COORDINATOR_KEY).decode()
     address = explicit or coordinator_address()
+    source = f"{COORDINATOR_ENV}={explicit}" if explicit else "MASTER_PORT+1"
     host, _, port = address.rpartition(":")
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise DistributedInitError(f"the JAX coordinator's address {address!r} ({source}) is "
+                                   "not host:port with a port below 65536 (e.g. 10.0.0.2:8477)")
     if explicit or store is None:
         if rank == 0 and not ports.port_is_free(int(port)):
-            source = f"{COORDINATOR_ENV}={explicit}" if explicit else "MASTER_PORT+1"
             raise DistributedInitError(
                 f"port {port} for the JAX coordinator ({source}) is already in use on this "
                 f"host: choose a free port (or another MASTER_PORT)")

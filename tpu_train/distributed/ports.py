@@ -37,32 +37,24 @@ def ephemeral_port_range() -> tuple[int, int]:
 
 
 def port_is_free(port: int) -> bool:
-    """Whether a listening socket could bind ``port`` on every interface right now."""
-    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    """Whether a listening socket could bind ``port`` on every interface right now: on the
+    IPv4 and the IPv6 wildcard, each checked alone (a family the host lacks is skipped)."""
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:  # no IPv6 on this host: the IPv4 wildcard decides
+        except OSError:
             continue
         with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind((address, port))
             except OSError as e:
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
                     return False
-                continue  # this family's wildcard is unusable here (IPv6 disabled)
-        # A dual-stack IPv6 socket covered IPv4 too; a v6-only host falls through to v4.
-        if family == socket.AF_INET6 and not _v6_only():
-            return True
+                # any other error: this family's wildcard is unusable here (IPv6 disabled)
     return True
-
-
-def _v6_only() -> bool:
-    try:
-        with open("/proc/sys/net/ipv6/bindv6only") as f:
-            return f.read().strip() == "1"
-    except OSError:
-        return False
 
 
 def drawing_range() -> tuple[int, int]:
