@@ -170,3 +170,52 @@ def test_dropout_backward_is_the_vjp_of_the_same_forward():
         # Two float32 backward passes (head_dim 8, 5 keys and queries; see tolerance()).
         tol = tolerance(torch.float32, 8, 6, 0, float(jnp.abs(e).max()))
         assert bool(jnp.allclose(e, a, **tol))
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5]], ids=["gqa_causal", "gqa_additive", "bool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_jax_derivative_of_the_forward_is_the_fused_backward(case, dtype):
+    """A compiled step's loss graph lets JAX differentiate the forward lowering: its custom
+    derivative (``attention.attention``) must give PyTorch's gradients, in the inputs' dtype."""
+    b, hq, hkv, sq, sk, d, dv, mask_kind, is_causal, scale = case
+    q, k, v = rand(b, hq, sq, d, dtype=dtype), rand(b, hkv, sk, d, dtype=dtype, seed=1), \
+        rand(b, hkv, sk, dv, dtype=dtype, seed=2)
+    mask = make_mask(mask_kind, b, hq, sq, sk)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=hkv != hq)
+    grad = rand(*expected.shape, dtype=dtype, seed=5)
+    expected.backward(grad)
+    jax_mask = to_jax(mask) if mask is not None else None
+
+    def loss(q_, k_, v_):
+        out = run_forward_arrays(q_, k_, v_, jax_mask, is_causal, scale)
+        return jnp.sum(out.astype(jnp.float32) * to_jax(grad).astype(jnp.float32))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(to_jax(q), to_jax(k), to_jax(v))
+    backward = dict(dtype=dtype, n=max(d, dv, sq, sk), depth=6, roundings=6)
+    for got, leaf in zip(grads, leaves):
+        assert got.dtype == to_jax(leaf.detach()).dtype
+        torch.testing.assert_close(to_torch(got, dtype), leaf.grad,
+                                   **tolerance(**backward, scale=largest(leaf.grad)))
+
+
+def run_forward_arrays(q, k, v, mask, is_causal, scale):
+    return attention.scaled_dot_product_fused_attention(q, k, v, mask, 0.0, is_causal, False,
+                                                        scale=scale)[0]
+
+
+def test_splash_kernel_is_chosen_only_where_it_wins():
+    from tpu_train.ops import attention_tpu
+
+    def arrays(s, kv=2, dtype=jnp.bfloat16, d=64):
+        return (jnp.zeros((1, 4, s, d), dtype), jnp.zeros((1, kv, s, d), dtype),
+                jnp.zeros((1, kv, s, d), dtype))
+
+    assert attention_tpu.supported(*arrays(1024), None, True)
+    assert not attention_tpu.supported(*arrays(256), None, True)  # XLA's form is faster there
+    assert not attention_tpu.supported(*arrays(1024), jnp.zeros((1024, 1024)), False)  # a bias
+    assert not attention_tpu.supported(*arrays(1000), None, True)  # not whole 128-lane tiles
+    assert not attention_tpu.supported(*arrays(1024, d=40), None, True)

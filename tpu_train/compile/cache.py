@@ -139,12 +139,15 @@ class CompileCache:
         self.entries: dict[Signature, Any] = {}
         self.records: list[CompileRecord] = []
         self._last: Signature | None = None
+        self._last_entry: Any = None
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def get_or_build(self, signature: Signature, build: Callable[[TimedStages], Any]):
         """The program for ``signature``; ``build(stages)`` makes it on a miss (timed, logged)."""
+        if signature is self._last:  # the caller reuses its signature object when unchanged
+            return self._last_entry
         entry = self.entries.get(signature)
         if entry is None:
             cause = self._cause(signature)
@@ -152,7 +155,7 @@ class CompileCache:
             entry = build(stages)
             self.entries[signature] = entry
             self._record(cause, stages)
-        self._last = signature
+        self._last, self._last_entry = signature, entry
         return entry
 
     def _cause(self, signature: Signature) -> str:

@@ -122,7 +122,7 @@ def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             lowering = registry.get_lowering(node.target)
-            if lowering is not None and lowering.random:
+            if lowering is not None and lowering.draws_random(node.args, node.kwargs):
                 return True
     return False
 

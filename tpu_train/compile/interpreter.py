@@ -377,7 +377,9 @@ class _GraphRun:
         if lowering is None:
             raise MissingLoweringError(f"no lowering for {target} ({node.format_node()})")
         args, kwargs = registry.scalars_as_arrays(target, args, kwargs)
-        if lowering.random:
+        if lowering.random and not lowering.draws_random(args, kwargs):
+            kwargs = dict(kwargs, rng_key=None)
+        elif lowering.random:
             if self.rng_key is None:
                 raise ValueError(f"{target} is random but the graph was run without an rng_key")
             kwargs = dict(kwargs, rng_key=jax.random.fold_in(self.rng_key, self.random_counter))

@@ -30,6 +30,7 @@ or when its first argument and first output differ in shape or dtype.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable
 
@@ -77,6 +78,31 @@ class GroupBroken(Exception):
     def __init__(self, group: "Group", reason: str):
         super().__init__(reason)
         self.group, self.reason = group, reason
+
+
+# The dtype a step's trainable floating parameters have in its forward (a compiled step's
+# ``compute_dtype``); None: their own. A layer body is traced apart from the loss graph, on
+# fakes made from the module's tensors, so it must cast them as the loss graph's inputs are.
+_compute_dtype: contextvars.ContextVar = contextvars.ContextVar("compute_dtype", default=None)
+
+
+@contextlib.contextmanager
+def parameters_in(dtype: torch.dtype | None):
+    """Trace layer bodies with trainable floating parameters in ``dtype`` (None: as they are)."""
+    token = _compute_dtype.set(dtype)
+    try:
+        yield
+    finally:
+        _compute_dtype.reset(token)
+
+
+def _traced_meta(tensor: torch.Tensor):
+    compute = _compute_dtype.get()
+    meta = metas([tensor])[0]
+    if compute is not None and isinstance(tensor, torch.nn.Parameter) \
+            and tensor.requires_grad and tensor.dtype.is_floating_point:
+        return dataclasses.replace(meta, dtype=compute)
+    return meta
 
 
 def layer_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -206,7 +232,7 @@ def call_signature(layer, index, forward, spec, statics, tensors) -> tuple | Non
     forward_kind = (type(forward), getattr(forward, "func", None))
     return (type(layer), _state_signature(layer), _attributes_key(layer, index), forward_kind,
             str(spec), tuple(statics), tuple((tuple(t.shape), t.dtype) for t in tensors),
-            autocast, torch.is_grad_enabled())
+            autocast, torch.is_grad_enabled(), _compute_dtype.get())
 
 
 class Tracer:
@@ -321,7 +347,7 @@ def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -
     if given, returns the function traced in place of ``run(*states, *inputs)``."""
     layer = need.layer
     names = [name for name, _ in layer_state(layer)]
-    state_metas = metas([t for _, t in layer_state(layer)])
+    state_metas = [_traced_meta(t) for _, t in layer_state(layer)]
     leaves, spec, tensors, _ = split_arguments(need.args, need.kwargs)
     input_metas = metas(tensors)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -368,7 +394,7 @@ def pure_graph(gm: torch.fx.GraphModule) -> bool:
         if registry.is_mutating(node.target) or node.target is torch.ops.aten.copy_.default:
             return False
         lowering = registry.get_lowering(node.target)
-        if lowering is not None and lowering.random:
+        if lowering is not None and lowering.draws_random(node.args, node.kwargs):
             return False
     return True
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten_with_path
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import program as program_mod
@@ -27,9 +27,9 @@ from tpu_train.compile.functional_optim import OptimizerAdapter, adapter_for
 from tpu_train.compile.loss_graph import AUTODIFF_CHOICES
 from tpu_train.device import autocast, runtime
 
-__all__ = ["StepDefinition", "StepInputs", "autocast_region", "check_step_settings",
-           "collect_step_inputs", "host_scalars", "lower_collected", "lower_train_step",
-           "step_autocast_dtype"]
+__all__ = ["StepDefinition", "StepInputs", "autocast_region", "check_compute_dtype",
+           "check_step_settings", "collect_step_inputs", "batch_structure", "flatten_batch", "host_scalars",
+           "lower_collected", "lower_train_step", "step_autocast_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,13 @@ class StepDefinition:
     donate: bool = True
     scan_layers: bool | None = None
     autodiff: str = "jax"
+    compute_dtype: torch.dtype | None = None
+
+
+def check_compute_dtype(compute_dtype: torch.dtype | None) -> None:
+    if compute_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError("compute_dtype must be torch.bfloat16, torch.float16, torch.float32 "
+                         f"or None, got {compute_dtype}")
 
 
 def check_step_settings(max_grad_norm: float | None, grad_accum_steps: int,
@@ -102,6 +109,28 @@ def _batch_leaves(batch) -> tuple[list, list, Any]:
         leaves.append(leaf)
         names.append(batch_key_name(path))
     return leaves, names, torch_spec
+
+
+def flatten_batch(batch, known=None) -> tuple[list, list, Any]:
+    """``(leaves, names, spec)`` of a batch pytree. ``known``: :func:`batch_structure` of an
+    earlier batch, whose names and spec are reused when the structure is the same (naming
+    leaves from their paths costs more than the rest of a compiled step's host work)."""
+    if known is not None:
+        if type(batch) is dict:  # the common case, without building a tree spec
+            structure = ("dict", tuple(batch))
+            leaves = list(batch.values())
+        else:
+            leaves, structure = tree_flatten(batch)
+        if structure == known[0] and all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            return leaves, known[1], known[2]
+    leaves, names, spec = _batch_leaves(batch)
+    return leaves, names, spec
+
+
+def batch_structure(batch, names, spec) -> tuple:
+    """What :func:`flatten_batch` compares a later batch with: ``(structure, names, spec)``."""
+    structure = ("dict", tuple(batch)) if type(batch) is dict else spec
+    return structure, names, spec
 
 
 def collect_step_inputs(model, optimizer, adapter: OptimizerAdapter, batch,
@@ -208,7 +237,8 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      plan=None, max_grad_norm: float | None = None, grad_accum_steps: int = 1,
                      donate: bool = True, autocast_dtype: torch.dtype | None = None,
                      compile: bool = True, scan_layers: bool | None = None,
-                     autodiff: str = "jax", runtime_options: bool = True) -> program_mod.Program:
+                     autodiff: str = "jax", runtime_options: bool = True,
+                     compute_dtype: torch.dtype | None = None) -> program_mod.Program:
     """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
 
     Args are those of ``compile_train_step``; ``batch`` is a pytree of tensors whose shapes
@@ -225,9 +255,11 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     and ``seconds`` (trace / lower / compile).
     """
     check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
+    check_compute_dtype(compute_dtype)
     adapter = adapter_for(optimizer)
     step = StepDefinition(model, optimizer, loss_fn, adapter, max_grad_norm,
-                          int(grad_accum_steps), bool(donate), scan_layers, autodiff)
+                          int(grad_accum_steps), bool(donate), scan_layers, autodiff,
+                          compute_dtype)
     inputs = collect_step_inputs(model, optimizer, adapter, batch, _tensor_names(model))
     if not inputs.params:
         raise ValueError("the optimizer holds no parameter that requires grad")

@@ -40,6 +40,7 @@ from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
+from tpu_train.device import runtime
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -108,7 +109,7 @@ def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
             lowering = registry.get_lowering(node.target)
-            if lowering is not None and lowering.random:
+            if lowering is not None and lowering.draws_random(node.args, node.kwargs):
                 return True
     return False
 
@@ -146,6 +147,33 @@ def _key_dtype():
     return jax.random.key(0).dtype
 
 
+def compute_dtype_for(dtype: torch.dtype, compute: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter of ``dtype`` has in the forward and backward under the step's
+    ``compute_dtype``: floating parameters are cast to it, others keep their dtype."""
+    return compute if compute is not None and dtype.is_floating_point else dtype
+
+
+def _cast_for_compute(params: list, compute) -> list:
+    """JAX arrays cast to the compute dtype (a jnp dtype or None) where floating."""
+    if compute is None:
+        return list(params)
+    return [p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != compute
+            else p for p in params]
+
+
+def natural_layout(platform: str) -> bool:
+    """Do a single-device step's parameters and optimizer state enter and leave the program
+    in their natural shapes (True), or as their storages' flat buffers (False)?
+
+    As the device layer keeps whole-tensor buffers on ``platform``
+    (:func:`tpu_train.device.runtime.natural_buffers`): flat on the CPU client, where the
+    update traced on flat tensors reads and writes the donated buffers in place (traced on
+    2-D shapes, XLA:CPU copied every parameter and state buffer once per step); natural on a
+    TPU, where a flat <-> 2-D reshape is a copy and the weight gradients' dots can feed the
+    update directly. The storages keep what the step returns (:meth:`Storage.shaped`)."""
+    return runtime.natural_buffers(platform)
+
+
 # The program's arguments: params, states, consts, batch, scalars, layer indices[, key].
 _LAYER_INDEX_ARGUMENT = 5
 
@@ -156,16 +184,20 @@ def _layer_index_values(count: int, placement) -> tuple:
 
 
 def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, scalar,
-                     layer_indices: int) -> list:
+                     layer_indices: int, natural: bool = False) -> list:
     """The step's arguments as shapes, dtypes and the given shardings only: nothing is
-    allocated to lower and compile. Parameters and states go in as their flat storages."""
+    allocated to lower and compile. Parameters and states go in as their flat storages, or
+    in their natural shapes (:func:`natural_layout`)."""
 
     def described(tensors, shapes, shardings):
         return [jax.ShapeDtypeStruct(tuple(shape), storage_dtype(t.dtype), sharding=s)
                 for t, shape, s in zip(tensors, shapes, shardings)]
 
-    args = [described(st.params, [(p.numel(),) for p in st.params], params),
-            described(st.states, [(t.numel(),) for t in st.states], states),
+    def layout(t):
+        return tuple(t.shape) if natural else (t.numel(),)
+
+    args = [described(st.params, [layout(p) for p in st.params], params),
+            described(st.states, [layout(t) for t in st.states], states),
             described(st.consts, [tuple(c.shape) for c in st.consts], consts),
             described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves], batch),
             jax.ShapeDtypeStruct(tuple(scalars.shape), jnp.float32, sharding=scalar),
@@ -214,14 +246,17 @@ def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes,
     return _GradientTrace(gm, weighted, note, model_fallback)
 
 
-def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain, at_use):
-    """``(grads, loss, weight, new consts)`` of the loss graph, by ``jax.grad``."""
+def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain, at_use,
+                               compute=None):
+    """``(grads, loss, weight, new consts)`` of the loss graph, by ``jax.grad``; the
+    parameters are cast to ``compute`` (a jnp dtype) inside, so their gradients come back in
+    the parameters' own dtype."""
     n_params = len(params)
 
     def loss_and_rest(diff):
         (loss, weight), mutations = interpreter.run_graph(
-            loss_gm, list(diff) + consts + batch, rng_key=key, constrain=constrain,
-            at_use=at_use)
+            loss_gm, _cast_for_compute(diff, compute) + consts + batch, rng_key=key,
+            constrain=constrain, at_use=at_use)
         return loss, (loss.astype(jnp.float32), weight, mutations)
 
     grads, (loss, weight, mutations) = jax.grad(loss_and_rest, has_aux=True)(list(params))
@@ -248,7 +283,7 @@ class _TracedStep:
         return not self.autodiff_note
 
 
-def _trace_step(step, st, scalars, stages, autodiff: str, spmd: bool) -> _TracedStep:
+def _trace_step(step, st, scalars, stages, autodiff: str, natural: bool) -> _TracedStep:
     """Trace the gradient (or loss) graph and the update graph on fake tpu tensors."""
     fakes = tracing.FakeFactory()
     k = step.grad_accum_steps
@@ -257,26 +292,26 @@ def _trace_step(step, st, scalars, stages, autodiff: str, spmd: bool) -> _Traced
     first = st.params[0].device
     tpu_device = first if first.type == "tpu" else torch.device("tpu", 0)
 
-    def fake(t, shape=None):
-        return fakes.like(t.shape if shape is None else shape, t.dtype, tpu_device)
+    def fake(t, shape=None, dtype=None):
+        return fakes.like(t.shape if shape is None else shape, dtype or t.dtype, tpu_device)
 
-    param_fakes = [fake(p) for p in st.params]
+    compute = getattr(step, "compute_dtype", None)
+    param_fakes = [fake(p, dtype=compute_dtype_for(p.dtype, compute)) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    traced = stages.time("trace", _trace_gradients, step, st, fakes, param_fakes, const_fakes,
-                         batch_fakes, autodiff)
+    with layer_groups.parameters_in(compute):
+        traced = stages.time("trace", _trace_gradients, step, st, fakes, param_fakes,
+                             const_fakes, batch_fakes, autodiff)
     stages.autodiff_fallback = traced.model_fallback
     settings = [dict(step.adapter.static_settings(g)) for g in step.optimizer.param_groups]
 
     # The update is elementwise per tensor (plus the global norm, a full reduction), so it
-    # is traced on flat tensors: it then reads and writes exactly the flat storage buffers,
-    # and XLA updates the donated buffers in place. (Traced on 2-D shapes, with the flat
-    # buffers reshaped around it, XLA's CPU backend copied every parameter and optimizer
-    # state buffer once per step.)
-    # Under SPMD the update runs on natural shapes instead: a flat buffer cannot carry the
-    # plan's 2-D tilings, and the update should read the gradients in the plan's layout.
+    # is traced on the shapes the program's parameters and state have: flat on the CPU
+    # client (:func:`natural_layout`), natural elsewhere and under SPMD (a flat buffer
+    # cannot carry the plan's 2-D tilings, and the update should read the gradients in the
+    # plan's layout).
     def update_shape(t):
-        return tuple(t.shape) if spmd else (t.numel(),)
+        return tuple(t.shape) if natural else (t.numel(),)
 
     flat_param_fakes = [fake(p, update_shape(p)) for p in st.params]
     state_fakes = [fake(s, update_shape(s)) for s in st.states]
@@ -342,13 +377,16 @@ class _StepFunction:
     """The step as a JAX function of flat buffers: gradients (one batch, or a scan over
     micro-batches), then the optimizer update; the program's body (module docstring)."""
 
-    def __init__(self, step, st, traced: _TracedStep, layout: _SpmdLayout | None):
-        self.traced, self.layout = traced, layout
+    def __init__(self, step, st, traced: _TracedStep, layout: _SpmdLayout | None,
+                 natural: bool):
+        self.traced, self.layout, self.natural = traced, layout, natural
         self.k = step.grad_accum_steps
         self.skip = bool(getattr(step, "skip_non_finite", False))
         self.n_params, self.n_consts = len(st.params), len(st.consts)
         self.param_shapes = [tuple(p.shape) for p in st.params]
         self.state_shapes = [tuple(t.shape) for t in st.states]
+        compute = getattr(step, "compute_dtype", None)
+        self.compute = None if compute is None else storage_dtype(compute)
 
     def __call__(self, param_flat, state_flat, consts, batch, scalars_in, key):
         traced, layout, mutated = self.traced, self.layout, self.traced.mutated
@@ -368,6 +406,8 @@ class _StepFunction:
             states = [_pin(a.reshape(s), sh) for a, s, sh in
                       zip(state_flat, self.state_shapes, layout.shardings.states)]
             update_in = (params, list(grads), states)
+        elif self.natural:
+            update_in = (params, list(grads), list(state_flat))
         else:
             update_in = (list(param_flat), [g.reshape(-1) for g in grads], list(state_flat))
         changed = [new_consts[p] for p in mutated]
@@ -406,12 +446,14 @@ class _StepFunction:
         at_use = None if self.layout is None else self.layout.at_use
         if traced.jax_autodiff:
             return _differentiated_loss_graph(traced.grad_gm, params, consts, batch, key,
-                                              constrain=constrain, at_use=at_use)
-        outputs, mutations = interpreter.run_graph(traced.grad_gm, params + consts + batch,
-                                                   rng_key=key, constrain=constrain,
-                                                   at_use=at_use)
+                                              constrain=constrain, at_use=at_use,
+                                              compute=self.compute)
+        outputs, mutations = interpreter.run_graph(
+            traced.grad_gm, _cast_for_compute(params, self.compute) + consts + batch,
+            rng_key=key, constrain=constrain, at_use=at_use)
         new_consts = [mutations.get(self.n_params + i, consts[i]) for i in range(self.n_consts)]
-        return outputs[:-2], outputs[-2], outputs[-1], new_consts
+        grads = [g.astype(p.dtype) for g, p in zip(outputs[:-2], params)]
+        return grads, outputs[-2], outputs[-1], new_consts
 
     def normalise(self, grads, loss, total):
         # Plain losses: the mean over micro-batches. (loss_sum, count) losses: sums over the
@@ -464,7 +506,8 @@ def _jitted_with_arguments(program, step, st, traced: _TracedStep, layout: _Spmd
         if values is None:
             args = _abstract_inputs(st, scalars, random, [one] * len(st.params),
                                     [one] * len(st.states), [one] * len(st.consts),
-                                    [one] * len(st.batch_leaves), one, n_indices)
+                                    [one] * len(st.batch_leaves), one, n_indices,
+                                    natural=natural_layout(device.platform))
         else:
             args = [values["params"], values["states"], values["consts"], values["batch"],
                     jax.device_put(scalars, device), list(_layer_index_values(n_indices, device))]
@@ -499,10 +542,11 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     if (mesh is None) != (plan is None):
         raise ValueError("an SPMD step needs both mesh= and plan= (got only "
                          f"{'mesh' if plan is None else 'plan'})")
+    natural = mesh is not None or natural_layout(device.platform)
     traced = _trace_step(step, st, scalars, stages, autodiff or getattr(step, "autodiff", "jax"),
-                         spmd=mesh is not None)
+                         natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
-    step_function = _StepFunction(step, st, traced, layout)
+    step_function = _StepFunction(step, st, traced, layout, natural)
 
     def program(param_flat, state_flat, consts, batch, scalars_in, layer_index, key=None):
         with layer_scan.layer_indices(layer_index):

@@ -125,9 +125,52 @@ def compile_session():
         torch.compiler._is_compiling_flag = previous
 
 
+class FusedAttentionCalls(torch.overrides.TorchFunctionMode):
+    """Trace ``F.scaled_dot_product_attention`` on ``tpu`` tensors as one fused-attention op.
+
+    Eager ``tpu`` tensors reach PyTorch's fused op for custom devices
+    (``_scaled_dot_product_fused_attention_overrideable``) through the device's
+    ``_fused_sdp_choice``; the fake tensors of a trace report their device to Python only, so
+    PyTorch's C++ dispatch of SDPA sees a meta tensor and decomposes attention into its math
+    form (repeated K/V heads, a materialised mask, f32 scores kept for the backward). This mode
+    sends the call to the fused op instead, whose lowering handles grouped-query heads and the
+    causal mask itself and has a fused backward (``tpu_train.ops.attention``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            fused = _fused_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                     scale=None, enable_gqa=False):
+    """The fused op's output, or None where PyTorch's own path must decide (another device,
+    head counts that only ``enable_gqa`` allows, a mask together with ``is_causal``)."""
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "tpu" and t.dim() == 4
+               for t in (query, key, value)):
+        return None
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if value.shape[1] != kv_heads or heads % kv_heads or (heads != kv_heads and not enable_gqa):
+        return None
+    if attn_mask is not None and is_causal:
+        return None  # torch rejects the pair; let it say so
+    if torch.is_autocast_enabled("tpu"):
+        # Autocast lists SDPA among the ops that run in the low-precision dtype; the fused op
+        # called here directly has no autocast rule of its own.
+        low = torch.get_autocast_dtype("tpu")
+        query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+    return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
+
+
 def _trace(fn: Callable, fake_args: Sequence) -> torch.fx.GraphModule:
     functional = torch.func.functionalize(fn, remove="mutations")
-    with compile_session():
+    with compile_session(), FusedAttentionCalls():
         return make_fx(functional, decomposition_table=decomposition_table(),
                        tracing_mode="real")(*fake_args)
 

@@ -17,18 +17,21 @@ the data. The result then has a ``finite`` flag; reading it costs one host sync 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import torch
 
 from tpu_train.compile import cache as cache_mod
+from tpu_train.compile.call_plan import CallPlan, donatable, structure_generation
 from tpu_train.compile.functional_optim import adapter_for
-from tpu_train.compile.lowering import (StepInputs, check_step_settings, collect_step_inputs,
+from tpu_train.compile.lowering import (StepInputs, batch_structure, check_compute_dtype,
+                                        check_step_settings, collect_step_inputs, flatten_batch,
                                         host_scalars, lower_collected, step_autocast_dtype)
+from tpu_train.compile.program import natural_layout
 from tpu_train.device import rng, runtime
-from tpu_train.device.tensor import (TpuTensor, host_array, owns_whole_storage, storage_of, wrap,
-                                     write_elements)
+from tpu_train.device.tensor import TpuTensor, host_array, storage_of, wrap, write_elements
 from tpu_train.ops import matmul as matmul_mod
 
 __all__ = ["compile_train_step", "CompiledTrainStep"]
@@ -39,14 +42,27 @@ def _placement(array) -> Any:
     return sharding
 
 
+def _step_arrays(tensors, whole_flags, natural: bool) -> list:
+    """The program's parameter or state arguments: each tensor's storage buffer where the
+    tensor is its whole storage (donated), else a copy of its elements; flat, or in the
+    tensors' own shapes (:func:`tpu_train.compile.program.natural_layout`)."""
+    if natural:
+        return [storage_of(t).shaped(tuple(t.shape)) if w else t.jax_value()
+                for t, w in zip(tensors, whole_flags)]
+    return [storage_of(t).buffer if w else t.jax_value().reshape(-1)
+            for t, w in zip(tensors, whole_flags)]
+
+
 class CompiledTrainStep:
     """The callable returned by :func:`compile_train_step`."""
 
     def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
                  grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
                  name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False,
-                 scan_layers=None, autodiff="jax"):
+                 scan_layers=None, autodiff="jax", compute_dtype=None):
         check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
+        check_compute_dtype(compute_dtype)
+        self.compute_dtype = compute_dtype
         self.skip_non_finite = bool(skip_non_finite)
         self.model = model
         self.optimizer = optimizer
@@ -65,6 +81,8 @@ class CompiledTrainStep:
         self.cache = cache_mod.CompileCache(
             name or f"train step of {type(model).__name__}", warn_after=warn_after)
         self._names: dict[int, str] = {}
+        self._call_plan: CallPlan | None = None
+        self._batch_structure = None  # the latest batch's (lowering.batch_structure)
 
     # ------------------------------------------------------------------ reading user state
 
@@ -95,18 +113,8 @@ class CompiledTrainStep:
 
     # ------------------------------------------------------------------ signature
 
-    def _signature(self, st: StepInputs, values: dict,
-                   autocast_dtype: torch.dtype | None) -> cache_mod.Signature:
-        inputs = []
-
-        def add(kind_names, tensors, arrays):
-            for name, t, a in zip(kind_names, tensors, arrays):
-                inputs.append(cache_mod.InputSpec(name, tuple(t.shape), t.dtype, _placement(a)))
-
-        add([f'param "{n}"' for n in st.param_names], st.params, values["params"])
-        add(st.state_names, st.states, values["states"])
-        add([f'"{n}"' for n in st.const_names], st.consts, values["consts"])
-        add(st.batch_names, st.batch_leaves, values["batch"])
+    def _settings(self, st: StepInputs, whole: tuple,
+                  autocast_dtype: torch.dtype | None) -> tuple:
         settings = [("model.training", self.model.training),
                     ("max_grad_norm", self.max_grad_norm),
                     ("grad_accum_steps", self.grad_accum_steps),
@@ -115,45 +123,80 @@ class CompiledTrainStep:
                     ("autodiff", self.autodiff),
                     ("skip_non_finite", self.skip_non_finite),
                     ("optimizer param group sizes", tuple(st.group_sizes)),
-                    ("params that own their storage", values["whole"]),
+                    ("params that own their storage", whole),
                     ("autocast dtype", autocast_dtype),
+                    ("compute dtype", self.compute_dtype),
                     # The level every float32 dot is traced with: a changed
                     # torch.set_float32_matmul_precision must not reuse a program.
                     ("matmul precision", matmul_mod.get_matmul_precision())]
         for i, group in enumerate(self.optimizer.param_groups):
             for key, value in self.adapter.static_settings(group):
                 settings.append((f"optimizer.param_groups[{i}][{key!r}]", value))
-        return cache_mod.Signature(tuple(inputs), tuple(settings))
+        return tuple(settings)
+
+    @staticmethod
+    def _specs(names, tensors, arrays) -> tuple:
+        return tuple(cache_mod.InputSpec(name, tuple(t.shape), t.dtype, _placement(a))
+                     for name, t, a in zip(names, tensors, arrays))
+
+    @classmethod
+    def _tensor_specs(cls, st: StepInputs) -> tuple:
+        """The signature's fixed part: every parameter, state and constant as the program
+        sees it (its placement is its storage's)."""
+        def specs(names, tensors):
+            return tuple(cache_mod.InputSpec(name, tuple(t.shape), t.dtype,
+                                             storage_of(t).sharding)
+                         for name, t in zip(names, tensors))
+
+        return (specs([f'param "{n}"' for n in st.param_names], st.params)
+                + specs(st.state_names, st.states)
+                + specs([f'"{n}"' for n in st.const_names], st.consts))
 
     # ------------------------------------------------------------------ the call
 
+    def _plan(self, batch) -> tuple[CallPlan, StepInputs]:
+        """The call plan (collected again where the last one no longer holds) and this
+        call's inputs (the plan's tensors with this batch)."""
+        leaves, names, spec = flatten_batch(batch, self._batch_structure)
+        self._batch_structure = batch_structure(batch, names, spec)
+        plan = self._call_plan
+        if plan is None or not plan.holds(self, leaves):
+            generation = structure_generation()
+            st = self._collect(batch)
+            if not st.params:
+                raise ValueError("the optimizer holds no parameter that requires grad")
+            index = self._device_index(st)
+            plan = self._call_plan = CallPlan.collect(self, st, index, donatable(st),
+                                                      self._tensor_specs(st), generation)
+        inputs = dataclasses.replace(plan.inputs, batch_leaves=leaves, batch_names=names,
+                                     batch_spec=spec)
+        return plan, inputs
+
     def __call__(self, batch) -> dict[str, torch.Tensor]:
-        st = self._collect(batch)
-        if not st.params:
-            raise ValueError("the optimizer holds no parameter that requires grad")
-        index = self._device_index(st)
+        plan, st = self._plan(batch)
+        index, whole = plan.device_index, plan.whole
         device = runtime.jax_device(index)
-        whole = self._donatable(st)
         n_params = len(st.params)
-        param_arrays = [storage_of(t).buffer if w else t.jax_value().reshape(-1)
-                        for t, w in zip(st.params, whole[:n_params])]
-        state_arrays = [storage_of(t).buffer if w else t.jax_value().reshape(-1)
-                        for t, w in zip(st.states, whole[n_params:])]
+        natural = self.mesh is None and natural_layout(device.platform)
+        param_arrays = _step_arrays(st.params, whole[:n_params], natural)
+        state_arrays = _step_arrays(st.states, whole[n_params:], natural)
         const_arrays = [t.jax_value() for t in st.consts]
-        batch_arrays = [t.jax_value() if isinstance(t, TpuTensor)
-                        else jax.device_put(host_array(t), device) for t in st.batch_leaves]
-        values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
-                  "batch": batch_arrays, "whole": whole}
+        batch_arrays = []
         for name, t in zip(st.batch_names, st.batch_leaves):
             if t.dim() == 0 or t.shape[0] % self.grad_accum_steps:
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)}: with grad_accum_steps="
                     f"{self.grad_accum_steps} every batch tensor's first dim must be a multiple "
                     "of it (micro-batches are consecutive slices along dim 0)")
+            batch_arrays.append(t.jax_value() if isinstance(t, TpuTensor)
+                                else jax.device_put(host_array(t), device))
         autocast_dtype = step_autocast_dtype(self.autocast_dtype)
-        signature = self._signature(st, values, autocast_dtype)  # records the autocast state
+        signature = plan.signature(self._specs(st.batch_names, st.batch_leaves, batch_arrays),
+                                   self._settings(st, whole, autocast_dtype))
         groups = self.optimizer.param_groups
         scalars, steps = host_scalars(self.optimizer, self.adapter)
+        values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
+                  "batch": batch_arrays, "whole": whole}
 
         def build(stages):
             return lower_collected(self, st, scalars, stages, values=values, device=device,
@@ -161,8 +204,10 @@ class CompiledTrainStep:
                                    runtime_options=True)
 
         entry = self.cache.get_or_build(signature, build)
-        args = [param_arrays, state_arrays, const_arrays, batch_arrays,
-                jax.device_put(scalars, device), entry.layer_index_values(device)]
+        # The host scalars go in as a NumPy array: the executable's own transfer of it costs
+        # less host time than a jax.device_put before the call.
+        args = [param_arrays, state_arrays, const_arrays, batch_arrays, scalars,
+                entry.layer_index_values(device)]
         if entry.random:
             args.append(rng.next_key(index))
         new_params, new_states, new_consts, loss, grad_norm, lr, *flag = entry.executable(*args)
@@ -189,22 +234,6 @@ class CompiledTrainStep:
         return out
 
     @staticmethod
-    def _donatable(st: StepInputs) -> tuple:
-        """Per param / state tensor: may its storage buffer be passed (and donated) as is?
-
-        Only when the tensor is its whole storage and no other input reads that storage: a
-        buffer given twice (tied tensors, a module buffer that views a parameter) must not be
-        donated, so those tensors go in as copies and are written back through their geometry.
-        """
-        uses: dict[int, int] = {}
-        for t in st.params + st.states + st.consts + st.batch_leaves:
-            if isinstance(t, TpuTensor):
-                storage = storage_of(t)
-                uses[id(storage)] = uses.get(id(storage), 0) + 1
-        return tuple(owns_whole_storage(t) and uses[id(storage_of(t))] == 1
-                     for t in st.params + st.states)
-
-    @staticmethod
     def _write_back(tensors, whole_flags, new_values):
         for t, whole, value in zip(tensors, whole_flags, new_values):
             if whole:
@@ -229,7 +258,8 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        autocast_dtype: torch.dtype | None = None,
                        skip_non_finite: bool = False,
                        scan_layers: bool | None = None,
-                       autodiff: str = "jax") -> CompiledTrainStep:
+                       autodiff: str = "jax",
+                       compute_dtype: torch.dtype | None = None) -> CompiledTrainStep:
     """Compile ``loss_fn`` + backward + clipping + ``optimizer.step()`` into one program.
 
     Args:
@@ -273,6 +303,13 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             ``no_grad`` / hook / custom ``autograd.Function`` touching the gradient path, no
             buffer written by the forward, no scanned stack: ``tpu_train.compile.loss_graph``);
             otherwise, and with ``"torch"``, PyTorch's backward is traced.
+        compute_dtype: ``torch.bfloat16`` runs the forward and backward with the floating
+            parameters cast to bf16 (as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` and
+            TPU training stacks do): activations, the residual stream and every dot stay in
+            bf16 where the model does not upcast (statistics, softmax, the loss: a model's own
+            ``.float()`` calls); the parameters, their gradients and the optimizer update
+            keep the parameters' dtype (float32 master weights). Unlike ``autocast_dtype``,
+            nothing is left in float32 because an operand was float32.
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}`` (plus ``"finite"`` with
@@ -283,4 +320,5 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
                              donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
                              autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite,
-                             scan_layers=scan_layers, autodiff=autodiff)
+                             scan_layers=scan_layers, autodiff=autodiff,
+                             compute_dtype=compute_dtype)

@@ -93,6 +93,18 @@ def _choose(jax, requested: str | None) -> str:
     raise PlatformError("JAX reports no devices at all")
 
 
+def natural_buffers(platform_name: str) -> bool:
+    """Should whole-tensor buffers keep their tensors' shapes on this platform (True), or be
+    flat (False)?
+
+    Flat on the CPU client: its arrays are plain row-major memory, so a reshape costs
+    nothing, and the flat buffers the eager ops read are what they expect. Shaped elsewhere:
+    a TPU tiles a 2-D array in (8, 128) blocks and a 1-D one in 1-D blocks, so every
+    flat <-> 2-D reshape is a copy; a tensor read whole by a compiled program (a parameter,
+    its optimizer state, a batch) should already have its shape."""
+    return platform_name != "cpu"
+
+
 # Errors in the process's environment found while ``import tpu_train`` registers the device
 # (a misspelt TPU_TRAIN_EAGER_MODE): raised at first device use, like a bad platform, so that
 # the import succeeds and the command line can report them as one line.

@@ -1,5 +1,9 @@
 """Emulated strided memory: one flat JAX buffer per storage, shared by all its views.
 
+(A compiled step may leave a storage's buffer in its tensor's natural shape: on a TPU a flat
+buffer and a 2-D one are laid out differently in memory, and converting costs a copy per
+parameter per step. Whole-tensor reads take it as it is; anything else flattens it once.)
+
 JAX arrays are immutable, so a PyTorch storage is modelled as a mutable holder of a flat
 buffer. A tensor is (storage, size, stride, offset), exactly as on a real device:
 
@@ -62,10 +66,10 @@ class Storage:
         except (AttributeError, TypeError, KeyError):  # half-built, or interpreter shutdown
             pass
 
-    @property
-    def buffer(self) -> jax.Array:
-        """The flat buffer; waits for a host-to-device copy still in flight (:meth:`fill_later`)
-        and runs the fused-mode region that computes it (:mod:`tpu_train.device.lazy`)."""
+    def _resolved(self):
+        """The buffer in whatever shape it has (module docstring), after any host-to-device
+        copy in flight (:meth:`fill_later`) and the fused-mode region that computes it
+        (:mod:`tpu_train.device.lazy`)."""
         if self._pending is not None:
             self._buffer = self._pending.result()
             self._pending = None
@@ -73,6 +77,33 @@ class Storage:
         if type(buffer) is Pending:
             buffer = self._buffer = buffer.value()
         return buffer
+
+    @property
+    def buffer(self) -> jax.Array:
+        """The flat buffer; waits for a host-to-device copy still in flight (:meth:`fill_later`)
+        and runs the fused-mode region that computes it (:mod:`tpu_train.device.lazy`). A
+        buffer a compiled step left in its natural shape is flattened once here."""
+        buffer = self._buffer
+        if self._pending is not None or type(buffer) is Pending:
+            buffer = self._resolved()
+        if len(buffer.shape) != 1:
+            buffer = self._buffer = buffer.reshape(-1)
+        return buffer
+
+    def shaped(self, shape: tuple) -> jax.Array:
+        """The whole buffer as an array of ``shape`` (same elements, row-major): as it is when
+        it already has that shape, else reshaped (a copy on a TPU, whose tiled layouts make
+        flat and 2-D arrays different in memory), and the storage keeps the reshaped buffer,
+        so that the next whole read (a compiled step's every call) costs nothing."""
+        buffer = self._resolved()
+        if buffer.shape != shape:
+            buffer = self._buffer = buffer.reshape(shape)
+        return buffer
+
+    @property
+    def sharding(self):
+        """Where the buffer lives (a ``jax.sharding.Sharding``), whatever its shape."""
+        return self._resolved().sharding
 
     @property
     def lazy_buffer(self):
@@ -84,10 +115,14 @@ class Storage:
         buffer = self._buffer
         if type(buffer) is Pending and buffer.array is not None:
             buffer = self._buffer = buffer.array
+        if type(buffer) is not Pending and buffer.ndim != 1:
+            buffer = self._buffer = buffer.reshape(-1)
         return buffer
 
     @buffer.setter
     def buffer(self, value: jax.Array) -> None:
+        """Replace the whole buffer: flat, or any shape with the storage's element count (a
+        compiled step on a TPU returns parameters in their natural shapes)."""
         self._pending = None  # a full overwrite: an unfinished copy's result is not wanted
         self._buffer = value
 
@@ -113,13 +148,16 @@ class Storage:
         if kept:
             buffer = buffer.at[:kept].set(self.buffer[:kept])
         self.buffer = buffer
+        global _resizes
+        _resizes += 1
         delta = (numel - old) * _element_size(self.dtype)
         self._held += delta
         _adjust(self.device_index, delta)
 
     @property
     def numel(self) -> int:
-        return int(self._buffer.shape[0])  # a pending copy has the same size: no need to wait
+        # A pending copy has the same size: no need to wait.
+        return math.prod(self._buffer.shape)
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +165,13 @@ class Storage:
 
 
 _ELEMENT_SIZES: dict = {}
+_resizes = 0
+
+
+def resize_count() -> int:
+    """How many times any storage changed its size (:meth:`Storage.resize`): what a caller
+    that keeps facts about storages (a compiled step's donation decisions) checks."""
+    return _resizes
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -291,10 +336,9 @@ def _writer(size: tuple, stride: tuple, offset: int):
 
 def read(storage: Storage, size: tuple, stride: tuple, offset: int) -> jax.Array:
     """The value of the view ``(size, stride, offset)`` of ``storage`` as a dense array."""
-    buffer = storage.buffer
-    if _is_whole(size, stride, offset, buffer.shape[0]):
-        return buffer.reshape(size)
-    return _reader(tuple(size), tuple(stride), int(offset))(buffer)
+    if _is_whole(size, stride, offset, storage.numel):
+        return storage.shaped(tuple(size))
+    return _reader(tuple(size), tuple(stride), int(offset))(storage.buffer)
 
 
 def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.Array) -> None:
@@ -315,12 +359,16 @@ def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.
 
 def write_host(storage: Storage, size: tuple, stride: tuple, offset: int, host: np.ndarray) -> bool:
     """Replace the whole storage with a host array of exactly the view's shape, already in the
-    storage dtype: one transfer of its flat copy, no device op. False (nothing written) when
-    the view is not the whole storage in order: the caller then takes :func:`write`."""
+    storage dtype: one transfer, no device op, flat or in the view's shape as the platform
+    keeps whole buffers (:func:`tpu_train.device.runtime.natural_buffers`). False (nothing
+    written) when the view is not the whole storage in order: the caller then takes
+    :func:`write`."""
     if not _is_whole(size, stride, offset, storage.numel) or host.shape != tuple(size) \
             or host.dtype != storage_dtype(storage.dtype):
         return False
-    storage.buffer = jax.device_put(host.reshape(-1), runtime.jax_device(storage.device_index))
+    device = runtime.jax_device(storage.device_index)
+    storage.buffer = jax.device_put(host if runtime.natural_buffers(device.platform)
+                                    else host.reshape(-1), device)
     return True
 
 

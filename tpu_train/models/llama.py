@@ -55,15 +55,6 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
-        # [B, kv, T, D] -> [B, kv * rep, T, D], query head h reading kv head h // rep. An explicit
-        # expand keeps SDPA on its plain path (enable_gqa is not lowered everywhere).
-        rep = self.n_heads // self.n_kv_heads
-        if rep == 1:
-            return x
-        b, kv, t, d = x.shape
-        return x[:, :, None].expand(b, kv, rep, t, d).reshape(b, kv * rep, t, d)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -74,18 +65,20 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, start_pos, k, v)
-        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        # Query head h reads kv head h // (n_heads / n_kv_heads); the key/value heads are not
+        # repeated in memory.
+        gqa = self.n_heads != self.n_kv_heads
         total = k.shape[2]
         if total == seq:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif seq == 1:
             # A single new query may see every cached position.
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:
             # A block of queries after a cached prefix: is_causal would align the triangle to
             # the top-left corner, so build the bottom-right aligned mask explicitly.
             mask = torch.ones(seq, total, dtype=torch.bool, device=q.device).tril(total - seq)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
 

@@ -5,6 +5,9 @@
 attention as one unit in the traced graph (fewer nodes than the math decomposition, and the
 natural place for a flash-attention kernel later).
 
+On a TPU, long sequences take JAX's Pallas splash-attention kernel instead
+(:mod:`tpu_train.ops.attention_tpu`), chosen when the program is lowered for that platform.
+
 Layout is ``[B, H, S, D]``. Grouped-query attention (fewer key/value heads than query heads) is
 computed by viewing the query as ``[B, H_kv, G, S, D]`` and batching the dots over ``(B, H_kv)``,
 so the repeated key/value heads are never materialised. Scores, softmax and logsumexp are f32;
@@ -14,12 +17,15 @@ probabilities are rounded to that dtype before the ``P @ V`` product, as PyTorch
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy
 from jax import lax
 
+from tpu_train.ops import attention_tpu
 from tpu_train.ops.matmul import dot_general
 from tpu_train.ops.registry import aten, lowers
 
@@ -74,27 +80,89 @@ def _probabilities_dtype(value):
     return value.dtype if value.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
-@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
-def scaled_dot_product_fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
-                                       return_debug_mask=False, *, scale=None, rng_key):
-    b, h, sq, _ = query.shape
-    sk = key.shape[2]
-    scores = _masked_scores(query, key, attn_bias, is_causal, scale)
+def _softmax_with_logsumexp(scores):
+    """Probabilities and logsumexp of f32 scores; a fully masked row (all -inf) gives zero
+    probabilities and a -inf logsumexp, like torch's safe softmax."""
     # The shift is a constant to autodiff: neither output depends on it.
     row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    # Fully masked rows (all -inf) give zero output and -inf logsumexp, like torch's safe softmax.
-    shifted = jnp.exp(scores - jnp.where(jnp.isneginf(row_max), 0.0, row_max))
+    safe_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
+    shifted = jnp.exp(scores - safe_max)
     total = jnp.sum(shifted, axis=-1, keepdims=True)
     probs = jnp.where(total == 0, 0.0, shifted / jnp.where(total == 0, 1.0, total))
-    logsumexp = (jnp.where(jnp.isneginf(row_max), 0.0, row_max) + jnp.log(total))[..., 0]
-    seed = jnp.zeros((), jnp.int32)
-    if _has_dropout(dropout_p):
-        seed = jax.random.randint(rng_key, (), 0, jnp.iinfo(jnp.int32).max, jnp.int32)
-        probs = jnp.where(_dropout_keep(seed, dropout_p, probs.shape), probs / (1.0 - dropout_p), 0.0)
+    return probs, (safe_max + jnp.log(total))[..., 0]
+
+
+def _attention_forward(query, key, value, attn_bias, is_causal, scale):
+    """``(out [B, H, Sq, Dv], logsumexp [B, H, Sq])`` without dropout."""
+    b, h, sq, _ = query.shape
+    probs, logsumexp = _softmax_with_logsumexp(_masked_scores(query, key, attn_bias, is_causal, scale))
     out = _dot(probs.astype(_probabilities_dtype(value)), value, ((4,), (2,)))
-    out = out.reshape(b, h, sq, value.shape[-1])
+    # Rounded to the inputs' dtype, as PyTorch's result is (the dot accumulates in f32).
+    out = out.astype(jnp.result_type(query, value))
+    return out.reshape(b, h, sq, value.shape[-1]), logsumexp.reshape(b, h, sq)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def attention(query, key, value, attn_bias, is_causal, scale):
+    """Attention as one differentiable unit: ``(out, logsumexp)``.
+
+    Differentiated by JAX (a compiled step's loss graph), its backward is the fused one below
+    (probabilities recomputed from the saved logsumexp, the softmax gradient from
+    ``rowsum(dO * O)``), not JAX's derivative of each forward op, which keeps f32 ``[B, H, S, S]``
+    intermediates alive from the forward and adds a separate softmax-backward pass."""
+    return _attention_forward(query, key, value, attn_bias, is_causal, scale)
+
+
+def _attention_vjp_forward(query, key, value, attn_bias, is_causal, scale):
+    out, logsumexp = _attention_forward(query, key, value, attn_bias, is_causal, scale)
+    return (out, logsumexp), (query, key, value, attn_bias, out, logsumexp)
+
+
+def _attention_vjp_backward(is_causal, scale, residuals, cotangents):
+    query, key, value, attn_bias, out, logsumexp = residuals
+    grad_out = cotangents[0].astype(out.dtype)  # the logsumexp output is not differentiated
+    grads = _attention_backward(grad_out, query, key, value, attn_bias, (True, True, True, True),
+                                out, logsumexp, 0.0, is_causal, None, scale)
+    grad_bias = None
+    if attn_bias is not None:
+        grad_bias = (numpy.zeros(attn_bias.shape, jax.dtypes.float0)
+                     if attn_bias.dtype == jnp.bool_ else grads[3].astype(attn_bias.dtype))
+    # Gradients in the inputs' dtypes (the dots accumulate in f32): a bf16 step stays bf16.
+    return (grads[0].astype(query.dtype), grads[1].astype(key.dtype),
+            grads[2].astype(value.dtype), grad_bias)
+
+
+attention.defvjp(_attention_vjp_forward, _attention_vjp_backward)
+
+
+def _dropout_argument(args, kwargs):
+    return args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True,
+        random_if=lambda args, kwargs: _has_dropout(_dropout_argument(args, kwargs)))
+def scaled_dot_product_fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
+                                       return_debug_mask=False, *, scale=None, rng_key=None):
+    sq, sk = query.shape[2], key.shape[2]
+    seed = jnp.zeros((), jnp.int32)
     offset = jnp.zeros((), jnp.int32)
-    return out, logsumexp.reshape(b, h, sq), None, None, sq, sk, seed, offset, None
+    if not _has_dropout(dropout_p):
+        out, logsumexp = attention(query, key, value, attn_bias, bool(is_causal), scale)
+        if attention_tpu.supported(query, key, value, attn_bias, is_causal):
+            # Lowered for a TPU, the splash kernel computes the output (the XLA form's
+            # logsumexp is then computed only where PyTorch's traced backward reads it).
+            out = lax.platform_dependent(
+                query, key, value,
+                tpu=lambda q, k, v: attention_tpu.attention(q, k, v, bool(is_causal), scale),
+                default=lambda q, k, v: attention(q, k, v, None, bool(is_causal), scale)[0])
+        return out, logsumexp, None, None, sq, sk, seed, offset, None
+    b, h = query.shape[:2]
+    probs, logsumexp = _softmax_with_logsumexp(_masked_scores(query, key, attn_bias, is_causal, scale))
+    seed = jax.random.randint(rng_key, (), 0, jnp.iinfo(jnp.int32).max, jnp.int32)
+    probs = jnp.where(_dropout_keep(seed, dropout_p, probs.shape), probs / (1.0 - dropout_p), 0.0)
+    out = _dot(probs.astype(_probabilities_dtype(value)), value, ((4,), (2,)))
+    return (out.reshape(b, h, sq, value.shape[-1]), logsumexp.reshape(b, h, sq), None, None, sq, sk,
+            seed, offset, None)
 
 
 def _reduce_to_shape(grad, shape):
@@ -109,6 +177,12 @@ def _reduce_to_shape(grad, shape):
 def scaled_dot_product_fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out,
                                                 logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                                                 is_causal, philox_seed, philox_offset, *, scale=None):
+    return _attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
+                               dropout_p, is_causal, philox_seed, scale)
+
+
+def _attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
+                        dropout_p, is_causal, philox_seed, scale):
     b, h, sq, d = query.shape
     kv_heads, sk = key.shape[1], key.shape[2]
     scale_value = _scale_value(query, scale)

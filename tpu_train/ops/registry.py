@@ -51,6 +51,13 @@ class Lowering:
     fn: Callable
     random: bool = False
     static_floats: bool = False
+    # For an op that draws random numbers only with some arguments (attention's dropout):
+    # ``random_if(args, kwargs)`` says whether this call does; None: every call does.
+    random_if: Callable | None = None
+
+    def draws_random(self, args, kwargs) -> bool:
+        """Does this call need a PRNG key? (A compiled program whose ops need none takes none.)"""
+        return self.random and (self.random_if is None or bool(self.random_if(args, kwargs)))
 
 
 _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
@@ -73,12 +80,13 @@ def _overloads(op: OpLike) -> Iterable[torch._ops.OpOverload]:
 
 
 def lowers(*ops: OpLike, random: bool = False, static_floats: bool = False,
-           override: bool = False):
+           override: bool = False, random_if: Callable | None = None):
     """Register the decorated function as the lowering of ``ops``.
 
     Passing a packet (``aten.add``) registers every overload of it; pass overloads
     (``aten.add.Tensor``) to be specific. Registering an overload twice is an error unless
-    ``override=True``: two files silently fighting over one op is a bug.
+    ``override=True``: two files silently fighting over one op is a bug. ``random_if``: see
+    :attr:`Lowering.random_if`.
     """
 
     def register(fn: Callable) -> Callable:
@@ -92,7 +100,7 @@ def lowers(*ops: OpLike, random: bool = False, static_floats: bool = False,
                     raise ValueError(
                         f"{overload} already lowered by {_TABLE[overload].fn.__module__}."
                         f"{_TABLE[overload].fn.__name__}; pass override=True to replace it")
-                _TABLE[overload] = Lowering(overload, fn, random, static_floats)
+                _TABLE[overload] = Lowering(overload, fn, random, static_floats, random_if)
         for listener in _LISTENERS:
             listener()
         return fn

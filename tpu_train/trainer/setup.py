@@ -192,11 +192,13 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
         return TrainStep(parallel, eager if job.mode is StepMode.eager else _fused(eager))
     from tpu_train.compile import compile_train_step
 
-    autocast = torch.bfloat16 if job.precision is Precision.bf16 else None
+    # bf16: the forward and backward run on bf16 copies of the float32 parameters, so the
+    # activations and the residual stream stay bf16 (compile_train_step's compute_dtype).
+    compute = torch.bfloat16 if job.precision is Precision.bf16 else None
     compiled = compile_train_step(
         model, optimizer, loss_fn, scheduler=scheduler, max_grad_norm=trainer.max_grad_norm,
         grad_accum_steps=trainer.grad_accum_steps, mesh=parallel.mesh, plan=parallel.plan,
-        autocast_dtype=autocast, skip_non_finite=True, scan_layers=trainer.scan_layers)
+        compute_dtype=compute, skip_non_finite=True, scan_layers=trainer.scan_layers)
     if parallel.layout == "spmd":
         return TrainStep(parallel, compiled, compiled)
 

@@ -55,10 +55,15 @@ def _device_line(job, parallel: Parallelism) -> str:
 
 
 def _precision_line(job) -> str:
-    from .config import ParamDtype, Precision
+    from .config import ParamDtype, Precision, StepMode
 
-    compute = ("bf16 autocast (matmuls in bf16, reductions in fp32)"
-               if job.precision is Precision.bf16 else "fp32")
+    if job.precision is not Precision.bf16:
+        compute = "fp32"
+    elif job.mode is StepMode.compiled:
+        compute = "bf16 compute (bf16 copies of the parameters: activations in bf16, " \
+                  "norm statistics, softmax and loss in fp32)"
+    else:
+        compute = "bf16 autocast (matmuls in bf16, reductions in fp32)"
     weights = ParamDtype(job.cfg.trainer.param_dtype).value
     return f"{compute}; weights and optimizer state stored in {weights}"
 

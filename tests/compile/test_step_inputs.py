@@ -1,0 +1,108 @@
+"""What a compiled step reads on each call: cached inputs that follow the user's objects, the
+natural-shape layout a TPU uses, and bf16 compute."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tests.compile.helpers import (DEVICE, lm_batches, lm_loss, mlp, mlp_batches, mlp_loss,
+                                   tiny_llama, to_device)
+from tests.compile.test_autocast import _dot_dtypes
+from tests.tolerances import loss_rtol
+from tpu_train.compile import compile_train_step
+from tpu_train.device import runtime
+from tpu_train.device.tensor import storage_of
+
+
+def _losses(step, batches):
+    return [float(step(b)["loss"]) for b in batches]
+
+
+def test_a_replaced_buffer_and_a_loaded_optimizer_state_are_read():
+    """The step keeps what it collected between calls; what the user replaces is seen."""
+    model = mlp().to(DEVICE)
+    model.register_buffer("shift", torch.zeros(4, device=DEVICE))
+
+    def loss_fn(m, batch):
+        return mlp_loss(m, batch) + m.shift.sum()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = compile_train_step(model, opt, loss_fn)
+    batch = to_device(mlp_batches(1)[0])
+    first = float(step(batch)["loss"])
+    saved = copy.deepcopy(opt.state_dict())
+    second = float(step(batch)["loss"])
+    model.shift = torch.full((4,), 1.0, device=DEVICE)  # a new buffer object
+    assert float(step(batch)["loss"]) > second + 3.5  # the new buffer's sum (4.0) is added
+    model.shift = torch.zeros(4, device=DEVICE)
+    opt.load_state_dict(saved)  # new state tensors, the step count back to 1
+    assert opt.state[next(iter(model.parameters()))]["step"].item() == 1
+    step(batch)
+    assert opt.state[next(iter(model.parameters()))]["step"].item() == 2
+    assert np.isfinite(first)
+
+
+def test_freezing_a_parameter_recompiles_without_it():
+    model = mlp().to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = compile_train_step(model, opt, mlp_loss)
+    batch = to_device(mlp_batches(1)[0])
+    step(batch)
+    frozen = next(iter(model.parameters()))
+    before = frozen.detach().cpu().clone()
+    frozen.requires_grad_(False)
+    step(batch)
+    assert len(step.compilations) == 2
+    assert torch.equal(frozen.detach().cpu(), before)
+
+
+def test_natural_layout_trains_like_the_flat_one(monkeypatch):
+    """The layout a TPU uses (parameters and optimizer state in their own shapes, not flat),
+    forced on the CPU client: same losses, and the tensors stay usable eagerly."""
+    batches = [to_device(b) for b in lm_batches(3)]
+    reference = tiny_llama().to(DEVICE)
+    model = copy.deepcopy(reference)
+    flat = _losses(compile_train_step(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3),
+                                      lm_loss), batches)
+    monkeypatch.setattr(runtime, "natural_buffers", lambda platform: True)
+    step = compile_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lm_loss)
+    natural = _losses(step, batches)
+    np.testing.assert_allclose(natural, flat, rtol=1e-5)
+    weight = model.layers[0].attention.wq.weight
+    assert storage_of(weight).shaped(tuple(weight.shape)).shape == tuple(weight.shape)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    # An eager op reads a parameter the step left in its natural shape (flattened once).
+    assert torch.allclose((weight * 2).sum().cpu(), 2 * weight.detach().cpu().sum(), rtol=1e-5)
+
+
+def test_bf16_compute_runs_every_product_in_bf16_and_tracks_float32():
+    batches = [to_device(b) for b in lm_batches(2)]
+    fp32_model = tiny_llama().to(DEVICE)
+    bf16_model = copy.deepcopy(fp32_model)
+    fp32 = compile_train_step(fp32_model, torch.optim.AdamW(fp32_model.parameters(), lr=3e-3),
+                              lm_loss)
+    bf16 = compile_train_step(bf16_model, torch.optim.AdamW(bf16_model.parameters(), lr=3e-3),
+                              lm_loss, compute_dtype=torch.bfloat16)
+    steps = 12
+    a = np.array([float(fp32(batches[i % 2])["loss"]) for i in range(steps)])
+    b = np.array([float(bf16(batches[i % 2])["loss"]) for i in range(steps)])
+    assert a[-1] < 0.8 * a[0], a
+    # bf16 activations (not only products) rounded once per op: a few roundings per layer.
+    assert (np.abs(b - a) / a).max() < loss_rtol(torch.bfloat16, 1, 1, depth=6), (a, b)
+    assert _dot_dtypes(bf16) == {"bf16"}
+    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
+    assert all(s.dtype == torch.float32 for st in bf16.optimizer.state.values()
+               for s in st.values() if s.is_floating_point())
+
+
+def test_bad_compute_dtype_is_one_clear_error():
+    model = mlp().to(DEVICE)
+    with pytest.raises(ValueError, match="compute_dtype must be"):
+        compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
+                           compute_dtype=torch.int8)
