@@ -3,6 +3,7 @@ on the CPU does: same losses and gradient norms step by step, float32 and bf16."
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -42,11 +43,11 @@ F32_TOL = [loss_rtol(torch.float32, n, TINY.vocab_size, depth=2) for n in range(
 BF16_TOL = loss_rtol(torch.bfloat16, 1, 1, depth=4 * TINY.n_layers + 1)
 
 
-def _batches():
+def _batches(size=TINY):
     rng = np.random.default_rng(3)
     pool = []
     for _ in range(2):  # two fixed batches, alternated: the loss falls visibly in 4 steps
-        t = rng.integers(0, TINY.vocab_size, size=(TINY.batch, TINY.seq + 1))
+        t = rng.integers(0, size.vocab_size, size=(size.batch, size.seq + 1))
         pool.append({"tokens": t[:, :-1], "labels": t[:, 1:]})
     return [pool[i % 2] for i in range(STEPS)]
 
@@ -146,3 +147,23 @@ def test_1b_size_has_over_0_8b_parameters():
 
     assert num_params(jax_llama.SIZES["1b"].config()) >= 0.8e9
     assert jax_llama.SIZES["1b"].seq == 2048
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trainer_compiled_step_matches_reference(precision):
+    """What ``bench_train_step.py --size`` compares: the step ``tpu-train`` builds for
+    ``trainer.precision`` against the reference with the optimizer settings of that config."""
+    import jax
+
+    modes = _load_script("train_step_modes")
+    cfg = modes.trainer_config(precision)
+    assert cfg.trainer.precision.value == precision and cfg.trainer.max_grad_norm == 1.0
+    # The trainer spreads the batch over every device (8 virtual CPU devices here): 8 rows.
+    size = dataclasses.replace(TINY, batch=jax.device_count())
+    compiled = modes.TrainerMode(_model(), cfg)
+    reference = modes.ReferenceMode(_model(), size, modes.hyper_from(cfg), precision)
+    for i, batch in enumerate(_batches(size)):
+        got, want = float(compiled.step(batch)), float(reference.step(batch))
+        tol = F32_TOL[i] if precision == "fp32" else BF16_TOL
+        assert math.isclose(got, want, rel_tol=tol), (i, got, want)
+    assert compiled.stages["compilations"] == 1
