@@ -12,6 +12,10 @@ buffer per rank, all_gather and reduce_scatter (n-1)/n of the full buffer. Print
 with the median and min over the repetitions (rank 0's clock; a barrier precedes each timing)
 and the 1-minute load average before and after each world; ``--table`` also prints a Markdown
 table (min / median ms, ratio of the medians tpu/gloo).
+
+Unlike the other benchmarks it always runs on the PJRT CPU client (``TPU_TRAIN_PLATFORM=cpu``
+for its processes): it starts several processes on one host, and on an accelerator each would
+need chips of its own; gloo, its yardstick, is a CPU transport anyway.
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ start = time.perf_counter()
 program = lower_train_step(model, optimizer, loss_fn, batch, scan_layers=scan)
 seconds = dict(program.seconds)
 seconds["wall"] = time.perf_counter() - start
+from tpu_train.device import runtime
+seconds["platform"], seconds["device_kind"] = runtime.platform(), runtime.device_kind(0)
 print(json.dumps(seconds))
 '''
 
@@ -74,7 +76,9 @@ def main() -> int:
             for mode in ("scanned", "unrolled"):
                 seconds = _measure(layers, args.dim, mode == "scanned")
                 runs[mode].setdefault(layers, []).append(seconds)
+    first = runs["scanned"][args.layers[0]][0]
     report: dict = {"benchmark": "compile_depth", "dim": args.dim, "rounds": args.rounds,
+                    "platform": first["platform"], "device_kind": first["device_kind"],
                     "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
                     "load_before": [round(x, 2) for x in load_before],
                     "load_after": [round(x, 2) for x in os.getloadavg()]}

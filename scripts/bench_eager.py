@@ -27,7 +27,8 @@ Two measurements (three with ``--floor``), each interleaved A/B in one process (
   pays per op on this machine, next to ``x + y`` on tpu tensors, all in one rotation.
 
 One JSON line on stdout carries every figure plus the torch / jax versions, the device and the
-machine's load average before and after the run.
+machine's load average before and after the run. It runs on the best platform present (a TPU,
+else a GPU, else the CPU; ``TPU_TRAIN_PLATFORM`` chooses) and says which (``jax_platform``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -107,14 +106,20 @@ def _jax_op(name: str):
     raise ValueError(name)
 
 
+def _jax_device():
+    from tpu_train.device import runtime
+
+    return runtime.jax_device(0)
+
+
 class OpCase:
     def __init__(self, op: str, size: str, k: int, device: torch.device):
         self.op, self.size, self.k = op, size, k
         n = SIZES[size]
         x, y = _operands(n, seed=hash((op, size)) % 2**31)
         self.tx, self.ty = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-        self.jx = jax.device_put(x, jax.devices()[0])
-        self.jy = jax.device_put(y, jax.devices()[0])
+        self.jx = jax.device_put(x, _jax_device())  # the device the tpu tensors sit on
+        self.jy = jax.device_put(y, _jax_device())
         self.torch_fn, self.jax_fn = _torch_op(op), _jax_op(op)
 
     @property
@@ -295,8 +300,7 @@ def _floor_cases(device: torch.device) -> dict:
     """
     n = SIZES["small"]
     x, y = _operands(n, seed=7)
-    jax_device = jax.devices()[0]
-    jx, jy = jax.device_put(x, jax_device), jax.device_put(y, jax_device)
+    jx, jy = jax.device_put(x, _jax_device()), jax.device_put(y, _jax_device())
     add = jax.jit(lambda a, b: a + b)
     made = {}
 
@@ -415,7 +419,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.cpu_threads)
 
     device = torch.device("tpu", 0)
-    jax_device = jax.devices()[0]
+    jax_device = _jax_device()  # the best platform present, or TPU_TRAIN_PLATFORM's
     load_before = os.getloadavg()
     result = {
         "benchmark": "bench_eager",

@@ -17,7 +17,8 @@ the same number of steps are printed as a sanity check, with the number of aten 
 dispatches and the machine's load average before and after. ``--fused-max-ops`` adds one more
 fused side per region bound (``TPU_TRAIN_FUSED_MAX_OPS`` during its steps), in the same rotation.
 
-One JSON line on stdout.
+One JSON line on stdout, with the platform it ran on (``jax_platform``: the best one present,
+or ``TPU_TRAIN_PLATFORM``'s).
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
-
 import jax  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -40,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tpu_train  # noqa: E402,F401  (registers the tpu device)
-from tpu_train.device import storage_of  # noqa: E402
+from tpu_train.device import runtime, storage_of  # noqa: E402
 
 CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -130,7 +129,8 @@ def main(argv=None) -> dict:
         "model": "transformers.LlamaForCausalLM", "config": CONFIG, "batch": BATCH, "seq": SEQ,
         "optimizer": "AdamW", "quick": bool(args.quick), "repeats": repeats,
         "torch": torch.__version__, "jax": jax.__version__, "transformers": transformers.__version__,
-        "jax_platform": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
+        "jax_platform": runtime.platform(), "jax_device": runtime.device_kind(0),
+        "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],

@@ -26,6 +26,22 @@ first and last step; and the compiled/jax ratios. Usage::
 
     python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager,fused,compiled,jax] [--steps N]
     python scripts/bench_train_step.py --isolated R [--only ...] [--steps N]
+    python scripts/bench_train_step.py --size w1|350m|1b [--precision fp32|bf16] [--only compiled,jax]
+
+``--size`` compares, interleaved as above, two modes of a model size of
+``scripts/jax_llama.py`` (``w1``, ``350m``, ``1b``) at ``--precision`` (default bf16):
+``compiled``, the step exactly as ``tpu-train trainer.mode=compiled trainer.precision=...``
+builds it (``scripts/train_step_modes.py``: AdamW on the trainer's parameter groups, clipping
+to 1.0, a constant lr), and ``jax``, the hand-written JAX reference at the same precision with
+the same optimizer settings. Per mode: fastest / median step, tokens/s, MFU
+((6 N_matmul + 12 layers seq dim) x tokens / step / the chip's peak bf16 FLOP/s; null where
+the chip's peak is unknown, e.g. on a CPU), trace / compile seconds, first / last loss; the
+device's memory (``memory_stats``: in use after each mode's set-up, and the process's peak);
+and the compiled/jax ratios. At ``1b`` the two modes' float32 weights and AdamW state do not
+fit one 16 GB chip together: run ``--only compiled`` and ``--only jax`` separately.
+
+Every script runs on the best platform present (a TPU, else a GPU, else the CPU; set
+``TPU_TRAIN_PLATFORM`` to choose) and reports the platform, the chip and its peak.
 
 ``--isolated R`` measures what one process cannot separate: each mode runs alone in a fresh
 subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled
@@ -49,6 +65,9 @@ import time
 
 import numpy as np
 
+# The sibling modules (jax_llama, train_step_modes), also under ``python -m scripts....``.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 BATCH, SEQ = 4, 256
 LR, WEIGHT_DECAY, BETAS, EPS = 1e-4, 0.1, (0.9, 0.999), 1e-8
 MODES = ("eager", "fused", "compiled", "compiled_torch_autodiff", "jax")
@@ -62,11 +81,12 @@ def w1_config():
                        ffn_hidden_dim=1408, max_seq_len=SEQ)
 
 
-def make_batches(steps: int, vocab: int, seed: int = 0) -> list[dict]:
+def make_batches(steps: int, vocab: int, seed: int = 0, batch: int = BATCH,
+                 seq: int = SEQ) -> list[dict]:
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(steps):
-        t = rng.integers(0, vocab, size=(BATCH, SEQ + 1), dtype=np.int64)
+        t = rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int64)
         batches.append({"tokens": t[:, :-1].copy(), "labels": t[:, 1:].copy()})
     return batches
 
@@ -288,7 +308,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--isolated", type=int, metavar="R", default=0,
                         help="R rounds of one subprocess per mode: peak RSS and compile time")
+    parser.add_argument("--size", choices=("w1", "350m", "1b"),
+                        help="compare the trainer's compiled step with the JAX reference on "
+                             "this model size (scripts/jax_llama.py)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
+                        help="with --size: trainer.precision, and the reference's (default bf16)")
+    parser.add_argument("--remat", choices=("full", "dots"),
+                        help="with --size: rematerialize each layer of the JAX reference")
     args = parser.parse_args(argv)
+    if args.size:
+        return sized(parser, args)
     if args.only:
         args.only = [name for item in args.only for name in item.split(",") if name]
         unknown = sorted(set(args.only) - set(MODES))
@@ -299,7 +328,6 @@ def main(argv=None) -> dict:
         parser.error("--steps must be >= 2 (step 1 compiles and is not timed)")
     if args.isolated:
         return isolated(args)
-    os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
     import torch
 
     import tpu_train  # noqa: F401
@@ -320,17 +348,10 @@ def main(argv=None) -> dict:
         modes[name] = classes[name](cpu_model, args.dtype)
         results[name] = {"times": [], "losses": [], "rss_setup_mb": rss_mb() - before}
     del cpu_model
-    for i, batch in enumerate(batches):
-        order = list(modes.items())
-        for name, mode in order[i % len(order):] + order[:i % len(order)]:
-            start = time.perf_counter()
-            loss = mode.step(batch)
-            mode.block(loss)
-            results[name]["times"].append(time.perf_counter() - start)
-            results[name]["losses"].append(loss)
+    run_interleaved(modes, results, batches)
     tokens = BATCH * SEQ
     report = {"workload": "W1", "dtype": args.dtype, "steps": args.steps,
-              "device": _device_description(),
+              "device": _device_description(), **_device_facts(),
               "peak_rss_mb": round(peak_rss_mb(), 1), "modes": {}}
     for name, r in results.items():
         timed = r["times"][1:]
@@ -353,6 +374,89 @@ def main(argv=None) -> dict:
         c, j = report["modes"]["compiled"], report["modes"]["jax"]
         report["compiled_over_jax"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
                                        "median": round(c["median_s"] / j["median_s"], 3)}
+    print(json.dumps(report))
+    return report
+
+
+def run_interleaved(modes: dict, results: dict, batches: list) -> None:
+    """One step of every mode per batch, the order rotating by one mode each step; each
+    step's seconds (until its loss is ready) and loss go to ``results[name]``."""
+    for i, batch in enumerate(batches):
+        order = list(modes.items())
+        for name, mode in order[i % len(order):] + order[:i % len(order)]:
+            start = time.perf_counter()
+            loss = mode.step(batch)
+            mode.block(loss)
+            results[name]["times"].append(time.perf_counter() - start)
+            results[name]["losses"].append(loss)
+
+
+SIZED_MODES = ("compiled", "jax")
+
+
+def sized(parser, args) -> dict:
+    """``--size``: the trainer's compiled step vs the JAX reference (module docstring)."""
+    names = args.only or list(SIZED_MODES)
+    unknown = sorted(set(names) - set(SIZED_MODES))
+    if unknown:
+        parser.error(f"--only with --size: unknown mode(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(SIZED_MODES)}")
+    import jax_llama
+    import train_step_modes as tsm
+
+    import tpu_train  # noqa: F401
+    from tpu_train.models import Llama
+
+    size = jax_llama.SIZES[args.size]
+    facts = tsm.device_facts()
+    if facts["device_count"] > 1:
+        # The trainer's step would run data-parallel over all of them, the reference on one.
+        parser.error(f"--size compares one device, but this process sees "
+                     f"{facts['device_count']} {facts['platform']} devices; make one visible "
+                     "(a TPU host: TPU_VISIBLE_CHIPS=0 TPU_PROCESS_BOUNDS=1,1,1 "
+                     "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1)")
+    cfg = tsm.trainer_config(args.precision)
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    batches = make_batches(args.steps, size.vocab_size, batch=size.batch, seq=size.seq)
+    build = {"compiled": lambda: tsm.TrainerMode(cpu_model, cfg),
+             "jax": lambda: tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg),
+                                              args.precision, args.remat)}
+    modes, results, memory = {}, {}, {}
+    for name in names:
+        modes[name] = build[name]()
+        results[name] = {"times": [], "losses": []}
+        memory[name] = tsm.device_memory()
+    del cpu_model
+    run_interleaved(modes, results, batches)
+    report = {"size": args.size, "precision": args.precision, "remat_jax": args.remat,
+              "steps": args.steps, "batch": size.batch, "seq": size.seq,
+              "params": sum(int(np.prod(s)) for s in jax_llama.param_shapes(size.config()).values()),
+              "model_flops_per_step": tsm.step_flops(size), **facts,
+              "date": time.strftime("%Y-%m-%d"), "modes": {}}
+    if facts["peak_bf16_tflops"] is None:
+        report["mfu_note"] = f"MFU unknown: no peak FLOP/s for {facts['device_kind']!r}"
+    for name, r in results.items():
+        timed = r["times"][1:]
+        median = statistics.median(timed)
+        mfu = tsm.mfu(size, median, facts["peak_bf16_tflops"])
+        report["modes"][name] = {
+            "fastest_s": round(min(timed), 4), "median_s": round(median, 4),
+            "tokens_per_s": round(size.tokens / median, 1),
+            "mfu_median": None if mfu is None else round(mfu, 4),
+            "first_step_s": round(r["times"][0], 3),
+            "trace_compile_s": round(modes[name].compile_s, 3), **modes[name].stages,
+            "device_memory_after_setup": memory[name],
+            "loss_step1": float(np.asarray(to_numpy(r["losses"][0]))),
+            f"loss_step{args.steps}": float(np.asarray(to_numpy(r["losses"][-1]))),
+        }
+    report["device_memory_end"] = tsm.device_memory()
+    if len(report["modes"]) == 2:
+        c, j = report["modes"]["compiled"], report["modes"]["jax"]
+        report["compiled_over_jax"] = {
+            "fastest": round(c["fastest_s"] / j["fastest_s"], 3),
+            "median": round(c["median_s"] / j["median_s"], 3),
+            "trace_compile": round(c["trace_compile_s"] / j["trace_compile_s"], 3)}
     print(json.dumps(report))
     return report
 
@@ -412,6 +516,12 @@ def isolated(args) -> dict:
                                                    ("trace_compile_s",))
     print(json.dumps(report))
     return report
+
+
+def _device_facts() -> dict:
+    import train_step_modes
+
+    return train_step_modes.device_facts()
 
 
 def _device_description() -> str:

@@ -18,7 +18,7 @@ from tpu_train.compile.cache import CompileRecord, Signature, describe_changes
 from tpu_train.compile.decoding import CompiledDecoder
 from tpu_train.compile.functional_optim import UnsupportedOptimizerError
 from tpu_train.compile.interpreter import MissingLoweringError, run_graph
-from tpu_train.compile.lowering import lower_train_step
+from tpu_train.compile.lowering import lower_step, lower_train_step
 from tpu_train.compile.program import Program
 from tpu_train.compile.train_step import CompiledTrainStep, compile_train_step
 from tpu_train.compile import dynamo_backend as _dynamo_backend
@@ -35,6 +35,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "compile_train_step",
     "describe_changes",
+    "lower_step",
     "lower_train_step",
     "run_graph",
 ]

@@ -27,9 +27,10 @@ from tpu_train.compile.functional_optim import OptimizerAdapter, adapter_for
 from tpu_train.compile.loss_graph import AUTODIFF_CHOICES
 from tpu_train.device import autocast, runtime
 
-__all__ = ["StepDefinition", "StepInputs", "autocast_region", "check_compute_dtype",
-           "check_step_settings", "collect_step_inputs", "batch_structure", "flatten_batch", "host_scalars",
-           "lower_collected", "lower_train_step", "step_autocast_dtype"]
+__all__ = ["StepDefinition", "StepInputs", "autocast_region", "batch_structure",
+           "check_compute_dtype", "check_step_settings", "collect_step_inputs", "flatten_batch",
+           "host_scalars", "lower_collected", "lower_step", "lower_train_step",
+           "step_autocast_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class StepDefinition:
     donate: bool = True
     scan_layers: bool | None = None
     autodiff: str = "jax"
+    skip_non_finite: bool = False
+    autocast_dtype: torch.dtype | None = None
+    mesh: Any = None
+    plan: Any = None
     compute_dtype: torch.dtype | None = None
 
 
@@ -238,6 +243,7 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      donate: bool = True, autocast_dtype: torch.dtype | None = None,
                      compile: bool = True, scan_layers: bool | None = None,
                      autodiff: str = "jax", runtime_options: bool = True,
+                     skip_non_finite: bool = False, target=None,
                      compute_dtype: torch.dtype | None = None) -> program_mod.Program:
     """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
 
@@ -249,6 +255,7 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     device (``tpu:0`` for a ``meta`` model). ``compile=False`` stops after lowering.
     ``runtime_options=False`` compiles with XLA's defaults instead of the runtime's options for
     this process's platform (the planner: it reports XLA's buffers for another chip).
+    ``target``: compile for a TPU that need not be here (:func:`lower_step`).
 
     Returns the :class:`~tpu_train.compile.program.Program`: ``lowered`` (``jax.stages.Lowered``),
     ``executable`` (None without compile), ``analysis()`` (XLA's memory and FLOPs per device)
@@ -256,20 +263,56 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
     check_compute_dtype(compute_dtype)
-    adapter = adapter_for(optimizer)
-    step = StepDefinition(model, optimizer, loss_fn, adapter, max_grad_norm,
+    step = StepDefinition(model, optimizer, loss_fn, adapter_for(optimizer), max_grad_norm,
                           int(grad_accum_steps), bool(donate), scan_layers, autodiff,
+                          bool(skip_non_finite), autocast_dtype, mesh, plan,
                           compute_dtype)
-    inputs = collect_step_inputs(model, optimizer, adapter, batch, _tensor_names(model))
+    return lower_step(step, batch, target=target, compile=compile,
+                      runtime_options=runtime_options)
+
+
+def _placement_for(step, target) -> tuple[Any, Any, Any]:
+    """``(device, mesh, plan)`` to lower ``step`` for: its own, or the ``target``'s chips
+    (a step with a mesh keeps its axes, laid over the target's devices)."""
+    mesh, plan = getattr(step, "mesh", None), getattr(step, "plan", None)
+    if target is None:
+        return None, mesh, plan
+    from tpu_train.compile.targets import TargetError, target_of
+
+    target = target_of(target)
+    if mesh is None:
+        if target.num_chips != 1:
+            raise TargetError(f"target {target.name} has {target.num_chips} chips but the step "
+                              "has no mesh and plan: pass mesh= and plan= (any devices; the "
+                              "mesh's axes are laid over the target's chips) or a 1-chip target")
+        return target.devices[0], None, None
+    return None, target.mesh(mesh.devices.shape, mesh.axis_names), plan
+
+
+def lower_step(step, batch, *, target=None, compile: bool = True,
+               runtime_options: bool = True) -> program_mod.Program:
+    """The program ``step`` would run for ``batch``, lowered (and compiled) but never run.
+
+    ``step``: a ``CompiledTrainStep`` (the one a trainer built: its optimizer, clipping,
+    autocast, skipping and mesh) or a :class:`StepDefinition`. ``target``: a TPU topology name
+    or :class:`~tpu_train.compile.targets.Target` (``"v5e"``, ``"v5e:2x2"``, ...): the program
+    is lowered and compiled with XLA's TPU compiler for those chips, which need not be
+    attached (libtpu must be installed); a 1-chip target takes a step without a mesh, a larger
+    one a step with a mesh whose axes hold as many devices as the target has chips.
+    """
+    inputs = collect_step_inputs(step.model, step.optimizer, step.adapter, batch,
+                                 _tensor_names(step.model))
     if not inputs.params:
         raise ValueError("the optimizer holds no parameter that requires grad")
-    scalars, _ = host_scalars(optimizer, adapter)
-    first = inputs.params[0].device
-    index = (first.index or 0) if first.type == "tpu" else 0  # a meta model: tpu:0
-    device = None if mesh is not None else runtime.jax_device(index)
+    scalars, _ = host_scalars(step.optimizer, step.adapter)
+    device, mesh, plan = _placement_for(step, target)
+    if device is None and mesh is None:
+        first = inputs.params[0].device
+        device = runtime.jax_device((first.index or 0) if first.type == "tpu" else 0)
     stages = cache_mod.TimedStages()
     program = lower_collected(step, inputs, scalars, stages, device=device, mesh=mesh, plan=plan,
-                              autocast_dtype=step_autocast_dtype(autocast_dtype),
+                              autocast_dtype=step_autocast_dtype(
+                                  getattr(step, "autocast_dtype", None)),
                               compile=compile, runtime_options=runtime_options)
     program.seconds = dict(stages.seconds)
     return program

@@ -68,6 +68,11 @@ def platform() -> str:
     chosen is another one."""
     jax = _jax()
     requested = requested_platform()
+    if requested == "cpu" and not jax.config.jax_platforms:
+        # Only the CPU client is wanted: JAX then starts no other backend. With libtpu
+        # installed on a host without a chip (the ``tpu`` extra, for compiling for TPUs),
+        # starting the TPU backend to find no chip writes five lines of libtpu warnings.
+        jax.config.update("jax_platforms", "cpu")
     if requested in (None, "cpu"):
         host_memory.keep_freed_memory()
     chosen = None

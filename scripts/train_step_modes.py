@@ -1,0 +1,158 @@
+"""What ``scripts/bench_train_step.py --size`` times: the trainer's compiled step and the
+hand-written JAX reference (``scripts/jax_llama.py``) of the same model at the same precision,
+plus the device facts the report needs (platform, chip, peak FLOP/s, device memory).
+
+* :class:`TrainerMode` builds the step exactly as ``tpu-train`` does for
+  ``trainer.mode=compiled trainer.precision=...``: the Hydra config is composed from the
+  shipped ``configs/`` and the trainer's own blocks (``tpu_train.trainer.setup.start``,
+  ``parallelize``, ``build_optimizer``, ``build_scheduler``, ``build_train_step``) are called, so
+  the benchmark follows whatever that path does (autocast, skipping non-finite updates, the
+  parameter groups, the schedule).
+* :class:`ReferenceMode` is :class:`jax_llama.Reference` with the optimizer settings read back
+  from that same config.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+import jax_llama
+
+# The trainer's settings the benchmark pins: AdamW from scratch (configs/optim/adamw.yaml) and
+# a constant learning rate (no warmup), so that both sides use the same lr at every step. The
+# trainer spreads the batch over every device of the process (parallel.data=-1).
+TRAINER_OVERRIDES = ("model=debug_tiny", "optim=adamw", "scheduler=constant",
+                     "scheduler.warmup_steps=0", "trainer.mode=compiled", "trainer.device=tpu")
+
+
+def trainer_config(precision: str):
+    """The composed ``tpu-train`` config for ``trainer.precision=precision``."""
+    from hydra import compose, initialize_config_dir
+
+    from tpu_train.cli import CONFIG_DIR
+    from tpu_train.trainer.config import register_schema
+
+    register_schema()
+    run_dir = tempfile.mkdtemp(prefix="bench_train_step_run_")  # the blocks write nothing here
+    atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
+    overrides = [*TRAINER_OVERRIDES, f"trainer.precision={precision}", f"run.dir={run_dir}"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def hyper_from(cfg) -> "jax_llama.Hyper":
+    """The reference's optimizer settings, read from the trainer's config."""
+    optim = cfg.optim
+    return jax_llama.Hyper(lr=optim.lr, b1=optim.beta1, b2=optim.beta2, eps=optim.eps,
+                           weight_decay=optim.weight_decay,
+                           max_grad_norm=cfg.trainer.max_grad_norm)
+
+
+class TrainerMode:
+    """The compiled step as ``tpu-train`` builds it, on a copy of ``cpu_model``."""
+
+    def __init__(self, cpu_model, cfg):
+        from tpu_train.trainer import setup
+
+        job = setup.start(cfg)
+        model = copy.deepcopy(cpu_model)
+        parallel = setup.parallelize(job, model)
+        optimizer = setup.build_optimizer(model, cfg)
+        scheduler = setup.build_scheduler(optimizer, cfg)
+        self.train_step = setup.build_train_step(job, parallel, model, optimizer, scheduler)
+        self.train_step.place()
+        self.stages: dict = {}
+
+    def step(self, batch: dict):
+        import torch
+
+        micro = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
+                 for key, value in batch.items()}
+        loss = self.train_step([micro])["loss"]
+        records = getattr(self.train_step.compiled, "compilations", [])
+        if records:
+            self.stages = {"trace_s": round(sum(r.trace_s for r in records), 3),
+                           "lower_s": round(sum(r.lower_s for r in records), 3),
+                           "xla_compile_s": round(sum(r.compile_s for r in records), 3),
+                           "compilations": len(records)}
+        return loss
+
+    @property
+    def compile_s(self) -> float:
+        return sum(v for k, v in self.stages.items() if k.endswith("_s"))
+
+    @staticmethod
+    def block(loss) -> None:
+        # All outputs of one program are ready together: waiting for the loss waits for the
+        # update too.
+        float(loss)
+
+
+class ReferenceMode:
+    """:class:`jax_llama.Reference` on the device the compiled step uses."""
+
+    def __init__(self, cpu_model, size, hyper, precision: str, remat: str | None = None):
+        from tpu_train.device import runtime
+
+        self.reference = jax_llama.Reference(cpu_model, size, hyper, runtime.jax_device(0),
+                                             precision=precision, remat=remat)
+
+    def step(self, batch: dict):
+        return self.reference.step(batch)[0]
+
+    @property
+    def stages(self) -> dict:
+        return self.reference.stages
+
+    @property
+    def compile_s(self) -> float:
+        return self.reference.compile_s
+
+    def block(self, loss) -> None:
+        self.reference.block(loss)
+
+
+# ------------------------------------------------------------------------------ device facts
+
+
+def device_facts() -> dict:
+    """Platform, chip and its peak bf16 FLOP/s (None where the chip is not in the project's
+    table, ``tpu_train.trainer.metrics.PEAK_BF16_TFLOPS``: MFU is then unknown)."""
+    from tpu_train.device import runtime
+    from tpu_train.trainer.metrics import peak_bf16_tflops
+
+    kind = runtime.device_kind(0)
+    peak = peak_bf16_tflops(kind) if runtime.platform() != "cpu" else None
+    return {"platform": runtime.platform(), "device_kind": kind,
+            "device_count": runtime.device_count(), "host_cores": os.cpu_count(),
+            "peak_bf16_tflops": peak}
+
+
+def device_memory() -> dict | None:
+    """``memory_stats()`` of device 0 (bytes in use now and at the peak), None where the
+    platform keeps none (the CPU client)."""
+    from tpu_train.device import runtime
+
+    stats = runtime.jax_device(0).memory_stats()
+    if not stats:
+        return None
+    return {key: stats.get(key) for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def step_flops(size) -> int:
+    """Model FLOPs of one step: (6 N_matmul + 12 layers seq dim) per token x tokens."""
+    from tpu_train.models.config import flops_per_token
+
+    return flops_per_token(size.config(), size.seq) * size.tokens
+
+
+def mfu(size, step_s: float, peak_tflops: float | None) -> float | None:
+    if peak_tflops is None:
+        return None
+    return step_flops(size) / step_s / (peak_tflops * 1e12)
