@@ -205,17 +205,3 @@ def test_jax_derivative_of_the_forward_is_the_fused_backward(case, dtype):
 def run_forward_arrays(q, k, v, mask, is_causal, scale):
     return attention.scaled_dot_product_fused_attention(q, k, v, mask, 0.0, is_causal, False,
                                                         scale=scale)[0]
-
-
-def test_splash_kernel_is_chosen_only_where_it_wins():
-    from tpu_train.ops import attention_tpu
-
-    def arrays(s, kv=2, dtype=jnp.bfloat16, d=64):
-        return (jnp.zeros((1, 4, s, d), dtype), jnp.zeros((1, kv, s, d), dtype),
-                jnp.zeros((1, kv, s, d), dtype))
-
-    assert attention_tpu.supported(*arrays(1024), None, True)
-    assert not attention_tpu.supported(*arrays(256), None, True)  # XLA's form is faster there
-    assert not attention_tpu.supported(*arrays(1024), jnp.zeros((1024, 1024)), False)  # a bias
-    assert not attention_tpu.supported(*arrays(1000), None, True)  # not whole 128-lane tiles
-    assert not attention_tpu.supported(*arrays(1024, d=40), None, True)

@@ -5,9 +5,6 @@
 attention as one unit in the traced graph (fewer nodes than the math decomposition, and the
 natural place for a flash-attention kernel later).
 
-On a TPU, long sequences take JAX's Pallas splash-attention kernel instead
-(:mod:`tpu_train.ops.attention_tpu`), chosen when the program is lowered for that platform.
-
 Layout is ``[B, H, S, D]``. Grouped-query attention (fewer key/value heads than query heads) is
 computed by viewing the query as ``[B, H_kv, G, S, D]`` and batching the dots over ``(B, H_kv)``,
 so the repeated key/value heads are never materialised. Scores, softmax and logsumexp are f32;
@@ -25,7 +22,6 @@ import jax.numpy as jnp
 import numpy
 from jax import lax
 
-from tpu_train.ops import attention_tpu
 from tpu_train.ops.matmul import dot_general
 from tpu_train.ops.registry import aten, lowers
 
@@ -148,13 +144,6 @@ def scaled_dot_product_fused_attention(query, key, value, attn_bias=None, dropou
     offset = jnp.zeros((), jnp.int32)
     if not _has_dropout(dropout_p):
         out, logsumexp = attention(query, key, value, attn_bias, bool(is_causal), scale)
-        if attention_tpu.supported(query, key, value, attn_bias, is_causal):
-            # Lowered for a TPU, the splash kernel computes the output (the XLA form's
-            # logsumexp is then computed only where PyTorch's traced backward reads it).
-            out = lax.platform_dependent(
-                query, key, value,
-                tpu=lambda q, k, v: attention_tpu.attention(q, k, v, bool(is_causal), scale),
-                default=lambda q, k, v: attention(q, k, v, None, bool(is_causal), scale)[0])
         return out, logsumexp, None, None, sq, sk, seed, offset, None
     b, h = query.shape[:2]
     probs, logsumexp = _softmax_with_logsumexp(_masked_scores(query, key, attn_bias, is_causal, scale))
