@@ -172,3 +172,22 @@ def test_libtpu_on_a_host_without_chips_says_cpu_in_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "tpu_train: libtpu is installed but this host has no TPU chips: running on the CPU "
         "(TPU_TRAIN_PLATFORM=cpu says so and silences this line)"]
+
+
+def test_the_tpu_extra_pins_the_libtpu_that_the_installed_jax_asks_for():
+    """``pip install tpu_train[tpu]`` brings the libtpu JAX's own ``tpu`` extra names, at the
+    version constraints.txt pins."""
+    import tomllib
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["tpu"]
+    assert extra == ["libtpu==0.0.42.1"]
+    pinned = Requirement(extra[0]).specifier
+    (version,) = [str(s.version) for s in pinned]
+    assert f"libtpu=={version}" in (REPO / "constraints.txt").read_text().splitlines()
+    wanted = [Requirement(r) for r in requires("jax") if r.startswith("libtpu")]
+    tpu_extra = [r for r in wanted if r.marker and r.marker.evaluate({"extra": "tpu"})]
+    assert tpu_extra and all(r.specifier.contains(version) for r in tpu_extra), wanted
