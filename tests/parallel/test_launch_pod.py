@@ -55,7 +55,7 @@ V5E_16 = ("--dry-run", "--zone", "us-west4-a", "--project", "proj", "--num-worke
 def test_dry_run_of_a_v5e_16_prints_sync_setup_and_launch_for_each_of_its_4_workers():
     proc = _launch(*V5E_16)
     assert proc.returncode == 0, proc.stderr
-    assert "logs in /mnt/runs/ft/workers" in proc.stdout.splitlines()[0]
+    assert "logs in runs/pod/r-1/workers" in proc.stdout.splitlines()[0]
     steps = _dry_run_steps(proc.stdout)
     assert set(steps) == {(w, s) for w in range(4)
                           for s in ("sync", "setup", "launch", "teardown")}
@@ -82,6 +82,8 @@ def test_dry_run_of_a_v5e_16_prints_sync_setup_and_launch_for_each_of_its_4_work
         # The user's command runs last, in the process group that teardown stops.
         assert script.endswith("parallel.fsdp=-1 run.dir=/mnt/runs/ft'")
         assert "setsid --wait" in script and ".tpu_train_pod/r-1.pgid" in script
+        # ... and its output also goes to a log beside the run, on the worker.
+        assert f"exec > >(tee -a /mnt/runs/ft/workers/worker-{worker}.log) 2>&1" in script
         assert "kill -TERM -- -$g" in _remote(steps[worker, "teardown"][0])
 
 
@@ -158,14 +160,14 @@ def checkout(tmp_path):
 
 
 REPORT = ('echo "rank=$RANK world=$WORLD_SIZE platform=$TPU_TRAIN_PLATFORM '
-          'master=$MASTER_ADDR:$MASTER_PORT"; cat marker.txt')
+          'master=$MASTER_ADDR:$MASTER_PORT"; cat marker.txt; : run.dir=runs/$TPU_TRAIN_RUN_ID')
 
 
 def test_a_launch_syncs_sets_up_once_and_logs_every_worker(fake_slice, checkout, tmp_path):
     env, root = fake_slice
     logs = tmp_path / "logs"
-    args = ("--setup", "echo setting-up; touch ../setup-ran", "--log-dir", str(logs), "my-tpu",
-            REPORT)
+    args = ("--setup", "echo setting-up; touch ../setup-ran", "--log-dir", str(logs),
+            "--run-id", "r-7", "my-tpu", REPORT)
     first = _launch(*args, env=env, cwd=checkout)
     assert first.returncode == 0, first.stderr
     for worker in range(2):
@@ -177,6 +179,9 @@ def test_a_launch_syncs_sets_up_once_and_logs_every_worker(fake_slice, checkout,
         synced = {p.name for p in (home / "tpu_train").iterdir()}
         assert {"marker.txt", "notes.txt", "pyproject.toml"} <= synced
         assert "ignored.txt" not in synced
+        # The command set run.dir: its output is also in a log beside the run, on the worker.
+        beside = (home / "tpu_train" / "runs" / "r-7" / "workers" / f"worker-{worker}.log")
+        assert f"rank={worker} world=2" in beside.read_text()
     # Worker 0's output is printed; the others' go to their logs only.
     assert "rank=0 world=2" in first.stdout and "rank=1" not in first.stdout
     assert "describe" in (root / "calls.log").read_text()

@@ -18,9 +18,11 @@ process per worker, so that each worker has its own log and exit status):
    of the job (:func:`job_environment`, the variables ``tpu_train.distributed`` reads at
    start-up, ``TPU_TRAIN_PLATFORM=tpu`` among them; ``--env KEY=VALUE`` adds or overrides).
 
-Every worker's output goes to ``<log dir>/worker-<i>.log``: ``--log-dir``, else
-``<run.dir>/workers`` when the command sets ``run.dir=...``, else
-``runs/pod/<run id>/workers`` (local paths). Worker 0's output is also printed.
+Every worker's output streams to ``<log dir>/worker-<i>.log`` here (``--log-dir``, default
+``runs/pod/<run id>/workers``); worker 0's is also printed. When the command sets
+``run.dir=...``, each worker also appends its output to ``<run.dir>/workers/worker-<i>.log``
+on its own filesystem: beside the run, all workers' logs together when the run directory is on
+storage the workers share (as a multi-host run's sharded checkpoints need).
 
 When a worker fails, or on Ctrl-C, the launcher stops the job everywhere: the launch step
 records its process group on each worker, and one more ssh per worker sends that group
@@ -135,17 +137,16 @@ def _validate(parser, args) -> None:
         parser.error("the command is empty")
 
 
-def default_log_dir(command: str, run_id: str) -> Path:
-    """``<run.dir>/workers`` for a command that sets ``run.dir=...`` (with ``$TPU_TRAIN_RUN_ID``
-    filled in), else ``runs/pod/<run id>/workers``."""
+def run_dir_of(command: str, run_id: str) -> str | None:
+    """The ``run.dir=...`` the command sets (``$TPU_TRAIN_RUN_ID`` filled in), or None when it
+    sets none or one only the worker's shell could work out."""
     found = re.search(r"(?:^|\s)run\.dir=(\S+)", command)
-    if found:
-        value = found.group(1).strip("'\"")
-        for name in ("${TPU_TRAIN_RUN_ID}", "$TPU_TRAIN_RUN_ID"):
-            value = value.replace(name, run_id)
-        if "$" not in value and value != "latest":
-            return Path(value) / "workers"
-    return Path("runs", "pod", run_id, "workers")
+    if not found:
+        return None
+    value = found.group(1).strip("'\"")
+    for name in ("${TPU_TRAIN_RUN_ID}", "$TPU_TRAIN_RUN_ID"):
+        value = value.replace(name, run_id)
+    return None if "$" in value or "`" in value or value == "latest" else value
 
 
 # --- the commands -------------------------------------------------------------------------
@@ -210,12 +211,22 @@ class Commands:
         # The command runs as the leader of a new process group whose id it records first,
         # so that teardown() can stop it and everything it started.
         inner = (f"echo $$ > {self.pid_file}; trap \"rm -f {self.pid_file}\" EXIT; "
-                 f"{self.args.command}")
+                 f"{self._log_beside_run(worker)}{self.args.command}")
         script = (f"cd {shlex.quote(self.args.workdir)} && mkdir -p {STATE_DIR} && "
                   f"export {exports} && "
                   f"if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi && "
                   f"exec setsid --wait bash -c {shlex.quote(inner)}")
         return [self.ssh(worker, script)]
+
+    def _log_beside_run(self, worker: int) -> str:
+        """When the command sets ``run.dir``: the shell's output from here on also appended to
+        ``<run.dir>/workers/worker-<i>.log`` on the worker (all workers' logs together when the
+        run directory is on storage the workers share)."""
+        run_dir = run_dir_of(self.args.command, self.args.run_id)
+        if run_dir is None:
+            return ""
+        workers = shlex.quote(f"{run_dir}/workers")
+        return f"mkdir -p {workers} && exec > >(tee -a {workers}/worker-{worker}.log) 2>&1; "
 
     def teardown(self, worker: int) -> list[str]:
         grace = max(1, int(round(self.args.grace)))
@@ -468,7 +479,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     bundle = os.path.join(tempfile.gettempdir(), f"tpu_train-{args.run_id}.tar.gz")
     commands = Commands(args, bundle)
-    log_dir = Path(args.log_dir) if args.log_dir else default_log_dir(args.command, args.run_id)
+    log_dir = Path(args.log_dir or Path("runs", "pod", args.run_id, "workers"))
     try:
         if args.dry_run:
             known = args.coordinator_ip and args.num_workers
