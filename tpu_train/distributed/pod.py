@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--project", help="gcloud project (default: gcloud's project)")
     add("--internal-ip", action="store_true", help="reach the workers by internal IP")
     add("--port", type=int, default=DEFAULT_PORT, help="MASTER_PORT on worker 0 (port+1: JAX's)")
-    add("--run-id", help="the job's id (default: UTC time and a random suffix)")
+    add("--run-id", help="the job's id (default: UTC time and the launcher's process id)")
     add("--coordinator-ip", help="worker 0's internal IP (skips the gcloud look-up)")
     add("--num-workers", type=int, help="the slice's worker count (skips the look-up)")
     add("--workdir", default="tpu_train", help="work directory on every worker, relative to "
