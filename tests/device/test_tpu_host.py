@@ -67,6 +67,13 @@ def test_environment_evidence(tmp_path, env, expected):
     assert tpu_host.tpu_evidence(tmp_path, env=env) == expected
 
 
+def test_gpu_device_files_are_seen(tmp_path):
+    assert not tpu_host.gpu_visible(tmp_path)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "kfd").write_text("")
+    assert tpu_host.gpu_visible(tmp_path)
+
+
 def test_libtpu_counts_as_installed_through_tpu_library_path(tmp_path):
     library = tmp_path / "libtpu.so"
     library.write_bytes(b"")
@@ -165,10 +172,11 @@ def test_libtpu_on_a_host_without_chips_says_cpu_in_one_line(tmp_path):
     package = tmp_path / "site" / "libtpu"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("def get_library_path():\n    return '/nonexistent/libtpu.so'\n")
-    done = _python(PLATFORM + "; import torch; torch.ones(1, device='tpu') + 1", tmp_path,
-                   site=tmp_path / "site")
+    done = _python(PLATFORM + "; import torch, jax; torch.ones(1, device='tpu') + 1; "
+                   "print(jax.config.jax_platforms)", tmp_path, site=tmp_path / "site")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "cpu"
+    # JAX was kept to its CPU backend: it never tried to load libtpu.
+    assert done.stdout.split() == ["cpu", "cpu"]
     assert done.stderr.strip().splitlines() == [
         "tpu_train: libtpu is installed but this host has no TPU chips: running on the CPU "
         "(TPU_TRAIN_PLATFORM=cpu says so and silences this line)"]

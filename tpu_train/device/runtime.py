@@ -110,7 +110,7 @@ def _only_cpu_is_wanted(jax, requested: str | None, evidence: list[str]) -> bool
         return False  # the user's own choice of JAX backends stands
     if requested == "cpu":
         return True
-    return requested is None and not evidence and not tpu_host.nvidia_gpu_visible()
+    return requested is None and not evidence and not tpu_host.gpu_visible()
 
 
 def choose_platform(jax, requested: str | None, tpu_evidence: list[str]) -> str:

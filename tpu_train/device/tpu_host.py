@@ -98,9 +98,10 @@ def libtpu_installed(env: Mapping[str, str] | None = None) -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-_NVIDIA_DEVICE_FILES = ("dev/nvidia0", "dev/nvidiactl", "dev/dxg")
+# NVIDIA's (those JAX checks before it starts its CUDA backend) and AMD's kernel driver.
+_GPU_DEVICE_FILES = ("dev/nvidia0", "dev/nvidiactl", "dev/dxg", "dev/kfd")
 
 
-def nvidia_gpu_visible(root: str | os.PathLike = "/") -> bool:
-    """The device files JAX checks before it starts its CUDA backend."""
-    return any(Path(root, name).exists() for name in _NVIDIA_DEVICE_FILES)
+def gpu_visible(root: str | os.PathLike = "/") -> bool:
+    """Could a GPU plugin of JAX find a device here?"""
+    return any(Path(root, name).exists() for name in _GPU_DEVICE_FILES)
