@@ -108,6 +108,10 @@ PROCESS_ENVIRONMENTS = {
     "platform_unknown": ({"TPU_TRAIN_PLATFORM": "bogus"}, "is not a known platform"),
     "platform_tpu_without_tpu": ({"TPU_TRAIN_PLATFORM": "tpu"}, "but JAX finds no tpu devices"),
     "platform_cuda_without_gpu": ({"TPU_TRAIN_PLATFORM": "cuda"}, "but JAX finds no cuda devices"),
+    # A TPU host (here: GKE's variable for it) where JAX has no TPU: not the host CPU, silently.
+    "tpu_host_without_usable_tpu": ({"TPU_TRAIN_PLATFORM": "", "TPU_ACCELERATOR_TYPE": "v5litepod-16"},
+                                    "this host has TPU chips (TPU_ACCELERATOR_TYPE=v5litepod-16) "
+                                    "but JAX cannot use them"),
     "cache_dir_under_a_file": ({"TPU_TRAIN_CACHE_DIR": "BLOCKER/cache"},
                                "cannot create the compilation cache directory"),
     "cache_size_not_a_number": ({"TPU_TRAIN_CACHE_DIR": "TMP/cache", "TPU_TRAIN_CACHE_MAX_GB": "lots"},

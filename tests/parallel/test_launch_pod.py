@@ -1,56 +1,248 @@
-"""scripts/launch_pod.sh: the gcloud commands it would run, and its argument errors."""
+"""scripts/launch_pod.sh (``tpu_train.distributed.pod``): the commands it runs on each worker
+(dry run), its argument errors, and whole launches against a stand-in for gcloud in which
+each worker of the slice is a local directory (tests/parallel/fake_gcloud.py): sync, setup
+once, per-worker logs, and the job stopped everywhere when a worker fails or on Ctrl-C."""
 
+import os
+import re
 import shlex
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "launch_pod.sh"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "launch_pod.sh"
+FAKE_GCLOUD = Path(__file__).with_name("fake_gcloud.py")
 
 
-def _run(*args):
+def _launch(*args, env=None, cwd=REPO, timeout=120):
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=30)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
-def test_dry_run_passes_one_run_id_and_coordinator_to_every_worker():
-    proc = _run("--dry-run", "--zone", "us-central2-b", "--project", "proj", "--port", "9000",
-                "--coordinator-ip", "10.1.2.3", "--num-workers", "4", "--run-id", "r-1",
-                "--env", "HF_HOME=/mnt/hf", "--workdir", "/opt/app", "my-tpu",
-                "tpu-train recipe=llama_finetune parallel.fsdp=-1")
+def _dry_run_steps(stdout: str) -> dict:
+    """``{(worker, step): [argv, ...]}`` from the dry run's ``# worker N: step`` sections."""
+    steps, current = {}, None
+    for line in stdout.splitlines():
+        header = re.match(r"# worker (\d+): (\w+)", line)
+        if header:
+            current = (int(header.group(1)), header.group(2))
+            steps[current] = []
+        elif line.startswith("gcloud ") and current:
+            steps[current].append(shlex.split(line))
+    return steps
+
+
+def _remote(argv):
+    return argv[argv.index("--command") + 1]
+
+
+def _exports(script: str) -> dict:
+    exported = re.search(r"export (.*?) && ", script).group(1)
+    return dict(item.split("=", 1) for item in shlex.split(exported))
+
+
+V5E_16 = ("--dry-run", "--zone", "us-west4-a", "--project", "proj", "--num-workers", "4",
+          "--coordinator-ip", "10.130.0.2", "--run-id", "r-1", "--env", "HF_HOME=/mnt/hf",
+          "--workdir", "/opt/tt", "my-v5e-16",
+          "tpu-train recipe=llama_finetune parallel.fsdp=-1 run.dir=/mnt/runs/ft")
+
+
+def test_dry_run_of_a_v5e_16_prints_sync_setup_and_launch_for_each_of_its_4_workers():
+    proc = _launch(*V5E_16)
     assert proc.returncode == 0, proc.stderr
-    argv = shlex.split(proc.stdout.strip().splitlines()[-1])
-    assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu"]
-    assert "--worker=all" in argv
-    assert argv[argv.index("--zone") + 1] == "us-central2-b"
-    assert argv[argv.index("--project") + 1] == "proj"
-    remote = argv[argv.index("--command") + 1]
-    for piece in ("WORLD_SIZE=4", "MASTER_ADDR=10.1.2.3", "MASTER_PORT=9000", "LOCAL_RANK=0",
-                  "TPU_TRAIN_JAX_COORDINATOR=10.1.2.3:9001", "TPU_TRAIN_RUN_ID=r-1",
-                  "export HF_HOME=/mnt/hf", "cd /opt/app", "agent-worker-number",
-                  "tpu-train recipe=llama_finetune parallel.fsdp=-1"):
-        assert piece in remote, piece
-    # The user's command runs last, after every variable is exported.
-    assert remote.rstrip().endswith("parallel.fsdp=-1")
+    assert "logs in runs/pod/r-1/workers" in proc.stdout.splitlines()[0]
+    steps = _dry_run_steps(proc.stdout)
+    assert set(steps) == {(w, s) for w in range(4)
+                          for s in ("sync", "setup", "launch", "teardown")}
+    for worker in range(4):
+        for argv in sum((steps[worker, s] for s in ("sync", "setup", "launch", "teardown")), []):
+            assert argv[:4] == ["gcloud", "compute", "tpus", "tpu-vm"]
+            assert f"--worker={worker}" in argv
+            assert "--zone=us-west4-a" in argv and "--project=proj" in argv
+        scp, unpack = steps[worker, "sync"]
+        assert scp[4] == "scp" and scp[-4] == "my-v5e-16:.tpu_train-r-1.tar.gz"
+        assert "tar -xzf .tpu_train-r-1.tar.gz -C /opt/tt" in _remote(unpack)
+        (setup,) = steps[worker, "setup"]
+        assert _remote(setup).startswith("cd /opt/tt && ")
+        for piece in ("--index-url https://download.pytorch.org/whl/cpu",
+                      'pip install -q -c constraints.txt -e ".[tpu]"'):
+            assert piece in _remote(setup)
+        (launch,) = steps[worker, "launch"]
+        script = _remote(launch)
+        assert _exports(script) == {
+            "RANK": str(worker), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "4",
+            "MASTER_ADDR": "10.130.0.2", "MASTER_PORT": "8476",
+            "TPU_TRAIN_JAX_COORDINATOR": "10.130.0.2:8477", "TPU_TRAIN_RUN_ID": "r-1",
+            "TPU_TRAIN_PLATFORM": "tpu", "PYTHONUNBUFFERED": "1", "HF_HOME": "/mnt/hf"}
+        # The user's command runs last, in the process group that teardown stops.
+        assert script.endswith("parallel.fsdp=-1 run.dir=/mnt/runs/ft'")
+        assert "setsid --wait" in script and ".tpu_train_pod/r-1.pgid" in script
+        # ... and its output also goes to a log beside the run, on the worker.
+        assert f"exec > >(tee -a /mnt/runs/ft/workers/worker-{worker}.log) 2>&1" in script
+        assert "kill -TERM -- -$g" in _remote(steps[worker, "teardown"][0])
+
+
+def test_python_m_tpu_train_launch_pod_is_the_same_launcher():
+    script = _launch(*V5E_16)
+    module = subprocess.run([sys.executable, "-m", "tpu_train.launch", "pod", *V5E_16],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert module.returncode == 0, module.stderr
+    assert module.stdout == script.stdout
 
 
 def test_dry_run_without_addresses_prints_the_lookup():
-    proc = _run("--dry-run", "--zone", "europe-west4-a", "pod", "hostname")
+    proc = _launch("--dry-run", "--zone", "europe-west4-a", "--no-sync", "pod", "hostname")
     assert proc.returncode == 0, proc.stderr
-    first = shlex.split(proc.stdout.splitlines()[0])
-    assert first[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "describe", "pod"]
-    assert "TPU_TRAIN_RUN_ID=" in proc.stdout
+    describe = shlex.split(proc.stdout.splitlines()[1])
+    assert describe[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "describe", "pod"]
+    assert "WORLD_SIZE=N" in proc.stdout and "sync" not in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
-    (("pod",), "expected TPU_NAME and one quoted COMMAND"),
-    (("--bogus", "pod", "cmd"), "unknown option --bogus"),
-    (("--port", "x", "pod", "cmd"), "--port must be"),
+    (("pod",), "the following arguments are required: command"),
+    (("--bogus", "pod", "cmd"), "unrecognized arguments: --bogus"),
+    (("--port", "x", "pod", "cmd"), "argument --port: invalid int value"),
+    (("--port", "70000", "pod", "cmd"), "--port must be 1-65534"),
+    (("--num-workers", "0", "pod", "cmd"), "--num-workers must be a positive integer"),
     (("--env", "NOVALUE", "pod", "cmd"), "--env needs KEY=VALUE"),
+    (("--env", "1X=2", "pod", "cmd"), "--env needs KEY=VALUE"),
     (("--run-id", "a b", "pod", "cmd"), "--run-id may hold only"),
+    (("--source", "/", "pod", "cmd"), "is not a tpu_train checkout"),
+    (("pod", "  "), "the command is empty"),
 ])
-def test_bad_arguments_fail_with_a_message(args, message):
-    proc = _run("--dry-run", *args)
+def test_bad_arguments_fail_with_one_line(args, message):
+    proc = _launch("--dry-run", *args)
     assert proc.returncode == 2
-    assert message in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("launch_pod: error: ") and message in proc.stderr
+
+
+# --- whole launches against the stand-in for gcloud ---------------------------------------
+
+@pytest.fixture
+def fake_slice(tmp_path):
+    """The environment in which ``gcloud`` is the stand-in, for a slice of two workers (as
+    ``describe`` reports them); returns (env, root of the workers' login directories)."""
+    root, bin_dir = tmp_path / "slice", tmp_path / "bin"
+    root.mkdir()
+    bin_dir.mkdir()
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {FAKE_GCLOUD} \"$@\"\n")
+    gcloud.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               FAKE_TPU_ROOT=str(root), FAKE_TPU_IPS="10.0.0.2;10.0.0.3")
+    yield env, root
+    for pid_file in root.glob("worker-*/pid"):  # nothing a failed test started outlives it
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A git checkout to sync: tracked files, an untracked one and an ignored one."""
+    source = tmp_path / "checkout"
+    source.mkdir()
+    for name, text in {"pyproject.toml": "[project]\nname = 'x'\n", "constraints.txt": "",
+                       "marker.txt": "synced-marker\n", ".gitignore": "ignored.txt\n",
+                       "ignored.txt": "must stay here\n", "notes.txt": "untracked\n"}.items():
+        (source / name).write_text(text)
+    subprocess.run(["git", "init", "-q", str(source)], check=True)
+    subprocess.run(["git", "-C", str(source), "add", "pyproject.toml", "constraints.txt",
+                    "marker.txt", ".gitignore"], check=True)
+    return source
+
+
+REPORT = ('echo "rank=$RANK world=$WORLD_SIZE platform=$TPU_TRAIN_PLATFORM '
+          'master=$MASTER_ADDR:$MASTER_PORT"; cat marker.txt; : run.dir=runs/$TPU_TRAIN_RUN_ID')
+
+
+def test_a_launch_syncs_sets_up_once_and_logs_every_worker(fake_slice, checkout, tmp_path):
+    env, root = fake_slice
+    logs = tmp_path / "logs"
+    args = ("--setup", "echo setting-up; touch ../setup-ran", "--log-dir", str(logs),
+            "--run-id", "r-7", "my-tpu", REPORT)
+    first = _launch(*args, env=env, cwd=checkout)
+    assert first.returncode == 0, first.stderr
+    for worker in range(2):
+        log = (logs / f"worker-{worker}.log").read_text()
+        assert f"rank={worker} world=2 platform=tpu master=10.0.0.2:8476" in log
+        assert "synced-marker" in log and "setting-up" in log
+        home = root / f"worker-{worker}"
+        assert (home / "setup-ran").exists()
+        synced = {p.name for p in (home / "tpu_train").iterdir()}
+        assert {"marker.txt", "notes.txt", "pyproject.toml"} <= synced
+        assert "ignored.txt" not in synced
+        # The command set run.dir: its output is also in a log beside the run, on the worker.
+        beside = (home / "tpu_train" / "runs" / "r-7" / "workers" / f"worker-{worker}.log")
+        assert f"rank={worker} world=2" in beside.read_text()
+    # Worker 0's output is printed; the others' go to their logs only.
+    assert "rank=0 world=2" in first.stdout and "rank=1" not in first.stdout
+    assert "describe" in (root / "calls.log").read_text()
+
+    second = _launch(*args, env=env, cwd=checkout)
+    assert second.returncode == 0, second.stderr
+    for worker in range(2):
+        log = (logs / f"worker-{worker}.log").read_text()
+        lines = log.splitlines()  # output lines (the log also shows each command run)
+        assert lines.count("setting-up") == 1 and lines.count("setup: up to date") == 1
+
+
+# Workers 0, 1 and 3 start and wait; worker 2 fails once the three are running.
+FAIL_ON_2 = ('if [ "$RANK" = 2 ]; then '
+             'while [ "$(ls ../../worker-*/started 2>/dev/null | wc -l)" -lt 3 ]; do sleep 0.1; done; '
+             'echo "boom on worker $RANK"; exit 3; fi; '
+             'echo $$ > ../pid; touch ../started; exec sleep 300')
+
+
+def _gone(pid: int, within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_failing_worker_stops_the_job_on_every_worker(fake_slice, checkout, tmp_path):
+    env, root = fake_slice
+    logs = tmp_path / "logs"
+    proc = _launch("--num-workers", "4", "--coordinator-ip", "10.0.0.2", "--no-setup",
+                   "--grace", "1", "--log-dir", str(logs), "my-tpu", FAIL_ON_2,
+                   env=env, cwd=checkout)
+    assert proc.returncode == 3, proc.stderr
+    assert "launch_pod: worker 2 failed in launch (exit status 3)" in proc.stderr
+    assert "boom on worker 2" in proc.stderr  # the end of its log
+    for worker in (0, 1, 3):
+        pid = int((root / f"worker-{worker}" / "pid").read_text())
+        assert _gone(pid), f"worker {worker}'s command (pid {pid}) still runs"
+        assert "stopped process group" in (logs / f"worker-{worker}.log").read_text()
+    assert sorted(p.name for p in logs.iterdir()) == [f"worker-{i}.log" for i in range(4)]
+
+
+def test_ctrl_c_stops_the_job_on_every_worker(fake_slice, checkout, tmp_path):
+    env, root = fake_slice
+    launcher = subprocess.Popen(
+        ["bash", str(SCRIPT), "--no-setup", "--grace", "1", "--log-dir", str(tmp_path / "logs"),
+         "my-tpu", "echo $$ > ../pid; touch ../started; exec sleep 300"],
+        env=env, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = [root / f"worker-{w}" / "started" for w in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() for p in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p.exists() for p in started), launcher.poll()
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGINT, err
+    assert "got signal 2 during launch; stopping the job on every worker" in err
+    for worker in range(2):
+        pid = int((root / f"worker-{worker}" / "pid").read_text())
+        assert _gone(pid), f"worker {worker}'s command (pid {pid}) still runs"

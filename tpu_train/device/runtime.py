@@ -1,24 +1,29 @@
 """The PJRT client, reached through JAX: platform choice and device enumeration.
 
 ``TPU_TRAIN_PLATFORM`` picks the PJRT platform (``tpu``, ``cuda`` or ``cpu``); unset, the best
-one present wins (tpu, then cuda, then cpu). Every other module asks this one for devices, so
-the choice is made once per process. The same first call configures JAX's persistent
-compilation cache (``TPU_TRAIN_CACHE_DIR``, :mod:`tpu_train.device.compilation_cache`), so it is
-in place before anything is compiled.
+one present wins (tpu, then cuda, then cpu), with one exception: on a host that has TPU chips
+(:mod:`tpu_train.device.tpu_host`) but where JAX cannot use them, the choice is an error naming
+the cause instead of a silent fall-back to the host CPU. Every other module asks this one for
+devices, so the choice is made once per process. The same first call configures JAX's
+persistent compilation cache (``TPU_TRAIN_CACHE_DIR``, :mod:`tpu_train.device.compilation_cache`),
+so it is in place before anything is compiled.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform as _platform
+import sys
 
-from tpu_train.device import host_memory
+from tpu_train.device import host_memory, tpu_host
 
 PLATFORM_ENV = "TPU_TRAIN_PLATFORM"
 _PREFERENCE = ("tpu", "cuda", "cpu")
 # JAX names the CUDA plugin's platform "gpu" in some places and "cuda" in others.
 _JAX_ALIASES = {"cuda": ("cuda", "gpu"), "tpu": ("tpu",), "cpu": ("cpu",)}
+TPU_INSTALL = "pip install -c constraints.txt 'tpu_train[tpu]' (docs/tpu.md)"
 
 
 class PlatformError(RuntimeError):
@@ -38,13 +43,21 @@ def _jax():
 
 
 def _available(jax, name: str) -> bool:
-    for alias in _JAX_ALIASES[name]:
-        try:
-            if jax.devices(alias):
-                return True
-        except RuntimeError:
-            continue
-    return False
+    # JAX logs its own guess at a missing TPU or GPU plugin while it starts its backends; the
+    # caller reports an absent platform itself, as one line with the cause.
+    quiet = logging.getLogger("jax._src.xla_bridge")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        for alias in _JAX_ALIASES[name]:
+            try:
+                if jax.devices(alias):
+                    return True
+            except RuntimeError:
+                continue
+        return False
+    finally:
+        quiet.setLevel(level)
 
 
 def requested_platform() -> str | None:
@@ -68,30 +81,53 @@ def platform() -> str:
     chosen is another one."""
     jax = _jax()
     requested = requested_platform()
-    if requested == "cpu" and not jax.config.jax_platforms:
-        # Only the CPU client is wanted: JAX then starts no other backend. With libtpu
-        # installed on a host without a chip (the ``tpu`` extra, for compiling for TPUs),
-        # starting the TPU backend to find no chip writes five lines of libtpu warnings.
+    evidence = tpu_host.tpu_evidence() if requested is None else []
+    if _only_cpu_is_wanted(jax, requested, evidence):
+        # Keeps JAX from loading libtpu, which on a host without chips prints pages of
+        # start-up errors, and which must not touch chips the user chose not to use.
         jax.config.update("jax_platforms", "cpu")
     if requested in (None, "cpu"):
         host_memory.keep_freed_memory()
     chosen = None
     try:
-        chosen = _choose(jax, requested)
+        chosen = choose_platform(jax, requested, evidence)
     finally:
         if chosen != "cpu":
             host_memory.restore_defaults()
+    if chosen == "cpu" and requested is None and tpu_host.libtpu_installed():
+        print(f"tpu_train: libtpu is installed but this host has no TPU chips: running on the "
+              f"CPU ({PLATFORM_ENV}=cpu says so and silences this line)", file=sys.stderr)
     return chosen
 
 
-def _choose(jax, requested: str | None) -> str:
+def _jax_platforms(jax) -> str:
+    """The user's own choice of JAX backends (``JAX_PLATFORMS``), or ``""``."""
+    return (getattr(jax.config, "jax_platforms", None) or "").strip()
+
+
+def _only_cpu_is_wanted(jax, requested: str | None, evidence: list[str]) -> bool:
+    if _jax_platforms(jax):
+        return False  # the user's own choice of JAX backends stands
+    if requested == "cpu":
+        return True
+    return requested is None and not evidence and not tpu_host.gpu_visible()
+
+
+def choose_platform(jax, requested: str | None, tpu_evidence: list[str]) -> str:
+    """The platform to use, given JAX, ``TPU_TRAIN_PLATFORM`` and what says this host has TPU
+    chips (:func:`tpu_host.tpu_evidence`)."""
     if requested:
         if not _available(jax, requested):
             raise PlatformError(
                 f"{PLATFORM_ENV}={requested} but JAX finds no {requested} devices "
-                f"(installed jax {jax.__version__}); install the matching jax plugin "
+                f"(installed jax {jax.__version__})"
+                f"{_why_not(jax, requested) or '; install the matching jax plugin'}, "
                 f"or unset {PLATFORM_ENV}")
         return requested
+    if tpu_evidence and _tpu_wanted_by_jax(jax) and not _available(jax, "tpu"):
+        raise PlatformError(
+            f"this host has TPU chips ({'; '.join(tpu_evidence)}) but JAX cannot use them"
+            f"{_why_not(jax, 'tpu')}, or set {PLATFORM_ENV}=cpu to run on the host CPU")
     for name in _PREFERENCE:
         if _available(jax, name):
             return name
@@ -108,6 +144,28 @@ def natural_buffers(platform_name: str) -> bool:
     flat <-> 2-D reshape is a copy; a tensor read whole by a compiled program (a parameter,
     its optimizer state, a batch) should already have its shape."""
     return platform_name != "cpu"
+
+
+def _tpu_wanted_by_jax(jax) -> bool:
+    """False when the user's JAX_PLATFORMS leaves the TPU out: that is their choice."""
+    chosen = _jax_platforms(jax)
+    return not chosen or "tpu" in chosen.split(",")
+
+
+def _why_not(jax, name: str) -> str:
+    """Why JAX has no ``name`` backend and what to do, as a clause of one line."""
+    if name != "tpu":
+        return ""
+    if not tpu_host.libtpu_installed():
+        return f": libtpu is not installed; install it with {TPU_INSTALL}"
+    reason = "its TPU backend did not start"
+    try:
+        jax.devices("tpu")
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = lines[0][:300] if lines else reason
+    return (f": {reason}; if another process holds the chips, stop it "
+            f"(sudo lsof -w /dev/accel* /dev/vfio/* names it)")
 
 
 # Errors in the process's environment found while ``import tpu_train`` registers the device

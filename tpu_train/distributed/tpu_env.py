@@ -27,8 +27,7 @@ the host has TPU chips or ``--tpu-env on`` asks for it.
 
 from __future__ import annotations
 
-import glob
-import os
+from tpu_train.device import tpu_host
 
 LIBTPU_BASE_PORT = 8476
 PROCESSES_PER_HOST_BOUNDS = {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (4, 2, 1)}
@@ -42,9 +41,8 @@ class TpuEnvError(ValueError):
 
 
 def host_has_tpu_chips() -> bool:
-    """TPU VMs expose their chips as ``/dev/accel*`` (v2-v4) or ``/dev/vfio/<n>`` (v5e and later)."""
-    return bool(glob.glob("/dev/accel*")) or bool(
-        [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit()])
+    """TPU chips on the PCI bus or as device files (:mod:`tpu_train.device.tpu_host`)."""
+    return bool(tpu_host.hardware_evidence())
 
 
 def parse_bounds(text: str, what: str) -> tuple[int, int, int]:

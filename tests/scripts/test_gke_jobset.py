@@ -1,0 +1,124 @@
+"""scripts/gke/render_jobset.py: the JobSets for a v5e-16 and a v5p-32 slice, parsed as YAML and
+checked field by field against what GKE needs (node selectors of the slice, one pod per host,
+all of a host's chips per pod) and against the TPU VM launcher's environment."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+RENDER = REPO / "scripts" / "gke" / "render_jobset.py"
+EXAMPLE = "tpu-train recipe=llama_pretrain parallel.data=1 parallel.fsdp=-1 run.dir=/shared/runs/{}"
+
+
+def _render(*args):
+    return subprocess.run([sys.executable, str(RENDER), *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _vm_launcher_environment(num_workers: int) -> dict:
+    """What scripts/launch_pod.sh exports on worker 1 of a slice (its dry run)."""
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "launch_pod.sh"), "--dry-run", "--no-sync", "--no-setup",
+         "--num-workers", str(num_workers), "--coordinator-ip", "10.0.0.2", "--run-id", "r",
+         "tpu", "true"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    launch = [line for line in done.stdout.splitlines() if "--worker=1" in line][0]
+    script = shlex.split(launch)[shlex.split(launch).index("--command") + 1]
+    exported = re.search(r"export (.*?) && ", script).group(1)
+    return dict(item.split("=", 1) for item in shlex.split(exported))
+
+
+# slice -> (hosts, GKE accelerator label, topology)
+CASES = {"v5e-16": (4, "tpu-v5-lite-podslice", "4x4"),
+         "v5p-32": (4, "tpu-v5p-slice", "2x2x4")}
+
+
+@pytest.mark.parametrize("slice_name", sorted(CASES))
+def test_jobset_for_a_slice_carries_its_topology_hosts_chips_and_environment(slice_name):
+    hosts, accelerator, topology = CASES[slice_name]
+    name = f"pretrain-{slice_name}"
+    done = _render("--slice", slice_name, "--image", "REGISTRY/tpu-train:latest", "--name", name,
+                   "--env", "HF_HOME=/shared/hf", EXAMPLE.format(name))
+    assert done.returncode == 0, done.stderr
+    manifest = yaml.safe_load(done.stdout)
+    assert manifest["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and manifest["kind"] == "JobSet"
+    assert manifest["metadata"]["name"] == name
+    assert manifest["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] \
+        == "cloud.google.com/gke-nodepool"
+    assert manifest["spec"]["network"]["enableDNSHostnames"] is True
+    (replicated,) = manifest["spec"]["replicatedJobs"]
+    assert replicated["name"] == "workers" and replicated["replicas"] == 1
+    job = replicated["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == hosts
+    assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": accelerator,
+                                   "cloud.google.com/gke-tpu-topology": topology}
+    assert pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    assert container["image"] == "REGISTRY/tpu-train:latest"
+    assert container["command"] == ["bash", "-c", EXAMPLE.format(name)]
+    chips = {"google.com/tpu": 4}
+    assert container["resources"] == {"requests": chips, "limits": chips}
+
+    env = {e["name"]: e for e in container["env"]}
+    assert len(env) == len(container["env"])
+    assert env.pop("RANK") == {"name": "RANK", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+    values = {k: e["value"] for k, e in env.items()}
+    coordinator = f"{name}-workers-0-0.{name}"
+    assert values == {
+        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": str(hosts),
+        "MASTER_ADDR": coordinator, "MASTER_PORT": "8476",
+        "TPU_TRAIN_JAX_COORDINATOR": f"{coordinator}:8477", "TPU_TRAIN_RUN_ID": name,
+        "TPU_TRAIN_PLATFORM": "tpu", "PYTHONUNBUFFERED": "1", "HF_HOME": "/shared/hf"}
+    # The same variables as the TPU VM launcher's workers get.
+    vm = _vm_launcher_environment(hosts)
+    assert set(vm) == set(values) - {"HF_HOME"} | {"RANK"}
+    assert [p["containerPort"] for p in container["ports"]] == [8476, 8477]
+
+
+@pytest.mark.parametrize("slice_name", sorted(CASES))
+def test_the_checked_in_manifests_are_what_the_script_renders(slice_name):
+    name = f"pretrain-{slice_name}"
+    done = _render("--slice", slice_name, "--image", "REGISTRY/tpu-train:latest", "--name", name,
+                   EXAMPLE.format(name))
+    assert done.returncode == 0, done.stderr
+    assert (REPO / "scripts" / "gke" / f"{slice_name}.yaml").read_text() == done.stdout
+
+
+def test_every_known_slice_has_whole_hosts_and_the_chips_its_name_says():
+    sys.path.insert(0, str(RENDER.parent))
+    try:
+        import render_jobset
+    finally:
+        sys.path.remove(str(RENDER.parent))
+    for name, tpu in render_jobset.SLICES.items():
+        count = int(name.split("-")[1])
+        per_chip = 2 if name.startswith(("v4-", "v5p-")) else 1  # TensorCores in the name
+        assert tpu.chips * per_chip == count, name
+        assert tpu.hosts > 1 and tpu.hosts * tpu.chips_per_host == tpu.chips, name
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--slice", "v9-16"), "unknown --slice 'v9-16'; known: v5e-16"),
+    (("--slice", "v5e-16", "--name", "Bad_Name"), "--name 'Bad_Name' must be"),
+    (("--slice", "v5e-16", "--env", "X"), "--env needs KEY=VALUE"),
+])
+def test_bad_options_fail_with_one_line(args, message):
+    done = _render("--image", "img", *args, "true")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert message in done.stderr
+
+
+def test_v5litepod_spelling_is_v5e():
+    done = _render("--slice", "v5litepod-16", "--image", "img", "true")
+    assert done.returncode == 0, done.stderr
+    assert "for v5e-16" in done.stdout
