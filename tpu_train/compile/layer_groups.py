@@ -232,7 +232,12 @@ def call_signature(layer, index, forward, spec, statics, tensors) -> tuple | Non
     forward_kind = (type(forward), getattr(forward, "func", None))
     return (type(layer), _state_signature(layer), _attributes_key(layer, index), forward_kind,
             str(spec), tuple(statics), tuple((tuple(t.shape), t.dtype) for t in tensors),
-            autocast, torch.is_grad_enabled(), _compute_dtype.get())
+            _compute_dtype.get(), autocast, torch.is_grad_enabled())
+
+
+def signature_autocast(signature: tuple) -> tuple:
+    """The (enabled, dtype) autocast state a :func:`call_signature` was taken under."""
+    return signature[-2]
 
 
 class Tracer:
@@ -379,7 +384,7 @@ def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -
 
 def trace_body(need: NeedBody):
     """The body of ``need``'s layer call, or ``_UNSCANNABLE`` (module docstring)."""
-    traced = trace_layer(need, need.signature[-2])
+    traced = trace_layer(need, signature_autocast(need.signature))
     if not _scannable(traced.gm, traced.outputs, traced.input_metas):
         return _UNSCANNABLE
     return traced.body()

@@ -104,7 +104,7 @@ def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
     signature, requires = need.signature
     wrap = None if wrap_body is None else (lambda run: wrap_body(run, requires))
     try:
-        traced = layer_groups.trace_layer(need, signature[-2], wrap)
+        traced = layer_groups.trace_layer(need, layer_groups.signature_autocast(signature), wrap)
     except Exception:  # noqa: BLE001 - traced inline instead, where any error is the user's
         return _NOT_SHARED
     # A checkpointed layer is traced inline, where the probe sends the step to PyTorch's

@@ -11,11 +11,13 @@ so it is in place before anything is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import platform as _platform
 import sys
+import tempfile
 
 from tpu_train.device import host_memory, tpu_host
 
@@ -90,7 +92,9 @@ def platform() -> str:
         host_memory.keep_freed_memory()
     chosen = None
     try:
-        chosen = choose_platform(jax, requested, evidence)
+        with _native_start_up_output() as native_output:
+            chosen = choose_platform(jax, requested, evidence)
+        sys.stderr.write(native_output.text)
     finally:
         if chosen != "cpu":
             host_memory.restore_defaults()
@@ -98,6 +102,34 @@ def platform() -> str:
         print(f"tpu_train: libtpu is installed but this host has no TPU chips: running on the "
               f"CPU ({PLATFORM_ENV}=cpu says so and silences this line)", file=sys.stderr)
     return chosen
+
+
+class _CapturedText:
+    text = ""
+
+
+@contextlib.contextmanager
+def _native_start_up_output():
+    """Holds back what native code (libtpu, a GPU plugin) writes to the process's stderr while
+    JAX starts its backends. A backend that fails to start prints pages of start-up errors
+    there before JAX raises; the platform error then says the cause in one line, and the
+    pages are dropped. When start-up succeeds the caller passes ``.text`` on unchanged."""
+    captured = _CapturedText()
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable file descriptor 2 (an embedded interpreter)
+        yield captured
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")
 
 
 def _jax_platforms(jax) -> str:
