@@ -73,12 +73,15 @@ class Parallelism:
         fsdp_size = self.shape.fsdp
         return coordinate[0] * fsdp_size + coordinate[1], self.shape.batch_shards
 
-    def place_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]]):
+    def place_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]], *,
+                    to_device: bool = True):
         """This process's part of a global step's micro-batches (host tensors), on the device.
 
         ``spmd``: the micro-batches joined along dim 0 as one global array per key, of which
         this process transfers only the rows its own devices hold. ``per_device``: each
         micro-batch's rows of this data-parallel rank. ``single``: all of it.
+        ``to_device=False`` (not ``spmd``): those rows left on the host, for a consumer that
+        transfers them itself (a compiled step hands them to its program as one argument).
         """
         if self.layout == "spmd":
             joined = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
@@ -87,7 +90,8 @@ class Parallelism:
         placed = []
         for batch in micro_batches:
             rows = {k: v.chunk(size)[rank] if size > 1 else v for k, v in batch.items()}
-            placed.append({k: v.to(self.device) for k, v in rows.items()})
+            placed.append({k: v.to(self.device) for k, v in rows.items()} if to_device
+                          else rows)
         return placed
 
     def _global_rows(self, tensor: torch.Tensor):

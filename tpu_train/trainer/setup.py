@@ -157,10 +157,13 @@ class TrainStep:
     parameters and optimizer state on the mesh (before the first call, after a full resume).
     """
 
-    def __init__(self, parallel: Parallelism, run: Callable, compiled=None):
+    def __init__(self, parallel: Parallelism, run: Callable, compiled=None,
+                 host_batches: bool = False):
         self.parallel = parallel
         self.compiled = compiled
         self._run = run
+        # ``run`` takes this process's rows on the host and transfers them itself.
+        self._host_batches = host_batches
 
     def place(self) -> None:
         if self.parallel.layout == "spmd":
@@ -169,7 +172,8 @@ class TrainStep:
             place_for_step(self.compiled)
 
     def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict:
-        return self._run(self.parallel.place_batch(micro_batches))
+        return self._run(self.parallel.place_batch(micro_batches,
+                                                   to_device=not self._host_batches))
 
 
 def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
@@ -203,10 +207,14 @@ def build_train_step(job: Job, parallel: Parallelism, model: torch.nn.Module,
         return TrainStep(parallel, compiled, compiled)
 
     def run(micro_batches):
-        # The compiled step accumulates internally: hand it the micro-batches joined.
+        # The compiled step accumulates internally: hand it the micro-batches joined, on the
+        # host, where joining costs no device program; the step's executable transfers them
+        # with its other arguments.
+        if len(micro_batches) == 1:
+            return compiled(micro_batches[0])
         return compiled({k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]})
 
-    return TrainStep(parallel, run, compiled)
+    return TrainStep(parallel, run, compiled, host_batches=True)
 
 
 def _fused(step: Callable) -> Callable:
