@@ -341,6 +341,15 @@ def read(storage: Storage, size: tuple, stride: tuple, offset: int) -> jax.Array
     return _reader(tuple(size), tuple(stride), int(offset))(storage.buffer)
 
 
+def read_to_host(storage: Storage, size: tuple, stride: tuple, offset: int) -> np.ndarray:
+    """The value of the view as a host array. A view of the whole storage is fetched as the
+    buffer is and reshaped on the host: no device program (a reshape) runs for it, which on a
+    TPU is a dispatch and a kernel launch for every scalar the host reads (a step's loss)."""
+    if _is_whole(size, stride, offset, storage.numel):
+        return np.asarray(jax.device_get(storage._resolved())).reshape(size)
+    return np.asarray(jax.device_get(read(storage, size, stride, offset)))
+
+
 def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.Array) -> None:
     """Write ``value`` (broadcast and cast as needed) through the view into ``storage``.
 

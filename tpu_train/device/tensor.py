@@ -311,7 +311,8 @@ def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
 
 def to_host(tensor: TpuTensor) -> torch.Tensor:
     """A CPU copy of a tpu tensor, in its torch dtype (int64 and float64 restored)."""
-    array = np.asarray(jax.device_get(tensor.jax_value()))
+    array = storage_mod.read_to_host(tensor._storage, tuple(tensor.shape), tuple(tensor.stride()),
+                                     tensor.storage_offset())
     if tensor.dtype == torch.bfloat16:
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(np.array(array, dtype=numpy_dtype(tensor.dtype), copy=True))
