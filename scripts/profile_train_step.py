@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Where a training step's time goes: the trainer's compiled step against the hand-written JAX
+reference of the same model (``scripts/jax_llama.py``), on the device, from ``jax.profiler``.
+
+Both modes are built as ``scripts/bench_train_step.py --size`` builds them. Each first runs
+interleaved steps, blocked on the loss (the benchmark's step time); then a few steps of each
+are traced with ``jax.profiler`` and the trace is read back (``ProfileData``). For each mode
+the report gives:
+
+* ``step_ms``: fastest and median blocked step (host + device, as the benchmark measures);
+* ``device_programs``: every XLA program the device ran, with milliseconds and calls per step
+  (the train step should be the only one: any other is a host dispatch per step);
+* ``device_ms_per_step``: the device's busy time per step, and ``host_ms_per_step`` what the
+  blocked step spends beyond it (dispatch, transfers, Python);
+* ``top_ops``: the costliest XLA ops (microseconds per step, the op's HLO head cut short).
+
+On a CPU host the device rows are empty (the CPU client writes no device lines): there, only
+``step_ms`` means anything. Prints ONE JSON line; ``--out DIR`` also writes it, with 40 top ops,
+to ``DIR/profile_<size>.json``. Usage::
+
+    python scripts/profile_train_step.py --size w1|350m|1b [--steps N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TOP_OPS = 40
+
+
+def device_profile(mode, batches: list) -> dict:
+    """Per-step device programs, busy time and top ops of ``mode`` over ``batches``."""
+    import jax
+    from jax._src.lib import _profile_data  # ProfileData: jax.profiler's own trace reader
+
+    steps = len(batches)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for batch in batches:
+                mode.block(mode.step(batch))
+        trace = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+        data = _profile_data.ProfileData.from_file(trace)
+        programs, calls = collections.Counter(), collections.Counter()
+        ops, op_calls = collections.Counter(), collections.Counter()
+        for plane in data.planes:
+            if not plane.name.startswith("/device:") or plane.name.startswith("/device:CPU"):
+                continue
+            for line in plane.lines:
+                table, counts = {"XLA Modules": (programs, calls),
+                                 "XLA Ops": (ops, op_calls)}.get(line.name, (None, None))
+                if table is None:
+                    continue
+                for event in line.events:
+                    table[event.name] += event.duration_ns
+                    counts[event.name] += 1
+    return {
+        "device_programs": {name: {"ms_per_step": round(ns / steps / 1e6, 3),
+                                   "calls_per_step": calls[name] / steps}
+                            for name, ns in programs.most_common()},
+        "device_ms_per_step": round(sum(programs.values()) / steps / 1e6, 3),
+        "top_ops": [{"op": name.split(" = ")[0] + " = " + name.split(" = ", 1)[-1][:160],
+                     "us_per_step": round(ns / steps / 1e3, 1),
+                     "calls_per_step": op_calls[name] / steps}
+                    for name, ns in ops.most_common(TOP_OPS)],
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=("w1", "350m", "1b"), default="w1")
+    parser.add_argument("--steps", type=int, default=20, help="blocked steps per mode")
+    parser.add_argument("--profiled", type=int, default=5, help="traced steps per mode")
+    parser.add_argument("--out", metavar="DIR", help="also write the report here")
+    args = parser.parse_args(argv)
+
+    import jax_llama
+    import train_step_modes as tsm
+    from bench_train_step import make_batches, run_interleaved
+
+    import tpu_train  # noqa: F401
+    from tpu_train.models import Llama
+
+    size = jax_llama.SIZES[args.size]
+    cfg = tsm.trainer_config("bf16")
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    modes = {"compiled": tsm.TrainerMode(cpu_model, cfg),
+             "jax": tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")}
+    batches = make_batches(args.steps + 1, size.vocab_size, batch=size.batch, seq=size.seq)
+    results = {name: {"times": [], "losses": []} for name in modes}
+    run_interleaved(modes, results, batches)
+    report = {"size": args.size, "date": time.strftime("%Y-%m-%d"), **tsm.device_facts(),
+              "modes": {}}
+    for name, mode in modes.items():
+        timed = results[name]["times"][1:]  # the first step compiles
+        median = statistics.median(timed)
+        profile = device_profile(mode, batches[:args.profiled])
+        report["modes"][name] = {
+            "step_ms": {"fastest": round(min(timed) * 1e3, 3), "median": round(median * 1e3, 3)},
+            "host_ms_per_step": (round(median * 1e3 - profile["device_ms_per_step"], 3)
+                                 if profile["device_programs"] else None),
+            **profile}
+    top = {name: mode.pop("top_ops") for name, mode in report["modes"].items()}
+    print(json.dumps(report))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        for name, ops in top.items():
+            report["modes"][name]["top_ops"] = ops
+        with open(os.path.join(args.out, f"profile_{args.size}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
