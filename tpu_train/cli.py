@@ -15,6 +15,7 @@ Usage::
     tpu-train plan model=llama3_1_8b parallel.fsdp=256 plan.chip=v5e
                                                  # per-chip memory and step time of a pod
                                                  # config: analytic and XLA's, no chips needed
+                                                 # (recipe=plan is the same command)
 
 Recipes (``recipe=NAME``): the scripts in the top-level ``recipes/`` (installed as the
 ``tpu_train_recipes`` package); each ``configs/recipe/NAME.yaml`` starts with the command that
@@ -196,6 +197,9 @@ def main() -> None:
             # ``tpu-train plan <overrides>``: the same config tree, the plan recipe; Hydra
             # parses the rest of the command line as usual.
             job, args = _run_plan_job, args[1:]
+        if f"recipe={PLAN_COMMAND}" in args:
+            # ``recipe=plan`` is the same command (plan is listed among the recipes).
+            job, args = _run_plan_job, [a for a in args if a != f"recipe={PLAN_COMMAND}"]
         if any(flag in args for flag in MULTIRUN_FLAGS):
             check_sweep(args, CONFIG_DIR, "config")
         sys.argv = [sys.argv[0], *args]
