@@ -111,3 +111,43 @@ def test_resuming_with_another_lr_says_the_checkpoint_settings_are_kept(tmp_path
     assert "note: optim.lr=1e+10 differs from the resumed checkpoint's 0.0005" in out
     metrics = read_metrics(run_dir)
     assert metrics[3]["train/lr"] < 1e-3  # the checkpoint's schedule went on
+
+
+def test_own_data_runs_on_the_default_model_with_the_seq_len_it_allows(tmp_path):
+    """README's own-data command (data=jsonl, nothing else about the data) on the default
+    model: data.seq_len: null becomes the model's maximum positions, and the run says so."""
+    import json
+
+    from tpu_train.trainer.config import asset_path
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"add {i}+{i}\n", "response": str(2 * i)}) + "\n"
+                            for i in range(40)))
+    run_dir = tmp_path / "run"
+    tiny = [o for o in TINY if not o.startswith("data.seq_len=")]
+    code, out, err = run_in_process(*tiny, "data=jsonl", f"data.path={data}",
+                                    "trainer.max_steps=1", f"run.dir={run_dir}")
+    assert code == 0, err
+    with open(f"{asset_path('base_model')}/config.json") as handle:  # the default model
+        model_max = json.load(handle)["max_position_embeddings"]
+    assert f"note: data.seq_len=null: {model_max} tokens (the model's maximum positions" in out
+    assert f"global batch 2 x {model_max} tokens" in out
+    assert f"seq_len: {model_max}" in (run_dir / "run_config.yaml").read_text()
+
+
+def test_null_seq_len_is_capped_for_models_with_long_positions():
+    from omegaconf import OmegaConf
+
+    from tpu_train.models import get_config
+    from tpu_train.parallel.plan_command import DEFAULT_MAX_SEQ_LEN as PLANNED_CAP
+    from tpu_train.trainer.config import DEFAULT_MAX_SEQ_LEN
+    from tpu_train.trainer.validation import resolve_seq_len
+
+    assert get_config("llama3_1_8b").max_seq_len > DEFAULT_MAX_SEQ_LEN == PLANNED_CAP
+    cfg = OmegaConf.create({"model": {"name": "llama3_1_8b", "checkpoint": None},
+                            "data": {"seq_len": None}})
+    note = resolve_seq_len(cfg)
+    assert cfg.data.seq_len == DEFAULT_MAX_SEQ_LEN
+    assert note.startswith(f"note: data.seq_len=null: {DEFAULT_MAX_SEQ_LEN} tokens (the model "
+                           f"allows {get_config('llama3_1_8b').max_seq_len}")
+    assert resolve_seq_len(cfg) is None  # set: left alone

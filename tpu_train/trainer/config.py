@@ -92,10 +92,16 @@ class DataConfig:
     column_map: Any = None
     format: str = "auto"  # auto (per record), text, instruction or chat
     tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token BPE
-    seq_len: int = 128
+    # null: the model's maximum positions, at most DEFAULT_MAX_SEQ_LEN (a note says which).
+    seq_len: Optional[int] = None
     batch_size: int = 8
     shuffle_buffer: int = 0  # 0: file order
     mask_prompt: bool = True  # no loss on prompt tokens of instruction/chat records
+
+
+# The longest sequence ``data.seq_len: null`` picks where the model allows more: longer
+# sequences cost memory quadratically in attention, and few instruction records need more.
+DEFAULT_MAX_SEQ_LEN = 2048
 
 
 @dataclass

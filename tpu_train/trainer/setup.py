@@ -33,7 +33,7 @@ from .parallelism import Parallelism, setup_parallelism
 from .rng import restore_rng_state, seed_everything
 from .state import load_full_state, restore_hyperparameters
 from .step import EagerStep, causal_lm_loss_sum_and_count
-from .validation import validate_config
+from .validation import resolve_seq_len, validate_config
 from .world import World, start_processes
 
 
@@ -74,6 +74,7 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
 def start(cfg: DictConfig) -> Job:
     """Check the configuration, join the job's processes, seed, and pick the device."""
     validate_config(cfg)
+    seq_len_note = resolve_seq_len(cfg)
     world = start_processes()
     trainer = cfg.trainer
     device = builders.resolve_device(trainer.device)
@@ -81,7 +82,7 @@ def start(cfg: DictConfig) -> Job:
         torch.set_num_threads(trainer.cpu_threads)
     seed_everything(trainer.seed)
     return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
-               Precision(trainer.precision))
+               Precision(trainer.precision), notes=[seq_len_note] if seq_len_note else [])
 
 
 def build_tokenizer(cfg: DictConfig):

@@ -234,7 +234,8 @@ def _validate_model_and_data(cfg) -> None:
     data = cfg.data
     _require(data.format in DATA_FORMATS,
              f"data.format={data.format!r} is not a format; valid formats: {', '.join(DATA_FORMATS)}")
-    _require(data.seq_len >= 2, f"data.seq_len must be >= 2, got {data.seq_len}")
+    _require(data.seq_len is None or data.seq_len >= 2,
+             f"data.seq_len must be >= 2 or null (the model's maximum), got {data.seq_len}")
     from .builders import hf_checkpoint, model_config
 
     # The architecture of a Hugging Face model.checkpoint (its config.json, read and checked
@@ -242,12 +243,29 @@ def _validate_model_and_data(cfg) -> None:
     model_max = model_config(cfg).max_seq_len
     where = ("model.checkpoint's config.json" if hf_checkpoint(cfg) is not None
              else cfg.model.name)
-    _require(data.seq_len <= model_max,
-             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where})")
+    _require(data.seq_len is None or data.seq_len <= model_max,
+             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
+             "lower it, or set data.seq_len=null for the model's maximum")
     _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
     _require(data.tokenizer is None or Path(data.tokenizer).exists(),
              f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
              "the bundled one")
+
+
+def resolve_seq_len(cfg: DictConfig) -> str | None:
+    """Fill in ``data.seq_len: null`` (the default of ``data=jsonl``) with the longest sequence
+    the model allows, at most :data:`DEFAULT_MAX_SEQ_LEN`; returns the note that says so, or
+    None when ``data.seq_len`` was set. Call after :func:`validate_config`."""
+    from .builders import model_config
+    from .config import DEFAULT_MAX_SEQ_LEN
+
+    if cfg.data.seq_len is not None:
+        return None
+    model_max = int(model_config(cfg).max_seq_len)
+    cfg.data.seq_len = min(model_max, DEFAULT_MAX_SEQ_LEN)
+    why = ("the model's maximum positions" if cfg.data.seq_len == model_max else
+           f"the model allows {model_max}; longer sequences cost memory quadratically")
+    return f"note: data.seq_len=null: {cfg.data.seq_len} tokens ({why}; set data.seq_len to change)"
 
 
 def _validate_recipe_settings(recipe) -> None:
