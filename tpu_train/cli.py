@@ -41,7 +41,9 @@ Runs: everything a run writes goes under ``run.dir`` (default ``runs/<recipe>/<t
 ``checkpoints/step_NNNNNNNN/`` (atomic; the last ``checkpoint.keep_last`` are kept),
 ``tensorboard/``, ``train.log`` and, at the end, ``hf/`` (a Hugging Face export). Starting a
 command on a directory that holds a checkpoint resumes it exactly (model, optimizer, schedule,
-RNG and data position). SIGINT/SIGTERM save a checkpoint and exit cleanly; a non-finite loss
+RNG and data position); ``run.dir=latest`` names the newest unfinished run of the recipe.
+SIGINT/SIGTERM save a checkpoint and exit cleanly, printing the command that resumes (with its
+concrete ``run.dir``); a non-finite loss
 stops the run (or skips the update with ``trainer.on_nan=skip``) keeping the last good checkpoint.
 
 Errors in the configuration or the data are reported as one line,

@@ -90,6 +90,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     saved = list_checkpoints(run_dir)
     assert saved, "the first (finite) steps must have been checkpointed"
     assert f"{saved[-1][1]}" in err
+    assert f"after the change, resume with: tpu-train " in err and f"run.dir={run_dir}" in err
     losses = read_metrics(run_dir)
     assert all(record["train/loss"] == record["train/loss"] for record in losses.values())
 

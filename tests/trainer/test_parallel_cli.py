@@ -195,6 +195,35 @@ def test_two_processes_train_one_model_then_resume_on_one(one_device, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+def test_a_sharded_checkpoint_resumes_on_one_device(one_device, tmp_path):
+    """Two processes write sharded checkpoints; one process on ONE device resumes from the
+    step-2 one and replays steps 3-6 with the losses of a run on one device throughout. The
+    eager step cannot hold a sharded checkpoint: one line names the setting to change."""
+    run_dir = tmp_path / "run"
+    common = [*COMMON, "checkpoint.every_n_steps=2", "checkpoint.keep_last=3", f"run.dir={run_dir}"]
+    done = subprocess.run([sys.executable, "-m", "tpu_train.launch", "--nproc", "2", "-m",
+                           "tpu_train.cli", *common, *LAYOUTS["fsdp8"]], env=_env(4),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    assert json.loads((checkpoint / "meta.json").read_text())["layout"] == "sharded"
+
+    code, out, err = run_in_process(*common, "trainer.mode=eager", "trainer.device=cpu",
+                                    "parallel.data=1", "checkpoint.load_step=2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is a sharded checkpoint" in err and "set trainer.mode=compiled trainer.device=tpu" in err
+
+    done = subprocess.run([sys.executable, "-m", "tpu_train.cli", *common, "parallel.data=-1",
+                           "checkpoint.load_step=2"], env=_env(1), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=1 fsdp=1 tensor=1 (1 device, 1 process)" in done.stdout
+    assert "(resumed from step_00000002)" in done.stdout
+    assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_torchrun_two_processes_one_run_dir(one_device, tmp_path):
     run_dir = tmp_path / "run"

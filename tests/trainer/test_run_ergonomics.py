@@ -106,7 +106,7 @@ def test_resuming_with_another_lr_says_the_checkpoint_settings_are_kept(tmp_path
     code, _, err = run_in_process(*TINY, "trainer.max_steps=2", f"run.dir={run_dir}")
     assert code == 0, err
     code, out, err = run_in_process(*TINY, "trainer.max_steps=3", "optim.lr=1e10",
-                                    f"run.dir={run_dir}")
+                                    "scheduler.extend=true", f"run.dir={run_dir}")
     assert code == 0, err
     assert "note: optim.lr=1e+10 differs from the resumed checkpoint's 0.0005" in out
     metrics = read_metrics(run_dir)
@@ -151,3 +151,90 @@ def test_null_seq_len_is_capped_for_models_with_long_positions():
     assert note.startswith(f"note: data.seq_len=null: {DEFAULT_MAX_SEQ_LEN} tokens (the model "
                            f"allows {get_config('llama3_1_8b').max_seq_len}")
     assert resolve_seq_len(cfg) is None  # set: left alone
+
+
+def _stop_after_first_step(tmp_path, *overrides: str) -> tuple[str, str]:
+    """``tpu-train overrides...`` in a child process working in ``tmp_path`` (so the default
+    run.dir lands there), stopped by SIGINT (Ctrl-C) once a step is logged; (stdout, stderr)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *overrides], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while not any(read_metrics(d) for d in tmp_path.glob("runs/*/*")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    return out, err
+
+
+def test_ctrl_c_prints_the_command_that_resumes_and_run_dir_latest_finds_it(tmp_path,
+                                                                           monkeypatch):
+    import shlex
+
+    steps = ["trainer.max_steps=40", "checkpoint.every_n_steps=1000"]
+    out, _ = _stop_after_first_step(tmp_path, *TINY, *steps)
+    (run_dir,) = list((tmp_path / "runs" / "llama_finetune").iterdir())  # the default run.dir
+    (stop_line,) = [line for line in out.splitlines() if line.startswith("stopped by SIGINT")]
+    command = stop_line.split("Resume with: ", 1)[1]
+    args = shlex.split(command)
+    assert args[0] == "tpu-train" and args[1:-1] == [*TINY, *steps], args
+    assert args[-1] == f"run.dir=runs/llama_finetune/{run_dir.name}"
+    stopped_at = max(read_metrics(run_dir))
+    assert stopped_at < 40
+
+    monkeypatch.chdir(tmp_path)
+    # run.dir=latest: the newest unfinished run of the recipe.
+    code, out, err = run_in_process(*TINY, *steps, "run.dir=latest")
+    assert code == 0, err
+    assert (f"note: run.dir=latest: resuming runs/llama_finetune/{run_dir.name} from step "
+            f"{stopped_at} of 40") in out
+    assert f"(resumed from step_{stopped_at:08d})" in out and "finished step 40/40" in out
+    assert [p.name for p in (tmp_path / "runs" / "llama_finetune").iterdir()] == [run_dir.name]
+    # The printed command resumes the same run (finished now: nothing left to train).
+    code, out, err = run_in_process(*args[1:])
+    assert code == 0, err
+    assert "(resumed from step_00000040)" in out and f"run dir: runs/llama_finetune/{run_dir.name}" in out
+    # No unfinished run is left: one line, nothing written.
+    before = snapshot(tmp_path)
+    code, out, err = run_in_process(*TINY, *steps, "run.dir=latest")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "run.dir=latest: no unfinished run of recipe llama_finetune under runs/llama_finetune/" in err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_larger_max_steps_on_resume_is_refused_or_extends_the_schedule(tmp_path):
+    """WSD over 4 steps (warmup 1, decay over the last round(0.2 * 4) = 1 step) ends at lr 0:
+    resuming with trainer.max_steps=6 would train two steps at lr 0. Refused in one line
+    naming that rate; with scheduler.extend=true the 6-step schedule goes on (decay over its
+    last round(0.2 * 6) = 1 step): step 5 at the full lr, step 6 at 0."""
+    run_dir = tmp_path / "run"
+    common = [*TINY, "scheduler=wsd", "scheduler.warmup_steps=1", "optim.lr=5e-4",
+              f"run.dir={run_dir}"]
+    code, _, err = run_in_process(*common, "trainer.max_steps=4")
+    assert code == 0, err
+    assert read_metrics(run_dir)[4]["train/lr"] == 0.0
+    before = snapshot(run_dir)
+    code, out, err = run_in_process(*common, "trainer.max_steps=6")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("trainer.max_steps=6 goes past the resumed schedule, which ends at step 4: steps "
+            "5-6 would train at lr 0; set scheduler.extend=true") in err
+    assert snapshot(run_dir) == before
+
+    code, out, err = run_in_process(*common, "trainer.max_steps=6", "scheduler.extend=true")
+    assert code == 0, err
+    assert "note: scheduler.extend=true: the schedule now ends at step 6 instead of 4; lr 0 -> " \
+           "0.0005 at step 5" in out
+    metrics = read_metrics(run_dir)
+    assert metrics[5]["train/lr"] == pytest.approx(5e-4, rel=1e-6)
+    assert metrics[6]["train/lr"] == 0.0

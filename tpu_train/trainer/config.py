@@ -132,6 +132,10 @@ class SchedulerConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # final lr as a fraction of optim.lr
     decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying at the end
+    # Resuming with a larger trainer.max_steps: recompute the schedule for it (the lr follows
+    # the longer schedule from the resumed step on). false: such a resume is refused, naming
+    # the lr the extra steps would train at (the resumed schedule's final one).
+    extend: bool = False
 
 
 @dataclass
@@ -196,7 +200,8 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    # A directory that already holds a checkpoint is resumed.  In a multirun each job gets
+    # A directory that already holds a checkpoint is resumed; "latest": the newest unfinished
+    # run of the recipe under runs/<recipe>/ (trainer.run_dirs).  In a multirun each job gets
     # <dir>/<job number>.
     dir: str = "runs/${recipe.name}/${now:%Y-%m-%d_%H-%M-%S}"
 

@@ -27,13 +27,11 @@ from .evaluation import (HostEvaluationModel, compiled_decoder, decodes_compiled
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .parallelism import Parallelism, bytes_per_device, peak_bytes_per_device
 from .rng import capture_rng_state
+from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .setup import Data, Job, TrainStep
 from .state import full_model_state, full_optimizer_state, hyperparameters
 from .summary import describe_compilation, start_summary, final_summary
 
-# Not config.yaml: ``--config-dir RUN --config-name config`` would then pick it instead of the
-# packaged primary config.
-SAVED_CONFIG_FILE = "run_config.yaml"
 
 
 class _StopRequest:
@@ -376,12 +374,12 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
                                   bytes_per_device(parallel, model, optimizer)):
             logger.line(line)
         validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
-        stopped_by = run.train(validate, _Throughput(job, model, logger))
+        stopped_by = _train_or_say_how_to_resume(run, validate, _Throughput(job, model, logger))
         run.checkpoints.wait()
         step, export_dir = run.step, None
         if stopped_by is not None:
-            logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved, rerun the "
-                        "same command to resume")
+            logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved. Resume with: "
+                        f"{resume_command(job.run_dir, job.world.size)}")
         else:
             # The final model is always validated (a resumed, already finished run included).
             if (trainer.val_every_n_steps and validate.last.get("step") != step
@@ -396,6 +394,24 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
     finally:
         logger.close()
     return job.run_dir
+
+
+def _train_or_say_how_to_resume(run: _Run, validate: _Validator,
+                                throughput: _Throughput) -> str | None:
+    """``run.train``; a run that stops on an error says how to resume from its newest
+    checkpoint (the default run.dir is a new timestamp each time: the command names it)."""
+    job = run.job
+    try:
+        return run.train(validate, throughput)
+    except Exception as exc:
+        if latest_checkpoint(job.run_dir) is None:
+            raise
+        how = f"resume with: {resume_command(job.run_dir, job.world.size)}"
+        if isinstance(exc, TrainingStopped):
+            raise TrainingStopped(f"{exc}; after the change, {how}") from exc
+        run.logger.line(f"the run failed at step {run.step} ({type(exc).__name__}); its newest "
+                        f"checkpoint is kept; {how}")
+        raise
 
 
 def _log_memory(logger: RunLogger, parallel: Parallelism, model, optimizer, step: int) -> None:

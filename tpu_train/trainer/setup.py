@@ -31,6 +31,8 @@ from .config import OPTIMIZERS, OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
 from .parallelism import Parallelism, setup_parallelism
 from .rng import restore_rng_state, seed_everything
+from .schedules import continue_schedule
+from .run_dirs import resolve_latest
 from .state import load_full_state, restore_hyperparameters
 from .step import EagerStep, causal_lm_loss_sum_and_count
 from .validation import resolve_seq_len, validate_config
@@ -73,6 +75,7 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
 
 def start(cfg: DictConfig) -> Job:
     """Check the configuration, join the job's processes, seed, and pick the device."""
+    latest_note = resolve_latest(cfg)  # run.dir=latest: the directory it names, first
     validate_config(cfg)
     seq_len_note = resolve_seq_len(cfg)
     world = start_processes()
@@ -82,7 +85,8 @@ def start(cfg: DictConfig) -> Job:
         torch.set_num_threads(trainer.cpu_threads)
     seed_everything(trainer.seed)
     return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
-               Precision(trainer.precision), notes=[seq_len_note] if seq_len_note else [])
+               Precision(trainer.precision),
+               notes=[note for note in (latest_note, seq_len_note) if note])
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -282,16 +286,21 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
         raise ConfigError(f"cannot read checkpoint {found} ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); choose "
                           "another checkpoint.load_step or a new run.dir") from exc
+    if model_state is None and step.compiled is None:
+        raise ConfigError(
+            f"{found} is a sharded checkpoint (written by several processes sharing one mesh); "
+            "it resumes with the compiled step, on any mesh or one device: set "
+            "trainer.mode=compiled trainer.device=tpu")
     try:
         if model_state is not None:
             load_full_state(model, optimizer, parallel, model_state, training_state["optimizer"])
             step.place()
         else:
-            if step.compiled is None or parallel.layout != "spmd":
-                raise ValueError("a sharded checkpoint resumes with trainer.mode=compiled")
             from tpu_train.parallel.sharded_checkpoint import load_sharded
 
             step.place()
+            if parallel.layout != "spmd":  # one device: no placement made the optimizer state
+                _create_optimizer_state(step.compiled)
             load_sharded(found / SHARDED_DIR, step.compiled)
             restore_hyperparameters(optimizer, training_state["param_groups"])
         scheduler.load_state_dict(training_state["scheduler"])
@@ -303,7 +312,20 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
             "run.dir or the original settings") from exc
     restore_rng_state(training_state["rng"], job.device)
     _note_kept_settings(job, training_state)
+    note = continue_schedule(scheduler, job.cfg.scheduler, job.cfg.trainer.max_steps,
+                             int(meta["step"]))
+    if note:
+        job.notes.append(note)
     return int(meta["step"]), found
+
+
+def _create_optimizer_state(compiled) -> None:
+    """The optimizer state a sharded checkpoint restores into, created as ``torch.optim``
+    would at its first step (on a mesh, placing the step creates it)."""
+    for group in compiled.optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                compiled.adapter.ensure_state(p, group)
 
 
 def _note_kept_settings(job: Job, training_state: dict) -> None:
