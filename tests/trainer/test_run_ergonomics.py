@@ -238,3 +238,114 @@ def test_a_larger_max_steps_on_resume_is_refused_or_extends_the_schedule(tmp_pat
     metrics = read_metrics(run_dir)
     assert metrics[5]["train/lr"] == pytest.approx(5e-4, rel=1e-6)
     assert metrics[6]["train/lr"] == 0.0
+
+
+def test_progress_lines_carry_an_eta_once_there_is_a_rate(tmp_path):
+    import re
+
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=4", f"run.dir={run_dir}")
+    assert code == 0, err
+    lines = {int(m.group(1)): line for line in out.splitlines()
+             if (m := re.match(r"step (\d)/4 \| loss", line))}
+    assert sorted(lines) == [1, 2, 3, 4]
+    # Step 1 (it compiles, in other modes) gives no rate; the last step has nothing left.
+    assert "eta" not in lines[1] and "eta" not in lines[4]
+    for step in (2, 3):
+        assert re.search(r" \| eta \d+:\d\d$", lines[step]), lines[step]
+
+
+def test_third_party_noise_is_off_unless_verbose(tmp_path):
+    """In a fresh process: the libraries' warnings and log records are dropped by default and
+    come through with verbose=True; the run's own loggers are untouched either way."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import logging, sys, warnings\n"
+              "from tpu_train.trainer.log_noise import quiet_third_party_logs\n"
+              "logging.basicConfig()\n"
+              "quiet_third_party_logs(sys.argv[1] == 'verbose')\n"
+              "warnings.warn_explicit('hf noise', UserWarning, 'x.py', 1, module='transformers.x')\n"
+              "logging.getLogger('jax._src.xla_bridge').warning('jax noise')\n"
+              "logging.getLogger('absl').warning('absl noise')\n"
+              "logging.getLogger('jax').error('jax error')\n"
+              "logging.getLogger('mine').warning('mine shows')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL",
+                                                             "TRANSFORMERS_VERBOSITY")}
+    noise = ("hf noise", "jax noise", "absl noise")
+    for mode in ("quiet", "verbose"):
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True,
+                              text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "mine shows" in done.stderr and "jax error" in done.stderr, done.stderr
+        shown = [text for text in noise if text in done.stderr]
+        assert shown == ([] if mode == "quiet" else list(noise)), done.stderr
+
+
+def test_the_command_line_keeps_xla_warnings_off_before_jax_starts(monkeypatch):
+    import os
+
+    import tpu_train
+
+    for argv, quiet in [(["python", "-m", "tpu_train.cli", "trainer.max_steps=2"], True),
+                        (["python", "-m", "tpu_train.cli", "logging.verbose=true"], False),
+                        (["python", "train.py"], False)]:  # a user's script importing tpu_train
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+        monkeypatch.setattr("sys.orig_argv", argv)
+        monkeypatch.setattr("sys.argv", ["-m", *argv[3:]] if "-m" in argv else argv[1:])
+        tpu_train._quiet_xla_for_the_command_line()
+        assert (os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2") == quiet, argv
+
+
+def test_the_summary_compares_the_starting_model_with_the_final_one(tmp_path):
+    """trainer.val_at_start validates the model before step 1; a resumed run's summary still
+    compares with those step-0 figures (from metrics.jsonl); val_at_start=false skips it."""
+    import json
+    import re
+
+    run_dir = tmp_path / "run"
+    validation = ["trainer.val_every_n_steps=2", "trainer.val_batches=1",
+                  "recipe.eval.exact_match_examples=2", "recipe.eval.max_new_tokens=4"]
+    common = [*TINY, *validation, f"run.dir={run_dir}"]
+    code, out, err = run_in_process(*common, "trainer.max_steps=2")
+    assert code == 0, err
+    assert "\nstep 0/2 | validation | " in out
+    code, out, err = run_in_process(*common, "trainer.max_steps=4", "scheduler.extend=true")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = {row["step"]: row for row in rows if "val/loss" in row}
+    assert sorted(val) == [0, 2, 4]  # step 0 once: the resumed run did not validate it again
+    summary = out[out.index("finished step 4/4"):]
+    assert (f"validation at step 4: exact match {val[0]['val/exact_match']:.1%} -> "
+            f"{val[4]['val/exact_match']:.1%} on 2 held-out examples, loss "
+            f"{val[0]['val/loss']:.4f} -> {val[4]['val/loss']:.4f}") in summary, summary
+    assert re.search(r"wall time: +[0-9.]+ s", summary), summary
+
+    other = tmp_path / "other"
+    code, out, err = run_in_process(*TINY, *validation, "trainer.max_steps=2",
+                                    "trainer.val_at_start=false", f"run.dir={other}")
+    assert code == 0, err
+    assert "step 0/2 | validation" not in out and "\nstep 2/2 | validation | " in out
+    assert " -> " not in out[out.index("finished step 2/2"):]
+
+
+def test_stdout_line_filter_drops_only_gloo_connection_lines():
+    """Writes to file descriptor 1 (as Gloo's C++ code does) and through Python, in a fresh
+    process: the connection lines go, everything else arrives in order, the unterminated last
+    line included."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys\n"
+              "from tpu_train.trainer.log_noise import quiet_process_group_noise\n"
+              "assert quiet_process_group_noise(2, verbose=True) is None\n"
+              "quiet_process_group_noise(2, verbose=False)\n"
+              "print('first', flush=True)\n"
+              "os.write(1, b'[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of '\n"
+              "            b'connected peer ranks is : 7\\n')\n"
+              "print('[Gloo] something else')\n"
+              "sys.stdout.write('last, unterminated')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"first\n[Gloo] something else\nlast, unterminated", done.stdout

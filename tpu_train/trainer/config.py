@@ -169,6 +169,9 @@ class LoggingConfig:
     # [first, last] steps to profile (PyTorch host trace + XLA device trace) into the
     # TensorBoard directory's profile plugin; null: no profiling.
     profile_steps: Optional[List[int]] = None
+    # true: third-party logging (jax/absl, transformers, datasets, XLA's C++ logs, warnings
+    # from those libraries) as they print it; false keeps the run's own lines only.
+    verbose: bool = False
 
 
 @dataclass
@@ -190,6 +193,9 @@ class TrainerConfig:
     # stack; false: none (docs/compile.md).
     scan_layers: Optional[bool] = None
     val_every_n_steps: int = 50  # 0 disables periodic validation
+    # Validate the starting model before the first step too (where validation is on), so the
+    # summary compares it with the final one; a resumed run reuses the first run's figures.
+    val_at_start: bool = True
     val_batches: int = 4
     on_nan: OnNonFinite = OnNonFinite.stop
     # PyTorch intra-op threads on the host; null keeps PyTorch's default (one per core).  On a

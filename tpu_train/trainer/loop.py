@@ -105,6 +105,7 @@ class _Validator:
         self.host = HostEvaluationModel(make_host_model) if on_host else None
         self.decoder = compiled_decoder(model) if _decodes_on_device(job, parallel) else None
         self.last: dict = {}
+        self.first: dict = {}  # the starting model's figures (step 0)
 
     def enabled(self) -> bool:
         return self.data.has_val_loss or self.data.exact_match_path is not None
@@ -138,6 +139,21 @@ class _Validator:
             self.logger.line(f"step {step}/{cfg.trainer.max_steps} | validation | "
                              + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
         self.last = {"step": step, "values": values, "examples": scored[1] if scored else 0}
+        if step == 0:
+            self.first = self.last
+
+    def at_start(self, start_step: int) -> None:
+        """Validate the starting model (step 0) when ``trainer.val_at_start``; a resumed run
+        takes the first run's step-0 figures from ``metrics.jsonl`` instead."""
+        trainer = self.job.cfg.trainer
+        if not (trainer.val_every_n_steps and trainer.val_at_start and self.enabled()):
+            return
+        if start_step == 0:
+            self(0)
+            return
+        values = self.logger.recorded("val", 0)
+        if values:
+            self.first = {"step": 0, "values": values, "examples": None}
 
 
 def _decodes_on_device(job: Job, parallel: Parallelism) -> bool:
@@ -266,6 +282,16 @@ class _Run:
         # the count of skipped updates carries on from its last row.
         last = self.logger.truncate_metrics_after(start_step)
         self.skipped_updates = int(last.get("train/skipped_updates") or 0)
+        self._rate_from = (start_step + 1, time.perf_counter())
+
+    def _eta(self, step: int) -> float | None:
+        """Seconds to ``trainer.max_steps`` at the wall-clock rate since the first step of
+        this run (validation and checkpoints included); None before there is a rate."""
+        first, since = self._rate_from
+        if step <= first:
+            return None
+        per_step = (time.perf_counter() - since) / (step - first)
+        return per_step * (self.job.cfg.trainer.max_steps - step)
 
     def save(self) -> None:
         _save(self.job, self.parallel, self.step_fn, self.model, self.optimizer, self.scheduler,
@@ -333,8 +359,10 @@ class _Run:
             logger.line(f"step {step}: loss is {scalars['loss']}, gradient norm "
                         f"{scalars['grad_norm']}; update skipped (trainer.on_nan=skip; "
                         f"{self.skipped_updates} skipped so far)")
+        if step == self.start_step + 1:  # the first step compiles: the rate starts after it
+            self._rate_from = (step, time.perf_counter())
         if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
-            logger.line(format_log_line(step, trainer.max_steps, scalars))
+            logger.line(format_log_line(step, trainer.max_steps, scalars, self._eta(step)))
         if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
             validate(step)
         if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
@@ -374,6 +402,7 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
                                   bytes_per_device(parallel, model, optimizer)):
             logger.line(line)
         validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
+        validate.at_start(start_step)
         stopped_by = _train_or_say_how_to_resume(run, validate, _Throughput(job, model, logger))
         run.checkpoints.wait()
         step, export_dir = run.step, None
@@ -390,7 +419,8 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
                 _export(export_model() if export_model else model, parallel, export_dir,
                         tokenizer, main)
         logger.line(final_summary(job.run_dir, logger, step, trainer.max_steps,
-                                  latest_checkpoint(job.run_dir), export_dir, validate.last, source))
+                                  latest_checkpoint(job.run_dir), export_dir, validate.last, source,
+                                  start=validate.first, wall_s=time.monotonic() - job.started))
     finally:
         logger.close()
     return job.run_dir

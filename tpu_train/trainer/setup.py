@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -29,6 +30,7 @@ from .checkpoint import (SHARDED_DIR, checkpoint_dirs, checkpoint_layout, latest
                          read_checkpoint, verify_checkpoint)
 from .config import OPTIMIZERS, OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
+from .log_noise import quiet_process_group_noise, quiet_third_party_logs
 from .parallelism import Parallelism, setup_parallelism
 from .rng import restore_rng_state, seed_everything
 from .schedules import continue_schedule
@@ -36,7 +38,7 @@ from .run_dirs import resolve_latest
 from .state import load_full_state, restore_hyperparameters
 from .step import EagerStep, causal_lm_loss_sum_and_count
 from .validation import resolve_seq_len, validate_config
-from .world import World, start_processes
+from .world import World, requested_world_size, start_processes
 
 
 @dataclasses.dataclass
@@ -51,6 +53,8 @@ class Job:
     precision: Precision
     # Lines for train.log found before it exists (e.g. a damaged checkpoint passed over).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # time.monotonic() when the job started (the summary's wall time counts from here).
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -75,6 +79,8 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
 
 def start(cfg: DictConfig) -> Job:
     """Check the configuration, join the job's processes, seed, and pick the device."""
+    quiet_third_party_logs(bool(cfg.logging.verbose))  # before anything starts XLA
+    quiet_process_group_noise(requested_world_size(), bool(cfg.logging.verbose))
     latest_note = resolve_latest(cfg)  # run.dir=latest: the directory it names, first
     validate_config(cfg)
     seq_len_note = resolve_seq_len(cfg)
