@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,7 +156,9 @@ def _processes_naming(text: str) -> list[int]:
 def _assert_one_writer(run_dir: Path, steps: int = STEPS) -> None:
     """Process 0 alone wrote the run: one opening block and one row per step."""
     lines = (run_dir / "train.log").read_text().splitlines()
-    assert sum(" device: " in line for line in lines) == 1, lines
+    # Console lines carry the time they were written ("2026-12-04 08:51:02 device: ...").
+    assert sum(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d device: ", line) is not None
+               for line in lines) == 1, lines
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "train/loss" in r]) == steps
 

@@ -331,9 +331,9 @@ def test_the_summary_compares_the_starting_model_with_the_final_one(tmp_path):
 
 
 def test_stdout_line_filter_drops_only_gloo_connection_lines():
-    """Writes to file descriptor 1 (as Gloo's C++ code does) and through Python, in a fresh
-    process: the connection lines go, everything else arrives in order, the unterminated last
-    line included."""
+    """Writes to file descriptor 1 (as Gloo's C++ code does, whole or two ranks' lines woven
+    into each other) and through Python, in a fresh process: the connection lines go,
+    everything else arrives in order, the unterminated last line included."""
     import subprocess
     import sys
 
@@ -344,6 +344,9 @@ def test_stdout_line_filter_drops_only_gloo_connection_lines():
               "print('first', flush=True)\n"
               "os.write(1, b'[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of '\n"
               "            b'connected peer ranks is : 7\\n')\n"
+              "os.write(1, b'[Gloo] Rank 3[Gloo] Rank 2 is connected to 7 peer ranks. Expected '\n"
+              "            b'number of connected peer ranks is : 7\\n is connected to 7 peer '\n"
+              "            b'ranks. Expected number of connected peer ranks is : 7\\n')\n"
               "print('[Gloo] something else')\n"
               "sys.stdout.write('last, unterminated')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)

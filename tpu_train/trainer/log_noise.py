@@ -50,15 +50,28 @@ def quiet_third_party_logs(verbose: bool) -> None:
     warnings.filterwarnings("ignore", module=_QUIET_WARNING_MODULES)
 
 
-# What Gloo prints on stdout (unconditionally, from C++) each time a group connects: torch's at
-# every sharded checkpoint, jax's CPU collectives once per device; one line per process.
-GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
-                            rb"Expected number of connected peer ranks is : \d+\s*")
+# What Gloo prints on stdout (unconditionally, from C++) each time a group connects, one line
+# per rank: torch's at every sharded checkpoint, jax's CPU collectives once per device. The
+# ranks of one process print from several threads at once, so their lines arrive woven into
+# each other in pieces ("[Gloo] Rank 3[Gloo] Rank 2 is connected to 7 ..."): the filter removes
+# the pieces and drops a line left with nothing but their numbers.
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. ?|"
+                            rb"Expected number of connected peer ranks is : ")
+_LEFT_OF_A_GLOO_LINE = b" \t\r0123456789"
+
+
+def without_gloo_pieces(line: bytes, pattern: re.Pattern = GLOO_CONNECTED) -> bytes | None:
+    """``line`` without the pieces of Gloo's connection lines; None when nothing else is left."""
+    kept, removed = pattern.subn(b"", line)
+    if not removed:
+        return line
+    return None if not kept.strip(_LEFT_OF_A_GLOO_LINE) else kept
 
 
 class StdoutLineFilter:
-    """Drops whole lines matching ``pattern`` from everything written to file descriptor 1,
-    Python's and C++'s alike: fd 1 becomes a pipe that a thread copies to the real stdout.
+    """Takes the pieces ``pattern`` matches out of every line written to file descriptor 1,
+    Python's and C++'s alike, and drops lines left empty (:func:`without_gloo_pieces`): fd 1
+    becomes a pipe that a thread copies to the real stdout.
 
     :meth:`close` (also run at exit) restores fd 1 and copies what is left; a process ended by
     ``os._exit`` may lose the lines still in the pipe."""
@@ -83,8 +96,8 @@ class StdoutLineFilter:
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
-            kept = b"".join(line + b"\n" for line in lines if not self.pattern.fullmatch(line))
-            self._write(kept)
+            kept = [without_gloo_pieces(line, self.pattern) for line in lines]
+            self._write(b"".join(line + b"\n" for line in kept if line is not None))
         self._write(pending)
         os.close(self._read)
 

@@ -91,6 +91,18 @@ def _validate_run_dir(cfg: DictConfig) -> None:
     _require(os.access(existing, os.W_OK | os.X_OK),
              f"run.dir={str(raw)!r}: {str(existing)!r} is not writable; choose a directory "
              "you can write to")
+    if existing != path:
+        # Permission bits do not tell everything: a pseudo-filesystem (/proc, /sys) or a
+        # read-only mount refuses new directories. An empty directory made and removed at once
+        # is the one reliable test.
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".tpu-train-probe-", dir=existing))
+        except OSError as exc:
+            raise ConfigError(
+                f"run.dir={str(raw)!r}: no directory can be created under {str(existing)!r} "
+                f"({exc.strerror or exc}); choose a directory on a writable filesystem") from None
 
 
 def _validate_logging_and_checkpoint(cfg: DictConfig) -> None:
