@@ -352,3 +352,18 @@ def test_stdout_line_filter_drops_only_gloo_connection_lines():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == b"first\n[Gloo] something else\nlast, unterminated", done.stdout
+
+
+def test_max_minutes_stops_with_a_checkpoint_and_the_command_that_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = run_in_process(*TINY, "trainer.max_steps=1000", "trainer.max_minutes=0.0001",
+                                    "checkpoint.every_n_steps=1000", f"run.dir={run_dir}")
+    assert code == 0, err
+    (stop_line,) = [line for line in out.splitlines() if line.startswith("stopped by ")]
+    step = max(read_metrics(run_dir))
+    assert stop_line.startswith(f"stopped by trainer.max_minutes=0.0001 at step {step}; "
+                                "checkpoint saved. Resume with: tpu-train "), stop_line
+    assert stop_line.endswith(f"run.dir={run_dir}") and step < 1000
+    assert f"stopped at step {step}/1000" in out
+    code, _, err = run_in_process(*TINY, "trainer.max_minutes=0", f"run.dir={tmp_path / 'x'}")
+    assert code == 2 and "trainer.max_minutes must be > 0 or null" in err, err

@@ -198,6 +198,9 @@ class TrainerConfig:
     val_at_start: bool = True
     val_batches: int = 4
     on_nan: OnNonFinite = OnNonFinite.stop
+    # Stop (saving a checkpoint, printing the command that resumes) once this many minutes of
+    # training have passed, e.g. before a reservation ends; null: no limit.
+    max_minutes: Optional[float] = None
     # PyTorch intra-op threads on the host; null keeps PyTorch's default (one per core).  On a
     # CPU shared with other jobs, threads that wait for each other can make steps many times
     # slower than one thread.

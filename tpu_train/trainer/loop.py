@@ -35,11 +35,21 @@ from .summary import describe_compilation, start_summary, final_summary
 
 
 class _StopRequest:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps."""
+    """Turns SIGINT/SIGTERM, and the end of ``trainer.max_minutes`` of training, into a flag
+    the loop checks between steps."""
 
-    def __init__(self):
-        self.signal_name: str | None = None
+    def __init__(self, max_minutes: float | None = None):
+        self._signal_name: str | None = None
         self._previous = {}
+        self._max_minutes = max_minutes
+        self._deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+
+    @property
+    def signal_name(self) -> str | None:
+        if (self._signal_name is None and self._deadline is not None
+                and time.monotonic() >= self._deadline):
+            self._signal_name = f"trainer.max_minutes={self._max_minutes:g}"
+        return self._signal_name
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -47,7 +57,7 @@ class _StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self._signal_name = signal.Signals(signum).name
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():
@@ -319,13 +329,14 @@ class _Run:
             "check the data, or set trainer.on_nan=skip")
 
     def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
-        """Step to ``trainer.max_steps``; returns the signal that stopped it early, if any."""
+        """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
+        ``trainer.max_minutes``), if anything."""
         cfg, trainer, logger = self.job.cfg, self.job.cfg.trainer, self.logger
         batches = iter(self.data.train)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
         if self.step_fn.compiled is not None and self.step < trainer.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest() as stop, profiler:
+        with _StopRequest(trainer.max_minutes) as stop, profiler:
             while self.step < trainer.max_steps and stop.signal_name is None:
                 micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
                 profiler.before(self.step + 1)

@@ -210,6 +210,16 @@ def _validate_trainer(trainer) -> None:
              f"trainer.cpu_threads must be >= 1 or null (PyTorch's default), got {trainer.cpu_threads}")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
+    _require(trainer.max_minutes is None or trainer.max_minutes > 0,
+             f"trainer.max_minutes must be > 0 or null (no limit), got {trainer.max_minutes}")
+    if trainer.max_minutes is not None:
+        from .world import requested_world_size
+
+        # Each process would reach its own deadline at a different step, and a checkpoint
+        # needs them all: the limit is for a job of one process.
+        _require(requested_world_size() == 1,
+                 "trainer.max_minutes stops a job of one process; under a launcher set "
+                 "trainer.max_steps instead (or stop the job with SIGTERM: it saves and resumes)")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
 
