@@ -205,8 +205,11 @@ def test_a_sharded_checkpoint_resumes_on_one_device(one_device, tmp_path):
     eager step cannot hold a sharded checkpoint: one line names the setting to change."""
     run_dir = tmp_path / "run"
     common = [*COMMON, "checkpoint.every_n_steps=2", "checkpoint.keep_last=3", f"run.dir={run_dir}"]
+    # As from a user's shell: importing jax in this test process set TF_CPP_MIN_LOG_LEVEL=1
+    # in its environment, which tpu-train would respect.
+    env = {k: v for k, v in _env(4).items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-m", "tpu_train.launch", "--nproc", "2", "-m",
-                           "tpu_train.cli", *common, *LAYOUTS["fsdp8"]], env=_env(4),
+                           "tpu_train.cli", *common, *LAYOUTS["fsdp8"]], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     checkpoint = run_dir / "checkpoints" / "step_00000002"

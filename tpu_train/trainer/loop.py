@@ -33,7 +33,6 @@ from .state import full_model_state, full_optimizer_state, hyperparameters
 from .summary import describe_compilation, start_summary, final_summary
 
 
-
 class _StopRequest:
     """Turns SIGINT/SIGTERM, and the end of ``trainer.max_minutes`` of training, into a flag
     the loop checks between steps."""
