@@ -22,7 +22,7 @@ def _quiet_xla_for_the_command_line() -> None:
     argv = list(getattr(_sys, "orig_argv", _sys.argv))
     command = _os.path.basename(_sys.argv[0]) == "tpu-train" or any(
         flag == "-m" and module == "tpu_train.cli" for flag, module in zip(argv, argv[1:]))
-    if command and "logging.verbose=true" not in argv:
+    if command and "logging.verbose=true" not in (arg.lower() for arg in argv):
         _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

@@ -290,6 +290,8 @@ def test_the_command_line_keeps_xla_warnings_off_before_jax_starts(monkeypatch):
 
     for argv, quiet in [(["python", "-m", "tpu_train.cli", "trainer.max_steps=2"], True),
                         (["python", "-m", "tpu_train.cli", "logging.verbose=true"], False),
+                        (["/venv/bin/python", "/venv/bin/tpu-train", "logging.verbose=True"], False),
+                        (["/venv/bin/python", "/venv/bin/tpu-train", "recipe=llama_lora"], True),
                         (["python", "train.py"], False)]:  # a user's script importing tpu_train
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
         monkeypatch.setattr("sys.orig_argv", argv)
