@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from tpu_train import trainer
 from tpu_train.trainer import ConfigError, builders
 from tpu_train.trainer.evaluation import (compiled_decoder, decodes_compiled, describe_decoder,
-                                          evaluation_device, exact_match_score, validation_loss)
+                                          evaluation_device, exact_match_count, validation_loss)
 from tpu_train.trainer.inference import load_model_for_inference
 
 RECIPE_CONFIG = "eval"
@@ -37,13 +37,16 @@ def main(cfg: DictConfig) -> None:
         if decodes_compiled(job.device):
             device = job.device
             decoder = compiled_decoder(model.to(device))
-        score = exact_match_score(model, tokenizer, val_path, device,
-                                  options.exact_match_examples, options.max_new_tokens,
-                                  decoder=decoder)
-        if score is not None:
-            results["exact_match"] = score
+        scored = exact_match_count(model, tokenizer, val_path, device,
+                                   options.exact_match_examples, options.max_new_tokens,
+                                   decoder=decoder)
+        if scored is not None:
+            results["exact_match"], examples = scored
     print(f"model: {source}")
     if decoder is not None:
         print(describe_decoder(decoder))
     print(f"data: {val_path}")
-    print(" | ".join(f"{key} {value:.4f}" for key, value in results.items()))
+    # How many examples the exact match is over: recipe.eval.exact_match_examples (or fewer
+    # in the file), not necessarily the number validation uses during training.
+    print(" | ".join(f"{key} {value:.4f}" + (f" on {examples} examples" if key == "exact_match"
+                                             else "") for key, value in results.items()))

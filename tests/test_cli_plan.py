@@ -80,3 +80,25 @@ def test_plan_takes_the_architecture_of_model_checkpoint(custom_llama):
     # XLA's arguments hold the checkpoint-sized parameters and AdamW moments, not debug_tiny's.
     assert result["bytes_params"] + result["bytes_optimizer"] <= result["xla"][
         "argument_size_in_bytes"] < 2 * (result["bytes_params"] + result["bytes_optimizer"])
+
+
+def test_recipe_plan_is_the_plan_command(monkeypatch):
+    """``tpu-train recipe=plan ...`` and ``tpu-train plan ...`` run the plan on the same config
+    (the plan itself is replaced by a recorder: test_plan_reports_analytic_and_xla_memory runs
+    the real one)."""
+    from omegaconf import OmegaConf
+
+    from tpu_train.parallel import plan_command
+
+    code, out, err = run_in_process("recipe=plan", "model=debug_tiny", "parallel.fsdp=3")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "fsdp" in err, err
+    seen = []
+    monkeypatch.setattr(plan_command, "plan_job",
+                        lambda cfg: seen.append(OmegaConf.to_container(cfg, resolve=False)))
+    overrides = ["model=debug_tiny", "parallel.fsdp=8", "plan.chip=v5e"]
+    for command in (["plan", *overrides], ["recipe=plan", *overrides],
+                    [*overrides, "recipe=plan"]):
+        code, out, err = run_in_process(*command)
+        assert code == 0, err
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    assert seen[0]["parallel"]["fsdp"] == 8 and seen[0]["plan"]["chip"] == "v5e"

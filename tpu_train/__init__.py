@@ -10,7 +10,25 @@
 
 from __future__ import annotations
 
-import torch
+import os as _os
+import sys as _sys
+
+
+def _quiet_xla_for_the_command_line() -> None:
+    """``tpu-train`` (also ``python -m tpu_train.cli`` under a launcher) keeps XLA's C++
+    warnings off the console unless ``logging.verbose=true`` is on its command line: jaxlib reads
+    ``TF_CPP_MIN_LOG_LEVEL`` once, when it is imported, which is here, before the command's own
+    code runs (``tpu_train.trainer.log_noise`` does the rest). A value already set wins."""
+    argv = list(getattr(_sys, "orig_argv", _sys.argv))
+    command = _os.path.basename(_sys.argv[0]) == "tpu-train" or any(
+        flag == "-m" and module == "tpu_train.cli" for flag, module in zip(argv, argv[1:]))
+    if command and "logging.verbose=true" not in (arg.lower() for arg in argv):
+        _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+_quiet_xla_for_the_command_line()
+
+import torch  # noqa: E402
 
 from tpu_train import ops  # noqa: F401  (fills the lowering table)
 from tpu_train.device import registration as _registration

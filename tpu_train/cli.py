@@ -15,6 +15,7 @@ Usage::
     tpu-train plan model=llama3_1_8b parallel.fsdp=256 plan.chip=v5e
                                                  # per-chip memory and step time of a pod
                                                  # config: analytic and XLA's, no chips needed
+                                                 # (recipe=plan is the same command)
 
 Recipes (``recipe=NAME``): the scripts in the top-level ``recipes/`` (installed as the
 ``tpu_train_recipes`` package); each ``configs/recipe/NAME.yaml`` starts with the command that
@@ -40,7 +41,9 @@ Runs: everything a run writes goes under ``run.dir`` (default ``runs/<recipe>/<t
 ``checkpoints/step_NNNNNNNN/`` (atomic; the last ``checkpoint.keep_last`` are kept),
 ``tensorboard/``, ``train.log`` and, at the end, ``hf/`` (a Hugging Face export). Starting a
 command on a directory that holds a checkpoint resumes it exactly (model, optimizer, schedule,
-RNG and data position). SIGINT/SIGTERM save a checkpoint and exit cleanly; a non-finite loss
+RNG and data position); ``run.dir=latest`` names the newest unfinished run of the recipe.
+SIGINT/SIGTERM save a checkpoint and exit cleanly, printing the command that resumes (with its
+concrete ``run.dir``); a non-finite loss
 stops the run (or skips the update with ``trainer.on_nan=skip``) keeping the last good checkpoint.
 
 Errors in the configuration or the data are reported as one line,
@@ -196,6 +199,9 @@ def main() -> None:
             # ``tpu-train plan <overrides>``: the same config tree, the plan recipe; Hydra
             # parses the rest of the command line as usual.
             job, args = _run_plan_job, args[1:]
+        if f"recipe={PLAN_COMMAND}" in args:
+            # ``recipe=plan`` is the same command (plan is listed among the recipes).
+            job, args = _run_plan_job, [a for a in args if a != f"recipe={PLAN_COMMAND}"]
         if any(flag in args for flag in MULTIRUN_FLAGS):
             check_sweep(args, CONFIG_DIR, "config")
         sys.argv = [sys.argv[0], *args]

@@ -171,3 +171,24 @@ def test_inference_recipes_on_a_damaged_checkpoint(recipe, checkpoint, train_fil
                                     f"run.dir={tmp_path / 'run'}")
     assert_one_line_error(code, out, err, WEIGHTS)
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_damaged_step_checkpoint_as_model_checkpoint(checksums, existing_run, tmp_path):
+    """model.checkpoint=<a run's step_N folder> whose model.safetensors is truncated: named as
+    damaged by its SHA-256; a checkpoint from before the sums (no ``files`` in meta.json) fails
+    reading, also as one line."""
+    step = tmp_path / "step_00000001"
+    shutil.copytree(existing_run / "checkpoints" / "step_00000001", step)
+    _truncate(step)
+    if not checksums:
+        meta = json.loads((step / "meta.json").read_text())
+        meta.pop("files")
+        (step / "meta.json").write_text(json.dumps(meta))
+    before = snapshot(tmp_path)
+    code, out, err = run_in_process(f"model.checkpoint={step}", "model=debug_tiny", *TINY,
+                                    "trainer.max_steps=1", f"run.dir={tmp_path / 'run'}")
+    expected = ("is damaged (model.safetensors does not match its SHA-256" if checksums
+                else "model.safetensors cannot be read (SafetensorError")
+    assert_one_line_error(code, out, err, expected)
+    assert snapshot(tmp_path) == before

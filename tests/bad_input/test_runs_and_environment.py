@@ -18,6 +18,8 @@ RUN_DIRS = {
     "empty": ("", "run.dir is empty"),
     "a_file": ("BLOCKER", "is a file, not a directory"),
     "under_a_file": ("BLOCKER/run", "which is a file"),
+    # Writable by its permission bits (to root), yet no directory can be made there.
+    "on_a_pseudo_filesystem": ("/proc/tpu-train-run/run", "run.dir='/proc/tpu-train-run/run': "),
 }
 
 

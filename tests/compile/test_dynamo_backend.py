@@ -92,3 +92,49 @@ def test_tiny_llama_training_matches_eager():
     # 3 SGD steps of the tiny Llama.
     assert_losses_close(compiled_losses, eager_losses, loss_rtol(F32, 3, LLAMA_N))
     assert compiled_losses[-1] < compiled_losses[0]
+
+
+def _declared_dynamo_backends() -> dict[str, str]:
+    """pyproject.toml's ``[project.entry-points.torch_dynamo_backends]`` table (read as lines:
+    tomllib is Python 3.11+)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text().splitlines()
+    start = lines.index("[project.entry-points.torch_dynamo_backends]") + 1
+    table = {}
+    for line in lines[start:]:
+        if not line.strip() or line.startswith("["):
+            break
+        key, _, value = line.partition("=")
+        table[key.strip()] = value.strip().strip('"')
+    return table
+
+
+def test_backend_works_right_after_import_tpu_train(tmp_path):
+    """A fresh process that imports only torch and tpu_train compiles with backend="tpu": torch
+    finds it through the entry point pyproject.toml declares. The entry point is installed here
+    as a distribution's metadata on PYTHONPATH, exactly as ``pip install`` writes it, so the
+    test holds whether or not the environment's install predates the declaration."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    declared = _declared_dynamo_backends()
+    assert declared == {"tpu": "tpu_train.compile.dynamo_backend:tpu_backend"}
+    info = tmp_path / "tpu_train_entry_points-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tpu-train-entry-points\n"
+                                   "Version: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[torch_dynamo_backends]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+    script = ("import sys, torch, tpu_train\n"
+              "assert 'torch._dynamo' not in sys.modules  # the import itself stays light\n"
+              "f = torch.compile(lambda x: x * 2 + 1, backend='tpu')\n"
+              "print(f(torch.arange(3.0, device='tpu')).cpu().tolist())\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(tmp_path)]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[1.0, 3.0, 5.0]", done.stdout

@@ -53,7 +53,7 @@ def test_eval_on_tpu_is_compiled_and_matches_the_cpu(one_thread):
 
 
 def test_validation_during_compiled_training_decodes_compiled(tmp_path, one_thread):
-    """Three validations reuse one program, and the training losses stay those of the golden
+    """Four validations (the starting model's and one per step) reuse one program, and the training losses stay those of the golden
     run without validation (decoding reads the weights and draws no random numbers)."""
     run_dir = tmp_path / "run"
     overrides = [o for o in TINY_COMPILED if not o.startswith("trainer.val_every_n_steps")]
@@ -64,7 +64,8 @@ def test_validation_during_compiled_training_decodes_compiled(tmp_path, one_thre
     assert code == 0, err
     assert out.count(f"validation {COMPILED_MARK}") == 1
     validations = [line for line in out.splitlines() if "| validation |" in line]
-    assert len(validations) == 3 and all("exact_match" in line for line in validations)
+    assert len(validations) == 4 and all("exact_match" in line for line in validations)
+    assert validations[0].startswith("step 0/3 | validation | ")
     losses = [read_metrics(run_dir)[step]["train/loss"] for step in (1, 2, 3)]
     golden = json.loads((Path(__file__).parent / "golden" / "llama_finetune.json").read_text())
     assert losses == pytest.approx(golden["losses"],

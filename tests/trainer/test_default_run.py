@@ -83,13 +83,23 @@ def test_default_run_starts_from_the_base_model_and_says_where_everything_is(tmp
     assert fields["checkpoint"] == str(run_dir / "checkpoints" / "step_00000002")
     assert fields["hf export"] == str(run_dir / "hf")
     assert (run_dir / "hf" / "model.safetensors").is_file()
-    # Validation runs on the final model even though step 2 is not a multiple of 100.
-    final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if "val/exact_match" in line]
-    assert [record["step"] for record in final] == [2]
-    expected = f"exact match {final[0]['val/exact_match']:.1%} on 3 held-out examples"
-    assert fields["validation at step 2"].startswith(expected)
+    # Validation runs on the starting model (trainer.val_at_start) and on the final one even
+    # though step 2 is not a multiple of 100; the summary puts them side by side.
+    val = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+           if "val/exact_match" in line]
+    assert [record["step"] for record in val] == [0, 2]
+    assert "\nstep 0/2 | validation | " in out
+    expected = (f"exact match {val[0]['val/exact_match']:.1%} -> {val[1]['val/exact_match']:.1%} "
+                f"on 3 held-out examples, loss {val[0]['val/loss']:.4f} -> {val[1]['val/loss']:.4f}")
+    assert fields["validation at step 2"].startswith(expected), fields
+    seconds = float(re.fullmatch(r"([0-9.]+) s", fields["wall time"]).group(1))
+    assert 0 < seconds < 600
     assert sorted(read_metrics(run_dir)) == [1, 2]
+    # train.log: every line the console got, after the time it was written.
+    log = (run_dir / "train.log").read_text().splitlines()
+    stamped = [line for line in log if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)]
+    assert any(line[20:].startswith("finished step 2/2") for line in stamped), log[-12:]
+    assert any(line[20:].startswith("  wall time:") for line in stamped), log[-12:]
 
 
 TARGET_EXACT_MATCH = 0.9
@@ -111,6 +121,7 @@ def test_full_default_run_reaches_the_target(tmp_path):
     assert "\ndevice: tpu (" in out and "step: compiled" in out, out[:3000]
     final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "val/exact_match" in line][-1]
-    examples = int(re.search(r"exact match [0-9.]+% on (\d+) held-out examples", out).group(1))
+    examples = int(re.search(r"exact match [0-9.]+% -> [0-9.]+% on (\d+) held-out examples",
+                             out).group(1))
     assert examples >= 200
     assert final["val/exact_match"] >= TARGET_EXACT_MATCH, final

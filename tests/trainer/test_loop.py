@@ -90,6 +90,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     saved = list_checkpoints(run_dir)
     assert saved, "the first (finite) steps must have been checkpointed"
     assert f"{saved[-1][1]}" in err
+    assert f"after the change, resume with: tpu-train " in err and f"run.dir={run_dir}" in err
     losses = read_metrics(run_dir)
     assert all(record["train/loss"] == record["train/loss"] for record in losses.values())
 
@@ -120,8 +121,9 @@ def test_tensorboard_scalars_are_written(tmp_path):
     assert expected <= tags, tags
     assert "train/mfu" not in tags  # the CPU is not in the peak table: no guessed MFU
     assert len(events.Scalars("train/loss")) == 2
-    # Every validation reads the validation file afresh: a loss at each of the two steps.
-    assert [event.step for event in events.Scalars("val/loss")] == [1, 2]
+    # Every validation reads the validation file afresh: a loss before the first step
+    # (trainer.val_at_start) and at each of the two steps.
+    assert [event.step for event in events.Scalars("val/loss")] == [0, 1, 2]
 
 
 def test_compiled_run_validates_the_trained_weights(tmp_path):
@@ -143,12 +145,14 @@ def test_compiled_run_validates_the_trained_weights(tmp_path):
     assert code == 0, err
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if "val/loss" in line]
-    assert [record["step"] for record in logged] == [2] and "val/exact_match" in logged[0]
+    # Step 0 validates the starting model (trainer.val_at_start); step 2 the trained one.
+    assert [record["step"] for record in logged] == [0, 2] and "val/exact_match" in logged[1]
+    assert logged[1]["val/loss"] != logged[0]["val/loss"]
     exported = from_pretrained(run_dir / "hf", dtype=torch.float32, device="cpu")
     loader = PackedLoader(default_corpus_dir() / "tasks_heldout.jsonl", load_tokenizer(), 32, 8,
                           num_epochs=1, drop_last=False)
     expected = validation_loss(exported, loader, torch.device("cpu"), 1, Precision.fp32)["loss"]
     # Both are PyTorch on the CPU over the same weights; only the batching of the sums may
     # differ: fp32 rounding of a forward (768-wide feed-forward, 4 layers deep).
-    assert logged[0]["val/loss"] == pytest.approx(
+    assert logged[1]["val/loss"] == pytest.approx(
         expected, rel=rtol_for(torch.float32, reduction=768, depth=4))

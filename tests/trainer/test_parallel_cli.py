@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,7 +156,9 @@ def _processes_naming(text: str) -> list[int]:
 def _assert_one_writer(run_dir: Path, steps: int = STEPS) -> None:
     """Process 0 alone wrote the run: one opening block and one row per step."""
     lines = (run_dir / "train.log").read_text().splitlines()
-    assert sum(line.startswith("device: ") for line in lines) == 1, lines
+    # Console lines carry the time they were written ("2026-12-04 08:51:02 device: ...").
+    assert sum(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d device: ", line) is not None
+               for line in lines) == 1, lines
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in rows if "train/loss" in r]) == steps
 
@@ -191,6 +194,42 @@ def test_two_processes_train_one_model_then_resume_on_one(one_device, tmp_path):
                                     f"run.dir={run_dir}")
     assert code == 0, err
     assert "(resumed from step_" in out
+    assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+def test_a_sharded_checkpoint_resumes_on_one_device(one_device, tmp_path):
+    """Two processes write sharded checkpoints; one process on ONE device resumes from the
+    step-2 one and replays steps 3-6 with the losses of a run on one device throughout. The
+    eager step cannot hold a sharded checkpoint: one line names the setting to change."""
+    run_dir = tmp_path / "run"
+    common = [*COMMON, "checkpoint.every_n_steps=2", "checkpoint.keep_last=3", f"run.dir={run_dir}"]
+    # As from a user's shell: importing jax in this test process set TF_CPP_MIN_LOG_LEVEL=1
+    # in its environment, which tpu-train would respect.
+    env = {k: v for k, v in _env(4).items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-m", "tpu_train.launch", "--nproc", "2", "-m",
+                           "tpu_train.cli", *common, *LAYOUTS["fsdp8"]], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    assert json.loads((checkpoint / "meta.json").read_text())["layout"] == "sharded"
+    # The processes' library noise stays off the console (logging.verbose=false), their own
+    # lines do not: Gloo connects at each sharded save, the coordination service at start-up.
+    assert "[Gloo]" not in done.stdout and "finished step 6/6" in done.stdout, done.stdout
+    assert "coordination_service" not in done.stderr, done.stderr
+
+    code, out, err = run_in_process(*common, "trainer.mode=eager", "trainer.device=cpu",
+                                    "parallel.data=1", "checkpoint.load_step=2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is a sharded checkpoint" in err and "set trainer.mode=compiled trainer.device=tpu" in err
+
+    done = subprocess.run([sys.executable, "-m", "tpu_train.cli", *common, "parallel.data=-1",
+                           "checkpoint.load_step=2"], env=_env(1), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=1 fsdp=1 tensor=1 (1 device, 1 process)" in done.stdout
+    assert "(resumed from step_00000002)" in done.stdout
     assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
 
 

@@ -211,10 +211,20 @@ def _fake_inputs(example_inputs: Sequence) -> list:
 
 
 def register() -> None:
-    """Register the ``"tpu"`` dynamo backend and the protocol (safe to call twice)."""
-    install_traceable_protocol()
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    """Register the ``"tpu"`` dynamo backend and the protocol (safe to call twice).
 
-    if BACKEND_NAME not in _BACKENDS or _BACKENDS[BACKEND_NAME] is not tpu_backend:
-        _BACKENDS.pop(BACKEND_NAME, None)
-        register_backend(tpu_backend, name=BACKEND_NAME)
+    An installed tpu_train also declares the backend as a ``torch_dynamo_backends`` entry point
+    (pyproject.toml), which torch loads on the first ``torch.compile(backend="tpu")`` — so it
+    works after a bare ``import tpu_train`` without importing dynamo then. While torch loads
+    that entry point (which imports this module), the name is left to torch: registering it
+    here as well would make torch's own registration fail as a duplicate."""
+    install_traceable_protocol()
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get(BACKEND_NAME) is tpu_backend:
+        return
+    if BACKEND_NAME not in _COMPILER_FNS and _BACKENDS.get(BACKEND_NAME) is not None:
+        return  # an entry point torch is about to load (or will load on first use)
+    _BACKENDS.pop(BACKEND_NAME, None)
+    _COMPILER_FNS.pop(BACKEND_NAME, None)
+    register_backend(tpu_backend, name=BACKEND_NAME)

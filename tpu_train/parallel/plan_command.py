@@ -27,6 +27,9 @@ __all__ = ["compiled_step_analysis", "format_plan", "plan_job", "planning_config
 # Bounds the analysis child so a plan never hangs; a 70B model on 128 virtual devices has
 # needed more than 10 minutes on a loaded 2-core machine.
 CHILD_TIMEOUT_S = 1800.0
+# data.seq_len: null plans the model's maximum positions up to this: the trainer's cap
+# (tpu_train.trainer.config.DEFAULT_MAX_SEQ_LEN; this layer may not import the trainer).
+DEFAULT_MAX_SEQ_LEN = 2048
 # The program is analysed, never run: LLVM's optimizations only cost time (2-3x the compile
 # on debug_tiny) and change no figure (buffer assignment happens before them). XLA's CPU
 # pipeline also merges every gradient's all-reduce into one at the end of the step, so each
@@ -149,6 +152,11 @@ def planning_config(cfg: Any) -> tuple[Any, list[str]]:
     """
     planned = copy.deepcopy(cfg)
     notes = []
+    if "seq_len" in planned.data and planned.data.seq_len is None:  # as the trainer resolves it
+        model_max = int(planner.planned_model(planned.model.name,
+                                              planned.model.checkpoint).max_seq_len)
+        planned.data.seq_len = min(model_max, DEFAULT_MAX_SEQ_LEN)
+        notes.append(f"data.seq_len=null: planning with {planned.data.seq_len} tokens")
     for axis in ("data", "fsdp", "tensor"):
         if int(planned.parallel[axis]) == -1:
             planned.parallel[axis] = 1

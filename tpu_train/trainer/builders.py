@@ -200,7 +200,10 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
         model = Llama(config)
     model.init_weights(seed=cfg.trainer.seed, device="cpu")
     if checkpoint is not None:
-        state = read_model_state(checkpoint)
+        try:
+            state = read_model_state(checkpoint)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.checkpoint: {exc}") from None
         try:
             model.load_state_dict(state, strict=False)
         except RuntimeError as exc:

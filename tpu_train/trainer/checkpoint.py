@@ -323,7 +323,15 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     if checkpoint_layout(path) == SHARDED_LAYOUT:
         raise ValueError(f"{path} is a sharded checkpoint; start from its run's hf/ export, or "
                          "resume the run itself with run.dir")
-    return load_file(str(path / MODEL_FILE))
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise ValueError(f"{path} is damaged ({problem}); choose another checkpoint")
+    try:
+        return load_file(str(path / MODEL_FILE))
+    except Exception as exc:  # noqa: BLE001 - an unverified (older) checkpoint that is damaged
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        raise ValueError(f"{path / MODEL_FILE} cannot be read ({type(exc).__name__}: {detail}); "
+                         "choose another checkpoint") from None
 
 
 class CheckpointManager:

@@ -92,10 +92,16 @@ class DataConfig:
     column_map: Any = None
     format: str = "auto"  # auto (per record), text, instruction or chat
     tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token BPE
-    seq_len: int = 128
+    # null: the model's maximum positions, at most DEFAULT_MAX_SEQ_LEN (a note says which).
+    seq_len: Optional[int] = None
     batch_size: int = 8
     shuffle_buffer: int = 0  # 0: file order
     mask_prompt: bool = True  # no loss on prompt tokens of instruction/chat records
+
+
+# The longest sequence ``data.seq_len: null`` picks where the model allows more: longer
+# sequences cost memory quadratically in attention, and few instruction records need more.
+DEFAULT_MAX_SEQ_LEN = 2048
 
 
 @dataclass
@@ -126,6 +132,10 @@ class SchedulerConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # final lr as a fraction of optim.lr
     decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying at the end
+    # Resuming with a larger trainer.max_steps: recompute the schedule for it (the lr follows
+    # the longer schedule from the resumed step on). false: such a resume is refused, naming
+    # the lr the extra steps would train at (the resumed schedule's final one).
+    extend: bool = False
 
 
 @dataclass
@@ -159,6 +169,9 @@ class LoggingConfig:
     # [first, last] steps to profile (PyTorch host trace + XLA device trace) into the
     # TensorBoard directory's profile plugin; null: no profiling.
     profile_steps: Optional[List[int]] = None
+    # true: third-party logging (jax/absl, transformers, datasets, XLA's C++ logs, warnings
+    # from those libraries) as they print it; false keeps the run's own lines only.
+    verbose: bool = False
 
 
 @dataclass
@@ -180,8 +193,14 @@ class TrainerConfig:
     # stack; false: none (docs/compile.md).
     scan_layers: Optional[bool] = None
     val_every_n_steps: int = 50  # 0 disables periodic validation
+    # Validate the starting model before the first step too (where validation is on), so the
+    # summary compares it with the final one; a resumed run reuses the first run's figures.
+    val_at_start: bool = True
     val_batches: int = 4
     on_nan: OnNonFinite = OnNonFinite.stop
+    # Stop (saving a checkpoint, printing the command that resumes) once this many minutes of
+    # training have passed, e.g. before a reservation ends; null: no limit.
+    max_minutes: Optional[float] = None
     # PyTorch intra-op threads on the host; null keeps PyTorch's default (one per core).  On a
     # CPU shared with other jobs, threads that wait for each other can make steps many times
     # slower than one thread.
@@ -190,7 +209,8 @@ class TrainerConfig:
 
 @dataclass
 class RunConfig:
-    # A directory that already holds a checkpoint is resumed.  In a multirun each job gets
+    # A directory that already holds a checkpoint is resumed; "latest": the newest unfinished
+    # run of the recipe under runs/<recipe>/ (trainer.run_dirs).  In a multirun each job gets
     # <dir>/<job number>.
     dir: str = "runs/${recipe.name}/${now:%Y-%m-%d_%H-%M-%S}"
 

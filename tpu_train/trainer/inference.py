@@ -27,7 +27,7 @@ def load_model_for_inference(cfg: DictConfig, tokenizer, device: torch.device):
     found = newest_run_checkpoint(cfg)
     try:
         state = read_model_state(found)
-    except ValueError as exc:  # a sharded checkpoint: its message says what to use instead
+    except ValueError as exc:  # sharded or damaged: the message says what to use instead
         raise ConfigError(str(exc)) from None
     if any(key.endswith("lora_a") for key in state):
         lora = cfg.recipe.lora

@@ -27,21 +27,28 @@ from .evaluation import (HostEvaluationModel, compiled_decoder, decodes_compiled
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .parallelism import Parallelism, bytes_per_device, peak_bytes_per_device
 from .rng import capture_rng_state
+from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .setup import Data, Job, TrainStep
 from .state import full_model_state, full_optimizer_state, hyperparameters
 from .summary import describe_compilation, start_summary, final_summary
 
-# Not config.yaml: ``--config-dir RUN --config-name config`` would then pick it instead of the
-# packaged primary config.
-SAVED_CONFIG_FILE = "run_config.yaml"
-
 
 class _StopRequest:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps."""
+    """Turns SIGINT/SIGTERM, and the end of ``trainer.max_minutes`` of training, into a flag
+    the loop checks between steps."""
 
-    def __init__(self):
-        self.signal_name: str | None = None
+    def __init__(self, max_minutes: float | None = None):
+        self._signal_name: str | None = None
         self._previous = {}
+        self._max_minutes = max_minutes
+        self._deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+
+    @property
+    def signal_name(self) -> str | None:
+        if (self._signal_name is None and self._deadline is not None
+                and time.monotonic() >= self._deadline):
+            self._signal_name = f"trainer.max_minutes={self._max_minutes:g}"
+        return self._signal_name
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -49,7 +56,7 @@ class _StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self._signal_name = signal.Signals(signum).name
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():
@@ -107,6 +114,7 @@ class _Validator:
         self.host = HostEvaluationModel(make_host_model) if on_host else None
         self.decoder = compiled_decoder(model) if _decodes_on_device(job, parallel) else None
         self.last: dict = {}
+        self.first: dict = {}  # the starting model's figures (step 0)
 
     def enabled(self) -> bool:
         return self.data.has_val_loss or self.data.exact_match_path is not None
@@ -140,6 +148,21 @@ class _Validator:
             self.logger.line(f"step {step}/{cfg.trainer.max_steps} | validation | "
                              + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
         self.last = {"step": step, "values": values, "examples": scored[1] if scored else 0}
+        if step == 0:
+            self.first = self.last
+
+    def at_start(self, start_step: int) -> None:
+        """Validate the starting model (step 0) when ``trainer.val_at_start``; a resumed run
+        takes the first run's step-0 figures from ``metrics.jsonl`` instead."""
+        trainer = self.job.cfg.trainer
+        if not (trainer.val_every_n_steps and trainer.val_at_start and self.enabled()):
+            return
+        if start_step == 0:
+            self(0)
+            return
+        values = self.logger.recorded("val", 0)
+        if values:
+            self.first = {"step": 0, "values": values, "examples": None}
 
 
 def _decodes_on_device(job: Job, parallel: Parallelism) -> bool:
@@ -268,6 +291,16 @@ class _Run:
         # the count of skipped updates carries on from its last row.
         last = self.logger.truncate_metrics_after(start_step)
         self.skipped_updates = int(last.get("train/skipped_updates") or 0)
+        self._rate_from = (start_step + 1, time.perf_counter())
+
+    def _eta(self, step: int) -> float | None:
+        """Seconds to ``trainer.max_steps`` at the wall-clock rate since the first step of
+        this run (validation and checkpoints included); None before there is a rate."""
+        first, since = self._rate_from
+        if step <= first:
+            return None
+        per_step = (time.perf_counter() - since) / (step - first)
+        return per_step * (self.job.cfg.trainer.max_steps - step)
 
     def save(self) -> None:
         _save(self.job, self.parallel, self.step_fn, self.model, self.optimizer, self.scheduler,
@@ -295,13 +328,14 @@ class _Run:
             "check the data, or set trainer.on_nan=skip")
 
     def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
-        """Step to ``trainer.max_steps``; returns the signal that stopped it early, if any."""
+        """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
+        ``trainer.max_minutes``), if anything."""
         cfg, trainer, logger = self.job.cfg, self.job.cfg.trainer, self.logger
         batches = iter(self.data.train)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
         if self.step_fn.compiled is not None and self.step < trainer.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest() as stop, profiler:
+        with _StopRequest(trainer.max_minutes) as stop, profiler:
             while self.step < trainer.max_steps and stop.signal_name is None:
                 micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
                 profiler.before(self.step + 1)
@@ -335,8 +369,10 @@ class _Run:
             logger.line(f"step {step}: loss is {scalars['loss']}, gradient norm "
                         f"{scalars['grad_norm']}; update skipped (trainer.on_nan=skip; "
                         f"{self.skipped_updates} skipped so far)")
+        if step == self.start_step + 1:  # the first step compiles: the rate starts after it
+            self._rate_from = (step, time.perf_counter())
         if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
-            logger.line(format_log_line(step, trainer.max_steps, scalars))
+            logger.line(format_log_line(step, trainer.max_steps, scalars, self._eta(step)))
         if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
             validate(step)
         if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
@@ -376,12 +412,13 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
                                   bytes_per_device(parallel, model, optimizer)):
             logger.line(line)
         validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
-        stopped_by = run.train(validate, _Throughput(job, model, logger))
+        validate.at_start(start_step)
+        stopped_by = _train_or_say_how_to_resume(run, validate, _Throughput(job, model, logger))
         run.checkpoints.wait()
         step, export_dir = run.step, None
         if stopped_by is not None:
-            logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved, rerun the "
-                        "same command to resume")
+            logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved. Resume with: "
+                        f"{resume_command(job.run_dir, job.world.size)}")
         else:
             # The final model is always validated (a resumed, already finished run included).
             if (trainer.val_every_n_steps and validate.last.get("step") != step
@@ -392,10 +429,29 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
                 _export(export_model() if export_model else model, parallel, export_dir,
                         tokenizer, main)
         logger.line(final_summary(job.run_dir, logger, step, trainer.max_steps,
-                                  latest_checkpoint(job.run_dir), export_dir, validate.last, source))
+                                  latest_checkpoint(job.run_dir), export_dir, validate.last, source,
+                                  start=validate.first, wall_s=time.monotonic() - job.started))
     finally:
         logger.close()
     return job.run_dir
+
+
+def _train_or_say_how_to_resume(run: _Run, validate: _Validator,
+                                throughput: _Throughput) -> str | None:
+    """``run.train``; a run that stops on an error says how to resume from its newest
+    checkpoint (the default run.dir is a new timestamp each time: the command names it)."""
+    job = run.job
+    try:
+        return run.train(validate, throughput)
+    except Exception as exc:
+        if latest_checkpoint(job.run_dir) is None:
+            raise
+        how = f"resume with: {resume_command(job.run_dir, job.world.size)}"
+        if isinstance(exc, TrainingStopped):
+            raise TrainingStopped(f"{exc}; after the change, {how}") from exc
+        run.logger.line(f"the run failed at step {run.step} ({type(exc).__name__}); its newest "
+                        f"checkpoint is kept; {how}")
+        raise
 
 
 def _log_memory(logger: RunLogger, parallel: Parallelism, model, optimizer, step: int) -> None:

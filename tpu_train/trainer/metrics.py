@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -86,8 +87,16 @@ def metrics_record(step: int, values: dict[str, float]) -> dict:
     return record
 
 
-def format_log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
-    """``step 10/100 | loss 5.2311 | lr 3.00e-04 | ...``: one line a human can scan."""
+def _eta_text(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_log_line(step: int, max_steps: int, scalars: dict[str, float],
+                    eta_s: float | None = None) -> str:
+    """``step 10/100 | loss 5.2311 | lr 3.00e-04 | ... | eta 1:23``: one line a human can scan
+    (the ETA, in minutes:seconds or hours:minutes:seconds, once there is a rate)."""
     parts = [f"step {step}/{max_steps}"]
     formats = {
         "loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}",
@@ -97,6 +106,8 @@ def format_log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str
         if key in scalars:
             parts.append(template.format(scalars[key]))
     parts.append(f"mfu {scalars['mfu']:.1%}" if "mfu" in scalars else "mfu unknown")
+    if eta_s is not None and step < max_steps:
+        parts.append(f"eta {_eta_text(eta_s)}")
     return " | ".join(parts)
 
 
@@ -181,6 +192,8 @@ class RunLogger:
         return last
 
     def line(self, text: str) -> None:
+        """``text`` on stdout, and in ``train.log`` with the time it was written in front of
+        each line (``2026-12-04 08:51:02``, local time)."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -188,8 +201,25 @@ class RunLogger:
         else:
             print(text, flush=True)
         if self._log_file is not None:
-            self._log_file.write(text + "\n")
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            self._log_file.write("".join(f"{stamp} {line}\n" for line in text.split("\n")))
             self._log_file.flush()
+
+    def recorded(self, prefix: str, step: int) -> dict[str, float]:
+        """The ``prefix/*`` values ``metrics.jsonl`` holds for ``step`` (a resumed run reads
+        what the first run logged), without the prefix; {} if none."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return {}
+        values = {}
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("step") == step:
+                values.update({k[len(prefix) + 1:]: v for k, v in record.items()
+                               if k.startswith(f"{prefix}/") and isinstance(v, (int, float))})
+        return values
 
     def config(self, cfg) -> None:
         """The resolved config as TensorBoard text, and its scalar settings as hparams (the

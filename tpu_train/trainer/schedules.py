@@ -85,3 +85,34 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig,
                     max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` applying :func:`lr_multiplier`; call ``step()`` once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, max_steps))
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: SchedulerConfig,
+                      max_steps: int, step: int) -> str | None:
+    """After ``scheduler.load_state_dict``: the resumed schedule ends where the checkpoint's
+    run ended. A larger ``trainer.max_steps`` would train its extra steps at that schedule's
+    final rate (0 under WSD), so it is refused, naming that rate, unless
+    ``scheduler.extend=true`` recomputes the schedule for ``max_steps`` (the rate then follows
+    the longer schedule from ``step`` on; returns the note that says so)."""
+    saved_total = max((getattr(f, "total_steps", 0) for f in scheduler.lr_lambdas), default=0)
+    if not saved_total or max_steps <= saved_total:
+        return None
+    base = scheduler.base_lrs[0]
+    old_lr = base * scheduler.lr_lambdas[0](max(step, saved_total))
+    if not cfg.extend:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"trainer.max_steps={max_steps} goes past the resumed schedule, which ends at step "
+            f"{saved_total}: steps {max(step, saved_total) + 1}-{max_steps} would train at lr "
+            f"{old_lr:.3g}; set scheduler.extend=true to recompute the schedule for "
+            f"{max_steps} steps, or keep trainer.max_steps={saved_total}")
+    scheduler.lr_lambdas = [lr_multiplier(cfg, max_steps) for _ in scheduler.lr_lambdas]
+    # The rate of the next step, as LambdaLR.step() would have set it (the step reads the
+    # optimizer's lr).
+    rates = [lr * f(scheduler.last_epoch) for lr, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+    return (f"note: scheduler.extend=true: the schedule now ends at step {max_steps} instead of "
+            f"{saved_total}; lr {old_lr:.3g} -> {rates[0]:.3g} at step {step + 1}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -29,12 +30,15 @@ from .checkpoint import (SHARDED_DIR, checkpoint_dirs, checkpoint_layout, latest
                          read_checkpoint, verify_checkpoint)
 from .config import OPTIMIZERS, OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
+from .log_noise import quiet_process_group_noise, quiet_third_party_logs
 from .parallelism import Parallelism, setup_parallelism
 from .rng import restore_rng_state, seed_everything
+from .schedules import continue_schedule
+from .run_dirs import resolve_latest
 from .state import load_full_state, restore_hyperparameters
 from .step import EagerStep, causal_lm_loss_sum_and_count
-from .validation import validate_config
-from .world import World, start_processes
+from .validation import resolve_seq_len, validate_config
+from .world import World, requested_world_size, start_processes
 
 
 @dataclasses.dataclass
@@ -49,6 +53,8 @@ class Job:
     precision: Precision
     # Lines for train.log found before it exists (e.g. a damaged checkpoint passed over).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # time.monotonic() when the job started (the summary's wall time counts from here).
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -73,7 +79,11 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
 
 def start(cfg: DictConfig) -> Job:
     """Check the configuration, join the job's processes, seed, and pick the device."""
+    quiet_third_party_logs(bool(cfg.logging.verbose))  # before anything starts XLA
+    quiet_process_group_noise(requested_world_size(), bool(cfg.logging.verbose))
+    latest_note = resolve_latest(cfg)  # run.dir=latest: the directory it names, first
     validate_config(cfg)
+    seq_len_note = resolve_seq_len(cfg)
     world = start_processes()
     trainer = cfg.trainer
     device = builders.resolve_device(trainer.device)
@@ -81,7 +91,8 @@ def start(cfg: DictConfig) -> Job:
         torch.set_num_threads(trainer.cpu_threads)
     seed_everything(trainer.seed)
     return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
-               Precision(trainer.precision))
+               Precision(trainer.precision),
+               notes=[note for note in (latest_note, seq_len_note) if note])
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -289,16 +300,21 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
         raise ConfigError(f"cannot read checkpoint {found} ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); choose "
                           "another checkpoint.load_step or a new run.dir") from exc
+    if model_state is None and step.compiled is None:
+        raise ConfigError(
+            f"{found} is a sharded checkpoint (written by several processes sharing one mesh); "
+            "it resumes with the compiled step, on any mesh or one device: set "
+            "trainer.mode=compiled trainer.device=tpu")
     try:
         if model_state is not None:
             load_full_state(model, optimizer, parallel, model_state, training_state["optimizer"])
             step.place()
         else:
-            if step.compiled is None or parallel.layout != "spmd":
-                raise ValueError("a sharded checkpoint resumes with trainer.mode=compiled")
             from tpu_train.parallel.sharded_checkpoint import load_sharded
 
             step.place()
+            if parallel.layout != "spmd":  # one device: no placement made the optimizer state
+                _create_optimizer_state(step.compiled)
             load_sharded(found / SHARDED_DIR, step.compiled)
             restore_hyperparameters(optimizer, training_state["param_groups"])
         scheduler.load_state_dict(training_state["scheduler"])
@@ -310,7 +326,20 @@ def resume(job: Job, parallel: Parallelism, step: TrainStep, model: torch.nn.Mod
             "run.dir or the original settings") from exc
     restore_rng_state(training_state["rng"], job.device)
     _note_kept_settings(job, training_state)
+    note = continue_schedule(scheduler, job.cfg.scheduler, job.cfg.trainer.max_steps,
+                             int(meta["step"]))
+    if note:
+        job.notes.append(note)
     return int(meta["step"]), found
+
+
+def _create_optimizer_state(compiled) -> None:
+    """The optimizer state a sharded checkpoint restores into, created as ``torch.optim``
+    would at its first step (on a mesh, placing the step creates it)."""
+    for group in compiled.optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                compiled.adapter.ensure_state(p, group)
 
 
 def _note_kept_settings(job: Job, training_state: dict) -> None:

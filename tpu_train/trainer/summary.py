@@ -122,25 +122,53 @@ def describe_compilation(record) -> str:
             f"XLA {record.compile_s:.1f}): {cause}")
 
 
+def duration(seconds: float) -> str:
+    """``42.0 s``, ``3 min 32 s``, ``2 h 05 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _validation_figures(validation: dict, start: dict) -> str:
+    """``exact match 84.0% -> 94.0% on 200 held-out examples, loss 0.1400 -> 0.0500``: the
+    final figures, each after the starting model's (step 0) where that was validated."""
+    values, before = validation["values"], (start or {}).get("values") or {}
+
+    def pair(key: str, fmt: str) -> str:
+        now = format(values[key], fmt)
+        return f"{format(before[key], fmt)} -> {now}" if key in before else now
+
+    figures = []
+    if "exact_match" in values:
+        figures.append(f"exact match {pair('exact_match', '.1%')} on "
+                       f"{validation['examples']} held-out examples")
+    if "loss" in values:
+        figures.append(f"loss {pair('loss', '.4f')}")
+    if before:
+        figures.append("first figure: the starting model, before step 1")
+    return ", ".join(figures)
+
+
 def final_summary(run_dir: Path, logger: RunLogger, step: int, max_steps: int,
                   checkpoint: Path | None, export_dir: Path | None, validation: dict,
-                  source: str) -> str:
-    """The closing block: where everything is, and the final validation figures."""
+                  source: str, *, start: dict | None = None,
+                  wall_s: float | None = None) -> str:
+    """The closing block: where everything is, the final validation figures beside the
+    starting model's (``start``, step 0) and the job's wall time."""
     rows = [("run dir", str(run_dir)), ("started from", source),
             ("train log", str(run_dir / "train.log")),
             ("tensorboard", f"{logger.tensorboard_dir} (tensorboard --logdir {logger.tensorboard_dir})"
              if logger.tensorboard_dir.is_dir() else "off (logging.tensorboard=false)"),
             ("checkpoint", str(checkpoint) if checkpoint else "none"),
             ("hf export", str(export_dir) if export_dir else "none")]
-    values = validation.get("values") or {}
-    if validation.get("step") == step and values:
-        figures = []
-        if "exact_match" in values:
-            figures.append(f"exact match {values['exact_match']:.1%} on "
-                           f"{validation['examples']} held-out examples")
-        if "loss" in values:
-            figures.append(f"loss {values['loss']:.4f}")
-        rows.append((f"validation at step {step}", ", ".join(figures)))
+    if validation.get("step") == step and validation.get("values"):
+        rows.append((f"validation at step {step}", _validation_figures(validation, start)))
+    if wall_s is not None:
+        rows.append(("wall time", duration(wall_s)))
     width = max(len(key) for key, _ in rows)
     lines = [f"finished step {step}/{max_steps}" if step >= max_steps
              else f"stopped at step {step}/{max_steps}"]

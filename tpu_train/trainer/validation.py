@@ -91,6 +91,18 @@ def _validate_run_dir(cfg: DictConfig) -> None:
     _require(os.access(existing, os.W_OK | os.X_OK),
              f"run.dir={str(raw)!r}: {str(existing)!r} is not writable; choose a directory "
              "you can write to")
+    if existing != path:
+        # Permission bits do not tell everything: a pseudo-filesystem (/proc, /sys) or a
+        # read-only mount refuses new directories. An empty directory made and removed at once
+        # is the one reliable test.
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".tpu-train-probe-", dir=existing))
+        except OSError as exc:
+            raise ConfigError(
+                f"run.dir={str(raw)!r}: no directory can be created under {str(existing)!r} "
+                f"({exc.strerror or exc}); choose a directory on a writable filesystem") from None
 
 
 def _validate_logging_and_checkpoint(cfg: DictConfig) -> None:
@@ -198,6 +210,16 @@ def _validate_trainer(trainer) -> None:
              f"trainer.cpu_threads must be >= 1 or null (PyTorch's default), got {trainer.cpu_threads}")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
+    _require(trainer.max_minutes is None or trainer.max_minutes > 0,
+             f"trainer.max_minutes must be > 0 or null (no limit), got {trainer.max_minutes}")
+    if trainer.max_minutes is not None:
+        from .world import requested_world_size
+
+        # Each process would reach its own deadline at a different step, and a checkpoint
+        # needs them all: the limit is for a job of one process.
+        _require(requested_world_size() == 1,
+                 "trainer.max_minutes stops a job of one process; under a launcher set "
+                 "trainer.max_steps instead (or stop the job with SIGTERM: it saves and resumes)")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
 
@@ -234,7 +256,8 @@ def _validate_model_and_data(cfg) -> None:
     data = cfg.data
     _require(data.format in DATA_FORMATS,
              f"data.format={data.format!r} is not a format; valid formats: {', '.join(DATA_FORMATS)}")
-    _require(data.seq_len >= 2, f"data.seq_len must be >= 2, got {data.seq_len}")
+    _require(data.seq_len is None or data.seq_len >= 2,
+             f"data.seq_len must be >= 2 or null (the model's maximum), got {data.seq_len}")
     from .builders import hf_checkpoint, model_config
 
     # The architecture of a Hugging Face model.checkpoint (its config.json, read and checked
@@ -242,12 +265,29 @@ def _validate_model_and_data(cfg) -> None:
     model_max = model_config(cfg).max_seq_len
     where = ("model.checkpoint's config.json" if hf_checkpoint(cfg) is not None
              else cfg.model.name)
-    _require(data.seq_len <= model_max,
-             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where})")
+    _require(data.seq_len is None or data.seq_len <= model_max,
+             f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
+             "lower it, or set data.seq_len=null for the model's maximum")
     _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
     _require(data.tokenizer is None or Path(data.tokenizer).exists(),
              f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
              "the bundled one")
+
+
+def resolve_seq_len(cfg: DictConfig) -> str | None:
+    """Fill in ``data.seq_len: null`` (the default of ``data=jsonl``) with the longest sequence
+    the model allows, at most :data:`DEFAULT_MAX_SEQ_LEN`; returns the note that says so, or
+    None when ``data.seq_len`` was set. Call after :func:`validate_config`."""
+    from .builders import model_config
+    from .config import DEFAULT_MAX_SEQ_LEN
+
+    if cfg.data.seq_len is not None:
+        return None
+    model_max = int(model_config(cfg).max_seq_len)
+    cfg.data.seq_len = min(model_max, DEFAULT_MAX_SEQ_LEN)
+    why = ("the model's maximum positions" if cfg.data.seq_len == model_max else
+           f"the model allows {model_max}; longer sequences cost memory quadratically")
+    return f"note: data.seq_len=null: {cfg.data.seq_len} tokens ({why}; set data.seq_len to change)"
 
 
 def _validate_recipe_settings(recipe) -> None:
