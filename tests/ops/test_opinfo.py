@@ -1,15 +1,16 @@
 """PyTorch's OpInfo database on the tpu device, checked against CPU PyTorch.
 
 One test per op_db entry (``name`` or ``name.variant``), forward in float32 on the first
-``CI_SAMPLES`` samples. ``opinfo_known_failures.json`` lists the entries known to fail; the
-check goes both ways:
+``CI_SAMPLES`` samples. ``opinfo_known_failures/<platform>.json`` lists the entries known to fail
+on the test platform (``TPU_TRAIN_PLATFORM``); the check goes both ways:
 
 * an entry that fails and is not listed fails its test (a regression: the error is shown);
 * a listed entry that now passes fails its test too, asking to take it off the list.
 
 The forward check also runs in fused eager mode (every 16th entry by default, all with
 ``-m slow``). The gradient sweep runs the same way but is marked ``slow`` (``pytest -m slow``). Refresh the
-list with ``python scripts/op_coverage.py --grad --write-known-failures`` (docs/op_coverage.md).
+list with ``python scripts/op_coverage.py --grad --write-known-failures`` on that platform
+(docs/op_coverage.md).
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ import torch
 
 import tpu_train
 from tests.ops import opinfo_harness as harness
+from tests.platforms import PLATFORM
 
-KNOWN_FAILURES_PATH = Path(__file__).with_name("opinfo_known_failures.json")
+KNOWN_FAILURES_NAME = f"opinfo_known_failures/{PLATFORM}.json"
+KNOWN_FAILURES_PATH = Path(__file__).parent / KNOWN_FAILURES_NAME
+if not KNOWN_FAILURES_PATH.exists():
+    raise FileNotFoundError(
+        f"no OpInfo known-failure list for the {PLATFORM} platform: write it there with "
+        f"TPU_TRAIN_PLATFORM={PLATFORM} python scripts/op_coverage.py --samples 1 --grad "
+        f"--write-known-failures (docs/op_coverage.md)")
 KNOWN = json.loads(KNOWN_FAILURES_PATH.read_text())
 OPS = harness.all_ops()
 KEYS = [harness.op_key(op) for op in OPS]
@@ -38,14 +46,14 @@ def _check(op, known: set, grad: bool) -> None:
     if result.status == "skip":
         if listed:
             pytest.fail(f"{result.op} is listed as a known {what} failure but OpInfo has nothing "
-                        f"to test ({result.error}): remove it from {KNOWN_FAILURES_PATH.name}")
+                        f"to test ({result.error}): remove it from {KNOWN_FAILURES_NAME}")
         pytest.skip(result.error)
     if result.status == "fail" and not listed:
         pytest.fail(f"{result.op} ({what}, float32) fails on the tpu device and is not a known "
                     f"failure: {result.error}", pytrace=False)
     if result.status == "pass" and listed:
         pytest.fail(f"{result.op} ({what}, float32) now passes: remove it from the "
-                    f"{what!r} list in {KNOWN_FAILURES_PATH.name}", pytrace=False)
+                    f"{what!r} list in {KNOWN_FAILURES_NAME}", pytrace=False)
 
 
 @pytest.mark.parametrize("op", OPS, ids=KEYS)
@@ -77,5 +85,5 @@ def test_known_failures_name_op_db_entries():
     for what in ("forward", "grad"):
         listed = KNOWN.get(what, [])
         stale = sorted(set(listed) - keys)
-        assert not stale, f"{KNOWN_FAILURES_PATH.name}[{what!r}] names entries not in op_db: {stale}"
+        assert not stale, f"{KNOWN_FAILURES_NAME}[{what!r}] names entries not in op_db: {stale}"
         assert listed == sorted(set(listed)), f"{what!r} list is not sorted and unique"
