@@ -18,7 +18,8 @@ host, one process: ``-n 0``). Markers say what a test needs beyond one device, a
 * ``device_in_child``: starts a child process that opens the test platform's device; one
   process at a time can hold a TPU chip, and this one holds it;
 * ``host_without_chips``: a host with no TPU chips, which a TPU host is not;
-* ``multiprocess``: several processes talking over 127.0.0.1 (deselect: ``-m "not multiprocess"``).
+* ``multiprocess``: several processes talking over 127.0.0.1, or the loopback sockets they meet
+  on (deselect: ``-m "not multiprocess"``, where there is no network or only one chip).
 """
 
 import os
