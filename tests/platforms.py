@@ -9,11 +9,11 @@ import re
 PLATFORM = os.environ.get("TPU_TRAIN_PLATFORM", "").strip().lower() or "cpu"
 
 # What a TPU runtime (libtpu, through absl logging) writes to stderr when it starts: absl's
-# "before InitializeLog" notice and glog-style lines
-# ("I1204 10:11:12.345678  1234 file.cc:56] ...").
+# "before InitializeLog" notice and glog-style lines ("I1204 10:11:12.345678  1234 file.cc:56]
+# ...", or "I0000 00:00:1733300000.123456 ..." before the log is initialised: epoch seconds).
 _RUNTIME_START_UP_LINE = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called"
-    r"|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\])")
+    r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\])")
 
 
 def without_runtime_start_up(stderr: str) -> str:
