@@ -16,9 +16,14 @@ op_coverage = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(op_coverage)
 
 # A stand-in for the worker (no torch, no device): "hang" sleeps past any deadline, "crash"
-# (or $FAKE_CRASH) ends the process as a native abort would, anything else passes.
+# (or $FAKE_CRASH) ends the process as a native abort would, anything else passes; with
+# $FAKE_FAILED_STARTS the first two starts fail (a device not yet released).
 FAKE_WORKER = """
 import json, os, sys, time
+starts = os.environ.get("FAKE_FAILED_STARTS")  # a file counting starts that fail
+if starts and len(open(starts).read()) < 2:
+    open(starts, "a").write("x")
+    sys.exit(1)
 print("PLATFORM fake", flush=True)
 for line in sys.stdin:
     key = line.strip()
@@ -50,6 +55,19 @@ def test_a_crash_and_a_hang_are_failures_and_the_sweep_carries_on(shard_size):
     assert errors["crash"] == "process died (exit status 3)"
     assert errors["hang"] == "timed out after 2 s (killed)"
     assert len(seen) == len(keys) and sweep.platform == "fake"
+
+
+def test_a_worker_that_fails_to_start_is_started_again_then_given_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(op_coverage, "START_RETRY_PAUSE", 0.0)
+    counter = tmp_path / "starts"
+    counter.write_text("")
+    monkeypatch.setenv("FAKE_FAILED_STARTS", str(counter))
+    _, results, _ = _sweep(["add", "sin"])  # two failed starts, then a child that runs both
+    assert [(r.op, r.status) for r in results] == [("add", "pass"), ("sin", "pass")]
+    counter.write_text("")
+    monkeypatch.setattr(op_coverage, "START_RETRIES", 1)
+    with pytest.raises(op_coverage.WorkerStartError, match="before starting an op"):
+        _sweep(["add"])
 
 
 def test_options_that_cannot_work_are_one_line_errors(capsys):
