@@ -86,7 +86,8 @@ def test_parts_cover_every_entry_once_and_a_merge_joins_them(tmp_path, monkeypat
     from tests.ops import opinfo_harness as harness
 
     every = [harness.op_key(op) for op in harness.all_ops()]
-    parts = [op_coverage.select_ops(op_coverage.parse_args(["--part", f"{k}/3"])) for k in (1, 2, 3)]
+    parts = [op_coverage.select_ops(op_coverage.parse_args(["--part", f"{k}/3"]))
+             for k in (1, 2, 3)]
     assert [harness.op_key(op) for part in parts for op in part] == every
     monkeypatch.setattr(op_coverage, "KNOWN_FAILURES_DIR", tmp_path / "lists")
     crashing = harness.op_key(parts[1][-1])
