@@ -51,8 +51,9 @@ def known_failures_path(platform: str) -> Path:
 
 
 def worker(dtype_name: str, samples: int, grad: bool) -> int:
-    """Child process: say the platform, then read op keys on stdin and print ``START key`` then
-    the result as JSON."""
+    """Child process: say the platform, then read op keys on stdin and print ``START key``, then
+    ``RESULT forward <json>`` (and with ``grad`` ``RESULT grad <json>``: right after the
+    forward, so that the op's executables compiled for it are still at hand)."""
     import torch
 
     from tests.ops import opinfo_harness as harness
@@ -64,8 +65,9 @@ def worker(dtype_name: str, samples: int, grad: bool) -> int:
     for line in sys.stdin:
         key = line.strip()
         print("START " + key, flush=True)
-        result = harness.run_op(ops[key], dtype, samples=samples, grad=grad)
-        print("RESULT " + json.dumps(result.to_json()), flush=True)
+        for what in ("forward", "grad") if grad else ("forward",):
+            result = harness.run_op(ops[key], dtype, samples=samples, grad=what == "grad")
+            print(f"RESULT {what} " + json.dumps(result.to_json()), flush=True)
     return 0
 
 
@@ -82,9 +84,10 @@ class WorkerStartError(RuntimeError):
 
 
 class IsolatedSweep:
-    """Runs ops in child processes, ``shard_size`` per child (0: all in one). An op that kills
-    its child (a native abort) or runs past ``op_timeout`` seconds (the child is killed) is a
-    failure, and a fresh child carries on with the next op."""
+    """Runs ops in child processes, ``shard_size`` per child (0: all in one), forward and, with
+    ``grad``, gradients. An op that kills its child (a native abort) or runs past
+    ``op_timeout`` seconds (the child is killed) fails what it had not finished, and a fresh
+    child carries on with the next op."""
 
     def __init__(self, dtype_name: str, samples: int, grad: bool, progress, *,
                  op_timeout: float, shard_size: int, stop_at: float | None = None,
@@ -93,13 +96,14 @@ class IsolatedSweep:
                                    "--samples", str(samples)] + (["--grad"] if grad else [])
         self.progress, self.op_timeout, self.shard_size = progress, op_timeout, shard_size
         self.stop_at = stop_at  # time.monotonic() after which no op starts
+        self.whats = ("forward", "grad") if grad else ("forward",)
         self.platform = None
-        self.results = []
+        self.results = {what: [] for what in self.whats}
         self.not_run: list[str] = []
 
-    def run(self, keys: list[str]) -> list:
-        """Results in the order of ``keys``; the keys not started before ``stop_at`` are left
-        in ``not_run``."""
+    def run(self, keys: list[str]) -> dict[str, list]:
+        """{"forward": results[, "grad": results]} in the order of ``keys``; the keys not
+        started before ``stop_at`` are left in ``not_run``."""
         pending, failed_starts = list(keys), 0
         while pending and not self._out_of_time():
             shard = pending[:self.shard_size] if self.shard_size > 0 else list(pending)
@@ -118,17 +122,26 @@ class IsolatedSweep:
                 pending.remove(key)
         self.not_run = pending
         order = {k: i for i, k in enumerate(keys)}
-        return sorted(self.results, key=lambda r: order[r.op])
+        return {what: sorted(results, key=lambda r: order[r.op])
+                for what, results in self.results.items()}
 
     def _out_of_time(self) -> bool:
         return self.stop_at is not None and time.monotonic() >= self.stop_at
 
-    def _record(self, result) -> None:
-        self.results.append(result)
-        self.progress(result)
+    def _record(self, what: str, result) -> None:
+        self.results[what].append(result)
+        self.progress(what, result)
+
+    def _fail_unfinished(self, key: str, error: str) -> None:
+        from tests.ops import opinfo_harness as harness
+
+        for what in self.whats:
+            if not any(r.op == key for r in self.results[what]):
+                self._record(what, harness.Result(key, "fail", error))
 
     def _run_child(self, shard: list[str]) -> list[str]:
-        """The keys of ``shard`` that got a result (all, or up to one that ended the child)."""
+        """The keys of ``shard`` that got their results (all, or up to one that ended the
+        child)."""
         from tests.ops import opinfo_harness as harness
 
         child = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -150,8 +163,7 @@ class IsolatedSweep:
                     raise RuntimeError(f"the worker printed nothing for {allowed:g} s (its "
                                        f"start-up hung, or another process holds the device)"
                                        ) from None
-                self._record(harness.Result(current, "fail",
-                                            f"timed out after {self.op_timeout:g} s (killed)"))
+                self._fail_unfinished(current, f"timed out after {self.op_timeout:g} s (killed)")
                 return done + [current]
             if line is None:
                 break
@@ -165,13 +177,15 @@ class IsolatedSweep:
                     return done
                 current, started = line[6:].strip(), time.monotonic()
             elif line.startswith("RESULT "):
-                result = harness.Result(**json.loads(line[7:]))
-                self._record(result)
-                done.append(result.op)
-                current, started = None, time.monotonic()
+                what, payload = line[7:].split(" ", 1)
+                result = harness.Result(**json.loads(payload))
+                self._record(what, result)
+                if what == self.whats[-1]:
+                    done.append(result.op)
+                    current, started = None, time.monotonic()
         rc = child.wait()
         if current is not None:
-            self._record(harness.Result(current, "fail", f"process died (exit status {rc})"))
+            self._fail_unfinished(current, f"process died (exit status {rc})")
             return done + [current]
         if not done and shard:
             raise WorkerStartError(f"worker exited with status {rc} before starting an op")
@@ -256,33 +270,30 @@ def sweep_both(args, ops, dtype, samples) -> dict:
     """Forward (and with --grad gradient) results, what was not run, the platform and times."""
     from tests.ops import opinfo_harness as harness
 
-    def progress(result):
+    def progress(what, result):
         if args.verbose:
-            print(f"{result.status:4} {result.op} {result.seconds}s {result.error}",
+            print(f"{what:7} {result.status:4} {result.op} {result.seconds}s {result.error}",
                   file=sys.stderr, flush=True)
 
     start = time.monotonic()
-    stop_at = None if args.budget is None else start + args.budget
-    out = {"platform": None, "not_run": {}}
+    if args.in_process:
+        from tpu_train.device import runtime
 
-    def run(grad):
-        if args.in_process:
-            from tpu_train.device import runtime
-
-            out["platform"] = runtime.platform()
-            return harness.sweep(ops, dtype, samples=samples, grad=grad, progress=progress)
-        isolated = IsolatedSweep(args.dtype, samples, grad, progress, op_timeout=args.op_timeout,
-                                 shard_size=args.shard_size, stop_at=stop_at)
-        results = isolated.run([harness.op_key(op) for op in ops])
-        out["platform"] = out["platform"] or isolated.platform
-        out["not_run"]["grad" if grad else "forward"] = isolated.not_run
-        return results
-
-    out["forward"] = run(False)
-    out["forward_seconds"] = time.monotonic() - start
-    out["grad"] = run(True) if args.grad else None
-    out["seconds"] = time.monotonic() - start
-    return out
+        swept = {"platform": runtime.platform(), "not_run": {}, "grad": None}
+        for what in ("forward", "grad") if args.grad else ("forward",):
+            swept[what] = harness.sweep(ops, dtype, samples=samples, grad=what == "grad",
+                                        progress=lambda result, what=what: progress(what, result))
+    else:
+        isolated = IsolatedSweep(args.dtype, samples, args.grad, progress,
+                                 op_timeout=args.op_timeout, shard_size=args.shard_size,
+                                 stop_at=None if args.budget is None else start + args.budget)
+        swept = {"grad": None, **isolated.run([harness.op_key(op) for op in ops])}
+        swept["platform"] = isolated.platform
+        swept["not_run"] = {what: list(isolated.not_run) for what in isolated.whats}
+    # Forward and gradient checks of an op alternate in one child: each's time is its own sum.
+    swept["forward_seconds"] = sum(r.seconds for r in swept["forward"])
+    swept["seconds"] = time.monotonic() - start
+    return swept
 
 
 def summarize(args, samples, swept: dict) -> dict:

@@ -32,16 +32,19 @@ for line in sys.stdin:
         time.sleep(60)
     if key in ("crash", os.environ.get("FAKE_CRASH")):
         os._exit(3)
-    print("RESULT " + json.dumps({"op": key, "status": "pass"}), flush=True)
+    for what in sys.argv[1:]:
+        print(f"RESULT {what} " + json.dumps({"op": key, "status": "pass"}), flush=True)
 """
 
 
-def _sweep(keys, shard_size=0):
+def _sweep(keys, shard_size=0, grad=False):
+    """(the sweep, its forward results, every (what, result) reported as it came)."""
     seen = []
-    sweep = op_coverage.IsolatedSweep("float32", 1, False, seen.append, op_timeout=2.0,
-                                      shard_size=shard_size,
-                                      command=[sys.executable, "-c", FAKE_WORKER])
-    return sweep, sweep.run(keys), seen
+    whats = ["forward", "grad"] if grad else ["forward"]
+    sweep = op_coverage.IsolatedSweep("float32", 1, grad, lambda *report: seen.append(report),
+                                      op_timeout=2.0, shard_size=shard_size,
+                                      command=[sys.executable, "-c", FAKE_WORKER, *whats])
+    return sweep, sweep.run(keys)["forward"], seen
 
 
 @pytest.mark.parametrize("shard_size", [0, 2])
@@ -55,6 +58,17 @@ def test_a_crash_and_a_hang_are_failures_and_the_sweep_carries_on(shard_size):
     assert errors["crash"] == "process died (exit status 3)"
     assert errors["hang"] == "timed out after 2 s (killed)"
     assert len(seen) == len(keys) and sweep.platform == "fake"
+
+
+def test_with_gradients_each_op_gets_both_results_and_a_crash_fails_both():
+    keys = ["add", "crash", "sin"]
+    sweep, forward, seen = _sweep(keys, grad=True)
+    grads = sweep.results["grad"]
+    assert [(r.op, r.status) for r in forward] == [("add", "pass"), ("crash", "fail"),
+                                                   ("sin", "pass")]
+    assert sorted((r.op, r.status) for r in grads) == [("add", "pass"), ("crash", "fail"),
+                                                       ("sin", "pass")]
+    assert [what for what, _ in seen] == ["forward", "grad"] * 3
 
 
 def test_a_worker_that_fails_to_start_is_started_again_then_given_up(tmp_path, monkeypatch):
