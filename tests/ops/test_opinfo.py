@@ -16,6 +16,7 @@ list with ``python scripts/op_coverage.py --grad --write-known-failures`` on tha
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,27 @@ if not KNOWN_FAILURES_PATH.exists():
         f"TPU_TRAIN_PLATFORM={PLATFORM} python scripts/op_coverage.py --samples 1 --grad "
         f"--write-known-failures (docs/op_coverage.md)")
 KNOWN = json.loads(KNOWN_FAILURES_PATH.read_text())
-OPS = harness.all_ops()
-KEYS = [harness.op_key(op) for op in OPS]
+ALL_OPS = harness.all_ops()
+ALL_KEYS = [harness.op_key(op) for op in ALL_OPS]
+PART_ENV = "TPU_TRAIN_OPINFO_PART"
+
+
+def _part(count: int) -> range:
+    """The entries checked: all, or with TPU_TRAIN_OPINFO_PART=K/N the K-th of N equal slices
+    (as ``scripts/op_coverage.py --part``), for a host that limits how long one command runs."""
+    value = os.environ.get(PART_ENV, "").strip()
+    if not value:
+        return range(count)
+    k, _, n = value.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"{PART_ENV}={value!r}: give K/N with 1 <= K <= N, e.g. 3/4")
+    k, n = int(k), int(n)
+    return range((k - 1) * count // n, k * count // n)
+
+
+INDICES = _part(len(ALL_OPS))
+OPS = [ALL_OPS[i] for i in INDICES]
+KEYS = [ALL_KEYS[i] for i in INDICES]
 # The list is only valid for the number of samples it was produced with.
 CI_SAMPLES = KNOWN["samples"]
 
@@ -64,8 +84,9 @@ def test_forward_float32(op):
 # Fused eager mode on the same list: every FUSED_STRIDE-th entry in the default run, the
 # whole sweep with ``-m slow`` (``scripts/op_coverage.py --eager-mode fused`` gives the figures).
 FUSED_STRIDE = 16
-FUSED_PARAMS = [pytest.param(op, id=key, marks=() if i % FUSED_STRIDE == 0 else pytest.mark.slow)
-                for i, (op, key) in enumerate(zip(OPS, KEYS))]
+FUSED_PARAMS = [pytest.param(ALL_OPS[i], id=ALL_KEYS[i],
+                             marks=() if i % FUSED_STRIDE == 0 else pytest.mark.slow)
+                for i in INDICES]
 
 
 @pytest.mark.parametrize("op", FUSED_PARAMS)
@@ -81,7 +102,7 @@ def test_grad_float32(op):
 
 
 def test_known_failures_name_op_db_entries():
-    keys = set(KEYS)
+    keys = set(ALL_KEYS)
     for what in ("forward", "grad"):
         listed = KNOWN.get(what, [])
         stale = sorted(set(listed) - keys)
