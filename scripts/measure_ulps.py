@@ -13,11 +13,16 @@ through zero, where a relative error is meaningless):
 * ``xla``, ``torch``: each against the float64 reference.
 
 Prints one JSON line, {"machine": ..., "jax": ..., "torch": ..., "ulps": {name: {dtype: {...}}}}.
-These figures are a measurement on one CPU: tests/tolerances.py keeps a safety factor over them.
+These figures are a measurement on one machine: tests/tolerances.py keeps a safety factor over them.
 ``--special`` measures instead the special functions of tests/ops/test_special.py (float32, the
 dtype those tests use) over that file's domains.
 
-    python scripts/measure_ulps.py [--points 1048576] [--special]
+The lowerings run on the platform ``TPU_TRAIN_PLATFORM`` names (cpu unless set). ``--out FILE``
+measures both sets and writes them as one JSON object, the file tests/tolerances.py derives the
+platform's tolerances from (tests/measured_ulps/<platform>.json; docs/testing.md)::
+
+    python scripts/measure_ulps.py [--points 262144] [--special]
+    TPU_TRAIN_PLATFORM=tpu python scripts/measure_ulps.py --out tests/measured_ulps/tpu.json
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 
 from tests.ops.lowering_check import to_jax, to_torch  # noqa: E402
+from tpu_train.device import runtime  # noqa: E402
 from tpu_train.ops import pointwise, special  # noqa: E402,F401  (registers the lowerings)
 from tpu_train.ops.registry import aten, get_lowering  # noqa: E402
 
@@ -137,34 +143,59 @@ def measure(name: str, inputs: list[torch.Tensor], dtype: torch.dtype) -> dict:
             "xla": round(score(got, ref, u), 2), "torch": round(score(cpu, ref, u), 2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", type=int, default=1 << 20)
-    parser.add_argument("--special", action="store_true", help="tests/ops/test_special.py's functions")
-    args = parser.parse_args()
+def measure_elementwise(points: int) -> dict:
     result = {}
-    if args.special:
-        names = [*SPECIAL, "polygamma_1", "polygamma_2", "polygamma_3", "zeta", "igamma", "igammac",
-                 *POLYNOMIALS]
-        for name in names:
-            result[name] = measure_special(name, args.points)
-        print(json.dumps({"machine": platform.processor() or platform.machine(),
-                          "jax": jax.__version__, "torch": torch.__version__, "ulps": result}))
-        return
     for name, (low, high) in {**UNARY, **BINARY}.items():
         result[name] = {}
         for dtype in (torch.float32, torch.bfloat16):
             if name in BINARY:
                 (la, ha), (lb, hb) = BINARY[name]
                 g = torch.Generator().manual_seed(0)
-                inputs = [torch.rand(args.points, generator=g, dtype=torch.float64) * (ha - la) + la,
-                          torch.rand(args.points, generator=g, dtype=torch.float64) * (hb - lb) + lb]
+                inputs = [torch.rand(points, generator=g, dtype=torch.float64) * (ha - la) + la,
+                          torch.rand(points, generator=g, dtype=torch.float64) * (hb - lb) + lb]
             else:
-                x = torch.linspace(low, high, args.points, dtype=torch.float64)
+                x = torch.linspace(low, high, points, dtype=torch.float64)
                 if name in POSITIVE:
-                    x = torch.cat([x, torch.linspace(0, 3, args.points, dtype=torch.float64)[1:]])
+                    x = torch.cat([x, torch.linspace(0, 3, points, dtype=torch.float64)[1:]])
                 inputs = [x]
             result[name][str(dtype).removeprefix("torch.")] = measure(name, inputs, dtype)
+    return result
+
+
+SPECIAL_NAMES = [*SPECIAL, "polygamma_1", "polygamma_2", "polygamma_3", "zeta", "igamma", "igammac",
+                 *POLYNOMIALS]
+
+
+def provenance() -> dict:
+    return {"platform": runtime.platform(), "device_kind": runtime.device_kind(0),
+            "machine": platform.processor() or platform.machine(),
+            "jax": jax.__version__, "torch": torch.__version__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # 2^18: the sweep tests/tolerances.py's derivation rule was set on (denser sweeps find a
+    # slightly worse point in the worst functions: digamma 23.0 u at 2^20 against 20.2).
+    parser.add_argument("--points", type=int, default=1 << 18)
+    parser.add_argument("--special", action="store_true", help="tests/ops/test_special.py's functions")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="measure both sets and write them here as one JSON object")
+    args = parser.parse_args()
+    # The lowerings' arrays (to_jax) land on JAX's default device: the platform's first one.
+    with jax.default_device(runtime.jax_device(0)):
+        if args.out is not None:
+            measured = {**provenance(), "points": args.points,
+                        "ulps": measure_elementwise(args.points),
+                        "special": {name: measure_special(name, args.points)
+                                    for name in SPECIAL_NAMES}}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(measured, indent=1) + "\n")
+            print(f"wrote {args.out}")
+            return
+        if args.special:
+            result = {name: measure_special(name, args.points) for name in SPECIAL_NAMES}
+        else:
+            result = measure_elementwise(args.points)
     print(json.dumps({"machine": platform.processor() or platform.machine(),
                       "jax": jax.__version__, "torch": torch.__version__, "ulps": result}))
 

@@ -8,15 +8,35 @@ not depend on test order or on whether an earlier compile happened to take over 
 cache's threshold). A session temporary cache was not measurably faster beyond the machine's load
 noise (docs/compile.md): most test programs compile in under a second and are never written. ``tests/compile/test_persistent_cache.py`` gives its child
 processes a cache directory of their own.
+
+``TPU_TRAIN_PLATFORM`` names the platform the tests run on (``cpu`` unless set; ``tpu`` on a TPU
+host, one process: ``-n 0``). Markers say what a test needs beyond one device, and
+``pytest_runtest_setup`` skips it, with the reason, where the platform cannot give it
+(docs/testing.md):
+
+* ``devices(n)``: n devices of the test platform (the CPU client has 8 virtual ones);
+* ``device_in_child``: starts a child process that opens the test platform's device; one
+  process at a time can hold a TPU chip, and this one holds it;
+* ``host_without_chips``: a host with no TPU chips, which a TPU host is not;
+* ``multiprocess``: several processes talking over 127.0.0.1, or the loopback sockets they meet
+  on (deselect: ``-m "not multiprocess"``, where there is no network or only one chip).
 """
 
 import os
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
+# TPU_TRAIN_PLATFORM chooses JAX's backends; a JAX_PLATFORMS from the shell would override that
+# choice here and in every child process, and a child asking for cpu would then start the TPU
+# backend too, on the chip this process holds ("JAX finds no cpu devices").
+os.environ.pop("JAX_PLATFORMS", None)
 os.environ["TPU_TRAIN_CACHE_DIR"] = "off"
 # Every op checks each tensor argument's cached key part against its geometry (op_cache).
 os.environ.setdefault("TPU_TRAIN_VERIFY_KEY_PARTS", "1")
+
+from tests.platforms import PLATFORM  # noqa: E402  (reads the environment above)
 
 MAX_WORKERS = 4
 
@@ -40,3 +60,26 @@ def pytest_collection_modifyitems(config, items):
     test count."""
     heavy = {item.path for item in items if item.get_closest_marker("multiprocess")}
     items.sort(key=lambda item: item.path not in heavy)  # stable: order within files is kept
+
+
+def _device_count() -> int:
+    from tpu_train.device import runtime
+
+    return runtime.device_count()
+
+
+def pytest_runtest_setup(item):
+    """Skips, with the reason, a test whose marker asks for what this platform cannot give."""
+    wanted = item.get_closest_marker("devices")
+    if wanted is not None:
+        have = _device_count()
+        if have < wanted.args[0]:
+            pytest.skip(f"needs {wanted.args[0]} {PLATFORM} devices, this host has {have}: tpu:i "
+                        f"are the devices of one platform (TPU_TRAIN_PLATFORM), so the CPU "
+                        f"client's virtual devices cannot stand in")
+    if PLATFORM != "cpu" and item.get_closest_marker("device_in_child"):
+        pytest.skip(f"starts a child process on the {PLATFORM} device, which this process holds "
+                    f"(one process at a time per chip)")
+    if PLATFORM == "tpu" and item.get_closest_marker("host_without_chips"):
+        pytest.skip("needs a host without TPU chips")
+

@@ -51,15 +51,16 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
   functions are polynomial approximations, XLA's own on its CPU/TPU backends (Eigen-style
   minimax polynomials for exp/log/tanh/erf, ...), glibc/Sleef on torch's CPU side, each a few
   u. ``ELEMENTWISE_ULPS`` lists, per function, how many u the XLA lowering and torch's CPU
-  kernel are apart: MEASURED ON THIS MACHINE (x86_64, jax 0.10.2, torch 2.13.0) over a dense
-  sweep (2^18 points) of the domain the tests use, by ``scripts/measure_ulps.py`` (the max of
-  |xla - torch| / (u * (1 + |torch|)), which is what assert_close(atol=rtol=ulps*u) checks),
-  rounded up; other CPUs may pick other code paths, which SAFETY covers. bfloat16 / float16
-  are computed in float32 and rounded to the dtype once per op (both sides): two roundings of
-  nearby float32 values are at most one ulp of the dtype apart, 2u, per rounding. Elementwise
-  comparisons also need an atol where an output passes through zero (sin near pi, x - y
-  cancelling): the rounding error is relative to the size of the inputs / intermediates, so
-  each call site uses atol = rtol * that size.
+  kernel are apart: MEASURED ON THE TEST PLATFORM (``TPU_TRAIN_PLATFORM``; the cpu figures
+  on x86_64, jax 0.10.2, torch 2.13.0) over a dense sweep (2^18 points) of the domain the
+  tests use, by ``scripts/measure_ulps.py`` (the max of |xla - torch| / (u * (1 + |torch|)),
+  which is what assert_close(atol=rtol=ulps*u) checks), rounded up, and kept per platform in
+  ``measured_ulps/<platform>.json``; other CPUs may pick other code paths, which SAFETY
+  covers. bfloat16 / float16 are computed in float32 and rounded to the dtype once per op
+  (both sides): two roundings of nearby float32 values are at most one ulp of the dtype
+  apart, 2u, per rounding. Elementwise comparisons also need an atol where an output passes
+  through zero (sin near pi, x - y cancelling): the rounding error is relative to the size of
+  the inputs / intermediates, so each call site uses atol = rtol * that size.
 * ``torch.testing.assert_close`` without explicit tolerances uses torch's per-dtype defaults
   (a few ulp of the dtype: derived from its resolution, not a machine); those calls are left
   as they are. tests/ops: the OpInfo harness (tests/ops/opinfo_harness.py) takes each op's
@@ -75,9 +76,13 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
+
+from tests.platforms import PLATFORM
 
 # One safety factor for every rounding bound in the tests (see the docstring for what it covers).
 SAFETY = 4.0
@@ -96,40 +101,76 @@ def rtol_for(dtype: torch.dtype, reduction: int = 1, depth: int = 1) -> float:
 
 
 # How many u (unit roundoff of float32) the XLA lowering of each elementwise function is from
-# torch's CPU kernel, float32, over the tests' domains: measured on this machine by
-# scripts/measure_ulps.py (the figure printed as "vs_torch", rounded up; see the docstring).
-# "arithmetic" is one correctly rounded operation; "default" is one function of the first
-# group with a correctly rounded operation either side (what a lowering written as a short
-# jnp expression does), used where a test does not name its function.
-ELEMENTWISE_ULPS = {
-    "arithmetic": 1,
-    # measured 0.7 .. 2.6: exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sin cos tan asin acos
-    # atan sinh cosh tanh asinh acosh atanh erf erfc erfinv sigmoid sinc pow atan2 hypot xlogy
-    "transcendental": 3,
-    "default": 5,
-    "i0": 5,  # measured 4.5
-    "digamma": 21,  # measured 20.2 (XLA's series vs cephes)
-    "lgamma": 46,  # measured 45.9, absolute, next to the zeros at 1 and 2
-    # tests/ops/test_special.py's functions over its domains, measured on this machine by
-    # ``scripts/measure_ulps.py --special`` (float32):
-    # measured 0.4 .. 6.3: special_erfcx i0e i1 i1e ndtri log_ndtr modified_bessel_i0
-    # spherical_bessel_j0
-    "special": 7,
-    "modified_bessel_i1": 14,  # measured 13.6
-    "zeta": 6,  # measured 5.7
-    "igamma": 21,  # measured 18.9 (igamma), 20.1 (igammac)
+# torch's CPU kernel, float32, over the tests' domains, per platform: derived from the figures
+# scripts/measure_ulps.py measured on it ("vs_torch"), kept in measured_ulps/<platform>.json,
+# by one rule for every platform: a group's figure is its worst function's, rounded up.
+# "arithmetic" is one correctly rounded operation (1; more where the platform's division or
+# reciprocal measures worse); "default" is one function of the "transcendental" group with an
+# arithmetic rounding either side (what a lowering written as a short jnp expression does),
+# used where a test does not name its function. On the cpu platform (x86_64, jax 0.10.2,
+# torch 2.13.0) this gives: arithmetic 1, transcendental 3 (measured up to 2.6), default 5,
+# i0 5 (4.5), digamma 21 (20.2, XLA's series vs cephes), lgamma 46 (45.9, absolute, next to the
+# zeros at 1 and 2), special 7 (0.4 .. 6.3), modified_bessel_i1 14 (13.6), zeta 6 (5.7),
+# igamma 21 (18.9 igamma, 20.1 igammac), polygamma 14, chebyshev 434 (63.8 .. 433.1),
+# polynomial 22 (hermite 0: identical code on both sides; laguerre 21.1, legendre 20.5).
+MEASURED_ULPS_DIR = Path(__file__).with_name("measured_ulps")
+ULPS_GROUPS = {
+    "arithmetic": ("reciprocal", "div"),
+    "transcendental": ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
+                       "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh",
+                       "asinh", "acosh", "atanh", "erf", "erfc", "erfinv", "sigmoid", "sinc",
+                       "pow", "atan2", "hypot", "xlogy"),
+    "i0": ("i0",), "digamma": ("digamma",), "lgamma": ("lgamma",),
+    # tests/ops/test_special.py's functions over its domains (``measure_ulps.py --special``):
+    "special": ("special_erfcx", "special_i0e", "special_i1", "special_i1e", "special_ndtri",
+                "special_log_ndtr", "special_modified_bessel_i0",
+                "special_spherical_bessel_j0"),
+    "modified_bessel_i1": ("special_modified_bessel_i1",),
+    "zeta": ("zeta",), "igamma": ("igamma", "igammac"),
     # polygamma(n, x), n = 1..3, in units of u * kappa(x), kappa = 1 + (n+1)|x| / dist(x, Z) for
     # x <= 0 (its condition number next to the poles at the non-positive integers; torch's
-    # reflection formula rounds pi*x, so it is only backward stable), 1 for x > 0: measured
-    # 10.5, 13.8, 6.9 (as a plain ulp figure, n = 1 reaches 4e5 next to a pole)
-    "polygamma": 14,
+    # reflection formula rounds pi*x, so it is only backward stable), 1 for x > 0 (as a plain
+    # ulp figure, n = 1 reaches 4e5 next to a pole): "vs_torch_per_kappa".
+    "polygamma": ("polygamma_1", "polygamma_2", "polygamma_3"),
     # The orthogonal polynomials of degree -2 .. 11 on x in [-1.2, 1.2], computed by their
-    # three-term recurrences: chebyshev_polynomial_t/u/v/w and the shifted ones, measured
-    # 63.8 .. 433.1; hermite_polynomial_h/he (identical code on both sides: 0), laguerre 21.1,
-    # legendre 20.5
-    "chebyshev": 434,
-    "polynomial": 22,
+    # three-term recurrences.
+    "chebyshev": ("chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+                  "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t",
+                  "shifted_chebyshev_polynomial_u", "shifted_chebyshev_polynomial_v",
+                  "shifted_chebyshev_polynomial_w"),
+    "polynomial": ("hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
+                   "legendre_polynomial_p"),
 }
+
+
+def derive_ulps(measured: dict) -> dict[str, int]:
+    """ELEMENTWISE_ULPS from one platform's measurement (the JSON ``measure_ulps.py --out``
+    writes): each group's worst float32 "vs_torch" figure, rounded up."""
+    figures = {**measured["ulps"], **measured["special"]}
+    ulps = {}
+    for group, names in ULPS_GROUPS.items():
+        key = "vs_torch_per_kappa" if group == "polygamma" else "vs_torch"
+        ulps[group] = math.ceil(max(figures[name]["float32"][key] for name in names))
+    ulps["arithmetic"] = max(1, ulps["arithmetic"])
+    ulps["default"] = ulps["transcendental"] + 2 * ulps["arithmetic"]
+    return ulps
+
+
+def measured_ulps_path(platform: str = PLATFORM) -> Path:
+    return MEASURED_ULPS_DIR / f"{platform}.json"
+
+
+def load_ulps(platform: str = PLATFORM) -> dict[str, int]:
+    path = measured_ulps_path(platform)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no measured accuracy for the {platform} platform (measured_ulps/{path.name}): "
+            f"measure it there with TPU_TRAIN_PLATFORM={platform} python scripts/measure_ulps.py"
+            f" --out tests/measured_ulps/{platform}.json")
+    return derive_ulps(json.loads(path.read_text()))
+
+
+ELEMENTWISE_ULPS = load_ulps()
 
 
 def elementwise_rtol(dtype: torch.dtype, ulps: float | str = 1, roundings: int = 1) -> float:

@@ -133,7 +133,14 @@ SYNTAX = {
 CASES = {**SCHEMA, **VALUES, **SYNTAX}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The mesh cases name the session's 8 virtual devices.
+EIGHT_DEVICES = {"mesh_larger_than_devices", "mesh_not_dividing_devices",
+                 "tensor_not_dividing_kv_heads", "batch_not_splitting_over_mesh"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.devices(8) if name in EIGHT_DEVICES else ())
+    for name in sorted(CASES)])
 def test_bad_config_is_one_line_and_writes_nothing(name, existing_run):
     overrides, expected = CASES[name]
     before = snapshot(existing_run)

@@ -123,7 +123,13 @@ PROCESS_ENVIRONMENTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PROCESS_ENVIRONMENTS))
+# Cases that take the host for one without usable TPU chips.
+NO_CHIPS = {"platform_tpu_without_tpu", "tpu_host_without_usable_tpu"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.host_without_chips if name in NO_CHIPS else ())
+    for name in sorted(PROCESS_ENVIRONMENTS)])
 def test_bad_process_environment(name, tmp_path):
     variables, expected = PROCESS_ENVIRONMENTS[name]
     blocker, runs = tmp_path / "blocker", tmp_path / "runs"

@@ -239,6 +239,7 @@ def test_torch_profiler_records_tpu_ops():
     assert shapes["aten::mm"][:2] == [[32, 48], [48, 32]]
 
 
+@pytest.mark.devices(2)
 def test_accelerator_device_index_selects_the_tpu_device():
     assert torch.accelerator.device_count() == torch.tpu.device_count() >= 2
     try:
@@ -318,6 +319,7 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.devices(2)
 def test_tpu_generator_seeds_random_ops_like_a_cuda_generator():
     generator = torch.Generator(device="tpu")
     assert isinstance(generator, torch.Generator) and generator.device == torch.device("tpu", 0)
@@ -419,6 +421,8 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.device_in_child
+@pytest.mark.multiprocess
 def test_init_device_mesh_initialises_the_process_group(tmp_path):
     script = tmp_path / "mesh.py"
     script.write_text(_MESH_SCRIPT)

@@ -11,12 +11,14 @@ import torch
 import tpu_train
 
 
+@pytest.mark.devices(8)
 def test_device_count_is_eight_virtual_devices():
     assert torch.tpu.device_count() == 8
     assert tpu_train.runtime_info()["device_count"] == 8
     assert torch.tpu.is_available()
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("index", [0, 3, 7])
 def test_tensors_land_on_the_device_asked_for(index):
     x = torch.arange(6.0).to(f"tpu:{index}")
@@ -28,6 +30,7 @@ def test_tensors_land_on_the_device_asked_for(index):
     assert z.device.index == index
 
 
+@pytest.mark.devices(8)
 def test_move_between_devices():
     x = torch.arange(4.0, device="tpu:1")
     y = x.to("tpu:5")
@@ -35,6 +38,7 @@ def test_move_between_devices():
     assert torch.equal(y.cpu(), torch.arange(4.0))
 
 
+@pytest.mark.devices(8)
 def test_device_index_out_of_range_is_a_clear_error():
     with pytest.raises(IndexError, match=r"tpu device index 8 is out of range.*tpu:0\.\.tpu:7"):
         tpu_train.device(8)
@@ -47,6 +51,7 @@ def test_mixing_tpu_and_cpu_tensors_names_both_devices():
         torch.ones(2, 2, device="tpu") + torch.ones(2, 2)
 
 
+@pytest.mark.devices(8)
 def test_mixing_two_tpu_devices_names_both():
     with pytest.raises(RuntimeError, match=r"tpu:0 and tpu:2"):
         torch.ones(2, device="tpu:0") + torch.ones(2, device="tpu:2")
@@ -67,6 +72,7 @@ def test_unknown_platform_is_a_clear_error():
     assert "tpu, cuda, cpu" in result.stderr
 
 
+@pytest.mark.host_without_chips
 def test_unavailable_platform_is_a_clear_error():
     env = dict(os.environ, TPU_TRAIN_PLATFORM="tpu")
     result = subprocess.run([sys.executable, "-c", "import torch, tpu_train; torch.zeros(1, device='tpu')"],
@@ -102,6 +108,7 @@ def test_int64_stays_int64_as_torch_sees_it():
     assert x.sum().item() == 10
 
 
+@pytest.mark.devices(8)
 def test_save_load_round_trip(tmp_path):
     x = torch.randn(3, 4).to("tpu:2")
     path = tmp_path / "t.pt"
@@ -115,6 +122,7 @@ def test_save_load_round_trip(tmp_path):
     assert on_tpu1["x"].device == torch.device("tpu", 1)
 
 
+@pytest.mark.devices(8)
 def test_printing_shows_values_and_device():
     text = repr(torch.tensor([1.5, 2.5]).to("tpu:3"))
     assert "1.5000" in text and "device='tpu:3'" in text
@@ -132,6 +140,7 @@ def test_rng_is_reproducible_and_state_round_trips():
     assert not torch.equal(a, b)
 
 
+@pytest.mark.devices(8)
 def test_memory_stats_track_allocations():
     torch.tpu.reset_peak_memory_stats(4)
     before = torch.tpu.memory_allocated(4)
@@ -141,6 +150,7 @@ def test_memory_stats_track_allocations():
     del x
 
 
+@pytest.mark.devices(8)
 def test_device_module_api():
     torch.tpu.set_device(2)
     try:
@@ -238,6 +248,7 @@ def test_cpu_fallback_runs_the_op_with_one_warning(monkeypatch):
     torch.testing.assert_close(got.cpu(), x * x)
 
 
+@pytest.mark.devices(8)
 def test_storage_resize_keeps_memory_accounting():
     x = torch.ones(256, 256, device="tpu:6")
     before = torch.tpu.memory_allocated(6)

@@ -71,6 +71,7 @@ def test_a_value_read_runs_the_region_and_nothing_runs_before(read):
     torch.testing.assert_close(y.cpu(), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.devices(2)
 def test_factories_are_recorded_and_a_host_copy_into_a_fresh_tensor_runs_nothing():
     host = torch.arange(6, dtype=torch.float32)
     with tpu_train.eager_mode("fused"):
@@ -163,9 +164,8 @@ def test_ops_that_need_values_run_as_in_strict_mode():
     assert z.cpu().tolist() == [7.0, 11.0]
 
 
+@pytest.mark.devices(2)
 def test_values_cross_devices_and_regions():
-    if tpu_train.device_count() < 2:
-        pytest.skip("needs two tpu devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
     with tpu_train.eager_mode("fused"):
         a = torch.arange(6.0, device="tpu:0") * 3
         b = a.to("tpu:1") + 1

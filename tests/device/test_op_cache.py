@@ -211,6 +211,7 @@ def test_generator_draws_fresh_values_from_its_own_state():
     assert torch.equal(torch.rand(16, device=TPU, generator=g).cpu(), a.cpu())
 
 
+@pytest.mark.devices(2)
 def test_errors_are_raised_on_every_call_not_cached():
     x = torch.ones(3, 4, device=TPU)
     for _ in range(2):

@@ -156,6 +156,7 @@ def _python(code, tmp_path, site=None, **variables):
 PLATFORM = "import tpu_train; print(tpu_train.runtime_info()['platform'])"
 
 
+@pytest.mark.host_without_chips
 def test_tpu_train_platform_cpu_overrides_a_tpu_host(tmp_path):
     stopped = _python(PLATFORM, tmp_path, TPU_ACCELERATOR_TYPE="v5litepod-16")
     assert stopped.returncode != 0 and stopped.stdout == ""
@@ -166,6 +167,7 @@ def test_tpu_train_platform_cpu_overrides_a_tpu_host(tmp_path):
     assert done.stdout.strip() == "cpu" and "libtpu" not in done.stderr
 
 
+@pytest.mark.host_without_chips
 def test_libtpu_on_a_host_without_chips_says_cpu_in_one_line(tmp_path):
     """A ``libtpu`` package that is only importable (JAX never loads it: on a host without
     chips the runtime keeps JAX to its CPU backend)."""

@@ -13,6 +13,9 @@ import tpu_train  # noqa: F401
 from tpu_train.device import runtime, storage_of
 from tpu_train.distributed import host_transport
 
+# gloo's transport listens on a loopback socket even for one rank.
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture
 def single():

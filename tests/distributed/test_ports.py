@@ -10,6 +10,9 @@ import torch.distributed as dist
 
 from tpu_train.distributed import init, ports
 
+# Binds and probes loopback ports, the rendezvous of the multi-process runs.
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture
 def master_port(monkeypatch):

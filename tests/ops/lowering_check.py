@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from tests.tolerances import elementwise_rtol
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import numpy_dtype, storage_dtype
 
@@ -52,6 +51,10 @@ def default_tolerance(dtype: torch.dtype) -> float:
     transcendental function with an arithmetic rounding either side, tests/tolerances.py) in
     the result's dtype, used as rtol and as atol (inputs of size ~1); exact (0) for integer
     and bool results. Ops with reductions, and larger inputs, pass their own."""
+    # Imported here: scripts/measure_ulps.py uses this module's conversions to measure the
+    # figures tests.tolerances is derived from, on a platform that has none yet.
+    from tests.tolerances import elementwise_rtol
+
     if dtype.is_floating_point or dtype.is_complex:
         return elementwise_rtol(dtype, "default")
     return 0.0

@@ -23,6 +23,9 @@ from tests.compile.helpers import assert_params_within, param_bound
 from tests.parallel.spmd_model import CFG, batches, init_model, loss_fn
 from tests.tolerances import loss_rtol
 
+# Meshes over the session's 8 virtual devices.
+pytestmark = pytest.mark.devices(8)
+
 DEVICE = tpu_train.device(0)
 STEPS = 10
 # Float32 tolerances (tests/tolerances.py). Longest reduction in a step of the SPMD Llama:

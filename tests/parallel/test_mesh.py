@@ -59,6 +59,7 @@ def test_model_divisibility_names_the_offending_dimension():
         check_model_divisibility(cfg, MeshShape(1, 3, 1))
 
 
+@pytest.mark.devices(8)
 def test_build_mesh_on_eight_virtual_devices():
     assert len(jax.devices()) == 8, "tests/conftest.py should give 8 virtual CPU devices"
     mesh = build_mesh(data=2, fsdp=-1, tensor=2)
@@ -69,6 +70,7 @@ def test_build_mesh_on_eight_virtual_devices():
         build_mesh(1, 1, 8, model_config=get_config("debug_tiny"))
 
 
+@pytest.mark.devices(8)
 def test_mesh_from_config_accepts_the_schema_and_mappings():
     mesh = mesh_from_config(ParallelConfig())  # data=-1, fsdp=1, tensor=1
     assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}

@@ -120,6 +120,7 @@ def test_alignment_flags_name_the_config_key():
     assert any("dim / fsdp = 64" in w for w in shard)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("degrees", [(1, 8, 1), (1, 4, 2)])
 def test_analytic_memory_within_10_percent_of_xla(degrees):
     batch, seq = 32, 64

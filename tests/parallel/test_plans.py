@@ -61,6 +61,7 @@ def test_layouts_drop_axes(fsdp, tensor, wq, wo, norm):
     assert plan.activation("heads")[1] == ("tensor" if tensor else None)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("degrees, local_wq, local_wo", [
     ((1, 8, 1), (32, 256), (32, 256)),      # FSDP=8: leading dimension split 8 ways
     ((1, 4, 2), (32, 256), (64, 128)),      # TP=2 x FSDP=4: wq rows over tensor x fsdp
@@ -75,6 +76,7 @@ def test_shardings_per_layout(tiny_model, degrees, local_wq, local_wo):
     assert shardings["layers.0.attention.wo.weight"].shard_shape((256, 256)) == local_wo
 
 
+@pytest.mark.devices(8)
 def test_place_gives_inspectable_global_arrays_and_divides_memory():
     cfg = get_config("debug_tiny")
     with torch.device("meta"):
@@ -96,6 +98,7 @@ def test_place_gives_inspectable_global_arrays_and_divides_memory():
     assert all(b == total // 8 for b in per_device.values())
 
 
+@pytest.mark.devices(8)
 def test_clear_errors_for_uncovered_or_indivisible_parameters():
     plan = llama_plan()
     # (LoRA adapters have a rule now: an adapter the plan does not know stands in.)
@@ -119,6 +122,7 @@ def test_clear_errors_for_uncovered_or_indivisible_parameters():
         ShardingPlan([("(", P())])
 
 
+@pytest.mark.devices(8)
 def test_state_shardings_follow_parameters():
     mesh = build_mesh(1, 4, 2)
     plan = llama_plan()
@@ -129,6 +133,7 @@ def test_state_shardings_follow_parameters():
     assert out["step"].spec == P()
 
 
+@pytest.mark.devices(8)
 def test_constrain_is_a_no_op_without_a_mesh_and_pins_with_one():
     x = jax.numpy.ones((8, 4))
     assert constrain(x, P("fsdp")) is x
@@ -149,6 +154,7 @@ def test_activation_rule_classifies_by_shape():
     assert rule((256, 256)) is None and rule((8,)) is None
 
 
+@pytest.mark.devices(8)
 def test_step_shardings_for_a_compiled_step():
     from tpu_train.parallel import step_shardings
 
@@ -171,6 +177,7 @@ def test_step_shardings_for_a_compiled_step():
                        state_owners=[5], state_shapes=[(1,)])
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("spec, compute", [
     (P("tensor", "fsdp"), P("tensor", None)),       # column-parallel: gathered over fsdp
     (P("fsdp", "tensor"), P(None, "tensor")),       # row-parallel

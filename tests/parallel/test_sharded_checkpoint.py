@@ -22,6 +22,9 @@ from tests.parallel.spmd_model import CFG, batches, init_model, loss_fn
 from tests.parallel.test_compiled_spmd import MESHES, _train
 from tests.tolerances import loss_rtol
 
+# Meshes over the session's 8 virtual devices.
+pytestmark = pytest.mark.devices(8)
+
 DEVICE = tpu_train.device(0)
 
 

@@ -18,6 +18,9 @@ from tpu_train.parallel import jax_reference as ref
 
 from tests.tolerances import loss_rtol, param_atol
 
+# Meshes over the session's 8 virtual devices.
+pytestmark = pytest.mark.devices(8)
+
 CFG = get_config("debug_tiny", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256,
                  ffn_hidden_dim=128)
 STEPS = 3

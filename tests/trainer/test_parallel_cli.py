@@ -76,6 +76,7 @@ def one_device(tmp_path_factory):
     return losses, _param_bytes(run_dir)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mesh_from_the_command_line_matches_one_device(layout, one_device, tmp_path):
     run_dir = tmp_path / "run"
@@ -94,6 +95,7 @@ def test_mesh_from_the_command_line_matches_one_device(layout, one_device, tmp_p
         assert _param_bytes(run_dir) <= 0.15 * one_device[1], (_param_bytes(run_dir), one_device)
 
 
+@pytest.mark.devices(8)
 def test_bf16_is_what_the_compiled_program_computes_in(one_device, tmp_path):
     """The trainer's blocks, as the recipe assembles them, with trainer.precision=bf16: the
     lowered program multiplies bf16 operands, and the loss curve follows fp32's closely
