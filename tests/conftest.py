@@ -83,3 +83,16 @@ def pytest_runtest_setup(item):
     if PLATFORM == "tpu" and item.get_closest_marker("host_without_chips"):
         pytest.skip("needs a host without TPU chips")
 
+
+
+@pytest.fixture(autouse=True)
+def _tpu_matmul_precision_restored():
+    """A run in this process (an in-process ``tpu-train``) sets the process-wide float32 matmul
+    precision of the tpu device from ``trainer.matmul_precision``; the next test starts from
+    the level it had before."""
+    from tpu_train.ops import matmul
+
+    before = matmul.get_matmul_precision()
+    yield
+    if matmul.get_matmul_precision() != before:
+        matmul.set_matmul_precision(before)

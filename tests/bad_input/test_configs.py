@@ -30,6 +30,8 @@ SCHEMA = {
     "bad_enum": (["trainer.mode=fast"], "expected one of [eager, fused, compiled]"),
     "bad_precision": (["trainer.precision=fp8"], "expected one of [fp32, bf16]"),
     "bad_param_dtype": (["trainer.param_dtype=fp16"], "expected one of [fp32, bf16]"),
+    "bad_matmul_precision": (["trainer.matmul_precision=low"],
+                             "expected one of [highest, high, medium]"),
     "bad_on_nan": (["trainer.on_nan=ignore"], "expected one of [stop, skip]"),
     "bad_schedule_name": (["scheduler.name=linear"], "scheduler.name"),
     "added_unknown_key": (["+trainer.foo=1"], "trainer.foo is not a setting"),

@@ -35,6 +35,17 @@ class Precision(Enum):
     bf16 = "bf16"
 
 
+class MatmulPrecision(Enum):
+    """How float32 matmuls are computed: ``torch.set_float32_matmul_precision``'s levels.
+    ``highest``: exact float32 (PyTorch's default); ``high``: three bfloat16 passes on a TPU
+    (about float32's accuracy); ``medium``: one bfloat16 pass, a TPU's native rate and JAX's
+    default there. The CPU client computes float32 dots exactly at every level."""
+
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
 class ParamDtype(Enum):
     """How weights are stored: fp32 (master weights, the default) or bf16 (half the memory;
     the optimizer then updates bf16 weights, which loses small updates)."""
@@ -185,6 +196,10 @@ class TrainerConfig:
     device: str = "tpu"  # "cpu" or "tpu"
     precision: Precision = Precision.fp32
     param_dtype: ParamDtype = ParamDtype.fp32
+    # float32 matmuls on the tpu device (trainer.precision=fp32, and what autocast leaves in
+    # float32), at torch.set_float32_matmul_precision's levels. On a TPU, highest costs six
+    # bfloat16 passes per dot and a compile several times longer (docs/tpu.md).
+    matmul_precision: MatmulPrecision = MatmulPrecision.highest
     grad_accum_steps: int = 1
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
     activation_checkpointing: bool = False

@@ -26,9 +26,11 @@ import torch
 from omegaconf import DictConfig
 
 from . import builders
+from tpu_train.ops.matmul import set_matmul_precision
+
 from .checkpoint import (SHARDED_DIR, checkpoint_dirs, checkpoint_layout, latest_intact_checkpoint,
                          read_checkpoint, verify_checkpoint)
-from .config import OPTIMIZERS, OnNonFinite, ParamDtype, Precision, StepMode
+from .config import OPTIMIZERS, MatmulPrecision, OnNonFinite, ParamDtype, Precision, StepMode
 from .errors import ConfigError
 from .log_noise import quiet_process_group_noise, quiet_third_party_logs
 from .parallelism import Parallelism, setup_parallelism
@@ -89,6 +91,9 @@ def start(cfg: DictConfig) -> Job:
     device = builders.resolve_device(trainer.device)
     if trainer.cpu_threads is not None:
         torch.set_num_threads(trainer.cpu_threads)
+    # The tpu device's float32 dots only: PyTorch's own CPU matmuls keep their precision (on a
+    # CPU with bfloat16 instructions, ``medium`` would change trainer.device=cpu runs).
+    set_matmul_precision(MatmulPrecision(trainer.matmul_precision).value)
     seed_everything(trainer.seed)
     return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
                Precision(trainer.precision),
