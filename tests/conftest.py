@@ -86,13 +86,14 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
-def _tpu_matmul_precision_restored():
-    """A run in this process (an in-process ``tpu-train``) sets the process-wide float32 matmul
-    precision of the tpu device from ``trainer.matmul_precision``; the next test starts from
-    the level it had before."""
+def _tpu_matmul_precision_at_pytorchs_default():
+    """A run in this process (an in-process ``tpu-train``, also one a shared fixture started)
+    sets the process-wide float32 matmul precision of the tpu device from
+    ``trainer.matmul_precision``; every test starts and ends at PyTorch's level, ``highest``."""
     from tpu_train.ops import matmul
 
-    before = matmul.get_matmul_precision()
+    if matmul.get_matmul_precision() != "highest":
+        matmul.set_matmul_precision("highest")
     yield
-    if matmul.get_matmul_precision() != before:
-        matmul.set_matmul_precision(before)
+    if matmul.get_matmul_precision() != "highest":
+        matmul.set_matmul_precision("highest")
