@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 from omegaconf import DictConfig
 
-from . import builders
 from tpu_train.ops.matmul import set_matmul_precision
 
+from . import builders
 from .checkpoint import (SHARDED_DIR, checkpoint_dirs, checkpoint_layout, latest_intact_checkpoint,
                          read_checkpoint, verify_checkpoint)
 from .config import OPTIMIZERS, MatmulPrecision, OnNonFinite, ParamDtype, Precision, StepMode
