@@ -144,6 +144,8 @@ def test_jaxs_own_tpu_default_is_not_the_users_choice(monkeypatch):
     assert runtime._jax_platforms(fake, environ={"JAX_PLATFORMS": "tpu,cpu"}) == "tpu,cpu"
     monkeypatch.setenv("JAX_PLATFORMS", "")
     assert runtime._only_cpu_is_wanted(fake, "cpu", CHIPS)
+    monkeypatch.setattr(tpu_host, "gpu_visible", lambda: False)
+    assert not runtime._only_cpu_is_wanted(fake, None, [])  # JAX found chips: not cpu alone
     monkeypatch.setattr(runtime, "_jax_set_its_tpu_default", lambda jax: False)
     assert runtime._jax_platforms(fake, environ={}) == "tpu,cpu"  # set by the user's code
     assert runtime._jax_platforms(_FakeJax({}, jax_platforms="cpu"), environ={}) == "cpu"

@@ -163,7 +163,9 @@ def _only_cpu_is_wanted(jax, requested: str | None, evidence: list[str]) -> bool
         return False  # the user's own choice of JAX backends stands
     if requested == "cpu":
         return True
-    return requested is None and not evidence and not tpu_host.gpu_visible()
+    # Chips JAX itself found (it then filled in "tpu,cpu") count like the evidence we found.
+    return (requested is None and not evidence and not tpu_host.gpu_visible()
+            and not _jax_set_its_tpu_default(jax))
 
 
 def choose_platform(jax, requested: str | None, tpu_evidence: list[str]) -> str:
