@@ -151,6 +151,15 @@ def test_jaxs_own_tpu_default_is_not_the_users_choice(monkeypatch):
     assert runtime._jax_platforms(_FakeJax({}, jax_platforms="cpu"), environ={}) == "cpu"
 
 
+def test_a_requested_cpu_that_jax_cannot_start_says_jaxs_reason():
+    failed = "Unable to initialize backend 'tpu': lockfile held\nmore detail"
+    with pytest.raises(runtime.PlatformError) as caught:
+        runtime.choose_platform(_FakeJax({}, errors={"cpu": failed}), "cpu", [])
+    assert str(caught.value) == ("TPU_TRAIN_PLATFORM=cpu but JAX finds no cpu devices (installed "
+                                 "jax 0.0-test): Unable to initialize backend 'tpu': lockfile "
+                                 "held, or unset TPU_TRAIN_PLATFORM")
+
+
 def test_a_requested_tpu_without_libtpu_names_the_install(monkeypatch):
     monkeypatch.setattr(tpu_host, "libtpu_installed", lambda env=None: False)
     with pytest.raises(runtime.PlatformError, match=r"TPU_TRAIN_PLATFORM=tpu but JAX finds no "

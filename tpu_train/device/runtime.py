@@ -209,6 +209,8 @@ def _tpu_wanted_by_jax(jax) -> bool:
 
 def _why_not(jax, name: str) -> str:
     """Why JAX has no ``name`` backend and what to do, as a clause of one line."""
+    if name == "cpu":  # JAX always has one, unless another backend it was told to start failed
+        return _first_line_of_error(jax, name)
     if name != "tpu":
         return ""
     if not tpu_host.libtpu_installed():
@@ -221,6 +223,15 @@ def _why_not(jax, name: str) -> str:
         reason = lines[0][:300] if lines else reason
     return (f": {reason}; if another process holds the chips, stop it "
             f"(sudo lsof -w /dev/accel* /dev/vfio/* names it)")
+
+
+def _first_line_of_error(jax, name: str) -> str:
+    try:
+        jax.devices(name)
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return f": {lines[0][:300]}" if lines else ""
+    return ""
 
 
 # Errors in the process's environment found while ``import tpu_train`` registers the device
