@@ -170,8 +170,9 @@ def _skip_if_found_inf(found_inf, updated, original):
     return [[jnp.where(skip, o, u) for u, o in zip(new, old)] for new, old in zip(updated, original)]
 
 
-# Bits of the step count that _one_minus_power reads: counts below 2**31.
-_STEP_BITS = 31
+# Bits of the step count that _one_minus_power reads: a float32 count stops growing at 2**24
+# (2**24 + 1 rounds back to it).
+_STEP_BITS = 25
 
 
 def _one_minus_power(beta, steps):
