@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import TrainingStopped
+
 CHECKPOINTS_SUBDIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
 TRAINING_STATE_FILE = "training_state.pt"
@@ -407,3 +409,30 @@ class CheckpointManager:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"saving a checkpoint failed: {error}") from error
+
+
+def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:
+    """The newest intact checkpoint of ``run_dir`` (its SHA-256 sums verified), as text for a
+    stop message. Checkpoints are only written from finite state; with ``read_back`` a full
+    one is also read and checked to hold finite values (process 0 only: each would read it)."""
+    path, _ = latest_intact_checkpoint(run_dir)
+    if path is None:
+        return "none (no checkpoint was saved yet)"
+    if read_back and checkpoint_layout(path) == FULL_LAYOUT:
+        state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+        bad = non_finite_tensors(load_file(str(path / MODEL_FILE))) + \
+            non_finite_tensors(state.get("optimizer", {}), "optimizer")
+        if bad:
+            return f"{path} (WARNING: it holds non-finite values in {bad[0]})"
+    return f"{path} (verified)"
+
+
+def refuse_non_finite(bad: list[str], step: int, run_dir: Path, read_back: bool) -> None:
+    """Refuse to checkpoint NaN/inf parameters or optimizer state (``bad`` names them): stop
+    naming the last good checkpoint instead (a run resumed from a non-finite checkpoint could
+    never recover)."""
+    if bad:
+        raise TrainingStopped(
+            f"the parameters or optimizer state hold non-finite values at step {step} "
+            f"({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint "
+            f"was written. The last good checkpoint is {last_good_checkpoint(run_dir, read_back)}")

@@ -1,4 +1,5 @@
-"""The causal-LM loss and the eager training step (the compiled one is built in ``setup``).
+"""The causal-LM loss, the eager training step, and :class:`TrainStep`, which feeds either
+step its layout's share of the batch (the compiled step is built by the layout).
 
 Both steps have the signature ``step(micro_batches) -> dict[str, Tensor]`` with ``loss``,
 ``grad_norm``, ``lr`` (the lr used by this update) and ``finite`` (were the loss and the
@@ -9,7 +10,7 @@ which runs.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -113,3 +114,25 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class TrainStep:
+    """``step(host micro-batches) -> {"loss", "grad_norm", "lr"}`` in any layout.
+
+    ``compiled`` is the ``CompiledTrainStep`` (None in eager mode); :meth:`place` puts its
+    parameters and optimizer state where the layout runs it (before the first call, after a
+    full resume).
+    """
+
+    def __init__(self, layout, run: Callable, compiled=None, host_batches: bool = False):
+        self.layout = layout
+        self.compiled = compiled
+        self._run = run
+        # ``run`` takes this process's rows on the host and transfers them itself.
+        self._host_batches = host_batches
+
+    def place(self) -> None:
+        self.layout.place_step(self)
+
+    def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict:
+        return self._run(self.layout.place_batch(micro_batches, to_device=not self._host_batches))
