@@ -19,7 +19,7 @@ from . import builders
 from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import TrainingStopped
-from .evaluation import (HostEvaluationModel, compiled_decoder, decodes_compiled,
+from .evaluation import (Decoding, HostEvaluationModel, compiled_decoder, decodes_compiled,
                          describe_decoder, exact_match_count, runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .layouts import Layout
@@ -108,7 +108,7 @@ class _Validator:
         self.job, self.tokenizer, self.data, self.logger = job, run.tokenizer, run.data, run.logger
         on_host = runs_on_host_cpu(job.device) or self.parallel.sharded
         self.host = HostEvaluationModel(run.fresh_model) if on_host else None
-        self.decoder = (compiled_decoder(self.model) if decodes_compiled(job.device)
+        self.decoder = (compiled_decoder(self.model, job.precision) if decodes_compiled(job.device)
                         and self.parallel.decodes_on_device() else None)
         self.last: dict = {}
         self.first: dict = {}  # the starting model's figures (step 0)
@@ -133,9 +133,10 @@ class _Validator:
             if self.decoder is not None:
                 model, device = self.model, self.job.device
                 programs = len(self.decoder.compilations)
-            scored = exact_match_count(model, self.tokenizer, self.data.exact_match_path, device,
-                                       cfg.recipe.eval.exact_match_examples,
-                                       cfg.recipe.eval.max_new_tokens, decoder=self.decoder)
+            decoding = Decoding(device, self.job.precision, cfg.recipe.eval.max_new_tokens,
+                                self.decoder)
+            scored = exact_match_count(model, self.tokenizer, self.data.exact_match_path,
+                                       cfg.recipe.eval.exact_match_examples, decoding)
             if scored is not None:
                 values["exact_match"] = scored[0]
             if self.decoder is not None and len(self.decoder.compilations) > programs:
