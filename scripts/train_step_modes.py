@@ -74,7 +74,7 @@ class TrainerMode:
 
         micro = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
                  for key, value in batch.items()}
-        loss = self.train_step([micro])["loss"]
+        loss = self.train_step(micro)["loss"]
         records = getattr(self.train_step.compiled, "compilations", [])
         if records:
             self.stages = {"trace_s": round(sum(r.trace_s for r in records), 3),

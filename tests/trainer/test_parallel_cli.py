@@ -114,7 +114,7 @@ def test_bf16_is_what_the_compiled_program_computes_in(one_device, tmp_path):
     step, model = run.step_fn, run.model
     step.place()
     batches = iter(run.data.train)
-    losses = [float(step([next(batches)])["loss"]) for _ in range(STEPS)]
+    losses = [float(step(next(batches))["loss"]) for _ in range(STEPS)]
     (program,) = step.compiled.cache.entries.values()
     text = program.lowered.as_text()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]

@@ -23,7 +23,7 @@ host copies, every process calls it), :meth:`~Layout.save` and :meth:`~Layout.lo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from .checkpoint import SHARDED_DIR, refuse_non_finite
 from .config import OnNonFinite, StepMode
 from .errors import ConfigError
 from .state import host_tensor, hyperparameters, restore_hyperparameters
-from .step import EagerStep, TrainStep, causal_lm_loss_sum_and_count
+from .step import EagerStep, StepSettings, TrainStep, causal_lm_loss_sum_and_count
 from .world import World
 
 
@@ -72,19 +72,15 @@ class Layout:
         """Rows of a global batch of ``batch_size`` that one data-parallel shard computes."""
         return batch_size // self.shape.batch_shards if self.sharded else batch_size
 
-    def place_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]], *,
-                    to_device: bool = True):
-        """This process's part of a global step's micro-batches (host tensors), on the device:
-        each micro-batch's rows of this data-parallel rank (all of it on one device).
-        ``to_device=False``: those rows left on the host, for a consumer that transfers them
-        itself (a compiled step hands them to its program as one argument)."""
+    def place_batch(self, batch: dict[str, torch.Tensor], micro_batches: int = 1) -> dict:
+        """This process's rows of one step's global ``batch`` (host tensors holding
+        ``micro_batches`` micro-batches one after the other): each micro-batch's rows of this
+        data-parallel rank, still on the host, for the step that accumulates to split and
+        transfer (all of it on one device)."""
         rank, size = self.data_parallel_rank()
-        placed = []
-        for batch in micro_batches:
-            rows = {k: v.chunk(size)[rank] if size > 1 else v for k, v in batch.items()}
-            placed.append({k: v.to(self.device) for k, v in rows.items()} if to_device
-                          else rows)
-        return placed
+        if size == 1:
+            return batch
+        return {k: _rank_rows(v, micro_batches, rank, size) for k, v in batch.items()}
 
     # ------------------------------------------------------------------ the step
 
@@ -98,26 +94,19 @@ class Layout:
         it stops. So a non-finite update never reaches the parameters or a checkpoint.
         """
         assert OnNonFinite(job.cfg.trainer.on_nan) in (OnNonFinite.skip, OnNonFinite.stop)
-        if job.mode is StepMode.compiled:
-            return self._compiled_step(_compile(job, self, (model, optimizer, scheduler), loss_fn))
-        _, size = self.data_parallel_rank()
         trainer = job.cfg.trainer
-        eager = EagerStep(model, optimizer, scheduler, job.device, job.precision,
-                          trainer.max_grad_norm, skip_non_finite=True, data_parallel_size=size,
-                          tensor_parallel_size=self.shape.tensor if self.sharded else 1)
-        return TrainStep(self, eager if job.mode is StepMode.eager else _fused(eager))
-
-    def _compiled_step(self, compiled) -> TrainStep:
-        def run(micro_batches):
-            # The compiled step accumulates internally: hand it the micro-batches joined, on
-            # the host, where joining costs no device program; the step's executable transfers
-            # them with its other arguments.
-            if len(micro_batches) == 1:
-                return compiled(micro_batches[0])
-            return compiled({k: torch.cat([b[k] for b in micro_batches])
-                             for k in micro_batches[0]})
-
-        return TrainStep(self, run, compiled, host_batches=True)
+        accum = trainer.grad_accum_steps
+        if job.mode is StepMode.compiled:
+            # The compiled step accumulates inside its program: it takes the global batch.
+            compiled = _compile(job, self, (model, optimizer, scheduler), loss_fn)
+            return TrainStep(self, compiled, compiled, accum)
+        _, size = self.data_parallel_rank()
+        settings = StepSettings(job.precision, trainer.max_grad_norm, accum,
+                                skip_non_finite=True, data_parallel_size=size,
+                                tensor_parallel_size=self.shape.tensor if self.sharded else 1)
+        eager = EagerStep((model, optimizer, scheduler), job.device, settings)
+        return TrainStep(self, eager if job.mode is StepMode.eager else _fused(eager), None,
+                         accum)
 
     def place_step(self, step: TrainStep) -> None:
         """Put the step's parameters and optimizer state where it runs (before its first call,
@@ -216,12 +205,10 @@ class Spmd(Layout):
     def describe(self) -> str:
         return f"{super().describe()}, SPMD plan {self.plan_name}"
 
-    def place_batch(self, micro_batches: Sequence[dict[str, torch.Tensor]], *,
-                    to_device: bool = True):
-        """The micro-batches joined along dim 0 as one global array per key, of which this
-        process transfers only the rows its own devices hold."""
-        joined = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
-        return {k: self._global_rows(v) for k, v in joined.items()}
+    def place_batch(self, batch: dict[str, torch.Tensor], micro_batches: int = 1) -> dict:
+        """One global array per key of ``batch``, of which this process transfers only the
+        rows its own devices hold (the program splits the micro-batches)."""
+        return {k: self._global_rows(v) for k, v in batch.items()}
 
     def _global_rows(self, tensor: torch.Tensor):
         import jax
@@ -234,9 +221,6 @@ class Spmd(Layout):
         local = host_array(tensor[rows])
         array = jax.make_array_from_process_local_data(sharding, local, tuple(tensor.shape))
         return wrap(array, tensor.dtype, self.device.index or 0, tuple(tensor.shape))
-
-    def _compiled_step(self, compiled) -> TrainStep:
-        return TrainStep(self, compiled, compiled)
 
     def place_step(self, step: TrainStep) -> None:
         from tpu_train.parallel import place_for_step
@@ -344,6 +328,13 @@ def _fused(step: Callable) -> Callable:
             return step(micro_batches)
 
     return run
+
+
+def _rank_rows(tensor: torch.Tensor, micro_batches: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank`` of ``size``'s share of each of the consecutive micro-batches in
+    ``tensor``, still consecutive."""
+    per_micro = tensor.reshape(micro_batches, -1, *tensor.shape[1:])
+    return per_micro.chunk(size, dim=1)[rank].reshape(-1, *tensor.shape[1:])
 
 
 def process_rows(sharding, shape: tuple[int, ...]) -> slice:

@@ -28,6 +28,7 @@ from .rng import capture_rng_state
 from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .run import Run
 from .setup import Job
+from .step import join_micro_batches
 from .summary import describe_compilation, start_summary, final_summary
 
 
@@ -272,10 +273,12 @@ class _Loop:
             logger.line("tracing and compiling the train step (once per input shape) ...")
         with _StopRequest(trainer.max_minutes) as stop, profiler:
             while self.step < trainer.max_steps and stop.signal_name is None:
-                micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
+                # The loader yields micro-batches; the step takes the global batch they make up.
+                batch = join_micro_batches([next(batches)
+                                            for _ in range(trainer.grad_accum_steps)])
                 profiler.before(self.step + 1)
                 started = time.perf_counter()
-                out = self.step_fn(micro)
+                out = self.step_fn(batch)
                 loss = float(out["loss"])
                 grad_norm = float(out["grad_norm"])
                 finite = (bool(out["finite"]) if "finite" in out
