@@ -247,16 +247,18 @@ def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Te
     temporary.mkdir()
     try:
         save_file(model_state, str(temporary / MODEL_FILE))
-        _finish(temporary, final, step, training_state, FULL_LAYOUT, (MODEL_FILE,))
+        _finish(temporary, final, step, training_state, (MODEL_FILE,))
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return final
 
 
-def _finish(temporary: Path, final: Path, step: int, training_state: dict, layout: str,
+def _finish(temporary: Path, final: Path, step: int, training_state: dict,
             written: tuple[str, ...]) -> None:
-    """Write the training state and meta into ``temporary``, fsync, rename to ``final``."""
+    """Write the training state and meta into ``temporary``, fsync, rename to ``final``.
+    ``written``: the files already there besides the shards (the full layout's model file)."""
+    layout = FULL_LAYOUT if MODEL_FILE in written else SHARDED_LAYOUT
     torch.save(training_state, temporary / TRAINING_STATE_FILE)
     for name in (*written, TRAINING_STATE_FILE):
         if (temporary / name).is_file():
@@ -289,7 +291,7 @@ def write_sharded_checkpoint(directory: Path, step: int, save_shards, training_s
     barrier(world)
     save_shards(temporary / SHARDED_DIR)
     if world.is_main:
-        _finish(temporary, final, step, training_state, SHARDED_LAYOUT, ())
+        _finish(temporary, final, step, training_state, ())
     barrier(world)
     return final
 

@@ -210,9 +210,8 @@ class _Loop:
         cfg = run.job.cfg
         self.checkpointer = run.checkpointer
         self.checkpointer.remove_stale_temporaries()
-        self.logger = run.logger = RunLogger(
-            run.job.run_dir, run.job.world.is_main, cfg.logging.tensorboard,
-            cfg.logging.progress_bar, cfg.trainer.max_steps, start_step)
+        self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
+                                             cfg.trainer.max_steps, start_step)
         # metrics.jsonl ends at the resumed step (rows after it are replayed, not duplicated);
         # the count of skipped updates carries on from its last row.
         last = self.logger.truncate_metrics_after(start_step)
