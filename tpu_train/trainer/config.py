@@ -34,6 +34,13 @@ class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"
 
+    @property
+    def compute_dtype(self):
+        """The dtype the forward and backward compute in, or None for the parameters' own."""
+        import torch
+
+        return torch.bfloat16 if self is Precision.bf16 else None
+
 
 class MatmulPrecision(Enum):
     """How float32 matmuls are computed: ``torch.set_float32_matmul_precision``'s levels.
