@@ -72,6 +72,23 @@ class Layout:
         """Rows of a global batch of ``batch_size`` that one data-parallel shard computes."""
         return batch_size // self.shape.batch_shards if self.sharded else batch_size
 
+    def step_splits(self, trainer, batch_size: int) -> int:
+        """Pieces the step that accumulates splits one global batch into: the loader's
+        ``trainer.grad_accum_steps`` micro-batches, each cut further into pieces of
+        ``trainer.micro_batch_size`` rows per data-parallel shard."""
+        accum, micro = trainer.grad_accum_steps, trainer.micro_batch_size
+        rows = self.rows_per_shard(batch_size)
+        if micro is None or micro == rows:
+            return accum
+        if micro > rows or rows % micro:
+            divisors = ", ".join(str(d) for d in range(1, rows + 1) if rows % d == 0)
+            raise ConfigError(
+                f"trainer.micro_batch_size={micro} must divide the {rows} rows each data-parallel "
+                f"shard computes per micro-batch (data.batch_size={batch_size} over "
+                f"{self.shape.batch_shards if self.sharded else 1} shard(s)); choose one of "
+                f"{divisors}, or null")
+        return accum * (rows // micro)
+
     def place_batch(self, batch: dict[str, torch.Tensor], micro_batches: int = 1) -> dict:
         """This process's rows of one step's global ``batch`` (host tensors holding
         ``micro_batches`` micro-batches one after the other): each micro-batch's rows of this
@@ -95,18 +112,18 @@ class Layout:
         """
         assert OnNonFinite(job.cfg.trainer.on_nan) in (OnNonFinite.skip, OnNonFinite.stop)
         trainer = job.cfg.trainer
-        accum = trainer.grad_accum_steps
+        splits = self.step_splits(trainer, job.cfg.data.batch_size)
         if job.mode is StepMode.compiled:
             # The compiled step accumulates inside its program: it takes the global batch.
-            compiled = _compile(job, self, (model, optimizer, scheduler), loss_fn)
-            return TrainStep(self, compiled, compiled, accum)
+            compiled = _compile(job, self, (model, optimizer, scheduler), loss_fn, splits)
+            return TrainStep(self, compiled, compiled, splits)
         _, size = self.data_parallel_rank()
-        settings = StepSettings(job.precision, trainer.max_grad_norm, accum,
+        settings = StepSettings(job.precision, trainer.max_grad_norm, splits,
                                 skip_non_finite=True, data_parallel_size=size,
                                 tensor_parallel_size=self.shape.tensor if self.sharded else 1)
         eager = EagerStep((model, optimizer, scheduler), job.device, settings)
         return TrainStep(self, eager if job.mode is StepMode.eager else _fused(eager), None,
-                         accum)
+                         splits)
 
     def place_step(self, step: TrainStep) -> None:
         """Put the step's parameters and optimizer state where it runs (before its first call,
@@ -305,15 +322,16 @@ class PerDevice(Layout):
         return False
 
 
-def _compile(job, layout: Layout, trained: tuple, loss_fn: Callable):
-    """``compile_train_step`` of ``trained = (model, optimizer, scheduler)`` for ``layout``."""
+def _compile(job, layout: Layout, trained: tuple, loss_fn: Callable, splits: int):
+    """``compile_train_step`` of ``trained = (model, optimizer, scheduler)`` for ``layout``,
+    accumulating over ``splits`` pieces of each global batch."""
     from tpu_train.compile import compile_train_step
 
     model, optimizer, scheduler = trained
     trainer = job.cfg.trainer
     return compile_train_step(
         model, optimizer, loss_fn, scheduler=scheduler, max_grad_norm=trainer.max_grad_norm,
-        grad_accum_steps=trainer.grad_accum_steps, mesh=getattr(layout, "mesh", None),
+        grad_accum_steps=splits, mesh=getattr(layout, "mesh", None),
         plan=getattr(layout, "plan", None), compute_dtype=job.precision.compute_dtype,
         skip_non_finite=True, scan_layers=trainer.scan_layers)
 

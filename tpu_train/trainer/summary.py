@@ -96,12 +96,18 @@ def start_summary(run, state_bytes: int) -> list[str]:
         f"model: {_model_label(cfg, model)}, {_count(total)} parameters ({_count(trainable)} "
         f"trainable), from {source}",
         f"data: global batch {batch} x {seq} tokens x {accum} accumulation = {per_step:,} "
-        f"tokens/step ({rows_here} row{'s' if rows_here != 1 else ''} per data-parallel shard); budget "
+        f"tokens/step ({rows_here} row{'s' if rows_here != 1 else ''} per data-parallel shard"
+        f"{_micro_note(cfg.trainer.micro_batch_size, rows_here)}); budget "
         f"{cfg.trainer.max_steps} steps = {budget:,} tokens",
         f"device: {_device_line(job, parallel)}",
         f"precision: {_precision_line(job)}; step: {job.mode.value}",
         f"memory: {memory}",
     ]
+
+
+def _micro_note(micro: int | None, rows: int) -> str:
+    """``, 2 at a time`` where ``trainer.micro_batch_size`` splits a shard's rows."""
+    return "" if micro is None or micro >= rows else f", {micro} at a time"
 
 
 def describe_compilation(record) -> str:
