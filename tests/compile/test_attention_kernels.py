@@ -1,0 +1,59 @@
+"""Compiled steps whose attention runs the TPU kernels (JAX's Pallas splash attention), here in
+Pallas' interpret mode on the CPU client: the path a TPU step takes, traced the same way.
+
+On the chip, a 350M step failed its first call with "Computation compiled for 456 inputs but
+called with 446": the kernels' mask tables, built inside one trace and cached, were that
+trace's tracers, and the next trace (a second signature, another layer body) lowered them as
+extra parameters of its program. The test compiles two signatures in one process, as that run
+did, and checks the losses against CPU PyTorch."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.tolerances import loss_rtol
+from tpu_train.compile import compile_train_step
+from tpu_train.ops import attention_tpu
+
+from .helpers import DEVICE, OPTIMIZERS, _llama, lm_batches, lm_loss, run_reference, to_device
+
+SEQ = 128  # one 128-token tile: the smallest the kernels take
+# Longest reduction of a step: SwiGLU hidden 256 (dim 128, head_dim 64, 128 tokens, vocab 128).
+N = 256
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        original = getattr(attention_tpu, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(attention_tpu, name, counted)
+    return calls
+
+
+def test_two_signatures_on_the_kernels_run_and_match_cpu(kernel_calls):
+    model = _llama(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=128,
+                   ffn_hidden_dim=256, max_seq_len=SEQ)
+    make_opt = OPTIMIZERS["adamw"]
+    # Batch 1 twice, then batch 2: the second signature traces the layer body again while
+    # the kernel for 128 tokens is cached from the first.
+    batches = lm_batches(2, batch=1, seq=SEQ) + lm_batches(1, batch=2, seq=SEQ, seed=2)
+    cpu_losses, *_ = run_reference(model, make_opt, lm_loss, batches, device="cpu",
+                                   max_grad_norm=1.0)
+    attention_tpu._kernel.cache_clear()
+    on_device = copy.deepcopy(model).to(DEVICE)
+    step = compile_train_step(on_device, make_opt(on_device.parameters()), lm_loss,
+                              max_grad_norm=1.0)
+    with attention_tpu.interpreted():
+        losses = [float(step(to_device(batch))["loss"].cpu()) for batch in batches]
+    assert len(step.compilations) == 2
+    # One forward and one backward kernel call per traced layer body, in each compilation.
+    assert kernel_calls["forward"] >= 2 and kernel_calls["backward"] >= 2
+    for i, (got, want) in enumerate(zip(losses, cpu_losses)):
+        assert abs(got - want) <= loss_rtol(torch.float32, i + 1, N) * abs(want), (i, got, want)
