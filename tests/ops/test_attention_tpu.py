@@ -126,7 +126,7 @@ def test_the_rule_takes_the_kernels_only_where_they_win():
     assert not attention_tpu.supported(*_arrays(dtype=jnp.float32), None, True)  # matmul precision
     q, k, v = _arrays()
     assert not attention_tpu.supported(q, k[:, :, :512], v[:, :, :512], None, False)  # Sq != Sk
-    with attention_tpu.partitioned_program():
+    with attention_tpu.xla_form():  # a partitioned program
         assert not attention_tpu.supported(*_arrays(), None, True)
     with attention_tpu.interpreted():  # the tests' mode: from 128 tokens, float32 too
         assert attention_tpu.supported(*_arrays(128, dtype=jnp.float32), None, True)

@@ -559,7 +559,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     try:
         # A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does
         # not split a Pallas kernel (tpu_train.ops.attention_tpu).
-        with attention_tpu.partitioned_program() if layout is not None \
+        with attention_tpu.xla_form() if layout is not None \
                 else contextlib.nullcontext():
             lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001

@@ -9,8 +9,8 @@ against 6.0 ms for the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 
 for itself. Hence the rule of :func:`supported`:
 
 * the program is lowered for a TPU (``lax.platform_dependent``: the same traced program lowered
-  for another platform takes the XLA form), for one device (:func:`partitioned_program`: a
-  Pallas kernel is not partitioned by XLA's SPMD partitioner);
+  for another platform takes the XLA form), for one device (:func:`xla_form`: a Pallas kernel
+  is not partitioned by XLA's SPMD partitioner);
 * no dropout, no additive or boolean mask: none, or ``is_causal`` (the kernel's
   ``CausalMask``, evaluated from iotas inside the kernel, never materialised);
 * self-attention lengths (``Sq == Sk``), a multiple of 128 (the kernel's lane tiles) and at
@@ -49,66 +49,75 @@ _LANES = 128
 _HEAD_DIM_MULTIPLE = 64
 _BLOCK = 512
 
-_PARTITIONED = contextvars.ContextVar("tpu_train_attention_partitioned", default=False)
-# Tests: (min_sequence,) to run the kernels on any platform in Pallas' interpret mode.
-_INTERPRETED = contextvars.ContextVar("tpu_train_attention_interpreted", default=None)
+_XLA_FORM = contextvars.ContextVar("tpu_train_attention_xla_form", default=False)
+# (min_sequence, interpret): the rule's length threshold moved, and the kernels run on any
+# platform in Pallas' interpret mode (:func:`kernels`).
+_OVERRIDE = contextvars.ContextVar("tpu_train_attention_override", default=None)
 
 
 @contextlib.contextmanager
-def partitioned_program():
-    """Lowering a program partitioned over several devices: attention takes the XLA form
-    (a Pallas kernel inside a GSPMD program would need a ``shard_map`` around it)."""
-    token = _PARTITIONED.set(True)
+def xla_form():
+    """Attention lowered inside takes the XLA form on every platform: programs partitioned over
+    several devices (XLA's SPMD partitioner does not split a Pallas kernel; it would need a
+    ``shard_map`` around it), and benchmarks comparing the two forms."""
+    token = _XLA_FORM.set(True)
     try:
         yield
     finally:
-        _PARTITIONED.reset(token)
+        _XLA_FORM.reset(token)
 
 
 @contextlib.contextmanager
+def kernels(min_sequence: int = _LANES, interpret: bool = False):
+    """Inside, the rule takes the kernels from ``min_sequence`` tokens (benchmarks measure
+    below :data:`MIN_SEQUENCE`) and for float32 too; with ``interpret`` they run on any
+    platform, in Pallas' interpret mode: how the CPU client tests them (slow; tiny shapes)."""
+    token = _OVERRIDE.set((int(min_sequence), bool(interpret)))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
 def interpreted(min_sequence: int = _LANES):
-    """Run the kernels wherever the rule allows them, on any platform, in Pallas' interpret
-    mode, from ``min_sequence`` tokens: how the CPU client tests them (slow; tiny shapes)."""
-    token = _INTERPRETED.set((int(min_sequence),))
-    try:
-        yield
-    finally:
-        _INTERPRETED.reset(token)
+    """:func:`kernels` in Pallas' interpret mode, on any platform (tests)."""
+    return kernels(min_sequence, interpret=True)
 
 
 def lowering_key() -> tuple:
     """What decides this module's choices besides the arrays: part of the key of any cache
     of traced functions (a layer body traced for one device must not serve a partitioned
     program, nor an interpreted one a compiled one)."""
-    return (_PARTITIONED.get(), _INTERPRETED.get())
+    return (_XLA_FORM.get(), _OVERRIDE.get())
 
 
 def is_interpreted() -> bool:
-    return _INTERPRETED.get() is not None
+    override = _OVERRIDE.get()
+    return override is not None and override[1]
 
 
 def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
     """Does the rule of the module docstring send this call to the kernels (on a TPU)?"""
-    if _PARTITIONED.get():
+    if _XLA_FORM.get():
         return False
-    forced = _INTERPRETED.get()
-    least = MIN_SEQUENCE if forced is None else forced[0]
+    override = _OVERRIDE.get()
+    least = MIN_SEQUENCE if override is None else override[0]
     b, h, sq, d = query.shape
     kv_heads, sk = key.shape[1], key.shape[2]
     dtypes = (query.dtype, key.dtype, value.dtype)
-    allowed = (jnp.bfloat16,) if forced is None else (jnp.bfloat16, jnp.float32)
+    allowed = (jnp.bfloat16,) if override is None else (jnp.bfloat16, jnp.float32)
     return (attn_bias is None and not _may_drop(dropout_p) and sq == sk and sq >= least
             and sq % _LANES == 0 and d % _HEAD_DIM_MULTIPLE == 0 and value.shape[-1] == d
             and value.shape[1] == kv_heads and h % kv_heads == 0
             and len(set(dtypes)) == 1 and dtypes[0] in allowed)
 
 
-def on_tpu(operands: tuple, kernels, xla):
-    """``kernels(*operands)`` where the program is lowered for a TPU (or interpreted, see
-    :func:`interpreted`), else ``xla(*operands)``: both are traced, the lowering keeps one."""
+def on_tpu(operands: tuple, with_kernels, with_xla):
+    """``with_kernels(*operands)`` where the program is lowered for a TPU (or interpreted, see
+    :func:`kernels`), else ``with_xla(*operands)``: both are traced, the lowering keeps one."""
     if is_interpreted():
-        return kernels(*operands)
-    return jax.lax.platform_dependent(*operands, tpu=kernels, default=xla)
+        return with_kernels(*operands)
+    return jax.lax.platform_dependent(*operands, tpu=with_kernels, default=with_xla)
 
 
 def _may_drop(dropout_p) -> bool:
