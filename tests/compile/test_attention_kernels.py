@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tolerances import loss_rtol
-from tpu_train.compile import compile_train_step
+from tpu_train.compile import compile_train_step, lower_train_step, targets
 from tpu_train.ops import attention_tpu
 
 from .helpers import DEVICE, OPTIMIZERS, _llama, lm_batches, lm_loss, run_reference, to_device
@@ -57,3 +57,53 @@ def test_two_signatures_on_the_kernels_run_and_match_cpu(kernel_calls):
     assert kernel_calls["forward"] >= 2 and kernel_calls["backward"] >= 2
     for i, (got, want) in enumerate(zip(losses, cpu_losses)):
         assert abs(got - want) <= loss_rtol(torch.float32, i + 1, N) * abs(want), (i, got, want)
+
+
+needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
+                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
+KERNEL_CALL = 'custom_call_target="tpu_custom_call"'
+
+
+def _meta_llama(seq: int, batch: int):
+    from tpu_train.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=256,
+                                  ffn_hidden_dim=256, max_seq_len=seq))
+        tokens = torch.empty(batch, seq, dtype=torch.int64)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), \
+        {"tokens": tokens, "labels": tokens.clone()}
+
+
+@needs_libtpu
+def test_a_v5e_step_runs_the_kernels_and_takes_exactly_its_arguments():
+    """Compiled for a v5e (compile-only), a bf16 step at 1024 tokens lowers its attention to
+    the kernels (forward, dK/dV and dQ: three Pallas calls for one layer), and the program's
+    entry parameters are the step's arguments, no more."""
+    import jax
+
+    model, optimizer, batch = _meta_llama(1024, 1)
+    program = lower_train_step(model, optimizer, lm_loss, batch, target="v5e",
+                               autocast_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    text = program.executable.as_text()
+    assert text.count(KERNEL_CALL) == 3
+    entry = text.split("\nENTRY", 1)[1].split("\n}", 1)[0]
+    assert entry.count(" parameter(") == len(jax.tree_util.tree_leaves(program.lowered.args_info))
+
+
+@needs_libtpu
+def test_a_partitioned_step_keeps_the_xla_form():
+    """Over a v5e:2x2 mesh the program is partitioned by XLA, which does not split a Pallas
+    kernel: attention stays in its XLA form (lowered only)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from tpu_train.parallel.llama_plan import llama_plan
+
+    model, optimizer, batch = _meta_llama(1024, 4)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
+    program = lower_train_step(model, optimizer, lm_loss, batch, mesh=mesh, plan=llama_plan(),
+                               target="v5e:2x2", autocast_dtype=torch.bfloat16,
+                               compute_dtype=torch.bfloat16, compile=False)
+    assert "tpu_custom_call" not in program.lowered.as_text()
