@@ -147,6 +147,18 @@ def test_xla_form_elsewhere_and_kernels_only_in_tpu_lowerings(kernel_calls):
     assert bool(jnp.all(out == xla_out)) and bool(jnp.all(lse == xla_lse))
 
 
+def test_without_a_tpu_compiler_the_kernels_are_not_even_traced(kernel_calls, monkeypatch):
+    monkeypatch.setattr(attention_tpu, "_tpu_compiler_installed", lambda: False)
+    q, k, v = (jnp.zeros((1, 4 // n, 1024, 64), jnp.bfloat16) for n in (1, 2, 2))
+    jax.jit(lambda *a: attention.scaled_dot_product_fused_attention(
+        *a, None, 0.0, True, False)[0]).lower(q, k, v)
+    assert kernel_calls == {"forward": 0, "backward": 0}
+    monkeypatch.setattr(attention_tpu, "_tpu_compiler_installed", lambda: True)
+    jax.jit(lambda *a: attention.scaled_dot_product_fused_attention(
+        *a, None, 0.0, True, False)[0]).lower(q, k, v)
+    assert kernel_calls == {"forward": 1, "backward": 0}
+
+
 def test_cached_kernels_hold_host_tables_even_when_built_inside_a_trace():
     """Built inside a trace with the kernel library's ``jnp.array``, the mask tables would be
     that trace's tracers; cached and reused by a later trace they became extra parameters of

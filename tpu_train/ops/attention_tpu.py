@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib.util
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -114,10 +116,21 @@ def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
 
 def on_tpu(operands: tuple, with_kernels, with_xla):
     """``with_kernels(*operands)`` where the program is lowered for a TPU (or interpreted, see
-    :func:`kernels`), else ``with_xla(*operands)``: both are traced, the lowering keeps one."""
+    :func:`kernels`), else ``with_xla(*operands)``: both are traced, the lowering keeps one.
+    Where no TPU compiler is installed, nothing can be lowered for a TPU: only the XLA form is
+    traced (the kernels' trace costs ~0.3 s per program)."""
     if is_interpreted():
         return with_kernels(*operands)
+    if not _tpu_compiler_installed():
+        return with_xla(*operands)
     return jax.lax.platform_dependent(*operands, tpu=with_kernels, default=with_xla)
+
+
+@functools.lru_cache(maxsize=1)
+def _tpu_compiler_installed() -> bool:
+    """libtpu (the ``libtpu`` package, or a library JAX is pointed at): what a TPU runtime and
+    a compile-only TPU target both need."""
+    return importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
 
 
 def _may_drop(dropout_p) -> bool:
