@@ -3,10 +3,11 @@
 The XLA formulation (:mod:`tpu_train.ops.attention`) writes and reads ``[B, H, S, S]`` scores
 and probabilities in HBM, in the forward and again in the backward; the splash kernels stream
 them through on-chip memory in blocks. Measured on one TPU v5e (forward + backward, bf16,
-head_dim 64, causal; ``scripts/bench_attention.py``): 8 x 16 heads (8 kv) x 1024 tokens 3.0 ms
-against 6.0 ms for the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256
-0.87 against 0.79 ms: at a few hundred tokens the kernel's per-block work is too small to pay
-for itself. Hence the rule of :func:`supported`:
+head_dim 64, causal, 2026-12-04): 8 x 16 heads (8 kv) x 1024 tokens 3.0 ms against 6.0 ms for
+the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256 0.87 against 0.79 ms.
+512 tokens has no figure yet, so the rule starts at the shortest measured win, 1024
+(``scripts/bench_attention.py`` measures all four on the chip that is there). The rule of
+:func:`supported`:
 
 * the program is lowered for a TPU (``lax.platform_dependent``: the same traced program lowered
   for another platform takes the XLA form), for one device (:func:`xla_form`: a Pallas kernel
@@ -24,7 +25,9 @@ Grouped-query heads use the kernel's multi-query form mapped over the batch and 
 kernel takes no scale: the query is scaled before it (in its own dtype) and the query's gradient
 after. The forward returns the logsumexp PyTorch's fused op returns (natural log of the scaled
 scores), and the backward consumes it with the output, so the backward kernels run without a
-second forward pass.
+second forward pass: :func:`backward` calls the kernel library's own backward rule
+(``_splash_attention_bwd``, private to jax's splash module, pinned by ``constraints.txt``; the
+interpret-mode tests in ``tests/ops/test_attention_tpu.py`` fail if a JAX update changes it).
 
 The kernel objects hold the mask's block tables. They are built on the host as NumPy arrays and
 cached per shape: built inside a trace with the kernel library's own ``jnp.array``, they would
