@@ -3,15 +3,17 @@ Pallas' interpret mode on the CPU client: the path a TPU step takes, traced the 
 
 On the chip, a 350M step failed its first call with "Computation compiled for 456 inputs but
 called with 446": the kernels' mask tables, built inside one trace and cached, were that
-trace's tracers, and the next trace (a second signature, another layer body) lowered them as
-extra parameters of its program. The test compiles two signatures in one process, as that run
-did, and checks the losses against CPU PyTorch."""
+trace's tracers, and a later trace reusing the kernel lowered them as extra parameters of its
+program. The test makes a later trace reuse it (a second signature in one process: the layer
+body is traced again while the kernel for its length is cached) and checks the losses against
+CPU PyTorch; with the tables of that first attempt it fails with the chip's error."""
 
 import copy
 
 import pytest
 import torch
 
+from tests.ops.test_attention_tpu import kernel_calls  # noqa: F401  (a fixture)
 from tests.tolerances import loss_rtol
 from tpu_train.compile import compile_train_step, lower_train_step, targets
 from tpu_train.ops import attention_tpu
@@ -21,20 +23,6 @@ from .helpers import DEVICE, OPTIMIZERS, _llama, lm_batches, lm_loss, run_refere
 SEQ = 128  # one 128-token tile: the smallest the kernels take
 # Longest reduction of a step: SwiGLU hidden 256 (dim 128, head_dim 64, 128 tokens, vocab 128).
 N = 256
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    calls = {"forward": 0, "backward": 0}
-    for name in calls:
-        original = getattr(attention_tpu, name)
-
-        def counted(*args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(attention_tpu, name, counted)
-    return calls
 
 
 def test_two_signatures_on_the_kernels_run_and_match_cpu(kernel_calls):
