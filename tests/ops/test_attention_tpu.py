@@ -175,3 +175,41 @@ def test_cached_kernels_hold_host_tables_even_when_built_inside_a_trace():
     leaves = jax.tree_util.tree_leaves(seen[0])
     assert leaves and all(isinstance(leaf, numpy.ndarray) for leaf in leaves)
     attention_tpu._kernel.cache_clear()
+
+
+def _kernel_dot_precisions(jaxpr) -> list:
+    """The precision of every dot inside the Pallas calls of ``jaxpr`` (nested jaxprs too)."""
+    found = []
+
+    def walk(closed, inside_kernel):
+        inner = getattr(closed, "jaxpr", closed)
+        for eqn in inner.eqns:
+            kernel = inside_kernel or eqn.primitive.name == "pallas_call"
+            if kernel and eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        walk(sub, kernel)
+
+    walk(jaxpr, False)
+    return found
+
+
+def test_the_kernels_dots_keep_the_default_precision_under_highest():
+    """``trainer.matmul_precision=highest`` is for float32 dots; the kernels' bf16 dots stay at
+    the default precision (Mosaic cannot compile a bf16 dot at fp32 contract precision)."""
+    from tpu_train.ops.matmul import set_matmul_precision
+
+    q, k, v = (to_jax(t) for t in _inputs(CASES[0], torch.bfloat16))
+    set_matmul_precision("highest")  # the conftest resets it after the test
+    with attention_tpu.interpreted():
+        def both(q, k, v):
+            out, logsumexp = attention_tpu.forward(q, k, v, True, None)
+            return attention_tpu.backward(out, q, k, v, out, logsumexp, True, None)
+
+        jaxpr = jax.make_jaxpr(both)(q, k, v)
+    precisions = _kernel_dot_precisions(jaxpr)
+    assert precisions, "no dot inside a Pallas call: the test no longer looks at the kernels"
+    highest = jax.lax.Precision.HIGHEST
+    assert all(p is None or highest not in p for p in precisions), precisions

@@ -179,13 +179,22 @@ def _for_call(query, key, is_causal):
     return kv_heads, _kernel(s, h // kv_heads, bool(is_causal), is_interpreted())
 
 
+def _kernel_precision():
+    """The kernels' own dots (bf16 operands, float32 accumulation: exact in one pass) at the
+    default precision, whatever ``trainer.matmul_precision`` set for float32 dots: a dot
+    traced at ``highest`` becomes Mosaic's fp32 contract precision, which it cannot compile
+    for bf16 operands ("Bad lhs type")."""
+    return jax.default_matmul_precision("default")
+
+
 def forward(query, key, value, is_causal, scale):
     """``(out [B, H, S, D], logsumexp [B, H, S] float32)`` by the forward kernel (see
     :func:`supported`)."""
     b, h, s, d = query.shape
     kv_heads, kernel = _for_call(query, key, is_causal)
     scaled = (query.astype(jnp.float32) * _scale(query, scale)).astype(query.dtype)
-    out, (logsumexp,) = jax.vmap(jax.vmap(kernel))(_grouped(scaled, kv_heads), key, value)
+    with _kernel_precision():
+        out, (logsumexp,) = jax.vmap(jax.vmap(kernel))(_grouped(scaled, kv_heads), key, value)
     return out.reshape(b, h, s, d).astype(query.dtype), logsumexp.reshape(b, h, s)
 
 
@@ -212,8 +221,9 @@ def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
 
     scaled = (query.astype(jnp.float32) * scale_value).astype(query.dtype)
     lse = logsumexp.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, s)
-    grad_scaled, grad_key, grad_value = jax.vmap(jax.vmap(one))(
-        _grouped(scaled, kv_heads), key, value, _grouped(out.astype(query.dtype), kv_heads), lse,
-        _grouped(grad_out.astype(query.dtype), kv_heads))
+    with _kernel_precision():
+        grad_scaled, grad_key, grad_value = jax.vmap(jax.vmap(one))(
+            _grouped(scaled, kv_heads), key, value, _grouped(out.astype(query.dtype), kv_heads),
+            lse, _grouped(grad_out.astype(query.dtype), kv_heads))
     grad_query = (grad_scaled.astype(jnp.float32) * scale_value).astype(query.dtype)
     return grad_query.reshape(b, h, s, d), grad_key.astype(key.dtype), grad_value.astype(value.dtype)
