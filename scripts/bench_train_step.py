@@ -316,10 +316,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--remat", choices=("full", "dots"),
                         help="with --size: rematerialize each layer of the JAX reference")
     args = parser.parse_args(argv)
+    if args.only:
+        args.only = [name for item in args.only for name in item.split(",") if name]
     if args.size:
         return sized(parser, args)
     if args.only:
-        args.only = [name for item in args.only for name in item.split(",") if name]
         unknown = sorted(set(args.only) - set(MODES))
         if unknown:
             parser.error(f"--only: unknown mode(s) {', '.join(unknown)}; choose from "
