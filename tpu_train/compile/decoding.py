@@ -119,7 +119,7 @@ def _trace_step(wrapper: _DecodeModule, names: Sequence[str], tensors: Sequence[
     return gm
 
 
-def _flat_on_device(tensor: torch.Tensor, device, name: str):
+def flat_on_device(tensor: torch.Tensor, device, name: str):
     """``tensor``'s elements, flat, on the JAX ``device``: its storage's own buffer when it is
     the whole storage (no work per call: a reshape per tensor cost 1.5 ms of dispatch, 60 ms
     per call for debug_tiny), and one replica of a buffer replicated over several devices
@@ -194,7 +194,7 @@ class CompiledDecoder:
         names, tensors = self._tensors()
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
-        arrays = [_flat_on_device(t, device, n) for n, t in zip(names, tensors)]
+        arrays = [flat_on_device(t, device, n) for n, t in zip(names, tensors)]
         settings = (float(temperature), float(top_p), len(eos))
         signature = self._signature(names, tensors, buckets, settings)
         entry = self.cache.get_or_build(signature, lambda stages: self._build(

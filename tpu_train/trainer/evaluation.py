@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -100,16 +100,41 @@ class HostEvaluationModel:
 def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_batches: int,
                     precision: Precision) -> dict[str, float]:
     """Token-weighted mean loss over at most ``max_batches`` batches, and its perplexity."""
-    model.eval()
-    total, tokens = 0.0, 0
-    for index, batch in enumerate(loader):
-        if index >= max_batches:
-            break
+    def loss_sum(batch: dict[str, torch.Tensor]) -> float:
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast_context(device, precision):
-            total += float(causal_lm_loss_sum(model, batch))
-        tokens += int((batch["labels"] != IGNORE_INDEX).sum())
-    model.train()
+            return float(causal_lm_loss_sum(model, batch))
+
+    return _mean_loss(model, loader, max_batches, loss_sum)
+
+
+def compiled_loss(model: torch.nn.Module, precision: Precision):
+    """The summed next-token loss of our Llama on its ``tpu`` device as one compiled program
+    per batch shape, computing in ``precision`` (as :func:`compiled_decoder`); keep it to
+    reuse its programs."""
+    from tpu_train.compile.evaluation import CompiledLoss
+
+    return CompiledLoss(model, causal_lm_loss_sum, autocast_dtype=precision.compute_dtype,
+                        name="validation loss")
+
+
+def compiled_validation_loss(evaluator, loader, max_batches: int) -> dict[str, float]:
+    """:func:`validation_loss` by ``evaluator``, a :func:`compiled_loss` of the model."""
+    return _mean_loss(evaluator.model, loader, max_batches, evaluator)
+
+
+def _mean_loss(model: torch.nn.Module, loader, max_batches: int,
+               loss_sum: Callable[[dict], float]) -> dict[str, float]:
+    model.eval()
+    total, tokens = 0.0, 0
+    try:
+        for index, batch in enumerate(loader):
+            if index >= max_batches:
+                break
+            total += loss_sum(batch)
+            tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+    finally:
+        model.train()
     if tokens == 0:
         return {}
     loss = total / tokens

@@ -20,7 +20,8 @@ from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import TrainingStopped
 from .evaluation import (Decoding, HostEvaluationModel, compiled_decoder, decodes_compiled,
-                         describe_decoder, exact_match_count, runs_on_host_cpu, validation_loss)
+                         compiled_loss, compiled_validation_loss, describe_decoder,
+                         exact_match_count, runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .layouts import Layout
 from .parallelism import peak_bytes_per_device
@@ -109,8 +110,10 @@ class _Validator:
         self.job, self.tokenizer, self.data, self.logger = job, run.tokenizer, run.data, run.logger
         on_host = runs_on_host_cpu(job.device) or self.parallel.sharded
         self.host = HostEvaluationModel(run.fresh_model) if on_host else None
-        self.decoder = (compiled_decoder(self.model, job.precision) if decodes_compiled(job.device)
-                        and self.parallel.decodes_on_device() else None)
+        on_device = decodes_compiled(job.device) and self.parallel.decodes_on_device()
+        self.decoder = compiled_decoder(self.model, job.precision) if on_device else None
+        # Op by op, a validation pass on a TPU compiles each new op on first use.
+        self.evaluator = compiled_loss(self.model, job.precision) if on_device else None
         self.last: dict = {}
         self.first: dict = {}  # the starting model's figures (step 0)
 
@@ -127,8 +130,12 @@ class _Validator:
         if self.data.has_val_loss:
             # A fresh pass over the validation file each time (a loader is one stream).
             loader = builders.build_val_loader(cfg, self.tokenizer, self.data.val_path, probe=False)
-            values.update(validation_loss(model, loader, device, cfg.trainer.val_batches,
-                                          self.job.precision))
+            if self.evaluator is not None and model is self.model:
+                values.update(compiled_validation_loss(self.evaluator, loader,
+                                                       cfg.trainer.val_batches))
+            else:
+                values.update(validation_loss(model, loader, device, cfg.trainer.val_batches,
+                                              self.job.precision))
         scored = None
         if self.data.exact_match_path is not None:
             if self.decoder is not None:

@@ -1,0 +1,107 @@
+"""Compiled evaluation: a model's loss over one batch as one XLA program.
+
+``CompiledLoss(model, loss_fn)(batch)`` runs ``loss_fn(model, batch)`` (forward and loss, no
+gradient) on the model's ``tpu`` device in a single program call and returns its value on the
+host. Op by op, an evaluation pass on a TPU compiles each new op on its first use (each
+compile a fraction of a second on a TPU host): validating the default job's model that way
+cost more than its whole compiled train step. Traced once per batch shape like the decoder
+(:mod:`.decoding`), with the model's parameters and buffers as program inputs, so one program
+serves every weight update of a run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+import torch
+
+from tpu_train.compile import cache as cache_mod
+from tpu_train.compile import interpreter, tracing
+from tpu_train.compile.decoding import flat_on_device
+from tpu_train.compile.lowering import autocast_region
+from tpu_train.device import runtime
+from tpu_train.device.tensor import host_array
+from tpu_train.ops import matmul as matmul_mod
+
+__all__ = ["CompiledLoss"]
+
+
+class _LossModule(torch.nn.Module):
+    """``loss_fn(model, batch)`` as a module, so ``functional_call`` can swap the model's
+    tensors for graph inputs."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, keys: list[str]):
+        super().__init__()
+        self.model, self.loss_fn, self.keys = model, loss_fn, keys
+
+    def forward(self, *values):
+        return self.loss_fn(self.model, dict(zip(self.keys, values)))
+
+
+class CompiledLoss:
+    """``loss_fn(model, batch)`` of a model on its ``tpu`` device, one program per batch shape.
+
+    ``batch`` is a dict of host tensors; ``loss_fn`` returns one scalar tensor.
+    ``autocast_dtype`` (``torch.bfloat16``): the forward runs under autocast to it, as eager
+    code in a ``torch.autocast`` region would; None: in the weights' own dtype.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, *,
+                 autocast_dtype: torch.dtype | None = None, name: str | None = None):
+        self.model, self.loss_fn, self.autocast_dtype = model, loss_fn, autocast_dtype
+        self.cache = cache_mod.CompileCache(name or f"evaluation of {type(model).__name__}")
+
+    @property
+    def compilations(self) -> list[cache_mod.CompileRecord]:
+        """One record per compiled program (cause, trace / lower / compile seconds)."""
+        return list(self.cache.records)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> float:
+        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        names, tensors = [n for n, _ in named], [t for _, t in named]
+        index = tensors[0].device.index or 0
+        device = runtime.jax_device(index)
+        arrays = [flat_on_device(t, device, n) for n, t in zip(names, tensors)]
+        keys = sorted(batch)
+        leaves = [batch[k] for k in keys]
+        signature = cache_mod.Signature(
+            tuple(cache_mod.InputSpec(f'"{n}"', tuple(t.shape), t.dtype)
+                  for n, t in zip(names + keys, tensors + leaves)),
+            (("model.training", self.model.training), ("autocast", str(self.autocast_dtype)),
+             ("matmul precision", matmul_mod.get_matmul_precision())))
+        program = self.cache.get_or_build(signature, lambda stages: self._build(
+            stages, names, tensors, keys, leaves, torch.device("tpu", index), arrays))
+        return float(program(arrays, [host_array(t) for t in leaves]))
+
+    def _build(self, stages: cache_mod.TimedStages, names, tensors, keys, leaves,
+               torch_device: torch.device, arrays):
+        fakes = tracing.FakeFactory()
+        module_keys = ["model." + n for n in names]
+        n = len(module_keys)
+        wrapper = _LossModule(self.model, self.loss_fn, keys)
+        inputs = [fakes.like(t.shape, t.dtype, torch_device) for t in tensors + leaves]
+
+        def loss(*flat):
+            return torch.func.functional_call(wrapper, dict(zip(module_keys, flat[:n])),
+                                              tuple(flat[n:]))
+
+        def trace():
+            with fakes.mode, torch.no_grad(), autocast_region(self.autocast_dtype):
+                return tracing._trace(loss, inputs)
+
+        gm = stages.time("trace", trace)
+        interpreter.check_lowerings(gm.graph)
+        stages.graph_nodes = interpreter.count_ops(gm)
+        shapes = [tuple(t.shape) for t in tensors]
+
+        def program(flat, batch_values):
+            values = [a.reshape(shape) for a, shape in zip(flat, shapes)] + list(batch_values)
+            loss, _ = interpreter.run_graph(gm, values)  # the graph's one output: the loss
+            return loss
+
+        args = [arrays, [jax.ShapeDtypeStruct(np.shape(host_array(t)), host_array(t).dtype)
+                         for t in leaves]]
+        lowered = stages.time("lower", jax.jit(program).lower, *args)
+        return stages.time("compile", lowered.compile)
