@@ -48,8 +48,9 @@ def test_the_step_splits_each_shards_rows_into_micro_batches():
     eight = Layout(MeshShape(2, 4, 1), World(0, 1), torch.device("cpu"))
     assert eight.step_splits(trainer(1, 1), 16) == 2
     assert eight.step_splits(trainer(1, None), 16) == 1
-    with pytest.raises(ConfigError, match="micro_batch_size=4 must divide the 2 rows"):
-        eight.step_splits(trainer(1, 4), 16)
+    assert eight.step_splits(trainer(1, 4), 16) == 1  # no more rows than that: all at once
+    with pytest.raises(ConfigError, match="micro_batch_size=3 must divide the 4 rows"):
+        eight.step_splits(trainer(1, 3), 32)
 
 
 @pytest.mark.devices(8)

@@ -75,12 +75,13 @@ class Layout:
     def step_splits(self, trainer, batch_size: int) -> int:
         """Pieces the step that accumulates splits one global batch into: the loader's
         ``trainer.grad_accum_steps`` micro-batches, each cut further into pieces of
-        ``trainer.micro_batch_size`` rows per data-parallel shard."""
+        ``trainer.micro_batch_size`` rows per data-parallel shard (a shard with no more rows
+        than that runs them at once: on more devices the same job splits less)."""
         accum, micro = trainer.grad_accum_steps, trainer.micro_batch_size
         rows = self.rows_per_shard(batch_size)
-        if micro is None or micro == rows:
+        if micro is None or micro >= rows:
             return accum
-        if micro > rows or rows % micro:
+        if rows % micro:
             divisors = ", ".join(str(d) for d in range(1, rows + 1) if rows % d == 0)
             raise ConfigError(
                 f"trainer.micro_batch_size={micro} must divide the {rows} rows each data-parallel "
