@@ -39,7 +39,7 @@ def test_plan_raises_a_batch_that_does_not_split():
     # Analytic only would need no XLA; the batch note is decided before any compile.
     from omegaconf import OmegaConf
 
-    from tpu_train.parallel.plan_command import planning_config
+    from tpu_train.planning import planning_config
 
     cfg = OmegaConf.create({"parallel": {"data": -1, "fsdp": 256, "tensor": 1},
                             "data": {"batch_size": 8}})
@@ -88,7 +88,7 @@ def test_recipe_plan_is_the_plan_command(monkeypatch):
     the real one)."""
     from omegaconf import OmegaConf
 
-    from tpu_train.parallel import plan_command
+    from tpu_train.planning import command as plan_command
 
     code, out, err = run_in_process("recipe=plan", "model=debug_tiny", "parallel.fsdp=3")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "fsdp" in err, err

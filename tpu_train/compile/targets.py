@@ -30,8 +30,8 @@ import os
 import re
 from typing import Any
 
-__all__ = ["GENERATIONS", "Target", "TargetError", "libtpu_available", "resolve_target",
-           "target_of"]
+__all__ = ["GENERATIONS", "Target", "TargetError", "libtpu_available", "parse_target",
+           "resolve_target", "target_of"]
 
 # Generation -> how many dimensions its topologies have.
 GENERATIONS: dict[str, int] = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
@@ -79,7 +79,8 @@ def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def _parse(name: str) -> tuple[str, tuple[int, ...]]:
+def parse_target(name: str) -> tuple[str, tuple[int, ...]]:
+    """``(generation, chips along each axis)`` of a target name, checked without libtpu."""
     usage = ("use <generation>[:<topology>], generation one of "
              f"{', '.join(GENERATIONS)}, topology like 2x2 (v5e, v6e) or 2x2x1 (v4, v5p)")
     if not isinstance(name, str) or not name.strip():
@@ -132,7 +133,7 @@ def _topology_devices(generation: str, shape: tuple[int, ...]) -> tuple:
 
 def resolve_target(name: str) -> Target:
     """The compile-only devices of the TPU topology ``name`` (module docstring)."""
-    generation, shape = _parse(name)
+    generation, shape = parse_target(name)
     canonical = f"{generation}:{'x'.join(map(str, shape))}"
     if not libtpu_available():
         raise TargetError(f"compiling for TPU target {canonical!r} needs XLA's TPU compiler: "
