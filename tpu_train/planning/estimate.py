@@ -117,9 +117,11 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     all-reduced input gradient (``4 dim``). These coefficients match XLA's buffer assignment
     for the reference step within a few per cent once activations dominate (see the tests).
     ``scan_layers`` (the compiled step's default, without checkpointing): a scanned layer
-    keeps its input and its projections' outputs (``3 dim + (dim + 2 kv_dim) / t + 2 ffn /
-    t``: the elementwise rest and the scores are recomputed, tpu_train.compile.layer_scan),
-    plus one layer's full set while its backward runs.
+    keeps its input and the projections' outputs its backward reads (``2 dim + (dim + 2
+    kv_dim) / t + 2 ffn / t``: the input, the attention output projection's, q, k, v and the
+    two SwiGLU projections'; the elementwise rest and the scores are recomputed, and the down
+    projection's output is not kept, as only the residual add reads it,
+    tpu_train.compile.layer_scan), plus one layer's full set while its backward runs.
     """
     t = shape.tensor
     tokens = batch * seq_len // shape.batch_shards
@@ -130,7 +132,7 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     if activation_checkpointing:
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
     elif scan_layers:
-        kept = 3 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
+        kept = 2 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
         layers = tokens * (cfg.n_layers * kept + per_layer)
     else:
         layers = tokens * cfg.n_layers * per_layer
