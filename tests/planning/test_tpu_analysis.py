@@ -12,7 +12,8 @@ from tpu_train.compile import targets
 from tpu_train.models import flops_per_token, get_config, num_params
 from tpu_train.planning import command, pod_topology
 from tpu_train.planning.analysis import compiled_step_analysis
-from tpu_train.planning.loop_flops import while_loops
+from tpu_train.planning import tpu_dump
+from tpu_train.planning.loop_flops import loop_flops, while_loops
 
 needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
                                   reason="libtpu is not installed (pip install tpu_train[tpu])")
@@ -55,9 +56,19 @@ def test_without_libtpu_the_cpu_compiler_is_used_and_said(monkeypatch):
 
 
 @needs_libtpu
-def test_v5e_compiler_figures_with_scanned_layers_counted_per_layer():
-    scanned = compiled_step_analysis("debug_tiny", scan_layers=True, target="v5e:2x2", **FSDP4)
+def test_v5e_compiler_figures_with_scanned_layers_counted_per_layer(tmp_path):
+    scanned = compiled_step_analysis("debug_tiny", scan_layers=True, target="v5e:2x2",
+                                     dump_to=str(tmp_path), **FSDP4)
     assert scanned["compiler"] == "TPU" and scanned["compiled_for"] == "v5e:2x2"
+    # What the plan command reads from the compiler's dump, before code generation, is what
+    # the finished executable says.
+    dumped, text = tpu_dump.dumped_figures(str(tmp_path))
+    for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                "temp_size_in_bytes", "bytes_peak_estimate"):
+        assert dumped[key] == scanned[key], key
+    assert dumped["flops_per_device"] == scanned["flops_per_device_raw"]
+    assert loop_flops(text, dumped["flops_per_device"])["flops_per_device"] == \
+        scanned["flops_per_device"]
     # The forward and the backward scans, each over the 4 layers.
     assert scanned["flops_per_device"] > 2 * scanned["flops_per_device_raw"]
     assert "2 loop bodies counted per iteration (4 x " in scanned["flops_note"]

@@ -105,12 +105,14 @@ def _quiet_chipless_libtpu() -> None:
     """Where this process runs no TPU (the platform chosen is another; with
     ``TPU_TRAIN_PLATFORM=cpu`` JAX never even starts its TPU backend), tell libtpu it is a
     single host outside any TPU VM: it then skips looking up the VM's metadata and writes no
-    warnings about it. A TPU VM's runtime is never affected, nor are the user's settings."""
+    warnings about it, and it does not take the lock that reserves chips for one process
+    (compiling only, another process compiling too, a plan's child say, is no conflict). A
+    TPU VM's runtime is never affected, nor are the user's settings."""
     from tpu_train.device import runtime
 
     if runtime.platform() != "tpu":
         for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                           ("TPU_HOST_BOUNDS", "1,1,1")):
+                           ("TPU_HOST_BOUNDS", "1,1,1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
             os.environ.setdefault(key, value)
 
 

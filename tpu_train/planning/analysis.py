@@ -7,7 +7,9 @@ the ``meta`` device: nothing the size of the model is allocated), lowers it over
 
 * **TPU** (``target="v5e:16x16"``): XLA's TPU compiler from libtpu, for the pod's real
   topology (:mod:`tpu_train.compile.targets`; no chip needed, any x86-64 host). Its buffer
-  assignment and FLOPs are the TPU's.
+  assignment and FLOPs are the TPU's. The plan command's child reads them from the
+  compiler's dump as soon as its HLO passes end and exits without waiting for code
+  generation, most of the compile (:mod:`tpu_train.planning.tpu_dump`).
 * **CPU** (``target=None``): this process's devices; for a pod-sized mesh, a child process
   with as many virtual CPU devices (:func:`analyse_in_child`). The CPU compiler's buffers are
   only a stand-in for a TPU's (bf16 elementwise work is kept in f32, for one).
@@ -28,18 +30,22 @@ import math
 import os
 import subprocess
 import sys
-from typing import Any
+import tempfile
+import time
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from tpu_train.compile import lower_train_step
+from tpu_train.compile.program import compiled_analysis
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
 from tpu_train.models import Llama
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 from tpu_train.parallel.llama_plan import llama_plan
 from tpu_train.parallel.mesh import build_mesh
 
+from . import tpu_dump
 from .estimate import planned_model
 from .loop_flops import loop_flops
 
@@ -116,14 +122,19 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, precision: str = "fp32",
-                           scan_layers: bool | None = None,
-                           target: str | None = None) -> dict[str, Any]:
+                           scan_layers: bool | None = None, target: str | None = None,
+                           dump_to: str | None = None,
+                           on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step.
 
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
-    bf16 autocast apply when asked.
+    bf16 autocast apply when asked. ``dump_to`` (a directory): the compiler dumps its
+    optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
+    that only plans) the figures are read from that dump as soon as it is written, passed to
+    ``on_dumped``, and the process ends without waiting for code generation
+    (:mod:`tpu_train.planning.tpu_dump`).
     """
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     devices = resolve_target(target).devices if target is not None else None
@@ -132,14 +143,26 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         cfg, batch=batch, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
     program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
                                autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
-                               scan_layers=scan_layers, runtime_options=False)
+                               scan_layers=scan_layers, runtime_options=False, compile=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
                            "compiler": "TPU" if target is not None else "CPU"}
     if target is not None:
         out["compiled_for"] = resolve_target(target).name
-    out.update(program.analysis())
-    out.update(loop_flops(program.executable.as_text(), out["flops_per_device"]))
-    out["seconds"] = program.seconds
+    seconds = dict(program.seconds)
+    started = time.perf_counter()
+    if on_dumped is not None:
+        def report(figures: dict, text: str) -> None:
+            seconds["compile_until_buffer_assignment"] = time.perf_counter() - started
+            on_dumped({**out, **figures, **loop_flops(text, figures["flops_per_device"]),
+                       "seconds": seconds})
+
+        tpu_dump.report_when_dumped(dump_to, report)
+    compiled = program.lowered.compile(
+        compiler_options=tpu_dump.dump_options(dump_to) if dump_to else None)
+    seconds["compile"] = time.perf_counter() - started
+    out.update(compiled_analysis(compiled))
+    out.update(loop_flops(compiled.as_text(), out["flops_per_device"]))
+    out["seconds"] = seconds
     return out
 
 
@@ -173,10 +196,14 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     compiler when ``args["target"]`` names a topology, else on ``num_devices`` virtual CPU
     devices (their count is fixed when JAX starts). Raises :class:`TargetError` for a
     topology libtpu rejects, RuntimeError with the child's error output for other failures."""
-    env = (_tpu_compiler_env() if args.get("target") is not None
-           else virtual_devices_env(num_devices))
-    cmd = [sys.executable, "-m", "tpu_train.planning.analysis", "--child", json.dumps(args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    on_tpu = args.get("target") is not None
+    env = _tpu_compiler_env() if on_tpu else virtual_devices_env(num_devices)
+    with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
+        # A TPU child reports from the compiler's dump and exits before code generation.
+        child_args = {**args, "dump_to": dump} if on_tpu else args
+        cmd = [sys.executable, "-m", "tpu_train.planning.analysis", "--child",
+               json.dumps(child_args)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode == _EXIT_BAD_TARGET:  # libtpu rejected the topology: bad input
         raise TargetError(proc.stderr.strip().splitlines()[-1])
@@ -188,8 +215,11 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--child":
+        args = json.loads(argv[1])
+        if args.get("dump_to"):
+            args["on_dumped"] = lambda figures: print(json.dumps(figures), flush=True)
         try:
-            print(json.dumps(compiled_step_analysis(**json.loads(argv[1]))))
+            print(json.dumps(compiled_step_analysis(**args)))
         except TargetError as error:
             print(error, file=sys.stderr)
             return _EXIT_BAD_TARGET

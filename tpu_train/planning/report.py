@@ -46,6 +46,8 @@ def _xla_lines(result: dict[str, Any]) -> list[str]:
     if "bytes_peak_estimate" not in x:
         return [f"XLA analysis unavailable: {x.get('xla_error', 'no figures')}"]
     where = x.get("compiled_for") or f"{result['num_devices']} virtual CPU devices"
+    if "compile_until_buffer_assignment" in x.get("seconds", {}):
+        where += ", buffer assignment"
     lines = [f"XLA ({x.get('compiler', 'CPU')} compiler, {where}): "
              f"{x['bytes_peak_estimate'] / GiB:.2f} GiB per chip (arguments "
              f"{x['argument_size_in_bytes'] / GiB:.2f}, temporaries "
