@@ -52,12 +52,22 @@ def test_scanned_layers_gather_one_layer_at_a_time_and_keep_projections():
     unrolled = estimate(cfg, **args)
     scanned = estimate(cfg, scan_layers=True, **args)
     ckpt = estimate(cfg, activation_checkpointing=True, **args)
-    # Gathered inside the loop, a layer at a time; unlike checkpointed layers, no layer is
-    # gathered during the head's backward (the 8B's larger phase): the head and its gradient.
+    # Gathered inside the loop, a layer at a time. The peak is the larger of two phases, here
+    # the first layer's backward: that layer's gathered weights and unreduced gradient, the
+    # stacked gradients, one layer's full activations; no loss head.
     head = cfg.vocab_size * cfg.dim
     layers = num_params(cfg) - 2 * head - cfg.dim
-    assert scanned["bytes_fsdp_gathered"] == 4 * 2 * head
-    assert ckpt["bytes_fsdp_gathered"] == 4 * (2 * head + layers // cfg.n_layers)
+    layer = layers // cfg.n_layers
+    assert scanned["peak_phase"] == "the first layer's backward"
+    assert scanned["bytes_fsdp_gathered"] == 4 * 2 * layer
+    assert scanned["bytes_grads"] == unrolled["bytes_grads"] and scanned["bytes_loss_head"] == 0
+    assert ckpt["bytes_fsdp_gathered"] == 4 * (2 * head + layer) and ckpt["peak_phase"] is None
+    # Over 256 chips, one sequence of 128 tokens each: the layers' gradients are small and
+    # FSDP's head phase (the gathered head and its gradient) is the larger one.
+    short = estimate(cfg, scan_layers=True, num_devices=256, data=1, fsdp=256, batch=256,
+                     seq_len=128)
+    assert short["peak_phase"] == "the head's backward" and short["bytes_grads"] == 0
+    assert short["bytes_fsdp_gathered"] == 4 * 2 * head
     # The stack's copy of the layers' local shards: 1/8 of the layers' weights, fp32.
     assert scanned["bytes_stacked_layers"] == pytest.approx(4 * layers / 8, rel=1e-6)
     assert unrolled["bytes_stacked_layers"] == 0

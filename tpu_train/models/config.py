@@ -173,15 +173,15 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         shapes.update({
+            p + "attention_norm.weight": (cfg.dim,),
             p + "attention.wq.weight": (q, cfg.dim),
             p + "attention.wk.weight": (kv, cfg.dim),
             p + "attention.wv.weight": (kv, cfg.dim),
             p + "attention.wo.weight": (cfg.dim, q),
+            p + "ffn_norm.weight": (cfg.dim,),
             p + "feed_forward.w1.weight": (cfg.ffn_hidden_dim, cfg.dim),
             p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_hidden_dim),
             p + "feed_forward.w3.weight": (cfg.ffn_hidden_dim, cfg.dim),
-            p + "attention_norm.weight": (cfg.dim,),
-            p + "ffn_norm.weight": (cfg.dim,),
         })
     shapes["norm.weight"] = (cfg.dim,)
     if not cfg.tie_embeddings:

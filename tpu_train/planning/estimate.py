@@ -125,19 +125,59 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     """
     t = shape.tensor
     tokens = batch * seq_len // shape.batch_shards
-    kv = cfg.n_kv_heads * cfg.head_dim
-    scores = 2 * cfg.n_heads / t if flash_attention else 3 * cfg.n_heads * seq_len / t
-    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + scores
-                 + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
+    per_layer, kept = _layer_elements(cfg, t, seq_len, flash_attention)
     if activation_checkpointing:
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
     elif scan_layers:
-        kept = 2 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
         layers = tokens * (cfg.n_layers * kept + per_layer)
     else:
         layers = tokens * cfg.n_layers * per_layer
     head = tokens * (3 * cfg.vocab_size / t + (4 * cfg.dim if t > 1 else 0))
     return {"layers": int(layers * act_bytes), "loss_head": int(head * act_bytes)}
+
+
+def _layer_elements(cfg: Any, t: int, seq_len: int, flash_attention: bool) -> tuple[float, float]:
+    """Per token: a layer's full set of activations, and what a scanned layer keeps
+    (:func:`activation_bytes`)."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    scores = 2 * cfg.n_heads / t if flash_attention else 3 * cfg.n_heads * seq_len / t
+    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + scores
+                 + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
+    kept = 2 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
+    return per_layer, kept
+
+
+def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, local: int,
+                  one_layer: int, largest: int, param_bytes: int, act_bytes: int,
+                  flash_attention: bool) -> dict[str, Any]:
+    """Memory rows of a scanned step (no checkpointing) at its peak: the larger of two phases.
+
+    Live throughout the backward: what each scanned layer keeps (:func:`activation_bytes`)
+    and a second copy of the stacked layer inputs (the forward scan writes each layer's input
+    into the stack it builds while the previous stack is still read). Then either the
+    *head's backward* (the loss head's logits, log-probabilities and gradient; the gathered
+    head and its unreduced gradient; no layer is gathered yet, as the layers' all-gathers are
+    inside the loop) or the *first layer's backward* (the layers' stacked gradients; one
+    layer's full set of activations, recomputed; that layer's gathered weights and unreduced
+    gradient: the loop gathers no second layer ahead). Summing both phases overstated XLA's
+    TPU figure by 13-16 % (Llama-3.1-8B on v5e:16x16, 70B on v5p:4x4x8, sequences of 128);
+    the phases are within 4 % of it from 128 to 2048 tokens (docs/compile.md).
+    """
+    tokens = batch * seq_len // shape.batch_shards
+    per_layer, kept = _layer_elements(cfg, shape.tensor, seq_len, flash_attention)
+    loss_head = activation_bytes(cfg, shape, batch, seq_len, activation_checkpointing=False,
+                                 act_bytes=act_bytes)["loss_head"]
+    always = int(tokens * cfg.n_layers * (kept + cfg.dim) * act_bytes)
+    sharded = shape.fsdp > 1
+    head = {"bytes_grads": 0, "bytes_loss_head": loss_head, "bytes_activations": always,
+            "bytes_fsdp_gathered": 2 * largest * param_bytes if sharded else 0,
+            "peak_phase": "the head's backward"}
+    layer = {"bytes_grads": local * param_bytes, "bytes_loss_head": 0,
+             "bytes_activations": always + int(tokens * per_layer * act_bytes),
+             "bytes_fsdp_gathered": 2 * one_layer * param_bytes if sharded else 0,
+             "peak_phase": "the first layer's backward"}
+    return max(head, layer, key=lambda rows: sum(v for k, v in rows.items()
+                                                 if k.startswith("bytes_")))
 
 
 def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
@@ -186,8 +226,10 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     (the largest of a layer's and a single tensor's); with checkpointing or ``scan_layers``
     (which gathers each layer's weights inside the loop, and stacks every layer's local weight
     shards once) the larger of the head's backward (head gathered, its gradient unreduced, a
-    layer prefetched unless the layers are scanned: their gathers are inside the loop) and a
-    layer's (two layers gathered, one layer's gradient unreduced).
+    layer prefetched) and a layer's (two layers gathered, one layer's gradient unreduced).
+    Scanned layers without checkpointing: the larger of two whole phases, each with its own
+    gradients, FSDP working set and activations (:func:`_scanned_peak`); ``peak_phase`` names
+    it (None when the rows are a sum over the step).
     Returns a flat dict of figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices)
@@ -205,16 +247,23 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     grads = local * param_bytes
     optimizer = 2 * local * 4
     fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes,
-                                       activation_checkpointing or scan_layers, scan_layers)
+                                       activation_checkpointing or scan_layers)
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
     stacked = int(local * param_bytes * cfg.n_layers * one_layer / gathered) \
         if scan_layers and gathered else 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
                             flash_attention=flash_attention, scan_layers=scan_layers)
+    rows = {"bytes_grads": grads, "bytes_fsdp_gathered": fsdp_working,
+            "bytes_activations": acts["layers"], "bytes_loss_head": acts["loss_head"],
+            "peak_phase": None}
+    if scan_layers and not activation_checkpointing:
+        rows = _scanned_peak(cfg, shape, batch, seq_len, local=local, one_layer=one_layer,
+                             largest=largest, param_bytes=param_bytes, act_bytes=act_bytes,
+                             flash_attention=flash_attention)
     accumulator = local * 4 if grad_accum_steps > 1 else 0
-    total = (params + grads + optimizer + accumulator + fsdp_working + stacked + acts["layers"]
-             + acts["loss_head"])
+    total = (params + optimizer + accumulator + stacked
+             + sum(v for k, v in rows.items() if k.startswith("bytes_")))
 
     tokens = batch * seq_len * grad_accum_steps
     model_flops = flops_per_token(cfg, seq_len) * tokens
@@ -226,11 +275,9 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
         "num_params": num_params(cfg),
         "grad_accum_steps": grad_accum_steps,
-        "bytes_params": params, "bytes_grads": grads, "bytes_optimizer": optimizer,
-        "bytes_grad_accumulator": accumulator,
-        "bytes_fsdp_gathered": fsdp_working, "bytes_stacked_layers": stacked,
-        "scan_layers": scan_layers, "bytes_activations": acts["layers"],
-        "bytes_loss_head": acts["loss_head"], "bytes_total": total,
+        "bytes_params": params, "bytes_optimizer": optimizer,
+        "bytes_grad_accumulator": accumulator, "bytes_stacked_layers": stacked,
+        "scan_layers": scan_layers, **rows, "bytes_total": total,
         "model_flops_per_step": model_flops,
         "hardware_flops_per_chip": hardware_flops / num_devices,
         "tokens_per_step": tokens,
@@ -243,7 +290,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
 
 
 def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: int,
-                        gathered_at_use: bool, scan_layers: bool = False) -> int:
+                        gathered_at_use: bool) -> int:
     """Bytes of all-gathered weights and unreduced gradients FSDP holds at its peak."""
     if shape.fsdp == 1:
         return 0
@@ -257,10 +304,7 @@ def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: i
         # larger of two phases, not their sum. The head's backward holds the gathered
         # head, its unreduced gradient and the first layer being gathered; a layer's
         # backward holds two layers' gathered weights and one layer's unreduced gradient.
-        # Scanned layers gather their weights inside the loop body, so no layer is gathered
-        # while the head's backward runs (XLA's TPU buffer assignment, Llama-3.1-8B on
-        # v5e:16x16: the analytic figure was 13 % above XLA's with the layer counted).
-        head_phase = 2 * largest + (0 if scan_layers else one_layer)
+        head_phase = 2 * largest + one_layer
         layer_phase = (min(2, cfg.n_layers) + 1) * one_layer
         working = min(working, max(head_phase, layer_phase))
     return int(working * param_bytes)

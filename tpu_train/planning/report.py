@@ -67,8 +67,9 @@ def format_report(result: dict[str, Any]) -> str:
     """Human-readable lines for a plan: analytic memory and FLOPs, the chip's verdict, then
     XLA's figures of the compiled step and their gap to the analytic ones when present."""
     lines = [f"note: {note}" for note in result.get("notes", ())]
+    at = f", at its peak, {result['peak_phase']}" if result.get("peak_phase") else ""
     lines += [_setting_line(result), f"parameters {result['num_params']:,}",
-              "per-chip memory (analytic):"]
+              f"per-chip memory (analytic{at}):"]
     lines += [f"  {key:<16} {format_bytes(result.get('bytes_' + key, 0))}"
               for key in _MEMORY_ROWS]
     lines.append(f"FLOPs per step (model) {result['model_flops_per_step']:.3e}, per chip "
