@@ -148,7 +148,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            "compiler": "TPU" if target is not None else "CPU"}
     if target is not None:
         out["compiled_for"] = resolve_target(target).name
-    seconds = dict(program.seconds)
+    seconds = {stage: s for stage, s in program.seconds.items() if stage != "compile"}
     started = time.perf_counter()
     if on_dumped is not None:
         def report(figures: dict, text: str) -> None:
@@ -191,16 +191,19 @@ def _tpu_compiler_env() -> dict:
 
 
 def analyse_in_child(args: dict[str, Any], *, num_devices: int,
-                     timeout_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
+                     timeout_s: float = CHILD_TIMEOUT_S,
+                     until_buffer_assignment: bool = True) -> dict[str, Any]:
     """:func:`compiled_step_analysis` of ``args`` in a fresh interpreter: with libtpu's TPU
     compiler when ``args["target"]`` names a topology, else on ``num_devices`` virtual CPU
-    devices (their count is fixed when JAX starts). Raises :class:`TargetError` for a
-    topology libtpu rejects, RuntimeError with the child's error output for other failures."""
+    devices (their count is fixed when JAX starts). ``until_buffer_assignment`` (TPU only):
+    the child reports the figures of the compiler's buffer assignment and exits before code
+    generation. Raises :class:`TargetError` for a topology libtpu rejects, RuntimeError with
+    the child's error output for other failures."""
     on_tpu = args.get("target") is not None
     env = _tpu_compiler_env() if on_tpu else virtual_devices_env(num_devices)
     with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
-        # A TPU child reports from the compiler's dump and exits before code generation.
-        child_args = {**args, "dump_to": dump} if on_tpu else args
+        early = on_tpu and until_buffer_assignment
+        child_args = {**args, "dump_to": dump} if early else args
         cmd = [sys.executable, "-m", "tpu_train.planning.analysis", "--child",
                json.dumps(child_args)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -8,7 +8,8 @@ what XLA says about the *real* compiled PyTorch step for the target mesh
 
 * ``plan.chip`` names a TPU generation XLA's TPU compiler knows (v4, v5e, v5p, v6e) and
   libtpu is installed: the TPU compiler, for the pod's topology (256 v5e chips: ``v5e:16x16``;
-  ``plan.chip=v5p:4x4x8`` names one);
+  ``plan.chip=v5p:4x4x8`` names one), read at its buffer assignment, before code generation
+  (``plan.full_compile=true``: the finished executable's figures, minutes later);
 * otherwise the CPU compiler on as many virtual CPU devices as the mesh has chips, with a
   one-line note saying why and the report labelling the figures as the CPU compiler's.
 """
@@ -93,8 +94,9 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     if note:
         result["compiler_note"] = note
     try:
-        result["xla"] = analyse_in_child(_analysis_args(cfg, degrees, target),
-                                         num_devices=result["num_devices"], timeout_s=timeout_s)
+        result["xla"] = analyse_in_child(
+            _analysis_args(cfg, degrees, target), num_devices=result["num_devices"],
+            timeout_s=timeout_s, until_buffer_assignment=not cfg.plan.get("full_compile", False))
     except TargetError:
         raise
     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:

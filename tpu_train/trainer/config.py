@@ -233,6 +233,9 @@ class RunConfig:
 @dataclass
 class PlanConfig:
     chip: Optional[str] = None  # target chip for ahead-of-time planning, e.g. "v5e"
+    # With XLA's TPU compiler: compile to the end for the executable's own memory figure
+    # (minutes for a pod-sized step) instead of reading the buffer assignment (tpu_train.planning).
+    full_compile: bool = False
 
 
 @dataclass
