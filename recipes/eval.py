@@ -13,8 +13,9 @@ from omegaconf import DictConfig
 
 from tpu_train import trainer
 from tpu_train.trainer import ConfigError, builders
-from tpu_train.trainer.evaluation import (compiled_decoder, decodes_compiled, describe_decoder,
-                                          evaluation_device, exact_match_count, validation_loss)
+from tpu_train.trainer.evaluation import (Decoding, compiled_decoder, decodes_compiled,
+                                          describe_decoder, evaluation_device, exact_match_count,
+                                          validation_loss)
 from tpu_train.trainer.inference import load_model_for_inference
 
 RECIPE_CONFIG = "eval"
@@ -36,10 +37,10 @@ def main(cfg: DictConfig) -> None:
     if builders.first_record_kind(val_path) in ("instruction", "chat"):
         if decodes_compiled(job.device):
             device = job.device
-            decoder = compiled_decoder(model.to(device))
-        scored = exact_match_count(model, tokenizer, val_path, device,
-                                   options.exact_match_examples, options.max_new_tokens,
-                                   decoder=decoder)
+            decoder = compiled_decoder(model.to(device), job.precision)
+        decoding = Decoding(device, job.precision, options.max_new_tokens, decoder)
+        scored = exact_match_count(model, tokenizer, val_path, options.exact_match_examples,
+                                   decoding)
         if scored is not None:
             results["exact_match"], examples = scored
     print(f"model: {source}")

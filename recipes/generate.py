@@ -6,7 +6,7 @@
 The model is ``model.checkpoint``, else the newest intact checkpoint in ``run.dir``; neither
 is a one-line error. On the ``tpu`` device all prompts are continued together by one compiled
 program (tpu_train.compile.decoding; sampling seeded by ``trainer.seed``), on the CPU one at a
-time, op by op.
+time, op by op; both in ``trainer.precision`` (bf16: under bf16 autocast).
 """
 
 import torch
@@ -16,6 +16,7 @@ from tpu_train import trainer
 from tpu_train.models import generate
 from tpu_train.trainer.evaluation import compiled_decoder, decodes_compiled, describe_decoder
 from tpu_train.trainer.inference import load_model_for_inference
+from tpu_train.trainer.step import autocast_context
 
 RECIPE_CONFIG = "generate"
 
@@ -28,7 +29,7 @@ def main(cfg: DictConfig) -> None:
     options = cfg.recipe.generate
     prompts = [[tokenizer.bos_id] + tokenizer.encode(prompt) for prompt in options.prompts]
     if decodes_compiled(job.device):
-        decoder = compiled_decoder(model)
+        decoder = compiled_decoder(model, job.precision)
         completions = decoder.generate(prompts, options.max_new_tokens,
                                        temperature=options.temperature, top_p=options.top_p,
                                        eos_token_id=tokenizer.eos_id,
@@ -36,9 +37,10 @@ def main(cfg: DictConfig) -> None:
         print(describe_decoder(decoder))
     else:
         generator = torch.Generator().manual_seed(cfg.trainer.seed)
-        completions = [generate(model, torch.tensor([ids]), options.max_new_tokens,
-                                temperature=options.temperature, top_p=options.top_p,
-                                eos_token_id=tokenizer.eos_id, generator=generator)[0, len(ids):]
-                       .tolist() for ids in prompts]
+        with autocast_context(job.device, job.precision):
+            completions = [generate(model, torch.tensor([ids]), options.max_new_tokens,
+                                    temperature=options.temperature, top_p=options.top_p,
+                                    eos_token_id=tokenizer.eos_id,
+                                    generator=generator)[0, len(ids):].tolist() for ids in prompts]
     for prompt, tokens in zip(options.prompts, completions):
         print(f"--- prompt: {prompt!r}\n{tokenizer.decode(tokens, skip_special=True)}")

@@ -11,41 +11,25 @@ Copy it to make your own: ``tpu-train recipe=./my_lora.py``.
 from omegaconf import DictConfig
 
 from tpu_train import trainer
-from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 from tpu_train.trainer import ConfigError
 from tpu_train.trainer.lora import apply_lora, merge_lora
 
 RECIPE_CONFIG = "llama_lora"
 
 
-def add_adapters(model, cfg: DictConfig):
-    """Freeze ``model`` and wrap the ``recipe.lora.targets`` projections with adapters."""
-    lora = cfg.recipe.lora
-    try:
-        apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-    except ValueError as exc:
-        raise ConfigError(f"recipe.lora.targets: {exc}") from exc
-    return model
-
-
 def main(cfg: DictConfig) -> None:
+    lora = cfg.recipe.lora
+
+    def add_adapters(model):
+        """Freeze ``model`` and wrap the ``recipe.lora.targets`` projections with adapters."""
+        try:
+            apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
+        except ValueError as exc:
+            raise ConfigError(f"recipe.lora.targets: {exc}") from exc
+        return model
+
     job = trainer.start(cfg)
-    tokenizer = trainer.build_tokenizer(cfg)
-    data = trainer.build_data(job, tokenizer)
-
-    model = add_adapters(trainer.build_model(job, tokenizer), cfg)
-    if cfg.trainer.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    parallel = trainer.parallelize(job, model)
-    optimizer = trainer.build_optimizer(model, cfg)  # the adapters only: the rest is frozen
-    scheduler = trainer.build_scheduler(optimizer, cfg)
-    step = trainer.build_train_step(job, parallel, model, optimizer, scheduler)
-
-    start_step, resumed_from = trainer.resume(job, parallel, step, model, optimizer, scheduler,
-                                              data)
-    trainer.fit(job, parallel, step, model, optimizer, scheduler, data, tokenizer,
-                start_step=start_step, resumed_from=resumed_from,
-                source=trainer.describe_source(cfg),
-                make_host_model=lambda: add_adapters(
-                    trainer.build_model(job, tokenizer, from_checkpoint=False), cfg),
-                export_model=lambda: merge_lora(model))
+    # Every model built for the run gets the adapters (the optimizer sees only them); the
+    # export merges them into the weights.
+    run = trainer.assemble(job, adapt=add_adapters, export=merge_lora)
+    trainer.fit(trainer.resume(run))

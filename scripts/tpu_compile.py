@@ -7,12 +7,15 @@ The step is the one ``tpu-train`` builds: AdamW, clipping to 1.0, skip-non-finit
 ``--precision bf16`` bfloat16 compute with float32 master weights.
 
 ``--size default`` is the bundled default job's model and batch (``model=debug_tiny``, 16 x
-128); ``w1``, ``350m``, ``1b`` are the sizes of ``scripts/jax_llama.py``. Prints ONE JSON
-line: trace / lower / XLA compile seconds, the TPU compiler's bytes accessed, FLOPs and peak
-memory per chip, and the optimized program's fusion and dot counts. Usage::
+128); ``w1``, ``350m``, ``1b`` are the sizes of ``scripts/jax_llama.py``; ``--seq``,
+``--batch`` and ``--layers`` change that size's sequence length, batch and depth. Prints ONE
+JSON line: trace / lower / XLA compile seconds, the TPU compiler's bytes accessed, FLOPs and
+peak memory per chip, the optimized program's fusion, dot and Pallas kernel counts, and its
+entry parameters against the arguments the step passes (they must be equal). Usage::
 
     python scripts/tpu_compile.py [--size default|w1|350m|1b] [--precision fp32|bf16]
                                   [--matmul-precision highest|high|medium] [--target v5e]
+                                  [--seq N] [--batch N] [--layers N]
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This checkout's tpu_train, also where another one is installed.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Compile-only: libtpu must not look for chips or a metadata server on this host, and other
 # processes (a test run) may have loaded it too. The step itself is traced on the CPU client.
 for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
@@ -31,19 +36,26 @@ for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "local
     os.environ.setdefault(name, value)
 
 
-def build(size: str):
-    """``(model on meta, batch of meta tensors)`` for ``size``."""
+def build(size: str, seq: int | None = None, batch_size: int | None = None,
+          layers: int | None = None):
+    """``(model on meta, batch of meta tensors)`` for ``size`` (its sequence length, batch and
+    layer count replaced where given)."""
+    import dataclasses
+
     import torch
 
     from tpu_train.models import CONFIGS, Llama
 
     if size == "default":
-        config, batch, seq = CONFIGS["debug_tiny"], 16, 128
+        config, batch, default_seq = CONFIGS["debug_tiny"], 16, 128
     else:
         import jax_llama
 
         shape = jax_llama.SIZES[size]
-        config, batch, seq = shape.config(), shape.batch, shape.seq
+        config, batch, default_seq = shape.config(), shape.batch, shape.seq
+    seq, batch = seq or default_seq, batch_size or batch
+    config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, seq),
+                                 n_layers=layers or config.n_layers)
     with torch.device("meta"):
         model = Llama(config)
     tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
@@ -57,7 +69,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--matmul-precision", choices=("highest", "high", "medium"),
                         default="medium", help="float32 dots (the default job's setting)")
     parser.add_argument("--target", default="v5e", help="a TPU name, e.g. v5e or v5p:2x2x1")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the size's)")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: the size's)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the size's)")
     args = parser.parse_args(argv)
+    for name in ("seq", "batch", "layers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
 
     import torch
 
@@ -70,7 +88,7 @@ def main(argv=None) -> dict:
     if not libtpu_available():
         parser.error('libtpu is not installed: pip install -c constraints.txt -e ".[tpu]"')
     set_matmul_precision(args.matmul_precision)
-    model, batch = build(args.size)
+    model, batch = build(args.size, args.seq, args.batch, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     bf16 = torch.bfloat16 if args.precision == "bf16" else None
     started = time.perf_counter()
@@ -81,15 +99,31 @@ def main(argv=None) -> dict:
     except TargetError as error:
         parser.error(str(error))
     text = program.executable.as_text()
-    report = {"size": args.size, "precision": args.precision,
+    tokens = batch["tokens"].shape
+    report = {"size": args.size, "batch": tokens[0], "seq": tokens[1],
+              "layers": model.config.n_layers, "precision": args.precision,
               "matmul_precision": args.matmul_precision, "target": args.target,
               "date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(),
               "seconds": {k: round(v, 2) for k, v in program.seconds.items()},
               "wall_s": round(time.perf_counter() - started, 2), **program.analysis(),
               "fusions": text.count(" fusion("),
-              "dots": text.count(" convolution(") + text.count(" dot(")}
+              "dots": text.count(" convolution(") + text.count(" dot("),
+              "pallas_kernels": text.count('custom_call_target="tpu_custom_call"'),
+              **_parameter_counts(program, text)}
     print(json.dumps(report))
     return report
+
+
+def _parameter_counts(program, text: str) -> dict:
+    """The optimized program's entry parameters and the step's flat arguments. XLA drops
+    unused arguments, so the first may be smaller; larger means the program holds values the
+    call never passes (a value captured from another trace), and its first call fails with
+    "Computation compiled for N inputs but called with M"."""
+    import jax
+
+    entry = text.split("\nENTRY", 1)[1].split("\n}", 1)[0]
+    return {"entry_parameters": entry.count(" parameter("),
+            "step_arguments": len(jax.tree_util.tree_leaves(program.lowered.args_info))}
 
 
 if __name__ == "__main__":

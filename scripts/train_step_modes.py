@@ -5,7 +5,7 @@ plus the device facts the report needs (platform, chip, peak FLOP/s, device memo
 * :class:`TrainerMode` builds the step exactly as ``tpu-train`` does for
   ``trainer.mode=compiled trainer.precision=...``: the Hydra config is composed from the
   shipped ``configs/`` and the trainer's own blocks (``tpu_train.trainer.setup.start``,
-  ``parallelize``, ``build_optimizer``, ``build_scheduler``, ``build_train_step``) are called, so
+  ``parallelize``, ``build_optimizer``, ``build_scheduler``, the layout's ``build_step``) are called, so
   the benchmark follows whatever that path does (autocast, skipping non-finite updates, the
   parameter groups, the schedule).
 * :class:`ReferenceMode` is :class:`jax_llama.Reference` with the optimizer settings read back
@@ -65,7 +65,7 @@ class TrainerMode:
         parallel = setup.parallelize(job, model)
         optimizer = setup.build_optimizer(model, cfg)
         scheduler = setup.build_scheduler(optimizer, cfg)
-        self.train_step = setup.build_train_step(job, parallel, model, optimizer, scheduler)
+        self.train_step = parallel.build_step(job, model, optimizer, scheduler)
         self.train_step.place()
         self.stages: dict = {}
 
@@ -74,7 +74,7 @@ class TrainerMode:
 
         micro = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
                  for key, value in batch.items()}
-        loss = self.train_step([micro])["loss"]
+        loss = self.train_step(micro)["loss"]
         records = getattr(self.train_step.compiled, "compilations", [])
         if records:
             self.stages = {"trace_s": round(sum(r.trace_s for r in records), 3),

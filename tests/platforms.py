@@ -16,10 +16,30 @@ _RUNTIME_START_UP_LINE = re.compile(
     r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\])")
 
 
+# The warning ``import jax`` gives on a TPU v5e (and newer) host whose kernel has transparent
+# hugepages off (jax._src.cloud_tpu_init), as Python's warnings module writes it: the location
+# and message, then the source line of the ``warnings.warn(`` call.
+_HUGEPAGES_WARNING = re.compile(
+    r"^\S*jax[/\\]_src[/\\]cloud_tpu_init\.py:\d+: UserWarning: Transparent hugepages are not "
+    r"enabled\.")
+_WARN_SOURCE_LINE = re.compile(r"^\s+warnings\.warn\($")
+
+
 def without_runtime_start_up(stderr: str) -> str:
-    """``stderr`` less the lines a TPU runtime writes as it starts (on the cpu platform, unchanged:
-    there the CPU client writes none, and any such line is worth a failure)."""
+    """``stderr`` less the lines a TPU runtime writes as it starts, and JAX's start-up warning
+    about transparent hugepages on a TPU host (on the cpu platform, unchanged: there the CPU
+    client writes none, and any such line is worth a failure)."""
     if PLATFORM == "cpu":
         return stderr
-    return "".join(line for line in stderr.splitlines(keepends=True)
-                   if not _RUNTIME_START_UP_LINE.match(line))
+    kept, after_warning = [], False
+    for line in stderr.splitlines(keepends=True):
+        if _HUGEPAGES_WARNING.match(line):
+            after_warning = True
+            continue
+        if after_warning and _WARN_SOURCE_LINE.match(line.rstrip("\n")):
+            after_warning = False
+            continue
+        after_warning = False
+        if not _RUNTIME_START_UP_LINE.match(line):
+            kept.append(line)
+    return "".join(kept)

@@ -4,8 +4,10 @@ tolerances from (tests/measured_ulps/<platform>.json, written by scripts/measure
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from tests import tolerances
 
@@ -58,3 +60,18 @@ def test_a_platform_without_a_measurement_names_the_command_that_writes_it():
                                                 r"scripts/measure_ulps.py --out "
                                                 r"tests/measured_ulps/abacus.json"):
         tolerances.load_ulps("abacus")
+
+
+def test_every_float32_rounding_bound_counts_the_platforms_rounding(monkeypatch):
+    one = tolerances.rtol_for(torch.float32, 32)
+    bf16 = tolerances.rtol_for(torch.bfloat16, 32)
+    monkeypatch.setitem(tolerances.ELEMENTWISE_ULPS, "arithmetic", 3)
+    assert tolerances.rtol_for(torch.float32, 32) == 3 * one
+    assert tolerances.rtol_for(torch.bfloat16, 32) == bf16  # one float32 -> bf16 rounding
+
+
+def test_one_functions_figure_is_its_measurement_rounded_up():
+    for path in FILES:
+        measured = json.loads(path.read_text())["ulps"]["tanh"]["float32"]["vs_torch"]
+        assert tolerances.function_ulps("tanh", path.stem) == math.ceil(measured)
+    assert tolerances.function_ulps("tanh", "cpu") == 3

@@ -11,12 +11,24 @@ START_UP = ("WARNING: All log messages before absl::InitializeLog() is called ar
             "found\n"
             "W1204 10:11:12.345678  4242 pjrt_api.cc:78] PJRT_Api already exists\n")
 OWN = "tpu_train: a line of our own\nTraceback (most recent call last):\n"
+# What ``import jax`` writes on a TPU v5e host whose kernel has transparent hugepages off.
+HUGEPAGES = ("/opt/venv/lib/python3.11/site-packages/jax/_src/cloud_tpu_init.py:88: UserWarning: "
+             "Transparent hugepages are not enabled. TPU runtime startup and shutdown time should "
+             "be significantly improved on TPU v5e and newer.\n"
+             "  warnings.warn(\n")
 
 
 def test_a_tpu_runtimes_start_up_lines_are_dropped_and_nothing_else(monkeypatch):
     monkeypatch.setattr(platforms, "PLATFORM", "tpu")
     assert platforms.without_runtime_start_up(START_UP + OWN) == OWN
     assert platforms.without_runtime_start_up(START_UP) == ""
+
+
+def test_jaxs_hugepages_warning_is_dropped_and_no_other_warning(monkeypatch):
+    monkeypatch.setattr(platforms, "PLATFORM", "tpu")
+    assert platforms.without_runtime_start_up(HUGEPAGES + START_UP + OWN) == OWN
+    other = "x.py:3: UserWarning: something else\n  warnings.warn(\n"
+    assert platforms.without_runtime_start_up(HUGEPAGES + other) == other
 
 
 def test_nothing_is_filtered_on_cpu(monkeypatch):

@@ -227,6 +227,30 @@ def test_accelerator_memory_statistics_follow_allocations():
     assert 0 < free <= total
 
 
+def test_allocated_bytes_are_the_tensors_where_pjrt_reports_its_allocator(monkeypatch):
+    """A TPU's PJRT allocator counts loaded executables and tiled-layout padding in its
+    bytes_in_use, and its peak cannot be reset: allocated stays the tensors' bytes (as on the
+    CPU client), PJRT's figure is the reserved one."""
+    from tpu_train.device import module, runtime
+
+    class Reporting:
+        def __init__(self, device):
+            self.device = device
+
+        def memory_stats(self):
+            return {"bytes_in_use": 10**9, "peak_bytes_in_use": 2 * 10**9, "bytes_limit": 4 * 10**9}
+
+    before = torch.tpu.memory_allocated(0)
+    x = torch.ones(1000, 25, device="tpu:0")
+    real = runtime.jax_device
+    monkeypatch.setattr(runtime, "jax_device", lambda index: Reporting(real(index)))
+    stats = module.memory_stats(0)
+    assert stats["allocated_bytes.all.current"] == before + x.nbytes == module.memory_allocated(0)
+    assert stats["reserved_bytes.all.current"] == 10**9 and stats["bytes_limit"] == 4 * 10**9
+    module.reset_peak_memory_stats(0)
+    assert module.max_memory_allocated(0) == before + x.nbytes
+
+
 def test_torch_profiler_records_tpu_ops():
     """Plain ``torch.profiler`` (host activity) lists the ATen ops run on tpu tensors, with
     their input shapes; the device-side trace is ``tpu_train.compile.profiling.profile``."""

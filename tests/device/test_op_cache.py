@@ -15,8 +15,10 @@ import torch
 import tpu_train  # noqa: F401
 from tpu_train.device import op_cache
 from tests.device.test_aliasing import _base
+from tests.tolerances import SAFETY, function_ulps, rounding_ulps, unit_roundoff
 
 TPU = torch.device("tpu", 0)
+F32 = torch.float32
 
 
 def _same(tpu_results, cpu_results):
@@ -224,23 +226,41 @@ def test_errors_are_raised_on_every_call_not_cached():
 
 
 def test_gradients_through_cached_ops_match_cpu():
-    def step(device):
-        torch.manual_seed(0)
-        w = torch.randn(6, 5).to(device).requires_grad_()
-        grads = []
-        for i in range(3):
-            x = torch.arange(30.0).reshape(5, 6).to(device) / (i + 1)
-            loss = (torch.tanh(x @ w) * 0.5).sum()
-            loss.backward()
-            grads.append(w.grad.clone())
-            with torch.no_grad():
-                w.add_(w.grad, alpha=-0.1)
-            w.grad = None
-        return grads + [w.detach()]
+    """Three steps of the same ops (run from the op cache from the second on), each step's
+    gradient against PyTorch's on CPU from the same weights, and the update."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 5).to(TPU).requires_grad_()
+    for i in range(3):
+        x = torch.arange(30.0).reshape(5, 6) / (i + 1)
+        (torch.tanh(x.to(TPU) @ w) * 0.5).sum().backward()
+        w_cpu = w.detach().cpu().requires_grad_()
+        y = torch.tanh(x @ w_cpu)
+        (y * 0.5).sum().backward()
+        got, expected = w.grad.cpu(), w_cpu.grad
+        bound = _tanh_gradient_bound(x, w_cpu.detach(), y.detach())
+        excess = ((got - expected).double().abs() / bound).max().item()
+        assert excess <= 1, f"step {i}: gradient difference {excess:.2f} x its bound"
+        before = w.detach().cpu()
+        with torch.no_grad():
+            w.add_(w.grad, alpha=-0.1)
+        w.grad = None
+        # One multiply-add of float32 values: two roundings of the larger term each side.
+        scale = (before.abs() + 0.1 * got.abs()).max().item()
+        torch.testing.assert_close(w.detach().cpu(), torch.add(before, got, alpha=-0.1), rtol=0,
+                                   atol=SAFETY * 2 * rounding_ulps(F32) * unit_roundoff(F32) * scale)
 
-    tpu, cpu = step(TPU), step(torch.device("cpu"))
-    for a, b in zip(tpu, cpu):
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+
+def _tanh_gradient_bound(x, w, y):
+    """Elementwise bound on the difference of the gradient of sum(0.5 * tanh(x @ w)) w.r.t. w,
+    x^T @ (0.5 * (1 - y^2)), between the test platform and PyTorch on CPU: the platform's tanh
+    is within k u (1 + |y|) of torch's (k its measured ulps, tests/measured_ulps) and x @ w
+    within 6 roundings of |x| @ |w| (reduction 6); 0.5 * (1 - y^2) moves by |y| times tanh's
+    error and |y| (1 - y^2) times the matmul's, and x^T @ that sums them with |x| and adds
+    its own 5 roundings (reduction 5). Roundings count rounding_ulps u each."""
+    u, r = unit_roundoff(F32), rounding_ulps(F32)
+    x, w, y = x.double().abs(), w.double().abs(), y.double()
+    output_error = function_ulps("tanh") * u * (1 + y.abs()) + (1 - y ** 2) * 6 * r * u * (x @ w)
+    return SAFETY * (x.T @ (y.abs() * output_error) + 5 * r * u * (x.T @ (0.5 * (1 - y ** 2))))
 
 
 def test_memory_is_returned_when_outputs_die():

@@ -134,6 +134,32 @@ def test_platform_choice(backends, evidence, jax_platforms, expected):
                                    evidence) == expected
 
 
+def test_jaxs_own_tpu_default_is_not_the_users_choice(monkeypatch):
+    """On a TPU host ``import jax`` fills an unset jax_platforms with "tpu,cpu"; a process that
+    asks for the cpu platform must still keep JAX to its CPU backend (the TPU one would fail on
+    a chip that another process holds), while a user's own JAX_PLATFORMS stands."""
+    monkeypatch.setattr(runtime, "_jax_set_its_tpu_default", lambda jax: True)
+    fake = _FakeJax({"cpu": ["c0"]}, jax_platforms="tpu,cpu")
+    assert runtime._jax_platforms(fake, environ={}) == ""
+    assert runtime._jax_platforms(fake, environ={"JAX_PLATFORMS": "tpu,cpu"}) == "tpu,cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "")
+    assert runtime._only_cpu_is_wanted(fake, "cpu", CHIPS)
+    monkeypatch.setattr(tpu_host, "gpu_visible", lambda: False)
+    assert not runtime._only_cpu_is_wanted(fake, None, [])  # JAX found chips: not cpu alone
+    monkeypatch.setattr(runtime, "_jax_set_its_tpu_default", lambda jax: False)
+    assert runtime._jax_platforms(fake, environ={}) == "tpu,cpu"  # set by the user's code
+    assert runtime._jax_platforms(_FakeJax({}, jax_platforms="cpu"), environ={}) == "cpu"
+
+
+def test_a_requested_cpu_that_jax_cannot_start_says_jaxs_reason():
+    failed = "Unable to initialize backend 'tpu': lockfile held\nmore detail"
+    with pytest.raises(runtime.PlatformError) as caught:
+        runtime.choose_platform(_FakeJax({}, errors={"cpu": failed}), "cpu", [])
+    assert str(caught.value) == ("TPU_TRAIN_PLATFORM=cpu but JAX finds no cpu devices (installed "
+                                 "jax 0.0-test): Unable to initialize backend 'tpu': lockfile "
+                                 "held, or unset TPU_TRAIN_PLATFORM")
+
+
 def test_a_requested_tpu_without_libtpu_names_the_install(monkeypatch):
     monkeypatch.setattr(tpu_host, "libtpu_installed", lambda env=None: False)
     with pytest.raises(runtime.PlatformError, match=r"TPU_TRAIN_PLATFORM=tpu but JAX finds no "

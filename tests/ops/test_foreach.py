@@ -241,3 +241,24 @@ def test_fused_adamw_traces_with_traced_hyperparameters():
                         weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
     for g, e in zip(got[0], params):
         torch.testing.assert_close(to_torch(g, torch.float32), e)
+
+
+@pytest.mark.parametrize("beta", [0.9, 0.99, 0.999, 0.9999])
+def test_fused_adams_bias_corrections_keep_their_digits_in_the_first_steps(beta):
+    """1 - beta**t for t = 1..64, the steps where it cancels (1 - 0.999 = 0.001): within
+    SAFETY x 2 roundings per bit of t of the double-precision value PyTorch's CPU kernel uses
+    (float32 1 - pow(beta, 1) is 216 u off for 0.999 from beta's rounding alone), with no
+    transcendental function, whose float32 error on a TPU (pow: 76 u) would be multiplied by the
+    cancellation."""
+    import math
+
+    from tests.tolerances import SAFETY, unit_roundoff
+
+    steps = jnp.arange(1, 65, dtype=jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda s: foreach._one_minus_power(beta, s))(steps))
+    assert not any(f" {name}[" in jaxpr or f" {name} " in jaxpr for name in ("pow", "exp", "log")), jaxpr
+    got = jax.device_get(foreach._one_minus_power(beta, steps)).astype("float64")
+    for t, value in zip(range(1, 65), got):
+        exact = -math.expm1(t * math.log(beta))
+        bound = SAFETY * 2 * t.bit_length() * unit_roundoff(torch.float32)
+        assert abs(value - exact) <= bound * exact, (t, value, exact)

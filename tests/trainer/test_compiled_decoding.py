@@ -70,3 +70,38 @@ def test_validation_during_compiled_training_decodes_compiled(tmp_path, one_thre
     golden = json.loads((Path(__file__).parent / "golden" / "llama_finetune.json").read_text())
     assert losses == pytest.approx(golden["losses"],
                                    rel=loss_rtol(torch.float32, 3, reduction=768, depth=4))
+
+
+DOTS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
+
+
+def _decoding_dot_dtypes(monkeypatch) -> list:
+    """Records the output dtype of every matmul of the decoding graphs traced from now on."""
+    from tpu_train.compile import decoding
+
+    dtypes = []
+    original = decoding._trace_step
+
+    def recording(*args, **kwargs):
+        gm = original(*args, **kwargs)
+        dtypes.extend(node.meta["val"].dtype for node in gm.graph.nodes
+                      if node.op == "call_function" and str(node.target) in DOTS)
+        return gm
+
+    monkeypatch.setattr(decoding, "_trace_step", recording)
+    return dtypes
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_generate_decodes_in_trainer_precision(precision, monkeypatch, one_thread):
+    """recipe=generate with trainer.precision=bf16 runs its compiled decoding program's
+    matmuls in bf16 (as validation and the training step do); with fp32, in fp32."""
+    dtypes = _decoding_dot_dtypes(monkeypatch)
+    code, out, err = run_in_process("recipe=generate", *BASE, "trainer.device=tpu",
+                                    f"trainer.precision={precision}",
+                                    "recipe.generate.prompts=[add 12+30]",
+                                    "recipe.generate.max_new_tokens=4")
+    assert code == 0, err
+    assert COMPILED_MARK in out
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert dtypes and all(dtype == want for dtype in dtypes), dtypes

@@ -97,7 +97,7 @@ def test_mesh_from_the_command_line_matches_one_device(layout, one_device, tmp_p
 
 @pytest.mark.devices(8)
 def test_bf16_is_what_the_compiled_program_computes_in(one_device, tmp_path):
-    """The trainer's blocks, as the recipe assembles them, with trainer.precision=bf16: the
+    """The trainer's run, as the recipe assembles it, with trainer.precision=bf16: the
     lowered program multiplies bf16 operands, and the loss curve follows fp32's closely
     without being the same numbers."""
     from hydra import compose, initialize_config_dir
@@ -110,16 +110,11 @@ def test_bf16_is_what_the_compiled_program_computes_in(one_device, tmp_path):
     with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     job = trainer.start(cfg)
-    tokenizer = trainer.build_tokenizer(cfg)
-    data = trainer.build_data(job, tokenizer, bundled="prose")  # as recipes/llama_pretrain.py
-    model = trainer.build_model(job, tokenizer)
-    parallel = trainer.parallelize(job, model)
-    optimizer = trainer.build_optimizer(model, cfg)
-    scheduler = trainer.build_scheduler(optimizer, cfg)
-    step = trainer.build_train_step(job, parallel, model, optimizer, scheduler)
+    run = trainer.assemble(job, bundled="prose")  # as recipes/llama_pretrain.py
+    step, model = run.step_fn, run.model
     step.place()
-    batches = iter(data.train)
-    losses = [float(step([next(batches)])["loss"]) for _ in range(STEPS)]
+    batches = iter(run.data.train)
+    losses = [float(step(next(batches))["loss"]) for _ in range(STEPS)]
     (program,) = step.compiled.cache.entries.values()
     text = program.lowered.as_text()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]

@@ -369,3 +369,25 @@ def test_max_minutes_stops_with_a_checkpoint_and_the_command_that_resumes(tmp_pa
     assert f"stopped at step {step}/1000" in out
     code, _, err = run_in_process(*TINY, "trainer.max_minutes=0", f"run.dir={tmp_path / 'x'}")
     assert code == 2 and "trainer.max_minutes must be > 0 or null" in err, err
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_assemble_applies_activation_checkpointing_with_the_layout(checkpointing, tmp_path):
+    """trainer.activation_checkpointing is applied by ``trainer.assemble`` (where the layout
+    is applied), so a recipe, copied or not, cannot silently leave it out."""
+    import functools
+
+    from hydra import compose, initialize_config_dir
+
+    from tpu_train import cli, trainer
+    from tpu_train.trainer.config import register_schema
+
+    register_schema()
+    overrides = [*TINY, f"trainer.activation_checkpointing={str(checkpointing).lower()}",
+                 f"run.dir={tmp_path / 'run'}"]
+    with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    run = trainer.assemble(trainer.start(cfg))
+    wrapped = [isinstance(layer.forward, functools.partial) for layer in run.model.layers]
+    assert wrapped == [checkpointing] * len(run.model.layers)
+    assert not (tmp_path / "run").exists()  # assembling writes nothing

@@ -94,9 +94,11 @@ class _DecodeModule(torch.nn.Module):
 
 
 def _trace_step(wrapper: _DecodeModule, names: Sequence[str], tensors: Sequence[torch.Tensor],
-                buckets: Buckets, seq: int, cache_shapes, device: torch.device):
+                buckets: Buckets, seq: int, cache_shapes, device: torch.device,
+                autocast_dtype: torch.dtype | None = None):
     """The graph ``(model tensors, tokens [B, seq], slot, pad [B], caches) -> (next tokens,
-    new caches)``."""
+    new caches)``, traced under autocast to ``autocast_dtype`` (None: none, whatever region is
+    active around the call)."""
     fakes = tracing.FakeFactory()
     keys = ["model." + n for n in names]
     n = len(keys)
@@ -111,8 +113,7 @@ def _trace_step(wrapper: _DecodeModule, names: Sequence[str], tensors: Sequence[
         return torch.func.functional_call(wrapper, dict(zip(keys, flat[:n])),
                                           (tokens, slot, pad, list(flat[n + 3:])))
 
-    # The answers of eager evaluation are computed without autocast; so are these.
-    with fakes.mode, torch.no_grad(), autocast_region(None):
+    with fakes.mode, torch.no_grad(), autocast_region(autocast_dtype):
         gm = tracing._trace(step, inputs)
     interpreter.check_lowerings(gm.graph)
     return gm
@@ -142,12 +143,16 @@ class CompiledDecoder:
     """Greedy or sampled continuations of a model on its ``tpu`` device (module docstring).
 
     ``early_stop=False`` runs every one of ``max_new_tokens`` steps (finished rows repeat the
-    end token) instead of leaving the loop once every row has ended.
+    end token) instead of leaving the loop once every row has ended. ``autocast_dtype``
+    (``torch.bfloat16``): the model runs under autocast to it, as eager code in a
+    ``torch.autocast`` region would; None (the default): in the weights' own dtype.
     """
 
     def __init__(self, model: torch.nn.Module, decoding: Any, *, early_stop: bool = True,
-                 warn_after: int = cache_mod.DEFAULT_WARN_AFTER, name: str | None = None):
+                 warn_after: int = cache_mod.DEFAULT_WARN_AFTER, name: str | None = None,
+                 autocast_dtype: torch.dtype | None = None):
         self.model, self.decoding, self.early_stop = model, decoding, bool(early_stop)
+        self.autocast_dtype = autocast_dtype
         self.cache = cache_mod.CompileCache(
             name or f"decoder of {type(model).__name__}", warn_after=warn_after)
 
@@ -210,7 +215,7 @@ class CompiledDecoder:
             ("batch bucket", buckets.batch), ("prompt bucket", buckets.prompt),
             ("new-token bucket", buckets.new), ("temperature", temperature), ("top_p", top_p),
             ("number of end tokens", eos_count), ("early stop", self.early_stop),
-            ("model.training", self.model.training),
+            ("model.training", self.model.training), ("autocast", str(self.autocast_dtype)),
             ("matmul precision", matmul_mod.get_matmul_precision())))
 
     def _build(self, stages: cache_mod.TimedStages, names, tensors, buckets: Buckets, settings,
@@ -219,7 +224,7 @@ class CompiledDecoder:
         wrapper = _DecodeModule(self.model, self.decoding, temperature, top_p)
         shapes = self.decoding.cache_shapes(self.model, buckets.batch, buckets.total)
         prefill, step = (stages.time("trace", _trace_step, wrapper, names, tensors, buckets,
-                                     seq, shapes, torch_device)
+                                     seq, shapes, torch_device, self.autocast_dtype)
                          for seq in (buckets.prompt, 1))
         stages.graph_nodes = interpreter.count_ops(prefill) + interpreter.count_ops(step)
         program = _decode_program(prefill, step, [tuple(t.shape) for t in tensors], buckets,

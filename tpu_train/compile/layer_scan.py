@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import torch
 
 from tpu_train.compile import checkpointing, interpreter
+from tpu_train.ops import attention_tpu
 from tpu_train.ops.dtypes import storage_dtype, torch_dtype
 
 _LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
@@ -125,11 +126,14 @@ class LayerBody:
     def jitted(self, constrain=None) -> Callable:
         """One layer as a ``jax.jit`` function of ``*states, *inputs`` returning its outputs:
         JAX traces it once however many layers call it (:mod:`.shared_layers`)."""
-        found = self._jitted.get(constrain)
+        # Traced once per constraint and per choice of attention lowering (a body traced for
+        # one device must not serve a partitioned program).
+        key = (constrain, attention_tpu.lowering_key())
+        found = self._jitted.get(key)
         if found is None:
             n = self.n_states
             found = jax.jit(lambda *values: self.run(values[:n], values[n:], constrain))
-            self._jitted[constrain] = found
+            self._jitted[key] = found
         return found
 
     def vjp(self, states: Sequence, inputs: Sequence, constrain=None):

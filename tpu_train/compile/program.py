@@ -25,6 +25,7 @@ shardings): nothing needs to be allocated to compile, which the ahead-of-time pl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -41,7 +42,7 @@ from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
 from tpu_train.device import runtime
-from tpu_train.ops import registry
+from tpu_train.ops import attention_tpu, registry
 from tpu_train.ops.dtypes import storage_dtype
 
 aten = torch.ops.aten
@@ -556,7 +557,11 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                                         values, scalars, device,
                                                         returns_finite=step_function.skip)
     try:
-        lowered = stages.time("lower", jitted.lower, *args)
+        # A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does
+        # not split a Pallas kernel (tpu_train.ops.attention_tpu).
+        with attention_tpu.xla_form() if layout is not None \
+                else contextlib.nullcontext():
+            lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001
         if not traced.jax_autodiff:
             raise

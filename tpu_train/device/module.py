@@ -155,19 +155,20 @@ def set_rng_state_all(new_states) -> None:
 
 
 def memory_stats(device=None) -> dict:
-    """PJRT's allocator statistics where the backend reports them (TPU, GPU), else the live
-    and peak bytes of tpu_train's own storages (``source`` says which)."""
+    """Allocated bytes as PyTorch means them, the memory the device's tensors occupy: the live
+    and peak bytes of tpu_train's own storages, on every platform (the peak resets as
+    ``reset_peak_memory_stats`` promises). Where the backend reports PJRT's allocator statistics
+    (TPU, GPU) they come along under their own names, and its ``bytes_in_use`` (which also holds
+    the loaded executables and the padding of the device's tiled layouts) is the reserved
+    figure; elsewhere every reserved byte is an allocated one (no caching allocator)."""
     index = _index(device)
-    stats = runtime.jax_device(index).memory_stats()
-    if stats:
-        return {"source": "pjrt", "allocated_bytes.all.current": stats.get("bytes_in_use", 0),
-                "allocated_bytes.all.peak": stats.get("peak_bytes_in_use", 0),
-                "bytes_limit": stats.get("bytes_limit", 0), **stats}
     current, peak = _storage.allocated_bytes(index), _storage.peak_allocated_bytes(index)
-    # No caching allocator here: every reserved byte is an allocated one.
-    return {"source": "tpu_train",
+    pjrt = runtime.jax_device(index).memory_stats() or {}
+    reserved = max(current, pjrt.get("bytes_in_use", 0))
+    reserved_peak = max(peak, pjrt.get("peak_bytes_in_use", 0))
+    return {**pjrt, "source": "pjrt" if pjrt else "tpu_train",
             "allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
-            "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak}
+            "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": reserved_peak}
 
 
 def memory_allocated(device=None) -> int:

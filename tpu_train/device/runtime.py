@@ -132,9 +132,30 @@ def _native_start_up_output():
             captured.text = sink.read().decode(errors="replace")
 
 
-def _jax_platforms(jax) -> str:
-    """The user's own choice of JAX backends (``JAX_PLATFORMS``), or ``""``."""
-    return (getattr(jax.config, "jax_platforms", None) or "").strip()
+# What ``import jax`` itself puts into an unset ``jax_platforms`` on a host with TPU chips and
+# libtpu (jax._src.cloud_tpu_init): JAX's default there, not a choice of the user's.
+_CLOUD_TPU_DEFAULT_PLATFORMS = "tpu,cpu"
+
+
+def _jax_platforms(jax, environ=os.environ) -> str:
+    """The user's own choice of JAX backends (``JAX_PLATFORMS``, or ``jax_platforms`` set in
+    JAX's config), or ``""``. On a TPU host ``import jax`` fills an unset ``jax_platforms`` with
+    ``"tpu,cpu"``; taken for the user's choice, that would make a process that asks for the
+    cpu platform start the TPU backend too, which fails on a chip another process holds."""
+    chosen = (getattr(jax.config, "jax_platforms", None) or "").strip()
+    if (chosen == _CLOUD_TPU_DEFAULT_PLATFORMS and not environ.get("JAX_PLATFORMS", "").strip()
+            and _jax_set_its_tpu_default(jax)):
+        return ""
+    return chosen
+
+
+def _jax_set_its_tpu_default(jax) -> bool:
+    """Did ``import jax`` find TPU chips and libtpu (and so fill in ``jax_platforms`` itself)?"""
+    try:
+        from jax._src import cloud_tpu_init
+    except ImportError:  # a JAX without the module: it sets no default of its own
+        return False
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
 
 
 def _only_cpu_is_wanted(jax, requested: str | None, evidence: list[str]) -> bool:
@@ -142,7 +163,9 @@ def _only_cpu_is_wanted(jax, requested: str | None, evidence: list[str]) -> bool
         return False  # the user's own choice of JAX backends stands
     if requested == "cpu":
         return True
-    return requested is None and not evidence and not tpu_host.gpu_visible()
+    # Chips JAX itself found (it then filled in "tpu,cpu") count like the evidence we found.
+    return (requested is None and not evidence and not tpu_host.gpu_visible()
+            and not _jax_set_its_tpu_default(jax))
 
 
 def choose_platform(jax, requested: str | None, tpu_evidence: list[str]) -> str:
@@ -186,6 +209,8 @@ def _tpu_wanted_by_jax(jax) -> bool:
 
 def _why_not(jax, name: str) -> str:
     """Why JAX has no ``name`` backend and what to do, as a clause of one line."""
+    if name == "cpu":  # JAX always has one, unless another backend it was told to start failed
+        return _first_line_of_error(jax, name)
     if name != "tpu":
         return ""
     if not tpu_host.libtpu_installed():
@@ -198,6 +223,15 @@ def _why_not(jax, name: str) -> str:
         reason = lines[0][:300] if lines else reason
     return (f": {reason}; if another process holds the chips, stop it "
             f"(sudo lsof -w /dev/accel* /dev/vfio/* names it)")
+
+
+def _first_line_of_error(jax, name: str) -> str:
+    try:
+        jax.devices(name)
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return f": {lines[0][:300]}" if lines else ""
+    return ""
 
 
 # Errors in the process's environment found while ``import tpu_train`` registers the device

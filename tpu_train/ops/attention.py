@@ -2,14 +2,19 @@
 
 ``F.scaled_dot_product_attention`` on a custom device can dispatch to
 ``_scaled_dot_product_fused_attention_overrideable`` and its backward; lowering that pair keeps
-attention as one unit in the traced graph (fewer nodes than the math decomposition, and the
-natural place for a flash-attention kernel later).
+attention as one unit in the traced graph (fewer nodes than the math decomposition).
+
+Lowered for a TPU, the calls :func:`tpu_train.ops.attention_tpu.supported` accepts (causal or
+unmasked bf16 self-attention of at least ``attention_tpu.MIN_SEQUENCE`` tokens; the rule and
+its measurements are in that module) run JAX's Pallas splash-attention kernels, forward and
+backward; everything else, and every other platform, takes the XLA formulation below.
 
 Layout is ``[B, H, S, D]``. Grouped-query attention (fewer key/value heads than query heads) is
 computed by viewing the query as ``[B, H_kv, G, S, D]`` and batching the dots over ``(B, H_kv)``,
-so the repeated key/value heads are never materialised. Scores, softmax and logsumexp are f32;
-low-precision inputs keep their dtype in the dots (with an f32 accumulator) and the
-probabilities are rounded to that dtype before the ``P @ V`` product, as PyTorch's math path does.
+so the repeated key/value heads are never materialised. Softmax and logsumexp are f32;
+low-precision inputs keep their dtype in the dots (with an f32 accumulator), and the scores and
+the probabilities are rounded to that dtype (before the softmax, before the ``P @ V`` product),
+as PyTorch's math path does: the scores are the program's largest tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax.numpy as jnp
 import numpy
 from jax import lax
 
+from tpu_train.ops import attention_tpu
 from tpu_train.ops.matmul import dot_general
 from tpu_train.ops.registry import aten, lowers
 
@@ -52,6 +58,14 @@ def _bias_5d(attn_bias, query, key):
 
 def _masked_scores(query, key, attn_bias, is_causal, scale):
     scores = _dot(_grouped(query, key.shape[1]), key, ((4,), (3,))) * _scale_value(query, scale)
+    if _probabilities_dtype(query) != jnp.float32:
+        # Rounded to the inputs' 16-bit dtype, as PyTorch's math path rounds q k^T. XLA keeps
+        # the [B, H, Sq, Sk] scores in HBM for the softmax's passes and the backward's, so
+        # this halves the largest tensors of the program: forward + backward, causal, bf16,
+        # head_dim 64, compiled for a v5e (cost analysis, bytes accessed), 8 x 16 (8 kv) x
+        # 1024 tokens 3.93 -> 2.57 GB, 4 x 32 (8) x 2048 14.9 -> 9.58 GB, 4 x 8 (4) x 256
+        # 81.5 -> 60.8 MB (JAX's own derivative of the plain form: 4.61 GB, 17.4 GB, 86.6 MB).
+        scores = scores.astype(query.dtype)
     scores = scores.astype(jnp.float32)
     if attn_bias is not None:
         scores = scores + _bias_5d(attn_bias, query, key)
@@ -88,8 +102,18 @@ def _softmax_with_logsumexp(scores):
     return probs, (safe_max + jnp.log(total))[..., 0]
 
 
+def _forward(query, key, value, attn_bias, is_causal, scale):
+    """``(out, logsumexp)`` without dropout: the TPU kernels where they apply, else the XLA form."""
+    if not attention_tpu.supported(query, key, value, attn_bias, is_causal):
+        return _attention_forward(query, key, value, attn_bias, is_causal, scale)
+    return attention_tpu.on_tpu(
+        (query, key, value),
+        lambda q, k, v: attention_tpu.forward(q, k, v, is_causal, scale),
+        lambda q, k, v: _attention_forward(q, k, v, None, is_causal, scale))
+
+
 def _attention_forward(query, key, value, attn_bias, is_causal, scale):
-    """``(out [B, H, Sq, Dv], logsumexp [B, H, Sq])`` without dropout."""
+    """``(out [B, H, Sq, Dv], logsumexp [B, H, Sq])`` without dropout, the XLA form."""
     b, h, sq, _ = query.shape
     probs, logsumexp = _softmax_with_logsumexp(_masked_scores(query, key, attn_bias, is_causal, scale))
     out = _dot(probs.astype(_probabilities_dtype(value)), value, ((4,), (2,)))
@@ -106,11 +130,11 @@ def attention(query, key, value, attn_bias, is_causal, scale):
     (probabilities recomputed from the saved logsumexp, the softmax gradient from
     ``rowsum(dO * O)``), not JAX's derivative of each forward op, which keeps f32 ``[B, H, S, S]``
     intermediates alive from the forward and adds a separate softmax-backward pass."""
-    return _attention_forward(query, key, value, attn_bias, is_causal, scale)
+    return _forward(query, key, value, attn_bias, is_causal, scale)
 
 
 def _attention_vjp_forward(query, key, value, attn_bias, is_causal, scale):
-    out, logsumexp = _attention_forward(query, key, value, attn_bias, is_causal, scale)
+    out, logsumexp = _forward(query, key, value, attn_bias, is_causal, scale)
     return (out, logsumexp), (query, key, value, attn_bias, out, logsumexp)
 
 
@@ -172,6 +196,23 @@ def scaled_dot_product_fused_attention_backward(grad_out, query, key, value, att
 
 def _attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
                         dropout_p, is_causal, philox_seed, scale):
+    """``(dq, dk, dv, dbias)`` (None where ``grad_input_mask`` says so): the TPU kernels where
+    they apply, else the XLA form."""
+    if not attention_tpu.supported(query, key, value, attn_bias, is_causal, dropout_p):
+        return _xla_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out,
+                             logsumexp, dropout_p, is_causal, philox_seed, scale)
+    grads = attention_tpu.on_tpu(
+        (grad_out, query, key, value, out, logsumexp),
+        lambda *operands: attention_tpu.backward(*operands, is_causal, scale),
+        lambda g, q, k, v, o, lse: tuple(
+            grad.astype(x.dtype) for grad, x in zip(_xla_backward(
+                g, q, k, v, None, (True, True, True, False), o, lse, 0.0, is_causal, None,
+                scale), (q, k, v))))
+    return tuple(g if wanted else None for g, wanted in zip(grads, grad_input_mask)) + (None,)
+
+
+def _xla_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
+                  dropout_p, is_causal, philox_seed, scale):
     b, h, sq, d = query.shape
     kv_heads, sk = key.shape[1], key.shape[2]
     scale_value = _scale_value(query, scale)

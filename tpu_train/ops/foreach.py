@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from tpu_train.ops.conversion import opmath_dtype
@@ -169,16 +170,54 @@ def _skip_if_found_inf(found_inf, updated, original):
     return [[jnp.where(skip, o, u) for u, o in zip(new, old)] for new, old in zip(updated, original)]
 
 
+# Bits of the step count that _one_minus_power reads: a float32 count stops growing at 2**24
+# (2**24 + 1 rounds back to it).
+_STEP_BITS = 25
+
+
+def _one_minus_power(beta, steps):
+    """Adam's bias correction 1 - beta**step for whole-number float32 ``steps`` (a vector), to a
+    few float32 roundings, as PyTorch's CPU kernel gets it in double precision.
+
+    ``1 - jnp.power(beta, step)`` in float32 cancels: 1 - 0.999**1 = 0.001 keeps only the last
+    three digits of the power, so each unit of the power's error becomes a thousand of the
+    result's, and on a TPU, whose float32 pow is some 80 units off, that is a 1e-3 relative
+    error in the first steps' updates. Instead, with beta = hi + lo (hi its float32 value) and
+    hi**t built by multiplication over the bits of t (no transcendental function),
+    1 - beta**t = 1 - hi**t - t * hi**(t-1) * lo + O(lo**2), and while hi**t > 1/2 (where that
+    subtraction would cancel) 1 - hi**t is taken as (1 - hi) * (1 + hi + ... + hi**(t-1)): 1 - hi
+    is exact and the geometric sum, built alongside by doubling, has only positive terms."""
+    if isinstance(beta, (int, float)):
+        hi = float(np.float32(beta))  # numpy: jnp would trace, and these are constants
+        lo = float(np.float32(beta - hi))
+    else:  # a traced hyperparameter: its float32 value is all there is
+        hi, lo = jnp.asarray(beta, jnp.float32), 0.0
+    count = steps.astype(jnp.int32)
+    total = jnp.zeros_like(steps)  # 1 + hi + ... + hi**(m-1) for m the bits of t read so far
+    power = jnp.ones_like(steps)  # hi**m
+    for bit in range(_STEP_BITS - 1, -1, -1):
+        total, power = total * (1 + power), power * power  # m -> 2m
+        take = ((count >> bit) & 1) == 1  # m -> m + 1
+        total = jnp.where(take, 1 + hi * total, total)
+        power = jnp.where(take, power * hi, power)
+    result = jnp.where(power > 0.5, (1 - jnp.asarray(hi, jnp.float32)) * total, 1 - power)
+    if lo == 0.0:  # beta is a float32 number (or traced)
+        return result
+    previous_power = jnp.where(count > 0, power / jnp.float32(hi), 0)  # hi**(t-1)
+    return result - steps * previous_power * jnp.float32(lo)
+
+
 def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1,
           beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):
     grads_out = _unscale(grads, grad_scale)
+    steps = jnp.stack([jnp.reshape(s, ()) for s in state_steps]).astype(jnp.float32)
+    corrections1, corrections2 = _one_minus_power(beta1, steps), _one_minus_power(beta2, steps)
     new_params, new_avgs, new_sqs, new_maxes = [], [], [], []
     for i, (param, grad) in enumerate(zip(params, grads_out)):
         compute = opmath_dtype(param.dtype)
         p = param.astype(compute)
         g = grad.astype(compute)
         g = -g if maximize else g
-        step = jnp.reshape(state_steps[i], ()).astype(jnp.float32)
         lr_c = jnp.asarray(lr, compute)
         if decoupled:
             p = p - lr_c * weight_decay * p
@@ -187,8 +226,8 @@ def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
         exp_avg = exp_avgs[i].astype(compute)
         exp_avg = exp_avg + (1 - beta1) * (g - exp_avg)
         exp_avg_sq = exp_avg_sqs[i].astype(compute) * beta2 + (1 - beta2) * g * g
-        bias_correction1 = 1 - jnp.power(jnp.asarray(beta1, jnp.float32), step)
-        bias_correction2_sqrt = jnp.sqrt(1 - jnp.power(jnp.asarray(beta2, jnp.float32), step))
+        bias_correction1 = corrections1[i]
+        bias_correction2_sqrt = jnp.sqrt(corrections2[i])
         if amsgrad:
             max_sq = jnp.maximum(max_exp_avg_sqs[i].astype(compute), exp_avg_sq)
             new_maxes.append(max_sq.astype(max_exp_avg_sqs[i].dtype))

@@ -1,7 +1,12 @@
-"""The trainer's building blocks, which recipes (top-level ``recipes/``) assemble in order:
+"""The trainer: what a training recipe (top-level ``recipes/``) calls, in order:
 
-``start`` → ``build_tokenizer`` → ``build_data`` → ``build_model`` → ``parallelize`` →
-``build_optimizer`` / ``build_scheduler`` → ``build_train_step`` → ``resume`` → ``fit``.
+``start`` (checks, processes, seed, device) → ``assemble`` (one :class:`Run`: tokenizer, data,
+model, layout, optimizer, schedule, step, checkpointer) → ``resume`` → ``fit``.
+
+``assemble`` is made of the building blocks of ``setup`` (``build_tokenizer``, ``build_data``,
+``build_model``, ``parallelize``, ``build_optimizer``, ``build_scheduler``) and the chosen
+:class:`Layout`'s ``build_step``; a recipe that needs another part builds its :class:`Run`
+from them.
 
 Attributes load on first use, so that the command line can read the config schema
 (``tpu_train.trainer.config``) without importing the device runtime.
@@ -12,11 +17,11 @@ from __future__ import annotations
 import importlib
 
 _BLOCKS = {
-    "Job": "setup", "Data": "setup", "TrainStep": "setup", "start": "setup",
+    "Job": "setup", "Data": "setup", "TrainStep": "step", "start": "setup",
     "build_tokenizer": "setup", "build_data": "setup", "build_model": "setup",
     "describe_source": "setup", "parallelize": "setup", "build_optimizer": "setup",
-    "build_scheduler": "setup", "build_train_step": "setup", "resume": "setup",
-    "fit": "loop", "Parallelism": "parallelism", "ConfigError": "errors",
+    "build_scheduler": "setup", "Run": "run", "assemble": "run", "resume": "run",
+    "fit": "loop", "Layout": "layouts", "ConfigError": "errors",
     "TrainingStopped": "errors", "World": "world",
 }
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import TrainingStopped
+
 CHECKPOINTS_SUBDIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
 TRAINING_STATE_FILE = "training_state.pt"
@@ -245,16 +247,18 @@ def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Te
     temporary.mkdir()
     try:
         save_file(model_state, str(temporary / MODEL_FILE))
-        _finish(temporary, final, step, training_state, FULL_LAYOUT, (MODEL_FILE,))
+        _finish(temporary, final, step, training_state, (MODEL_FILE,))
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return final
 
 
-def _finish(temporary: Path, final: Path, step: int, training_state: dict, layout: str,
+def _finish(temporary: Path, final: Path, step: int, training_state: dict,
             written: tuple[str, ...]) -> None:
-    """Write the training state and meta into ``temporary``, fsync, rename to ``final``."""
+    """Write the training state and meta into ``temporary``, fsync, rename to ``final``.
+    ``written``: the files already there besides the shards (the full layout's model file)."""
+    layout = FULL_LAYOUT if MODEL_FILE in written else SHARDED_LAYOUT
     torch.save(training_state, temporary / TRAINING_STATE_FILE)
     for name in (*written, TRAINING_STATE_FILE):
         if (temporary / name).is_file():
@@ -287,7 +291,7 @@ def write_sharded_checkpoint(directory: Path, step: int, save_shards, training_s
     barrier(world)
     save_shards(temporary / SHARDED_DIR)
     if world.is_main:
-        _finish(temporary, final, step, training_state, SHARDED_LAYOUT, ())
+        _finish(temporary, final, step, training_state, ())
     barrier(world)
     return final
 
@@ -407,3 +411,30 @@ class CheckpointManager:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"saving a checkpoint failed: {error}") from error
+
+
+def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:
+    """The newest intact checkpoint of ``run_dir`` (its SHA-256 sums verified), as text for a
+    stop message. Checkpoints are only written from finite state; with ``read_back`` a full
+    one is also read and checked to hold finite values (process 0 only: each would read it)."""
+    path, _ = latest_intact_checkpoint(run_dir)
+    if path is None:
+        return "none (no checkpoint was saved yet)"
+    if read_back and checkpoint_layout(path) == FULL_LAYOUT:
+        state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
+        bad = non_finite_tensors(load_file(str(path / MODEL_FILE))) + \
+            non_finite_tensors(state.get("optimizer", {}), "optimizer")
+        if bad:
+            return f"{path} (WARNING: it holds non-finite values in {bad[0]})"
+    return f"{path} (verified)"
+
+
+def refuse_non_finite(bad: list[str], step: int, run_dir: Path, read_back: bool) -> None:
+    """Refuse to checkpoint NaN/inf parameters or optimizer state (``bad`` names them): stop
+    naming the last good checkpoint instead (a run resumed from a non-finite checkpoint could
+    never recover)."""
+    if bad:
+        raise TrainingStopped(
+            f"the parameters or optimizer state hold non-finite values at step {step} "
+            f"({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint "
+            f"was written. The last good checkpoint is {last_good_checkpoint(run_dir, read_back)}")

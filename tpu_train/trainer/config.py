@@ -34,6 +34,13 @@ class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"
 
+    @property
+    def compute_dtype(self):
+        """The dtype the forward and backward compute in, or None for the parameters' own."""
+        import torch
+
+        return torch.bfloat16 if self is Precision.bf16 else None
+
 
 class MatmulPrecision(Enum):
     """How float32 matmuls are computed: ``torch.set_float32_matmul_precision``'s levels.
@@ -201,6 +208,11 @@ class TrainerConfig:
     # bfloat16 passes per dot and a compile several times longer (docs/tpu.md).
     matmul_precision: MatmulPrecision = MatmulPrecision.highest
     grad_accum_steps: int = 1
+    # Rows one device runs forward and backward at a time: each data-parallel shard's rows of a
+    # step are split into pieces of this size and their gradients accumulated (in the compiled
+    # program, a loop). The step's batch and its result do not change; a smaller program does
+    # (XLA's TPU compile time grows with the rows one program holds). null: all rows at once.
+    micro_batch_size: Optional[int] = None
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
     activation_checkpointing: bool = False
     # Compiled steps trace a stack of identical layers once and run it as a loop (lax.scan).

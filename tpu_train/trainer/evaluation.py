@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from .config import Precision
 from .step import IGNORE_INDEX, autocast_context, causal_lm_loss_sum
 
 # Prompts per compiled decoding call of exact match (the batch bucket).
@@ -44,13 +46,27 @@ def decodes_compiled(device: torch.device) -> bool:
     return device.type == "tpu"
 
 
-def compiled_decoder(model: torch.nn.Module) -> CompiledDecoder:
-    """A compiled decoder of our Llama on its ``tpu`` device; keep it to reuse its programs
-    (they take the weights as inputs, so they serve every later state of the model)."""
+def compiled_decoder(model: torch.nn.Module, precision: Precision) -> CompiledDecoder:
+    """A compiled decoder of our Llama on its ``tpu`` device, computing in ``precision``
+    (``trainer.precision``: bf16 runs the model under bf16 autocast, as validation does); keep
+    it to reuse its programs (they take the weights as inputs, so they serve every later state
+    of the model)."""
     from tpu_train.compile.decoding import CompiledDecoder
     from tpu_train.models.generation import StaticCacheDecoding
 
-    return CompiledDecoder(model, StaticCacheDecoding())
+    return CompiledDecoder(model, StaticCacheDecoding(), autocast_dtype=precision.compute_dtype)
+
+
+@dataclasses.dataclass
+class Decoding:
+    """How exact match decodes answers: on ``device`` in ``precision``, at most
+    ``max_new_tokens`` each, with ``decoder`` (a :func:`compiled_decoder` of the model) or,
+    without one, op by op."""
+
+    device: torch.device
+    precision: Precision
+    max_new_tokens: int
+    decoder: CompiledDecoder | None = None
 
 
 def describe_decoder(decoder: CompiledDecoder) -> str:
@@ -82,7 +98,7 @@ class HostEvaluationModel:
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_batches: int,
-                    precision) -> dict[str, float]:
+                    precision: Precision) -> dict[str, float]:
     """Token-weighted mean loss over at most ``max_batches`` batches, and its perplexity."""
     model.eval()
     total, tokens = 0.0, 0
@@ -98,21 +114,6 @@ def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_ba
         return {}
     loss = total / tokens
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-
-
-def exact_match_score(model: torch.nn.Module, tokenizer, path: Path, device: torch.device,
-                      max_examples: int, max_new_tokens: int, *,
-                      decoder: CompiledDecoder | None = None) -> float | None:
-    """Greedy-decoded answers compared with the references of an instruction/chat file.
-
-    With ``decoder`` (a :func:`compiled_decoder` of ``model``) the prompts are decoded in
-    batches of ``DECODE_BATCH`` by one compiled program; without it one at a time, op by op
-    (an eager batch would need padding the eager cache cannot mask). Returns None when
-    ``max_examples`` is 0.
-    """
-    result = exact_match_count(model, tokenizer, path, device, max_examples, max_new_tokens,
-                               decoder=decoder)
-    return None if result is None else result[0]
 
 
 def _exact_match_examples(path: Path, tokenizer, max_examples: int, limit: int):
@@ -133,13 +134,15 @@ def _until_eos(tokens: list[int], eos_id: int) -> list[int]:
     return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
-def _decoded_answers(model, prompts: list[list[int]], device: torch.device, max_new_tokens: int,
-                     eos_id: int, decoder: CompiledDecoder | None) -> list[list[int]]:
+def _decoded_answers(model, prompts: list[list[int]], eos_id: int,
+                     decoding: Decoding) -> list[list[int]]:
     from tpu_train.models import generate
 
+    decoder, max_new_tokens = decoding.decoder, decoding.max_new_tokens
     if decoder is None:
-        return [generate(model, torch.tensor([p], device=device), max_new_tokens,
-                         eos_token_id=eos_id)[0, len(p):].cpu().tolist() for p in prompts]
+        with autocast_context(decoding.device, decoding.precision):
+            return [generate(model, torch.tensor([p], device=decoding.device), max_new_tokens,
+                             eos_token_id=eos_id)[0, len(p):].cpu().tolist() for p in prompts]
     answers = []
     for start in range(0, len(prompts), DECODE_BATCH):
         # Every chunk, the last one too, uses the batch bucket of a full chunk: one program.
@@ -151,21 +154,26 @@ def _decoded_answers(model, prompts: list[list[int]], device: torch.device, max_
 
 
 @torch.no_grad()
-def exact_match_count(model: torch.nn.Module, tokenizer, path: Path, device: torch.device,
-                      max_examples: int, max_new_tokens: int, *,
-                      decoder: CompiledDecoder | None = None) -> tuple[float, int] | None:
-    """(exact match, number of examples scored) as in :func:`exact_match_score`."""
+def exact_match_count(model: torch.nn.Module, tokenizer, path: Path, max_examples: int,
+                      decoding: Decoding) -> tuple[float, int] | None:
+    """(exact match, number of examples scored): greedy-decoded answers to the first
+    ``max_examples`` prompts of an instruction/chat file compared with its references. None
+    when ``max_examples`` is 0 or the file has no examples.
+
+    With ``decoding.decoder`` the prompts are decoded in batches of ``DECODE_BATCH`` by one
+    compiled program; without it one at a time, op by op (an eager batch would need padding
+    the eager cache cannot mask).
+    """
     from tpu_train.data import exact_match, extract_response
 
     if max_examples == 0:
         return None
     examples = _exact_match_examples(path, tokenizer, max_examples,
-                                     model.config.max_seq_len - max_new_tokens)
+                                     model.config.max_seq_len - decoding.max_new_tokens)
     if not examples:
         return None
     model.eval()
-    answers = _decoded_answers(model, [p for p, _ in examples], device, max_new_tokens,
-                               tokenizer.eos_id, decoder)
+    answers = _decoded_answers(model, [p for p, _ in examples], tokenizer.eos_id, decoding)
     model.train()
     predictions = [extract_response(tokenizer.decode(a, skip_special=False)) for a in answers]
     return exact_match(predictions, [r for _, r in examples]), len(examples)

@@ -11,25 +11,24 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
 
 from . import builders
-from .checkpoint import (FULL_LAYOUT, MODEL_FILE, TRAINING_STATE_FILE, CheckpointManager,
-                         checkpoint_layout, latest_checkpoint, latest_intact_checkpoint,
-                         non_finite_tensors, supersede_later)
+from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import TrainingStopped
-from .evaluation import (HostEvaluationModel, compiled_decoder, decodes_compiled,
+from .evaluation import (Decoding, HostEvaluationModel, compiled_decoder, decodes_compiled,
                          describe_decoder, exact_match_count, runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
-from .parallelism import Parallelism, bytes_per_device, peak_bytes_per_device
+from .layouts import Layout
+from .parallelism import peak_bytes_per_device
 from .rng import capture_rng_state
 from .run_dirs import SAVED_CONFIG_FILE, resume_command
-from .setup import Data, Job, TrainStep
-from .state import full_model_state, full_optimizer_state, hyperparameters
+from .run import Run
+from .setup import Job
+from .step import join_micro_batches
 from .summary import describe_compilation, start_summary, final_summary
 
 
@@ -105,14 +104,13 @@ class _Validator:
     compiled once per run). Otherwise, and for the validation loss where the device is the
     CPU client or the model is spread over a mesh, a host copy runs op by op."""
 
-    def __init__(self, job: Job, parallel: Parallelism, model, tokenizer, data: Data,
-                 make_host_model: Callable[[], torch.nn.Module], logger: RunLogger):
-        self.job, self.parallel, self.model, self.tokenizer, self.data = \
-            job, parallel, model, tokenizer, data
-        self.logger = logger
-        on_host = runs_on_host_cpu(job.device) or parallel.sharded
-        self.host = HostEvaluationModel(make_host_model) if on_host else None
-        self.decoder = compiled_decoder(model) if _decodes_on_device(job, parallel) else None
+    def __init__(self, run: Run):
+        job, self.parallel, self.model = run.job, run.layout, run.model
+        self.job, self.tokenizer, self.data, self.logger = job, run.tokenizer, run.data, run.logger
+        on_host = runs_on_host_cpu(job.device) or self.parallel.sharded
+        self.host = HostEvaluationModel(run.fresh_model) if on_host else None
+        self.decoder = (compiled_decoder(self.model, job.precision) if decodes_compiled(job.device)
+                        and self.parallel.decodes_on_device() else None)
         self.last: dict = {}
         self.first: dict = {}  # the starting model's figures (step 0)
 
@@ -124,7 +122,7 @@ class _Validator:
         values = {}
         model, device = self.model, self.job.device
         if self.host is not None and (self.data.has_val_loss or self.decoder is None):
-            model = self.host.refresh(full_model_state(self.model, self.parallel))
+            model = self.host.refresh(self.parallel.full_model_state(self.model))
             device = torch.device("cpu")
         if self.data.has_val_loss:
             # A fresh pass over the validation file each time (a loader is one stream).
@@ -136,9 +134,10 @@ class _Validator:
             if self.decoder is not None:
                 model, device = self.model, self.job.device
                 programs = len(self.decoder.compilations)
-            scored = exact_match_count(model, self.tokenizer, self.data.exact_match_path, device,
-                                       cfg.recipe.eval.exact_match_examples,
-                                       cfg.recipe.eval.max_new_tokens, decoder=self.decoder)
+            decoding = Decoding(device, self.job.precision, cfg.recipe.eval.max_new_tokens,
+                                self.decoder)
+            scored = exact_match_count(model, self.tokenizer, self.data.exact_match_path,
+                                       cfg.recipe.eval.exact_match_examples, decoding)
             if scored is not None:
                 values["exact_match"] = scored[0]
             if self.decoder is not None and len(self.decoder.compilations) > programs:
@@ -163,79 +162,6 @@ class _Validator:
         values = self.logger.recorded("val", 0)
         if values:
             self.first = {"step": 0, "values": values, "examples": None}
-
-
-def _decodes_on_device(job: Job, parallel: Parallelism) -> bool:
-    """Can exact match decode compiled on ``job.device`` from the trained weights themselves:
-    a ``tpu`` device holding them whole (one device) or a copy of them (data parallelism in
-    one process)? FSDP / tensor-parallel shards and per-device processes use the host copy."""
-    shape = parallel.shape
-    replicated = (parallel.layout == "spmd" and job.world.size == 1
-                  and shape.fsdp == 1 and shape.tensor == 1)
-    return decodes_compiled(job.device) and (parallel.layout == "single" or replicated)
-
-
-def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:
-    """The newest intact checkpoint of ``run_dir`` (its SHA-256 sums verified), as text for a
-    stop message. Checkpoints are only written from finite state; with ``read_back`` a full
-    one is also read and checked to hold finite values (process 0 only: each would read it)."""
-    from safetensors.torch import load_file
-
-    path, _ = latest_intact_checkpoint(run_dir)
-    if path is None:
-        return "none (no checkpoint was saved yet)"
-    if read_back and checkpoint_layout(path) == FULL_LAYOUT:
-        state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
-        bad = non_finite_tensors(load_file(str(path / MODEL_FILE))) + \
-            non_finite_tensors(state.get("optimizer", {}), "optimizer")
-        if bad:
-            return f"{path} (WARNING: it holds non-finite values in {bad[0]})"
-    return f"{path} (verified)"
-
-
-def _check_finite_state(job: Job, model_state: dict | None, optimizer_state, step_fn: TrainStep,
-                        step: int) -> None:
-    """Refuse to checkpoint NaN/inf parameters or optimizer state: stop naming the last good
-    checkpoint instead (a run resumed from a non-finite checkpoint could never recover)."""
-    if model_state is not None:
-        bad = non_finite_tensors(model_state) + non_finite_tensors(optimizer_state, "optimizer")
-    else:  # the sharded layout: every process reduces over the global arrays
-        import jax.numpy as jnp
-
-        from tpu_train.parallel.sharded_checkpoint import step_state
-
-        bad = [name for name, storage in step_state(step_fn.compiled).items()
-               if jnp.issubdtype(storage.buffer.dtype, jnp.floating)
-               and not bool(jnp.all(jnp.isfinite(storage.buffer)))]
-    if bad:
-        raise TrainingStopped(
-            f"the parameters or optimizer state hold non-finite values at step {step} "
-            f"({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint "
-            f"was written. The last good checkpoint is "
-            f"{last_good_checkpoint(job.run_dir, job.world.is_main)}")
-
-
-def _save(job: Job, parallel: Parallelism, step_fn: TrainStep, model, optimizer, scheduler,
-          data: Data, checkpoints: CheckpointManager, step: int) -> None:
-    """A checkpoint of ``step``: sharded when several processes share one SPMD mesh, else one
-    whole copy written by process 0 (every process calls this). Only finite parameters and
-    optimizer state are ever written (:class:`TrainingStopped` otherwise)."""
-    state = {"scheduler": scheduler.state_dict(), "data": data.train.state_dict(),
-             "rng": capture_rng_state(job.device)}
-    if parallel.layout == "spmd" and job.world.distributed:
-        from tpu_train.parallel.sharded_checkpoint import save_sharded
-
-        checkpoints.wait()
-        _check_finite_state(job, None, None, step_fn, step)
-        state["param_groups"] = hyperparameters(optimizer)
-        checkpoints.save_sharded(step, lambda path: save_sharded(path, step_fn.compiled), state,
-                                 job.world)
-        return
-    model_state = full_model_state(model, parallel)
-    state["optimizer"] = full_optimizer_state(model, optimizer, parallel)
-    checkpoints.wait()
-    _check_finite_state(job, model_state, state["optimizer"], step_fn, step)
-    checkpoints.save(step, model_state, state)
 
 
 def _write_config(job: Job) -> None:
@@ -271,27 +197,34 @@ class _Throughput:
         return scalars
 
 
-class _Run:
-    """One call of :func:`fit`: the state the loop's phases share."""
+class _Loop:
+    """One call of :func:`fit`: the training loop's own state beside the run's."""
 
-    def __init__(self, job: Job, parallel: Parallelism, step_fn: TrainStep, model, optimizer,
-                 scheduler, data: Data, start_step: int):
-        self.job, self.parallel, self.step_fn = job, parallel, step_fn
-        self.model, self.optimizer, self.scheduler, self.data = model, optimizer, scheduler, data
-        self.step = start_step
-        self.start_step = start_step
+    def __init__(self, run: Run):
+        self.run = run
+        self.job, self.parallel, self.step_fn = run.job, run.layout, run.step_fn
+        self.model, self.optimizer, self.scheduler, self.data = \
+            run.model, run.optimizer, run.scheduler, run.data
+        self.start_step = start_step = run.step
         self.compilations = 0
-        cfg = job.cfg
-        self.checkpoints = CheckpointManager(job.run_dir, cfg.checkpoint.keep_last,
-                                             cfg.checkpoint.async_save, is_writer=job.world.is_main)
-        self.checkpoints.remove_stale_temporaries()
-        self.logger = RunLogger(job.run_dir, job.world.is_main, cfg.logging.tensorboard,
-                                cfg.logging.progress_bar, cfg.trainer.max_steps, start_step)
+        cfg = run.job.cfg
+        self.checkpointer = run.checkpointer
+        self.checkpointer.remove_stale_temporaries()
+        self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
+                                             cfg.trainer.max_steps, start_step)
         # metrics.jsonl ends at the resumed step (rows after it are replayed, not duplicated);
         # the count of skipped updates carries on from its last row.
         last = self.logger.truncate_metrics_after(start_step)
         self.skipped_updates = int(last.get("train/skipped_updates") or 0)
         self._rate_from = (start_step + 1, time.perf_counter())
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.run.step = value
 
     def _eta(self, step: int) -> float | None:
         """Seconds to ``trainer.max_steps`` at the wall-clock rate since the first step of
@@ -303,8 +236,10 @@ class _Run:
         return per_step * (self.job.cfg.trainer.max_steps - step)
 
     def save(self) -> None:
-        _save(self.job, self.parallel, self.step_fn, self.model, self.optimizer, self.scheduler,
-              self.data, self.checkpoints, self.step)
+        """A checkpoint of this step in the layout's format (every process calls this)."""
+        state = {"scheduler": self.scheduler.state_dict(), "data": self.data.train.state_dict(),
+                 "rng": capture_rng_state(self.job.device)}
+        self.parallel.save(self.run, state)
 
     def _log_compilations(self) -> None:
         records = self.step_fn.compiled.compilations if self.step_fn.compiled is not None else []
@@ -318,7 +253,7 @@ class _Run:
         reached the parameters."""
         if finite or OnNonFinite(self.job.cfg.trainer.on_nan) is not OnNonFinite.stop:
             return
-        self.checkpoints.wait()
+        self.checkpointer.wait()
         what = f"loss is {loss}" if not math.isfinite(loss) else \
             f"gradient norm is {grad_norm} (loss {loss})"
         raise TrainingStopped(
@@ -337,10 +272,12 @@ class _Run:
             logger.line("tracing and compiling the train step (once per input shape) ...")
         with _StopRequest(trainer.max_minutes) as stop, profiler:
             while self.step < trainer.max_steps and stop.signal_name is None:
-                micro = [next(batches) for _ in range(trainer.grad_accum_steps)]
+                # The loader yields micro-batches; the step takes the global batch they make up.
+                batch = join_micro_batches([next(batches)
+                                            for _ in range(trainer.grad_accum_steps)])
                 profiler.before(self.step + 1)
                 started = time.perf_counter()
-                out = self.step_fn(micro)
+                out = self.step_fn(batch)
                 loss = float(out["loss"])
                 grad_norm = float(out["grad_norm"])
                 finite = (bool(out["finite"]) if "finite" in out
@@ -379,28 +316,24 @@ class _Run:
             self.save()
 
 
-def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer, scheduler, data: Data, tokenizer, *,
-        start_step: int, resumed_from: Path | None, source: str,
-        make_host_model: Callable[[], torch.nn.Module],
-        export_model: Callable[[], torch.nn.Module] | None = None) -> Path:
-    """Train from ``start_step`` to ``trainer.max_steps``; returns the run directory.
+def fit(run: Run) -> Path:
+    """Train ``run`` from ``run.step`` to ``trainer.max_steps``; returns the run directory.
 
-    ``make_host_model`` builds a fresh CPU model of the same architecture (validation on the
-    host); ``export_model`` gives the model to export (e.g. LoRA merged), default ``model``.
-    Raises :class:`TrainingStopped` on a non-finite loss with ``trainer.on_nan=stop``.
+    Validation runs on a host copy (``run.fresh_model()``) where the trained weights are not
+    whole on a device; the export is ``run.model_to_export()``. Raises
+    :class:`TrainingStopped` on a non-finite loss with ``trainer.on_nan=stop``.
     """
+    job = run.job
     cfg, trainer = job.cfg, job.cfg.trainer
-    main = job.world.is_main
     # Everything is built and checked; from here on the run directory is written.
     superseded = []
-    if main:
+    if job.world.is_main:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         _write_config(job)
-        if resumed_from is not None:
-            superseded = supersede_later(job.run_dir, start_step)
-    run = _Run(job, parallel, step_fn, model, optimizer, scheduler, data, start_step)
-    logger = run.logger
+        if run.resumed_from is not None:
+            superseded = supersede_later(job.run_dir, run.step)
+    loop = _Loop(run)
+    logger = loop.logger
     try:
         logger.log_only(OmegaConf.to_yaml(cfg, resolve=True))
         logger.config(cfg)
@@ -408,35 +341,32 @@ def fit(job: Job, parallel: Parallelism, step_fn: TrainStep, model: torch.nn.Mod
             (logger.line if note.startswith("note: ") else logger.log_only)(note)
         for path in superseded:
             logger.line(f"moved {path.name.rsplit('-', 1)[0]} (after the resumed step) to {path}")
-        for line in start_summary(job, parallel, model, optimizer, data, source, resumed_from,
-                                  bytes_per_device(parallel, model, optimizer)):
+        for line in start_summary(run, run.layout.bytes_per_device(run.model, run.optimizer)):
             logger.line(line)
-        validate = _Validator(job, parallel, model, tokenizer, data, make_host_model, logger)
-        validate.at_start(start_step)
-        stopped_by = _train_or_say_how_to_resume(run, validate, _Throughput(job, model, logger))
-        run.checkpoints.wait()
-        step, export_dir = run.step, None
+        validate = _Validator(run)
+        validate.at_start(loop.start_step)
+        stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
+                                                                             logger))
+        run.checkpointer.wait()
+        export_dir = None
         if stopped_by is not None:
-            logger.line(f"stopped by {stopped_by} at step {step}; checkpoint saved. Resume with: "
-                        f"{resume_command(job.run_dir, job.world.size)}")
+            logger.line(f"stopped by {stopped_by} at step {run.step}; checkpoint saved. Resume "
+                        f"with: {resume_command(job.run_dir, job.world.size)}")
         else:
             # The final model is always validated (a resumed, already finished run included).
-            if (trainer.val_every_n_steps and validate.last.get("step") != step
+            if (trainer.val_every_n_steps and validate.last.get("step") != run.step
                     and validate.enabled()):
-                validate(step)
+                validate(run.step)
             if cfg.checkpoint.export_hf:
                 export_dir = job.run_dir / "hf"
-                _export(export_model() if export_model else model, parallel, export_dir,
-                        tokenizer, main)
-        logger.line(final_summary(job.run_dir, logger, step, trainer.max_steps,
-                                  latest_checkpoint(job.run_dir), export_dir, validate.last, source,
-                                  start=validate.first, wall_s=time.monotonic() - job.started))
+                _export(run, export_dir)
+        logger.line(final_summary(run, export_dir, validate.last, validate.first))
     finally:
         logger.close()
     return job.run_dir
 
 
-def _train_or_say_how_to_resume(run: _Run, validate: _Validator,
+def _train_or_say_how_to_resume(run: _Loop, validate: _Validator,
                                 throughput: _Throughput) -> str | None:
     """``run.train``; a run that stops on an error says how to resume from its newest
     checkpoint (the default run.dir is a new timestamp each time: the command names it)."""
@@ -454,21 +384,21 @@ def _train_or_say_how_to_resume(run: _Run, validate: _Validator,
         raise
 
 
-def _log_memory(logger: RunLogger, parallel: Parallelism, model, optimizer, step: int) -> None:
+def _log_memory(logger: RunLogger, parallel: Layout, model, optimizer, step: int) -> None:
     """``system/param_bytes_per_device`` (parameters + optimizer state, the busiest device)
     and the backend's peak, where it reports one; after the first step, when the optimizer
     state exists in every mode."""
-    values = {"param_bytes_per_device": float(bytes_per_device(parallel, model, optimizer))}
+    values = {"param_bytes_per_device": float(parallel.bytes_per_device(model, optimizer))}
     peak = peak_bytes_per_device()
     if peak is not None:
         values["peak_bytes_per_device"] = float(peak)
     logger.scalars("system", values, step)
 
 
-def _export(model: torch.nn.Module, parallel: Parallelism, directory: Path, tokenizer,
-            main: bool) -> None:
+def _export(run: Run, directory: Path) -> None:
     """Hugging Face export of the whole model and its tokenizer, written by process 0 (all
     gather for it)."""
-    state = full_model_state(model, parallel)
-    if main:
-        builders.export_pretrained(model, directory, tokenizer, state_dict=state)
+    model = run.model_to_export()
+    state = run.layout.full_model_state(model)
+    if run.job.world.is_main:
+        builders.export_pretrained(model, directory, run.tokenizer, state_dict=state)

@@ -117,8 +117,10 @@ class RunLogger:
     Every method is a no-op on processes other than rank 0.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool, tensorboard: bool,
-                 progress_bar: bool, total_steps: int, initial_step: int):
+    def __init__(self, run_dir: str | Path, enabled: bool, options, total_steps: int,
+                 initial_step: int):
+        """``options``: the ``logging`` config section (``tensorboard``, ``progress_bar``)."""
+        tensorboard, progress_bar = bool(options.tensorboard), bool(options.progress_bar)
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._writer = None

@@ -1,10 +1,13 @@
-"""AdamW with weight decay on matrices only."""
+"""The optimizers ``optim.name`` can name (:data:`~tpu_train.trainer.config.OPTIMIZERS`, the one
+registry), built over the trainable parameters with weight decay on matrices only."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from .config import OptimConfig
+from .config import OPTIMIZERS, OptimConfig
 from .errors import ConfigError
 
 
@@ -32,10 +35,17 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of ``model``."""
-    if cfg.name != "adamw":
-        raise ConfigError(f"optim.name={cfg.name!r} is not supported; valid names: adamw")
+    """The ``torch.optim`` class ``cfg.name`` names in :data:`OPTIMIZERS`, over the trainable
+    parameters of ``model``, given the ``optim`` fields its constructor takes (``beta1`` /
+    ``beta2`` as ``betas``, ``momentum`` where it has one)."""
+    if cfg.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.name!r} is not supported; valid names: "
+                          f"{', '.join(OPTIMIZERS)}")
+    cls = getattr(torch.optim, OPTIMIZERS[cfg.name])
+    offered = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+               "momentum": cfg.momentum}
+    accepted = inspect.signature(cls).parameters
     groups = parameter_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters; nothing to optimize")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return cls(groups, **{k: v for k, v in offered.items() if k in accepted})

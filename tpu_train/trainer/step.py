@@ -1,4 +1,5 @@
-"""The causal-LM loss and the eager training step (the compiled one is built in ``setup``).
+"""The causal-LM loss, the eager training step, and :class:`TrainStep`, which feeds either
+step its layout's share of the batch (the compiled step is built by the layout).
 
 Both steps have the signature ``step(micro_batches) -> dict[str, Tensor]`` with ``loss``,
 ``grad_norm``, ``lr`` (the lr used by this update) and ``finite`` (were the loss and the
@@ -9,7 +10,8 @@ which runs.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+import dataclasses
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,29 +46,51 @@ def autocast_context(device: torch.device, precision: Precision):
     return contextlib.nullcontext()
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What an :class:`EagerStep` does besides forward and backward: ``precision`` (bf16:
+    forward and loss under autocast), clipping to ``max_grad_norm`` (None: measure only),
+    ``grad_accum_steps`` micro-batches per step, skipping non-finite updates, and the
+    data- / tensor-parallel sizes of a per-device layout."""
+
+    precision: Precision
+    max_grad_norm: float | None
+    grad_accum_steps: int = 1
+    skip_non_finite: bool = True
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+
 class EagerStep:
     """Forward, loss, backward over the micro-batches, clip, optimizer and scheduler step.
 
-    With ``skip_non_finite`` a step whose loss or gradient norm is not finite applies no
-    update (the gradients are dropped and the optimizer's step count does not advance; the
-    schedule still advances so the lr stays aligned with the data). The trainer always skips:
-    ``trainer.on_nan=stop`` then stops, so a non-finite update never reaches the parameters.
+    A call takes this process's rows of one global step on the host and splits them into
+    ``grad_accum_steps`` consecutive micro-batches (the one place they are split), each moved
+    to ``device`` when its turn comes. With ``skip_non_finite`` a step whose loss or gradient
+    norm is not finite applies no update (the gradients are dropped and the optimizer's step
+    count does not advance; the schedule still advances so the lr stays aligned with the
+    data). The trainer always skips: ``trainer.on_nan=stop`` then stops, so a non-finite
+    update never reaches the parameters.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, device: torch.device, precision: Precision,
-                 max_grad_norm: float | None, skip_non_finite: bool,
-                 data_parallel_size: int = 1, tensor_parallel_size: int = 1):
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+    def __init__(self, trained: tuple, device: torch.device, settings: StepSettings):
+        self.model, self.optimizer, self.scheduler = trained
         self.device = device
-        self.precision = precision
-        self.max_grad_norm = max_grad_norm
-        self.skip_non_finite = skip_non_finite
-        self.data_parallel_size = data_parallel_size
-        self.tensor_parallel_size = tensor_parallel_size
-        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.precision = settings.precision
+        self.max_grad_norm = settings.max_grad_norm
+        self.grad_accum_steps = settings.grad_accum_steps
+        self.skip_non_finite = settings.skip_non_finite
+        self.data_parallel_size = settings.data_parallel_size
+        self.tensor_parallel_size = settings.tensor_parallel_size
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """``batch`` as ``grad_accum_steps`` consecutive micro-batches (host views)."""
+        if self.grad_accum_steps == 1:
+            return [batch]
+        parts = {k: v.chunk(self.grad_accum_steps) for k, v in batch.items()}
+        return [{k: chunks[i] for k, chunks in parts.items()}
+                for i in range(self.grad_accum_steps)]
 
     def _sum_over_processes(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the data-parallel ranks (each tensor-parallel group holds the
@@ -79,8 +103,9 @@ class EagerStep:
         dist.all_reduce(total)
         return (total / self.tensor_parallel_size).reshape(())
 
-    def __call__(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.model.train()
+        micro_batches = self.micro_batches(batch)
         lr = torch.tensor(self.optimizer.param_groups[0]["lr"])
         local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
         # A Python float, not an int: a float is an input of the device's op executables, an
@@ -90,6 +115,7 @@ class EagerStep:
         # global token-weighted loss is scaled up by their number to undo that mean.
         loss_total = torch.zeros((), device=self.device)
         for batch in micro_batches:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
             with autocast_context(self.device, self.precision):
                 loss_sum = causal_lm_loss_sum(self.model, batch)
             (loss_sum * self.data_parallel_size / total_tokens).backward()
@@ -113,3 +139,34 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+class TrainStep:
+    """``step(global batch on the host) -> {"loss", "grad_norm", "lr", ...}`` in any layout.
+
+    The global batch holds the step's ``grad_accum_steps`` micro-batches one after the other;
+    the layout picks this process's rows (:meth:`~tpu_train.trainer.layouts.Layout.place_batch`)
+    and ``run``, the step that accumulates, splits them. ``compiled`` is the
+    ``CompiledTrainStep`` (None in eager mode); :meth:`place` puts its parameters and optimizer
+    state where the layout runs it (before the first call, after a full resume).
+    """
+
+    def __init__(self, layout, run: Callable, compiled=None, grad_accum_steps: int = 1):
+        self.layout = layout
+        self.compiled = compiled
+        self.grad_accum_steps = grad_accum_steps
+        self._run = run
+
+    def place(self) -> None:
+        self.layout.place_step(self)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict:
+        return self._run(self.layout.place_batch(batch, self.grad_accum_steps))
+
+
+def join_micro_batches(micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One global step's batch from the loader's consecutive micro-batches (joined on the
+    host, where it costs no device program)."""
+    if len(micro_batches) == 1:
+        return micro_batches[0]
+    return {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 
-from .metrics import RunLogger
-from .parallelism import Parallelism
+from .layouts import Layout
 
 
 def _count(n: float) -> str:
@@ -45,7 +45,7 @@ def _model_label(cfg, model: torch.nn.Module) -> str:
             f"{config.n_heads}/{config.n_kv_heads} heads, vocab {config.vocab_size}")
 
 
-def _device_line(job, parallel: Parallelism) -> str:
+def _device_line(job, parallel: Layout) -> str:
     text = f"{job.device.type}"
     if job.device.type == "tpu":
         from tpu_train.device.runtime import platform
@@ -68,14 +68,16 @@ def _precision_line(job) -> str:
     return f"{compute}; weights and optimizer state stored in {weights}"
 
 
-def start_summary(job, parallel: Parallelism, model: torch.nn.Module, optimizer, data,
-                  source: str, resumed_from: Path | None, state_bytes: int) -> list[str]:
-    """The lines printed before the first step."""
+def start_summary(run, state_bytes: int) -> list[str]:
+    """The lines printed before ``run``'s first step (``state_bytes``: parameters and optimizer
+    state on the busiest device)."""
+    job, parallel, model, optimizer = run.job, run.layout, run.model, run.optimizer
+    source, resumed_from = run.source, run.resumed_from
     cfg = job.cfg
     total, trainable = _parameter_counts(model)
     batch, seq, accum = cfg.data.batch_size, cfg.data.seq_len, cfg.trainer.grad_accum_steps
     per_step = batch * seq * accum
-    rows_here = batch // parallel.shape.batch_shards if parallel.sharded else batch
+    rows_here = parallel.rows_per_shard(batch)
     budget = per_step * cfg.trainer.max_steps
     resumed = f" (resumed from {resumed_from.name})" if resumed_from is not None else ""
     memory = f"{_bytes(state_bytes)} of parameters + optimizer state on the busiest device"
@@ -94,12 +96,18 @@ def start_summary(job, parallel: Parallelism, model: torch.nn.Module, optimizer,
         f"model: {_model_label(cfg, model)}, {_count(total)} parameters ({_count(trainable)} "
         f"trainable), from {source}",
         f"data: global batch {batch} x {seq} tokens x {accum} accumulation = {per_step:,} "
-        f"tokens/step ({rows_here} row{'s' if rows_here != 1 else ''} per data-parallel shard); budget "
+        f"tokens/step ({rows_here} row{'s' if rows_here != 1 else ''} per data-parallel shard"
+        f"{_micro_note(cfg.trainer.micro_batch_size, rows_here)}); budget "
         f"{cfg.trainer.max_steps} steps = {budget:,} tokens",
         f"device: {_device_line(job, parallel)}",
         f"precision: {_precision_line(job)}; step: {job.mode.value}",
         f"memory: {memory}",
     ]
+
+
+def _micro_note(micro: int | None, rows: int) -> str:
+    """``, 2 at a time`` where ``trainer.micro_batch_size`` splits a shard's rows."""
+    return "" if micro is None or micro >= rows else f", {micro} at a time"
 
 
 def describe_compilation(record) -> str:
@@ -153,12 +161,15 @@ def _validation_figures(validation: dict, start: dict) -> str:
     return ", ".join(figures)
 
 
-def final_summary(run_dir: Path, logger: RunLogger, step: int, max_steps: int,
-                  checkpoint: Path | None, export_dir: Path | None, validation: dict,
-                  source: str, *, start: dict | None = None,
-                  wall_s: float | None = None) -> str:
-    """The closing block: where everything is, the final validation figures beside the
-    starting model's (``start``, step 0) and the job's wall time."""
+def final_summary(run, export_dir: Path | None, validation: dict,
+                  start: dict | None = None) -> str:
+    """The closing block of ``run``: where everything is, the final validation figures beside
+    the starting model's (``start``, step 0) and the job's wall time."""
+    from .checkpoint import latest_checkpoint
+
+    run_dir, logger, step, source = run.job.run_dir, run.logger, run.step, run.source
+    max_steps, checkpoint = run.job.cfg.trainer.max_steps, latest_checkpoint(run_dir)
+    wall_s = time.monotonic() - run.job.started
     rows = [("run dir", str(run_dir)), ("started from", source),
             ("train log", str(run_dir / "train.log")),
             ("tensorboard", f"{logger.tensorboard_dir} (tensorboard --logdir {logger.tensorboard_dir})"
@@ -167,8 +178,7 @@ def final_summary(run_dir: Path, logger: RunLogger, step: int, max_steps: int,
             ("hf export", str(export_dir) if export_dir else "none")]
     if validation.get("step") == step and validation.get("values"):
         rows.append((f"validation at step {step}", _validation_figures(validation, start)))
-    if wall_s is not None:
-        rows.append(("wall time", duration(wall_s)))
+    rows.append(("wall time", duration(wall_s)))
     width = max(len(key) for key, _ in rows)
     lines = [f"finished step {step}/{max_steps}" if step >= max_steps
              else f"stopped at step {step}/{max_steps}"]

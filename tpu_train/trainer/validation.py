@@ -208,6 +208,9 @@ def _validate_trainer(trainer) -> None:
             raise ConfigError(str(error)) from None
     _require(trainer.cpu_threads is None or trainer.cpu_threads >= 1,
              f"trainer.cpu_threads must be >= 1 or null (PyTorch's default), got {trainer.cpu_threads}")
+    _require(trainer.micro_batch_size is None or trainer.micro_batch_size >= 1,
+             f"trainer.micro_batch_size must be >= 1 or null (all of a device's rows at once), "
+             f"got {trainer.micro_batch_size}")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_minutes is None or trainer.max_minutes > 0,

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The TPU lane of the test suite (docs/testing.md), on a host with a TPU chip: the tests of the
+# device, ops, compile, models and trainer layers on the chip, in one process (one process at a
+# time can hold a chip), less the tests that start several processes talking over 127.0.0.1.
+#   .ci/tpu_lane.sh                       the whole lane
+#   .ci/tpu_lane.sh tests/device -x       arguments replace the test paths (pytest's own options too)
+# Not part of CI, which has no TPU: the CPU suite is .ci/run. PYTHON names the interpreter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TPU_TRAIN_PLATFORM=tpu
+# TPU_TRAIN_PLATFORM chooses JAX's backends, here and in the child processes tests start.
+unset JAX_PLATFORMS
+if [[ ! -f tests/measured_ulps/tpu.json ]]; then
+    echo "tests/measured_ulps/tpu.json is missing: measure the chip's accuracy first with" \
+         "TPU_TRAIN_PLATFORM=tpu ${PYTHON:-python} scripts/measure_ulps.py --out tests/measured_ulps/tpu.json" >&2
+    exit 2
+fi
+if [[ $# -eq 0 ]]; then
+    set -- tests/device tests/ops tests/compile tests/models tests/trainer
+fi
+exec "${PYTHON:-python}" -m pytest -o addopts="" -n 0 -p no:cacheprovider -m "not slow and not multiprocess" \
+    -rfEs "$@"

@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Attention benchmark: the project's SDPA lowering, XLA form vs the TPU kernels, forward + backward.
+
+Times what a compiled step differentiates (``tpu_train.ops.attention.attention``, the lowering
+of ``_scaled_dot_product_fused_attention_overrideable``, and its custom derivative): the value
+and gradients of ``sum(attention(q, k, v) * dO)`` with respect to q, k and v, causal, bf16,
+head_dim 64, one jitted program per form:
+
+* ``xla``: the XLA formulation (``attention_tpu.xla_form()``), on any platform;
+* ``splash``: JAX's Pallas splash-attention kernels, forward and backward
+  (``attention_tpu.kernels()``: also below the rule's ``MIN_SEQUENCE``, to measure where the
+  rule should start). They run on a TPU only: elsewhere the figure is null, or, with
+  ``--interpret``, Pallas' interpret mode runs them (a check that the script works, not a
+  timing).
+
+Shapes ``BxH(KV)xS``: 4x8(4)x256, 8x16(8)x512, 8x16(8)x1024 (the 350M model's attention), and
+4x32(8)x2048 (the 1B model's). The forms are interleaved, the order alternating each round; per
+shape and form: compile seconds, fastest and median milliseconds; the xla / splash ratios; and
+the gradients' normwise difference between the two forms. Prints ONE JSON line. Run from the
+repository root::
+
+    python scripts/bench_attention.py [--rounds 30] [--shapes 8x16(8)x1024,...] [--interpret]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's tpu_train, also where another one is installed
+
+DEFAULT_SHAPES = "4x8(4)x256,8x16(8)x512,8x16(8)x1024,4x32(8)x2048"
+HEAD_DIM = 64
+_SHAPE = re.compile(r"^(\d+)x(\d+)\((\d+)\)x(\d+)$")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    shapes = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        match = _SHAPE.match(item)
+        if not match:
+            raise ValueError(f"shape {item!r} is not BxH(KV)xS, e.g. 8x16(8)x1024")
+        b, h, kv, s = (int(g) for g in match.groups())
+        if h % kv:
+            raise ValueError(f"shape {item!r}: {h} heads are not a multiple of {kv} kv heads")
+        shapes.append((b, h, kv, s))
+    return shapes
+
+
+def _programs(shape, device, interpret: bool):
+    """``{form: (compiled, compile seconds)}`` and the arguments they take."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpu_train.ops import attention, attention_tpu
+
+    b, h, kv, s = shape
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, dout = (jax.random.normal(k, (b, h, s, HEAD_DIM), jnp.bfloat16) for k in keys[::3])
+    k, v = (jax.random.normal(key, (b, kv, s, HEAD_DIM), jnp.bfloat16) for key in keys[1:3])
+    args = [jax.device_put(x, device) for x in (q, k, v, dout)]
+
+    def loss(q_, k_, v_, dout_):
+        out = attention.attention(q_, k_, v_, None, True, None)[0]
+        return jnp.sum(out.astype(jnp.float32) * dout_.astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    forms = {"xla": attention_tpu.xla_form}
+    if device.platform == "tpu" or interpret:
+        forms["splash"] = lambda: attention_tpu.kernels(min_sequence=128, interpret=interpret)
+    programs = {}
+    for name, context in forms.items():
+        started = time.perf_counter()
+        # The choice is made while tracing: ahead of time, once, and each form traces its own
+        # function (JAX would reuse the trace of one function object for the other form).
+        with context():
+            compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
+        programs[name] = (compiled, time.perf_counter() - started)
+    return programs, args
+
+
+def _relative(a, b) -> float:
+    import jax.numpy as jnp
+
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def bench_shape(shape, device, rounds: int, interpret: bool) -> dict:
+    import jax
+
+    from tpu_train.ops import attention_tpu
+
+    b, h, kv, s = shape
+    programs, args = _programs(shape, device, interpret)
+    results = {name: program(*args) for name, (program, _) in programs.items()}  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    order = list(programs)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            started = time.perf_counter()
+            jax.block_until_ready(programs[name][0](*args))
+            times[name].append((time.perf_counter() - started) * 1e3)
+    query, key = jax.ShapeDtypeStruct((b, h, s, HEAD_DIM), "bfloat16"), \
+        jax.ShapeDtypeStruct((b, kv, s, HEAD_DIM), "bfloat16")
+    report = {"shape": f"{b}x{h}({kv})x{s}", "batch": b, "heads": h, "kv_heads": kv, "seq": s,
+              "rule_takes_kernels": attention_tpu.supported(query, key, key, None, True),
+              "compile_s": {n: round(p[1], 2) for n, p in programs.items()}}
+    for name in ("xla", "splash"):
+        report[f"{name}_ms"] = None if name not in times else {
+            "min": round(min(times[name]), 4), "median": round(statistics.median(times[name]), 4)}
+    if "splash" in times:
+        report["xla_over_splash"] = {
+            key: round(report["xla_ms"][key] / report["splash_ms"][key], 3)
+            for key in ("min", "median")}
+        _, xla_grads = results["xla"]
+        _, splash_grads = results["splash"]
+        report["grad_relative_difference"] = {
+            n: round(_relative(a, e), 6) for n, a, e in zip("qkv", splash_grads, xla_grads)}
+    else:
+        report["xla_over_splash"] = None
+    return report
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=30, help="timed calls per form and shape")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help=f"comma-separated BxH(KV)xS (default {DEFAULT_SHAPES})")
+    parser.add_argument("--interpret", action="store_true",
+                        help="off a TPU, run the kernels in Pallas' interpret mode (not a timing)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
+
+    from tpu_train.device import runtime
+    from tpu_train.ops import attention_tpu
+
+    device = runtime.jax_device(0)
+    report = {"benchmark": "attention_fwd_bwd", "platform": device.platform,
+              "device_kind": device.device_kind, "host_cores": os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "dtype": "bfloat16",
+              "head_dim": HEAD_DIM, "causal": True, "rounds": args.rounds,
+              "min_sequence_rule": attention_tpu.MIN_SEQUENCE,
+              "splash": ("kernels" if device.platform == "tpu" else
+                         "interpret mode (not a timing)" if args.interpret else
+                         "not run: the kernels need a TPU (--interpret to check the script)"),
+              "shapes": [bench_shape(shape, device, args.rounds, args.interpret)
+                         for shape in shapes]}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

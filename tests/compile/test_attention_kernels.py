@@ -1,0 +1,97 @@
+"""Compiled steps whose attention runs the TPU kernels (JAX's Pallas splash attention), here in
+Pallas' interpret mode on the CPU client: the path a TPU step takes, traced the same way.
+
+On the chip, a 350M step failed its first call with "Computation compiled for 456 inputs but
+called with 446": the kernels' mask tables, built inside one trace and cached, were that
+trace's tracers, and a later trace reusing the kernel lowered them as extra parameters of its
+program. The test makes a later trace reuse it (a second signature in one process: the layer
+body is traced again while the kernel for its length is cached) and checks the losses against
+CPU PyTorch; with the tables of that first attempt it fails with the chip's error."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.ops.test_attention_tpu import kernel_calls  # noqa: F401  (a fixture)
+from tests.tolerances import loss_rtol
+from tpu_train.compile import compile_train_step, lower_train_step, targets
+from tpu_train.ops import attention_tpu
+
+from .helpers import DEVICE, OPTIMIZERS, _llama, lm_batches, lm_loss, run_reference, to_device
+
+SEQ = 128  # one 128-token tile: the smallest the kernels take
+# Longest reduction of a step: SwiGLU hidden 256 (dim 128, head_dim 64, 128 tokens, vocab 128).
+N = 256
+
+
+def test_two_signatures_on_the_kernels_run_and_match_cpu(kernel_calls):
+    model = _llama(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=128,
+                   ffn_hidden_dim=256, max_seq_len=SEQ)
+    make_opt = OPTIMIZERS["adamw"]
+    # Batch 1 twice, then batch 2: the second signature traces the layer body again while
+    # the kernel for 128 tokens is cached from the first.
+    batches = lm_batches(2, batch=1, seq=SEQ) + lm_batches(1, batch=2, seq=SEQ, seed=2)
+    cpu_losses, *_ = run_reference(model, make_opt, lm_loss, batches, device="cpu",
+                                   max_grad_norm=1.0)
+    attention_tpu._kernel.cache_clear()
+    on_device = copy.deepcopy(model).to(DEVICE)
+    step = compile_train_step(on_device, make_opt(on_device.parameters()), lm_loss,
+                              max_grad_norm=1.0)
+    with attention_tpu.interpreted():
+        losses = [float(step(to_device(batch))["loss"].cpu()) for batch in batches]
+    assert len(step.compilations) == 2
+    # One forward and one backward kernel call per traced layer body, in each compilation.
+    assert kernel_calls["forward"] >= 2 and kernel_calls["backward"] >= 2
+    for i, (got, want) in enumerate(zip(losses, cpu_losses)):
+        assert abs(got - want) <= loss_rtol(torch.float32, i + 1, N) * abs(want), (i, got, want)
+
+
+needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
+                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
+KERNEL_CALL = 'custom_call_target="tpu_custom_call"'
+
+
+def _meta_llama(seq: int, batch: int):
+    from tpu_train.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=256,
+                                  ffn_hidden_dim=256, max_seq_len=seq))
+        tokens = torch.empty(batch, seq, dtype=torch.int64)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), \
+        {"tokens": tokens, "labels": tokens.clone()}
+
+
+@needs_libtpu
+def test_a_v5e_step_runs_the_kernels_and_takes_exactly_its_arguments():
+    """Compiled for a v5e (compile-only), a bf16 step at 1024 tokens lowers its attention to
+    the kernels (forward, dK/dV and dQ: three Pallas calls for one layer), and the program's
+    entry parameters are the step's arguments, no more."""
+    import jax
+
+    model, optimizer, batch = _meta_llama(1024, 1)
+    program = lower_train_step(model, optimizer, lm_loss, batch, target="v5e",
+                               autocast_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    text = program.executable.as_text()
+    assert text.count(KERNEL_CALL) == 3
+    entry = text.split("\nENTRY", 1)[1].split("\n}", 1)[0]
+    assert entry.count(" parameter(") == len(jax.tree_util.tree_leaves(program.lowered.args_info))
+
+
+@needs_libtpu
+def test_a_partitioned_step_keeps_the_xla_form():
+    """Over a v5e:2x2 mesh the program is partitioned by XLA, which does not split a Pallas
+    kernel: attention stays in its XLA form (lowered only)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from tpu_train.parallel.llama_plan import llama_plan
+
+    model, optimizer, batch = _meta_llama(1024, 4)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
+    program = lower_train_step(model, optimizer, lm_loss, batch, mesh=mesh, plan=llama_plan(),
+                               target="v5e:2x2", autocast_dtype=torch.bfloat16,
+                               compute_dtype=torch.bfloat16, compile=False)
+    assert "tpu_custom_call" not in program.lowered.as_text()

@@ -1,0 +1,219 @@
+"""Attention on a TPU through JAX's Pallas splash-attention kernels (forward and backward).
+
+The XLA formulation (:mod:`tpu_train.ops.attention`) writes and reads ``[B, H, S, S]`` scores
+and probabilities in HBM, in the forward and again in the backward; the splash kernels stream
+them through on-chip memory in blocks. Measured on one TPU v5e (forward + backward, bf16,
+head_dim 64, causal, 2026-12-04): 8 x 16 heads (8 kv) x 1024 tokens 3.0 ms against 6.0 ms for
+the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256 0.87 against 0.79 ms.
+512 tokens has no figure yet, so the rule starts at the shortest measured win, 1024
+(``scripts/bench_attention.py`` measures all four on the chip that is there). The rule of
+:func:`supported`:
+
+* the program is lowered for a TPU (``lax.platform_dependent``: the same traced program lowered
+  for another platform takes the XLA form), for one device (:func:`xla_form`: a Pallas kernel
+  is not partitioned by XLA's SPMD partitioner);
+* no dropout, no additive or boolean mask: none, or ``is_causal`` (the kernel's
+  ``CausalMask``, evaluated from iotas inside the kernel, never materialised);
+* self-attention lengths (``Sq == Sk``), a multiple of 128 (the kernel's lane tiles) and at
+  least :data:`MIN_SEQUENCE` tokens;
+* head_dim a multiple of 64 (the measured sizes), the same for values;
+* bfloat16 inputs. Float32 stays on the XLA form, whose dots follow the project's float32
+  matmul precision (``torch.set_float32_matmul_precision``); the kernel's dots would not.
+
+Grouped-query heads use the kernel's multi-query form mapped over the batch and the kv heads
+(the query heads of one kv head share its keys and values): K and V are never repeated. The
+kernel takes no scale: the query is scaled before it (in its own dtype) and the query's gradient
+after. The forward returns the logsumexp PyTorch's fused op returns (natural log of the scaled
+scores), and the backward consumes it with the output, so the backward kernels run without a
+second forward pass: :func:`backward` calls the kernel library's own backward rule
+(``_splash_attention_bwd``, private to jax's splash module, pinned by ``constraints.txt``; the
+interpret-mode tests in ``tests/ops/test_attention_tpu.py`` fail if a JAX update changes it).
+
+The kernel objects hold the mask's block tables. They are built on the host as NumPy arrays and
+cached per shape: built inside a trace with the kernel library's own ``jnp.array``, they would
+be tracers of that trace, and a later trace reusing the cached kernel would lower them as extra
+parameters of its program ("Computation compiled for N inputs but called with M").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy
+
+# Below this many tokens the XLA form was as fast or faster on a v5e (module docstring).
+MIN_SEQUENCE = 1024
+_LANES = 128
+_HEAD_DIM_MULTIPLE = 64
+_BLOCK = 512
+
+_XLA_FORM = contextvars.ContextVar("tpu_train_attention_xla_form", default=False)
+# (min_sequence, interpret): the rule's length threshold moved, and the kernels run on any
+# platform in Pallas' interpret mode (:func:`kernels`).
+_OVERRIDE = contextvars.ContextVar("tpu_train_attention_override", default=None)
+
+
+@contextlib.contextmanager
+def xla_form():
+    """Attention lowered inside takes the XLA form on every platform: programs partitioned over
+    several devices (XLA's SPMD partitioner does not split a Pallas kernel; it would need a
+    ``shard_map`` around it), and benchmarks comparing the two forms."""
+    token = _XLA_FORM.set(True)
+    try:
+        yield
+    finally:
+        _XLA_FORM.reset(token)
+
+
+@contextlib.contextmanager
+def kernels(min_sequence: int = _LANES, interpret: bool = False):
+    """Inside, the rule takes the kernels from ``min_sequence`` tokens (benchmarks measure
+    below :data:`MIN_SEQUENCE`) and for float32 too; with ``interpret`` they run on any
+    platform, in Pallas' interpret mode: how the CPU client tests them (slow; tiny shapes)."""
+    token = _OVERRIDE.set((int(min_sequence), bool(interpret)))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def interpreted(min_sequence: int = _LANES):
+    """:func:`kernels` in Pallas' interpret mode, on any platform (tests)."""
+    return kernels(min_sequence, interpret=True)
+
+
+def lowering_key() -> tuple:
+    """What decides this module's choices besides the arrays: part of the key of any cache
+    of traced functions (a layer body traced for one device must not serve a partitioned
+    program, nor an interpreted one a compiled one)."""
+    return (_XLA_FORM.get(), _OVERRIDE.get())
+
+
+def is_interpreted() -> bool:
+    override = _OVERRIDE.get()
+    return override is not None and override[1]
+
+
+def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
+    """Does the rule of the module docstring send this call to the kernels (on a TPU)?"""
+    if _XLA_FORM.get():
+        return False
+    override = _OVERRIDE.get()
+    least = MIN_SEQUENCE if override is None else override[0]
+    b, h, sq, d = query.shape
+    kv_heads, sk = key.shape[1], key.shape[2]
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    allowed = (jnp.bfloat16,) if override is None else (jnp.bfloat16, jnp.float32)
+    return (attn_bias is None and not _may_drop(dropout_p) and sq == sk and sq >= least
+            and sq % _LANES == 0 and d % _HEAD_DIM_MULTIPLE == 0 and value.shape[-1] == d
+            and value.shape[1] == kv_heads and h % kv_heads == 0
+            and len(set(dtypes)) == 1 and dtypes[0] in allowed)
+
+
+def on_tpu(operands: tuple, with_kernels, with_xla):
+    """``with_kernels(*operands)`` where the program is lowered for a TPU (or interpreted, see
+    :func:`kernels`), else ``with_xla(*operands)``: both are traced, the lowering keeps one.
+    Where no TPU compiler is installed, nothing can be lowered for a TPU: only the XLA form is
+    traced (the kernels' trace costs ~0.3 s per program)."""
+    if is_interpreted():
+        return with_kernels(*operands)
+    if not _tpu_compiler_installed():
+        return with_xla(*operands)
+    return jax.lax.platform_dependent(*operands, tpu=with_kernels, default=with_xla)
+
+
+@functools.lru_cache(maxsize=1)
+def _tpu_compiler_installed() -> bool:
+    """libtpu (the ``libtpu`` package, or a library JAX is pointed at): what a TPU runtime and
+    a compile-only TPU target both need."""
+    return importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
+
+
+def _may_drop(dropout_p) -> bool:
+    return not (isinstance(dropout_p, (int, float)) and dropout_p == 0)
+
+
+def _block(sequence: int) -> int:
+    return _BLOCK if sequence % _BLOCK == 0 else _LANES
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(sequence: int, group: int, is_causal: bool, interpret: bool):
+    """The multi-query kernel for ``group`` query heads over one kv head, with host-side
+    (NumPy) mask tables: no tracer and no device array is ever cached (module docstring)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
+
+    shape = (sequence, sequence)
+    one = mask_lib.CausalMask(shape) if is_causal else mask_lib.FullMask(shape)
+    block = _block(sequence)
+    blocks = kernel_lib.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    with jax.ensure_compile_time_eval():  # concrete tables even when called inside a trace
+        kernel = kernel_lib.make_splash_mqa_single_device(
+            mask_lib.MultiHeadMask([one] * group), block_sizes=blocks, save_residuals=True,
+            interpret=interpret)
+    return jax.tree_util.tree_map(numpy.asarray, kernel)
+
+
+def _scale(query, scale) -> float:
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+
+
+def _grouped(x, kv_heads):
+    b, h, s, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def _for_call(query, key, is_causal):
+    b, h, s, _ = query.shape
+    kv_heads = key.shape[1]
+    return kv_heads, _kernel(s, h // kv_heads, bool(is_causal), is_interpreted())
+
+
+def forward(query, key, value, is_causal, scale):
+    """``(out [B, H, S, D], logsumexp [B, H, S] float32)`` by the forward kernel (see
+    :func:`supported`)."""
+    b, h, s, d = query.shape
+    kv_heads, kernel = _for_call(query, key, is_causal)
+    scaled = (query.astype(jnp.float32) * _scale(query, scale)).astype(query.dtype)
+    out, (logsumexp,) = jax.vmap(jax.vmap(kernel))(_grouped(scaled, kv_heads), key, value)
+    return out.reshape(b, h, s, d).astype(query.dtype), logsumexp.reshape(b, h, s)
+
+
+def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
+    """``(dq, dk, dv)`` by the backward kernels, from the forward's output and logsumexp."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib)
+
+    b, h, s, d = query.shape
+    kv_heads, kernel = _for_call(query, key, is_causal)
+    scale_value = _scale(query, scale)
+    settings = kernel.kwargs
+    dq_info, dkv_info = kernel.dq_mask_info, kernel.dkv_mask_info
+
+    def one(q, k, v, o, lse, do):
+        # The kernel's own backward rule, given what its forward rule saves (q, k, v, segment
+        # ids, sinks, out, logsumexp, the dq and dkv mask tables).
+        residuals = (q, k, v, None, None, o, lse, dq_info, dkv_info)
+        grads = kernel_lib._splash_attention_bwd(
+            False, settings["mask_value"], settings["is_mqa"], settings["block_sizes"], None,
+            settings["mask_function"], settings["attn_logits_soft_cap"], settings["interpret"],
+            residuals, do)
+        return grads[3:6]
+
+    scaled = (query.astype(jnp.float32) * scale_value).astype(query.dtype)
+    lse = logsumexp.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, s)
+    grad_scaled, grad_key, grad_value = jax.vmap(jax.vmap(one))(
+        _grouped(scaled, kv_heads), key, value, _grouped(out.astype(query.dtype), kv_heads), lse,
+        _grouped(grad_out.astype(query.dtype), kv_heads))
+    grad_query = (grad_scaled.astype(jnp.float32) * scale_value).astype(query.dtype)
+    return grad_query.reshape(b, h, s, d), grad_key.astype(key.dtype), grad_value.astype(value.dtype)
