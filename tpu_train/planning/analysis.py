@@ -71,6 +71,8 @@ ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
 # libtpu on a host without chips: no metadata server to ask, a single host, and other
 # processes (a test run, the parent) may have loaded libtpu too.
 _EXIT_BAD_TARGET = 3  # the analysis child's exit status for a TargetError
+# The child's entry (not ``-m``: the package imports this module first, and runpy warns).
+_CHILD_MAIN = "import sys; from tpu_train.planning.analysis import main; sys.exit(main())"
 CHIPLESS_LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
                        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
@@ -204,8 +206,7 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
         early = on_tpu and until_buffer_assignment
         child_args = {**args, "dump_to": dump} if early else args
-        cmd = [sys.executable, "-m", "tpu_train.planning.analysis", "--child",
-               json.dumps(child_args)]
+        cmd = [sys.executable, "-c", _CHILD_MAIN, "--child", json.dumps(child_args)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode == _EXIT_BAD_TARGET:  # libtpu rejected the topology: bad input
@@ -227,10 +228,6 @@ def main(argv: list[str] | None = None) -> int:
             print(error, file=sys.stderr)
             return _EXIT_BAD_TARGET
         return 0
-    print("usage: python -m tpu_train.planning.analysis --child JSON (internal; the command "
-          "line is `tpu-train plan`)", file=sys.stderr)
+    print("usage: --child JSON (the plan command's analysis child; the command line is "
+          "`tpu-train plan`)", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
