@@ -105,3 +105,16 @@ def test_loops_and_their_trip_counts_are_read_from_the_program():
         "  ROOT %w = (s32[], f32[]) while(%a), condition=%cond, body=%body\n}\n")
     assert while_loops(text) == [("body", 12)]
     assert while_loops(text.replace("direction=LT", "direction=NE")) == [("body", None)]
+
+
+@needs_libtpu
+def test_a_topology_libtpu_rejects_stops_the_plan_in_one_line():
+    # Well formed and the mesh's size, but no such slice: the analysis child's libtpu says so.
+    from tests.trainer.cli_helpers import run_in_process
+
+    code, out, err = run_in_process("plan", "model=debug_tiny", "parallel.data=9",
+                                    "plan.chip=v5e:3x3")
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "tpu-train: error: TPU target 'v5e:3x3': libtpu cannot build it ("), err
