@@ -68,11 +68,11 @@ ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
                            "--xla_llvm_disable_expensive_passes=true",
                            "--xla_disable_hlo_passes=cpu-all-reduce-combiner",
                            "--xla_cpu_experimental_ynn_fusion_type=")
-# libtpu on a host without chips: no metadata server to ask, a single host, and other
-# processes (a test run, the parent) may have loaded libtpu too.
 _EXIT_BAD_TARGET = 3  # the analysis child's exit status for a TargetError
 # The child's entry (not ``-m``: the package imports this module first, and runpy warns).
 _CHILD_MAIN = "import sys; from tpu_train.planning.analysis import main; sys.exit(main())"
+# libtpu on a host without chips: no metadata server to ask, a single host, and other
+# processes (a test run, the parent) may have loaded libtpu too.
 CHIPLESS_LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
                        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
