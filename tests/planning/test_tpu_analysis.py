@@ -118,3 +118,20 @@ def test_a_topology_libtpu_rejects_stops_the_plan_in_one_line():
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "tpu-train: error: TPU target 'v5e:3x3': libtpu cannot build it ("), err
+
+
+@needs_libtpu
+def test_plan_fast_reads_the_buffer_assignment_as_a_lower_bound():
+    import json
+
+    from tests.trainer.cli_helpers import run_in_process
+
+    code, out, err = run_in_process("plan", "model=debug_tiny", "parallel.fsdp=4",
+                                    "data.seq_len=32", "plan.chip=v5e", "plan.fast=true")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "compile_until_buffer_assignment" in result["xla"]["seconds"]
+    assert "XLA (TPU compiler, v5e:2x2, at its buffer assignment, plan.fast): " in out
+    assert "memory: a lower bound" in out
+    # A lower bound under the chip's memory says nothing about fitting.
+    assert result["fits_xla"] is None and "whether it fits needs the executable's" in out

@@ -7,9 +7,10 @@ the ``meta`` device: nothing the size of the model is allocated), lowers it over
 
 * **TPU** (``target="v5e:16x16"``): XLA's TPU compiler from libtpu, for the pod's real
   topology (:mod:`tpu_train.compile.targets`; no chip needed, any x86-64 host). Its buffer
-  assignment and FLOPs are the TPU's. The plan command's child reads them from the
-  compiler's dump as soon as its HLO passes end and exits without waiting for code
-  generation, most of the compile (:mod:`tpu_train.planning.tpu_dump`).
+  assignment and FLOPs are the TPU's. With ``plan.fast=true`` the plan command's child
+  reads them from the compiler's dump as soon as its HLO passes end and exits without
+  waiting for code generation, most of the compile, which adds to the temporaries
+  (:mod:`tpu_train.planning.tpu_dump`).
 * **CPU** (``target=None``): this process's devices; for a pod-sized mesh, a child process
   with as many virtual CPU devices (:func:`analyse_in_child`). The CPU compiler's buffers are
   only a stand-in for a TPU's (bf16 elementwise work is kept in f32, for one).

@@ -2,18 +2,21 @@
 
 Most of a pod-sized step's TPU compile is code generation for each fused kernel: Llama-3.1-8B
 on ``v5e:16x16`` spent 6.7 s in XLA's HLO passes, then about six minutes generating code, on
-a 2-core host. A plan needs neither the code nor the executable: per-chip memory is fixed by
-XLA's buffer assignment and the FLOPs by the optimized HLO, and with ``xla_dump_to`` the
-compiler writes both as text when its HLO passes end. :func:`dumped_figures` reads them
-(the same figures ``Compiled.memory_analysis()`` and ``cost_analysis()`` give, checked
-against a full compile in the tests); :func:`report_when_dumped` lets a process that only
-plans report them and exit while the compiler goes on generating code.
+a 2-core host. A quick plan can do without the code: the FLOPs are fixed by the optimized
+HLO and most of the memory by XLA's buffer assignment, and with ``xla_dump_to`` the compiler
+writes both as text when its HLO passes end. :func:`dumped_figures` reads them;
+:func:`report_when_dumped` lets a process that only plans report them and exit while the
+compiler goes on generating code (``tpu-train plan ... plan.fast=true``). Arguments, outputs
+and FLOPs are the finished executable's exactly (checked in the tests); its temporaries are
+not: code generation adds to them (+7 % for Llama-3.1-8B on v5e:16x16, +68 % for the 70B on
+v5p:4x4x8, at 128 tokens), so the memory read here is a lower bound.
 
 What is read: every allocation of the default memory space (HBM, "color 0") in
 ``*after_optimizations-buffer-assignment.txt``: entry parameters (arguments; those also live
 out are aliased outputs), the preallocated temporary buffer (temporaries) and other live-out
 buffers (outputs), so ``bytes_peak_estimate`` = arguments + temporaries + outputs not aliased
-to an argument, as :func:`tpu_train.compile.program.compiled_analysis` computes it. FLOPs are
+to an argument, as :func:`tpu_train.compile.program.compiled_analysis` computes it from the
+executable. FLOPs are
 XLA's HLO cost analysis of ``*after_optimizations.txt`` (run on the CPU client: FLOPs are
 counted from the HLO alone, the TPU compiler's own count to the FLOP).
 """
