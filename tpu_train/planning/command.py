@@ -86,7 +86,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
 
     Returns the analytic estimate's dict with ``xla`` (XLA's per-chip memory and FLOPs of the
     compiled step, ``compiler`` saying whose, or an ``xla_error``), ``fits_xla`` (XLA's peak
-    within the chip's usable HBM), the relative gaps ``xla_vs_analytic`` (memory) and
+    within the chip's usable HBM; None where plan.fast's lower bound is), the relative gaps ``xla_vs_analytic`` (memory) and
     ``xla_flops_vs_analytic``, and ``compiler_note`` when the TPU compiler could not be used.
     """
     result = dict(estimate_mod.estimate_from_config(cfg, num_devices))
@@ -100,7 +100,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
         result["xla"] = analyse_in_child(
             _analysis_args(cfg, degrees, target), num_devices=result["num_devices"],
             timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.get("fast", False)))
-    except TargetError:
+    except TargetError:  # libtpu rejected the topology: bad input, one line
         raise
     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:
         # Reported, never a crash: the analytic figures stand on their own.
