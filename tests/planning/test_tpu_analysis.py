@@ -132,6 +132,6 @@ def test_plan_fast_reads_the_buffer_assignment_as_a_lower_bound():
     result = json.loads(out.strip().splitlines()[-1])
     assert "compile_until_buffer_assignment" in result["xla"]["seconds"]
     assert "XLA (TPU compiler, v5e:2x2, at its buffer assignment, plan.fast): " in out
-    assert "memory: a lower bound" in out
+    assert "memory: read before code generation" in out and "a lower bound" in out
     # A lower bound under the chip's memory says nothing about fitting.
     assert result["fits_xla"] is None and "whether it fits needs the executable's" in out

@@ -55,8 +55,8 @@ def _xla_lines(result: dict[str, Any]) -> list[str]:
              f"{x['temp_size_in_bytes'] / GiB:.2f} GiB), {x['flops_per_device']:.3e} FLOPs "
              f"per chip"]
     if early:
-        lines.append("  memory: a lower bound, read before code generation, which added 7 % "
-                     "(8B) and 68 % (70B) to the temporaries of the steps measured")
+        lines.append("  memory: read before code generation; memory_analysis() of the "
+                     "executable reported 7 % (8B) and 68 % (70B) more temporaries: a lower bound")
     if x.get("flops_note"):
         lines.append(f"  FLOPs: {x['flops_note']}")
     gap = f"XLA vs analytic per chip: memory {100 * result['xla_vs_analytic']:+.1f} %"

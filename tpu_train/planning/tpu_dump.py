@@ -8,8 +8,10 @@ writes both as text when its HLO passes end. :func:`dumped_figures` reads them;
 :func:`report_when_dumped` lets a process that only plans report them and exit while the
 compiler goes on generating code (``tpu-train plan ... plan.fast=true``). Arguments, outputs
 and FLOPs are the finished executable's exactly (checked in the tests); its temporaries are
-not: code generation adds to them (+7 % for Llama-3.1-8B on v5e:16x16, +68 % for the 70B on
-v5p:4x4x8, at 128 tokens), so the memory read here is a lower bound.
+not: ``memory_analysis()`` reports more (+7 % for Llama-3.1-8B on v5e:16x16, +68 % for the
+70B on v5p:4x4x8, at 128 tokens; for the 70B the compiler's log shows the extra to be its
+fragmentation figure counted again, docs/compile.md), so the memory read here is treated as
+a lower bound.
 
 What is read: every allocation of the default memory space (HBM, "color 0") in
 ``*after_optimizations-buffer-assignment.txt``: entry parameters (arguments; those also live
