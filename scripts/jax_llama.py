@@ -128,7 +128,7 @@ def rope_tables(model, seq: int) -> tuple[np.ndarray, np.ndarray]:
 
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of :func:`params_from_torch`'s result for a ``LlamaConfig``."""
-    from tpu_train.parallel.jax_reference import param_shapes as torch_layout
+    from tpu_train.models import param_shapes as torch_layout
 
     return {name: shape[::-1] if _is_linear(name) else shape
             for name, shape in torch_layout(cfg).items()}

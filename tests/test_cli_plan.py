@@ -1,7 +1,8 @@
 """``tpu-train plan``: analytic per-chip memory beside XLA's analysis of the compiled step.
 
 A debug_tiny Llama on an FSDP=8 mesh: the child process compiles the real SPMD step for
-abstract inputs on 8 virtual CPU devices, so the test checks the whole path (Hydra config →
+abstract inputs, with XLA's TPU compiler for eight v5e chips (``v5e:2x4``) where libtpu is
+installed, else on 8 virtual CPU devices, so the test checks the whole path (Hydra config →
 planning config → subprocess → XLA memory analysis → report) in well under a minute.
 """
 
@@ -12,6 +13,7 @@ import json
 import pytest
 
 from tests.trainer.cli_helpers import run_in_process
+from tpu_train.compile.targets import libtpu_available
 from tests.trainer.hf_checkpoint import custom_llama  # noqa: F401 (a fixture)
 
 PLAN = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32", "plan.chip=v5e"]
@@ -19,27 +21,37 @@ PLAN = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32", "plan.
 
 @pytest.mark.timeout(240)
 def test_plan_reports_analytic_and_xla_memory():
-    code, out, err = run_in_process(*PLAN)
+    code, out, err = run_in_process(*PLAN, "trainer.scan_layers=true")
     assert code == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["mesh"]["fsdp"] == 8 and result["num_devices"] == 8
     # The default global batch of 8 splits over 8 chips: nothing was adjusted.
-    assert result["batch"] == 8 and result["notes"] == []
+    assert result["batch"] == 8 and not any("batch_size" in n for n in result["notes"])
     xla = result["xla"]
     assert xla["xla_source"] == "compiled PyTorch step", xla
+    if libtpu_available():
+        assert xla["compiler"] == "TPU" and xla["compiled_for"] == "v5e:2x4", xla
+        assert "XLA (TPU compiler, v5e:2x4): " in out and "note:" not in out
+    else:
+        assert xla["compiler"] == "CPU" and result["notes"][0].startswith("libtpu is not")
+        assert "XLA (CPU compiler, 8 virtual CPU devices): " in out
+    # The 4 layers are scanned: the forward and backward scans counted per layer.
+    assert xla["flops_per_device"] > 2 * xla["flops_per_device_raw"]
+    assert result["xla_flops_vs_analytic"] == pytest.approx(
+        xla["flops_per_device"] / result["hardware_flops_per_chip"] - 1)
     # XLA holds at least the step's own sharded parameters and AdamW moments per chip.
     assert xla["argument_size_in_bytes"] >= result["bytes_params"] + result["bytes_optimizer"]
     assert result["xla_vs_analytic"] == pytest.approx(
         xla["bytes_peak_estimate"] / result["bytes_total"] - 1)
     assert result["chip"] == "v5e" and result["fits"] and result["fits_xla"]
-    assert "XLA vs analytic per-chip memory" in out
+    assert "XLA vs analytic per chip: memory " in out
 
 
 def test_plan_raises_a_batch_that_does_not_split():
     # Analytic only would need no XLA; the batch note is decided before any compile.
     from omegaconf import OmegaConf
 
-    from tpu_train.parallel.plan_command import planning_config
+    from tpu_train.planning import planning_config
 
     cfg = OmegaConf.create({"parallel": {"data": -1, "fsdp": 256, "tensor": 1},
                             "data": {"batch_size": 8}})
@@ -52,6 +64,8 @@ def test_plan_raises_a_batch_that_does_not_split():
     (["parallel.fsdp=3"], "fsdp"),
     (["plan.chip=v9"], "unknown TPU generation 'v9'"),
     (["parallel.tensor=3"], "tensor"),
+    (["plan.chip=v5e:2x2"], "plan.chip='v5e:2x2' has 4 chips but the mesh"),
+    (["plan.chip=v5e:4"], "a v5e topology has 2 non-zero dimensions"),
 ])
 def test_plan_bad_input_is_one_line(overrides, expected):
     code, out, err = run_in_process("plan", "model=debug_tiny", *overrides)
@@ -88,7 +102,7 @@ def test_recipe_plan_is_the_plan_command(monkeypatch):
     the real one)."""
     from omegaconf import OmegaConf
 
-    from tpu_train.parallel import plan_command
+    from tpu_train.planning import command as plan_command
 
     code, out, err = run_in_process("recipe=plan", "model=debug_tiny", "parallel.fsdp=3")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "fsdp" in err, err

@@ -1,6 +1,7 @@
-"""Imports between the ``tpu_train`` layers point down only (docs: DESIGN §2 "Layers").
+"""Imports between the ``tpu_train`` layers point down only (docs/architecture.md, "Layers").
 
-    ops < device < compile < distributed < parallel < models, data < trainer < recipes, cli
+    ops < device < compile < distributed < parallel < models, data < planning < trainer
+        < recipes, cli
 
 Every module of the package is parsed with ``ast``; every ``import`` / ``from ... import`` at
 any depth counts, including lazy imports inside functions (a lazy import is still a
@@ -18,10 +19,14 @@ Entry shims:
   launcher; it is an entry point like ``cli.py``, so it sits at the top (only the other
   entry points could import it).
 
-One documented exception, :data:`ALLOWED`: the planner in ``parallel`` plans a *named model
-config* (``tpu-train plan model=llama3_70b``) and imports ``tpu_train.models`` for it. That
-cannot form a cycle because ``models`` is pure PyTorch and imports no other layer, which
-this file asserts as well.
+``planning`` (``tpu-train plan``: the analytic model and XLA's analysis of the compiled step
+for a named model config) sits above ``parallel`` and ``models``, whose plans and models it
+plans, and below the trainer.
+
+One documented exception, :data:`ALLOWED`: ``parallel/per_device.py`` maps the ``Llama``
+class to its per-device FSDP units and tensor-parallel plan, so ``parallel`` imports
+``tpu_train.models`` there (one lazy import). That cannot form a cycle because ``models`` is
+pure PyTorch and imports no other layer, which this file asserts as well.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ LAYERS: dict[str, int] = {
     "parallel": 4,
     "models": 5,
     "data": 5,
-    "trainer": 6,
-    "recipes": 7,
-    "cli": 7,
-    "launch": 7,
+    "planning": 6,
+    "trainer": 7,
+    "recipes": 8,
+    "cli": 8,
+    "launch": 8,
 }
 
 # (importing layer, imported layer): edges allowed against the order, with the reason above.

@@ -159,8 +159,12 @@ def _run_job(cfg: DictConfig) -> None:
 
 
 def _run_plan_job(cfg: DictConfig) -> None:
+    # ``tpu-train plan`` and ``recipe=plan`` both land here; recipes/plan.py is the same call.
+    # Imported here: other commands' start-up does not pay for the planner's compile stack.
+    from tpu_train.planning import command
+
     try:
-        runpy.run_path(str(resources.files(RECIPES_PACKAGE) / "plan.py"))["main"](cfg)
+        command.plan_job(cfg)
     except (ValueError, KeyError) as exc:  # bad degrees, batch, chip or model name
         _exit_for(ConfigError(str(exc).strip("'\"")))
     except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input

@@ -152,7 +152,7 @@ def test_activation_checkpointing_under_fsdp_matches_one_device():
 
 _GATHER_MEMORY_CHILD = '''
 import json
-from tpu_train.parallel.plan_command import compiled_step_analysis
+from tpu_train.planning.analysis import compiled_step_analysis
 print(json.dumps({f"{scan}/{layers}": compiled_step_analysis(
     "debug_tiny", data=1, fsdp=8, tensor=1, batch=8, seq_len=16, overrides={"n_layers": layers},
     activation_checkpointing=True, scan_layers=scan)["temp_size_in_bytes"]
@@ -171,11 +171,9 @@ def test_fsdp_gathers_under_checkpointing_do_not_pile_up():
     import sys
 
     from tpu_train.models import get_config
-    from tpu_train.parallel import planner
-    from tpu_train.parallel.plan_command import ANALYSIS_ONLY_XLA_FLAGS
+    from tpu_train.planning.analysis import virtual_devices_env
 
-    env = planner.virtual_devices_env(8)
-    env["XLA_FLAGS"] += " " + " ".join(ANALYSIS_ONLY_XLA_FLAGS)
+    env = virtual_devices_env(8)  # with the plan command's CPU analysis flags
     out = subprocess.run([sys.executable, "-c", _GATHER_MEMORY_CHILD], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from tpu_train.models import Llama, get_config
 from tpu_train.parallel import (LlamaActivationRule, PlanError, ShardingPlan, build_mesh,
                                 constrain, llama_plan, per_device_bytes)
-from tpu_train.parallel.jax_reference import param_shapes
+from tpu_train.models import param_shapes
 
 COLUMN = P(("tensor", "fsdp"), None)
 ROW = P("fsdp", "tensor")

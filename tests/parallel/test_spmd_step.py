@@ -1,6 +1,6 @@
 """A sharded training step equals the single-device one; FSDP divides per-device memory.
 
-The step is the hand-written JAX Llama (``tpu_train.parallel.jax_reference``) under the Llama
+The step is the hand-written JAX Llama (``tests/parallel/jax_reference.py``) under the Llama
 plan, on the 8 virtual CPU devices of the test session.
 """
 
@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from tpu_train.models import get_config
 from tpu_train.parallel import build_mesh, llama_plan, per_device_bytes
-from tpu_train.parallel import jax_reference as ref
+from tests.parallel import jax_reference as ref
 
 from tests.tolerances import loss_rtol, param_atol
 

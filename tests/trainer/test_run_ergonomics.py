@@ -139,7 +139,7 @@ def test_null_seq_len_is_capped_for_models_with_long_positions():
     from omegaconf import OmegaConf
 
     from tpu_train.models import get_config
-    from tpu_train.parallel.plan_command import DEFAULT_MAX_SEQ_LEN as PLANNED_CAP
+    from tpu_train.planning.command import DEFAULT_MAX_SEQ_LEN as PLANNED_CAP
     from tpu_train.trainer.config import DEFAULT_MAX_SEQ_LEN
     from tpu_train.trainer.validation import resolve_seq_len
 

@@ -30,8 +30,8 @@ import os
 import re
 from typing import Any
 
-__all__ = ["GENERATIONS", "Target", "TargetError", "libtpu_available", "resolve_target",
-           "target_of"]
+__all__ = ["GENERATIONS", "Target", "TargetError", "libtpu_available", "parse_target",
+           "resolve_target", "target_of"]
 
 # Generation -> how many dimensions its topologies have.
 GENERATIONS: dict[str, int] = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
@@ -79,7 +79,8 @@ def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def _parse(name: str) -> tuple[str, tuple[int, ...]]:
+def parse_target(name: str) -> tuple[str, tuple[int, ...]]:
+    """``(generation, chips along each axis)`` of a target name, checked without libtpu."""
     usage = ("use <generation>[:<topology>], generation one of "
              f"{', '.join(GENERATIONS)}, topology like 2x2 (v5e, v6e) or 2x2x1 (v4, v5p)")
     if not isinstance(name, str) or not name.strip():
@@ -104,12 +105,14 @@ def _quiet_chipless_libtpu() -> None:
     """Where this process runs no TPU (the platform chosen is another; with
     ``TPU_TRAIN_PLATFORM=cpu`` JAX never even starts its TPU backend), tell libtpu it is a
     single host outside any TPU VM: it then skips looking up the VM's metadata and writes no
-    warnings about it. A TPU VM's runtime is never affected, nor are the user's settings."""
+    warnings about it, and it does not take the lock that reserves chips for one process
+    (compiling only, another process compiling too, a plan's child say, is no conflict). A
+    TPU VM's runtime is never affected, nor are the user's settings."""
     from tpu_train.device import runtime
 
     if runtime.platform() != "tpu":
         for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                           ("TPU_HOST_BOUNDS", "1,1,1")):
+                           ("TPU_HOST_BOUNDS", "1,1,1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
             os.environ.setdefault(key, value)
 
 
@@ -132,7 +135,7 @@ def _topology_devices(generation: str, shape: tuple[int, ...]) -> tuple:
 
 def resolve_target(name: str) -> Target:
     """The compile-only devices of the TPU topology ``name`` (module docstring)."""
-    generation, shape = _parse(name)
+    generation, shape = parse_target(name)
     canonical = f"{generation}:{'x'.join(map(str, shape))}"
     if not libtpu_available():
         raise TargetError(f"compiling for TPU target {canonical!r} needs XLA's TPU compiler: "

@@ -48,7 +48,8 @@ Generation::
 :class:`KVCache`, which can also be passed to the forward directly.
 """
 
-from .config import CONFIGS, LlamaConfig, RopeScaling, flops_per_token, get_config, num_params
+from .config import (CONFIGS, LlamaConfig, RopeScaling, flops_per_token, get_config, num_params,
+                     param_shapes)
 from .generation import generate, sample_next_token
 from .hf import (config_from_hf, config_to_hf, from_pretrained, hf_name, read_config,
                  save_pretrained)
@@ -77,6 +78,7 @@ __all__ = [
     "init_weights",
     "inverse_frequencies",
     "num_params",
+    "param_shapes",
     "read_config",
     "rope_tables",
     "sample_next_token",

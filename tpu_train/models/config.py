@@ -163,6 +163,32 @@ def _layer_matmul_params(cfg: LlamaConfig) -> int:
     return attention + mlp
 
 
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of ``Llama(cfg).named_parameters()``, in that order and layout
+    (``[out, in]`` weights; no ``output.weight`` when embeddings are tied), without building
+    the model."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    q = cfg.n_heads * cfg.head_dim
+    shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim)}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attention_norm.weight": (cfg.dim,),
+            p + "attention.wq.weight": (q, cfg.dim),
+            p + "attention.wk.weight": (kv, cfg.dim),
+            p + "attention.wv.weight": (kv, cfg.dim),
+            p + "attention.wo.weight": (cfg.dim, q),
+            p + "ffn_norm.weight": (cfg.dim,),
+            p + "feed_forward.w1.weight": (cfg.ffn_hidden_dim, cfg.dim),
+            p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_hidden_dim),
+            p + "feed_forward.w3.weight": (cfg.ffn_hidden_dim, cfg.dim),
+        })
+    shapes["norm.weight"] = (cfg.dim,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, cfg.dim)
+    return shapes
+
+
 def num_params(cfg: LlamaConfig) -> int:
     """Number of distinct parameters (tied embeddings counted once)."""
     per_layer = _layer_matmul_params(cfg) + 2 * cfg.dim  # plus two RMSNorm weights

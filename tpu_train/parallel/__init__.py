@@ -1,4 +1,4 @@
-"""SPMD parallelism: the device mesh, sharding plans, and ahead-of-time memory planning.
+"""SPMD parallelism: the device mesh and sharding plans.
 
 One process drives all of its host's chips; parameters are global ``jax.Array``s with a
 ``NamedSharding`` over a ``(data, fsdp, tensor)`` mesh, and XLA inserts the collectives when
@@ -11,8 +11,8 @@ the whole training step is compiled::
     arrays = plan.place({n: p.detach() for n, p in model.named_parameters()}, mesh)
     arrays["layers.0.attention.wq.weight"].sharding                 # inspect placement
 
-``tpu_train.parallel.planner`` estimates per-chip memory and step time for a configuration
-(analytically, and from XLA's own analysis of an ahead-of-time compile).
+Planning a configuration's per-chip memory and step time before renting the chips is
+``tpu_train.planning`` (``tpu-train plan``), a layer above this one.
 """
 
 from tpu_train.compile.spmd import (StepShardings, compute_sharding, flat_storage_sharding,

@@ -246,6 +246,9 @@ class RunConfig:
 @dataclass
 class PlanConfig:
     chip: Optional[str] = None  # target chip for ahead-of-time planning, e.g. "v5e"
+    # With XLA's TPU compiler: read its buffer assignment and stop before code generation
+    # (seconds instead of minutes; per-chip memory is then a lower bound, tpu_train.planning).
+    fast: bool = False
 
 
 @dataclass

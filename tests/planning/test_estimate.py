@@ -1,16 +1,16 @@
-"""The planner: analytic figures, chip verdicts, alignment flags, and agreement with XLA."""
-
-import json
+"""The analytic plan: figures, chip verdicts, alignment flags, the report, and agreement with
+XLA's buffer assignment for the hand-written JAX reference step."""
 
 import pytest
 
+from tests.parallel import jax_reference as ref
+from tpu_train.compile.program import compiled_analysis
 from tpu_train.models import flops_per_token, get_config, num_params
 from tpu_train.parallel import build_mesh, llama_plan
-from tpu_train.parallel import jax_reference as ref
 from tpu_train.parallel.mesh import MeshError
-from tpu_train.parallel.planner import (CHIPS, GiB, alignment_warnings, estimate,
-                                        estimate_from_config, main,
-                                        xla_analysis, xla_analysis_subprocess)
+from tpu_train.planning import (CHIPS, alignment_warnings, estimate, estimate_from_config,
+                                format_report)
+from tpu_train.planning.estimate import GiB
 
 # Small enough to compile in seconds, large enough that activations are not noise.
 SMALL = get_config("debug_tiny", dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
@@ -52,11 +52,23 @@ def test_scanned_layers_gather_one_layer_at_a_time_and_keep_projections():
     unrolled = estimate(cfg, **args)
     scanned = estimate(cfg, scan_layers=True, **args)
     ckpt = estimate(cfg, activation_checkpointing=True, **args)
-    # Gathered inside the loop, a layer at a time: the checkpointed working set.
-    assert scanned["bytes_fsdp_gathered"] == ckpt["bytes_fsdp_gathered"]
-    # The stack's copy of the layers' local shards: 1/8 of the layers' weights, fp32.
+    # Gathered inside the loop, a layer at a time. The peak is the larger of two phases, here
+    # the first layer's backward: that layer's gathered weights and unreduced gradient, the
+    # stacked gradients, one layer's full activations; no loss head.
     head = cfg.vocab_size * cfg.dim
     layers = num_params(cfg) - 2 * head - cfg.dim
+    layer = layers // cfg.n_layers
+    assert scanned["peak_phase"] == "the first layer's backward"
+    assert scanned["bytes_fsdp_gathered"] == 4 * 2 * layer
+    assert scanned["bytes_grads"] == unrolled["bytes_grads"] and scanned["bytes_loss_head"] == 0
+    assert ckpt["bytes_fsdp_gathered"] == 4 * (2 * head + layer) and ckpt["peak_phase"] is None
+    # Over 256 chips, one sequence of 128 tokens each: the layers' gradients are small and
+    # FSDP's head phase (the gathered head and its gradient) is the larger one.
+    short = estimate(cfg, scan_layers=True, num_devices=256, data=1, fsdp=256, batch=256,
+                     seq_len=128)
+    assert short["peak_phase"] == "the head's backward" and short["bytes_grads"] == 0
+    assert short["bytes_fsdp_gathered"] == 4 * 2 * head
+    # The stack's copy of the layers' local shards: 1/8 of the layers' weights, fp32.
     assert scanned["bytes_stacked_layers"] == pytest.approx(4 * layers / 8, rel=1e-6)
     assert unrolled["bytes_stacked_layers"] == 0
     # Per layer only the input and the projections' outputs: between checkpointed and not.
@@ -127,7 +139,8 @@ def test_analytic_memory_within_10_percent_of_xla(degrees):
     mesh = build_mesh(*degrees, model_config=SMALL)
     plan = llama_plan()
     step = ref.make_train_step(SMALL, mesh, plan)
-    xla = xla_analysis(step, *ref.abstract_inputs(SMALL, batch, seq, mesh, plan))
+    xla = compiled_analysis(step.lower(*ref.abstract_inputs(SMALL, batch, seq, mesh, plan))
+                            .compile())
     analytic = estimate(SMALL, num_devices=8, data=degrees[0], fsdp=degrees[1],
                         tensor=degrees[2], batch=batch, seq_len=seq)
     assert analytic["bytes_total"] == pytest.approx(xla["bytes_peak_estimate"], rel=0.10)
@@ -138,16 +151,19 @@ def test_analytic_memory_within_10_percent_of_xla(degrees):
     assert xla["flops_per_device"] > 0
 
 
-def test_subprocess_emulates_a_larger_mesh_and_cli_prints_json(capsys):
-    out = xla_analysis_subprocess("debug_tiny", {"n_layers": 1}, num_devices=16, data=1,
-                                  fsdp=16, batch=16, seq_len=32, timeout_s=300)
-    cfg = get_config("debug_tiny", n_layers=1)
-    expected = estimate(cfg, num_devices=16, data=1, fsdp=16, batch=16, seq_len=32)
-    state = expected["bytes_params"] + expected["bytes_optimizer"]
-    assert out["argument_size_in_bytes"] == state + 4 + 2 * 16 * 32 * 4 // 16
-    assert main(["--model", "llama3_1_8b", "--fsdp", "8", "--batch", "8", "--seq", "2048",
-                 "--chip", "v5p"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    report = json.loads(lines[-1])
-    assert report["chip"] == "v5p" and report["assumed_mfu"] == 0.4
-    assert any("assumed MFU of 40 %" in line for line in lines[:-1])
+def test_the_report_names_the_assumption_and_the_compiler():
+    result = estimate(get_config("llama3_1_8b"), num_devices=8, data=1, fsdp=8, batch=8,
+                      seq_len=2048, chip="v5p")
+    text = format_report(result)
+    assert "assumed MFU of 40 %" in text and "XLA" not in text
+    result["notes"] = ["libtpu is not installed (...): XLA's figures are the CPU compiler's"]
+    result["xla"] = {"bytes_peak_estimate": 3 * GiB, "argument_size_in_bytes": GiB,
+                     "temp_size_in_bytes": 2 * GiB, "flops_per_device": 2.0e15,
+                     "compiler": "CPU"}
+    result["xla_vs_analytic"], result["xla_flops_vs_analytic"] = -0.25, 0.03
+    lines = format_report(result).splitlines()
+    assert lines[0].startswith("note: libtpu is not installed")
+    assert "XLA (CPU compiler, 8 virtual CPU devices): 3.00 GiB per chip" in lines[-2]
+    assert lines[-1] == "XLA vs analytic per chip: memory -25.0 %, FLOPs +3.0 %"
+    result["xla"].update(compiler="TPU", compiled_for="v5p:2x2x2")
+    assert "XLA (TPU compiler, v5p:2x2x2): 3.00 GiB" in format_report(result)

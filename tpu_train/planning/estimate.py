@@ -1,32 +1,25 @@
-"""Ahead-of-time planning: per-chip memory, FLOPs and step time of a training configuration.
+"""The analytic plan: per-chip memory, FLOPs and step time of a training configuration.
 
-Two independent estimates, meant to be read side by side:
-
-* :func:`estimate` — analytic, instantaneous, for any model size: the bytes each chip holds
-  for parameters, gradients, AdamW's two float32 moments and activations (with or without
-  activation checkpointing) under the Llama plan's shardings, the FLOPs of one step from
-  ``flops_per_token``, and a step time on a named TPU generation at an *assumed* MFU.
-* :func:`xla_analysis` — what XLA itself says: lower and compile a jitted step for abstract,
-  sharded inputs (``jax.ShapeDtypeStruct``) and read ``memory_analysis()`` and
-  ``cost_analysis()``. A pod-sized mesh is emulated with virtual CPU devices in a subprocess
-  (:func:`xla_analysis_subprocess`), so this runs on a laptop.
-
-``python -m tpu_train.parallel.planner --model llama3_1_70b --fsdp 128 --batch 256 --seq 8192
---chip v5p`` prints a report whose last line is one JSON object with every figure.
+:func:`estimate` is instantaneous, for any model size: the bytes each chip holds for
+parameters, gradients, AdamW's two float32 moments and activations (with or without
+activation checkpointing) under the Llama plan's shardings, the FLOPs of one step from
+``flops_per_token``, and a step time on a named TPU generation at an *assumed* MFU.
+:func:`estimate_from_config` reads the same from a composed ``tpu-train`` config. What XLA
+says about the compiled step is :mod:`tpu_train.planning.analysis`; ``tpu-train plan`` puts
+the two side by side.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
+from pathlib import Path
 from typing import Any
 
-from .mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
+from tpu_train.compile.layer_groups import scans
+from tpu_train.models import flops_per_token, get_config, num_params, param_shapes, read_config
+from tpu_train.parallel.llama_plan import llama_plan
+from tpu_train.parallel.mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
 
 __all__ = [
     "ASSUMED_MFU",
@@ -35,9 +28,9 @@ __all__ = [
     "alignment_warnings",
     "estimate",
     "estimate_from_config",
-    "format_report",
-    "xla_analysis",
-    "xla_analysis_subprocess",
+    "get_chip",
+    "planned_model",
+    "precision_of",
 ]
 
 GiB = 1024 ** 3
@@ -72,9 +65,11 @@ ALIGN = 128  # TPU MXU / lane width: dimensions that are multiples of 128 tile w
 
 
 def get_chip(name: str) -> Chip:
-    key = _ALIASES.get(name.lower(), name.lower())
+    """The chip of generation ``name`` (``"v5e"``; a topology after ``:`` is ignored here)."""
+    generation = name.lower().partition(":")[0].strip()
+    key = _ALIASES.get(generation, generation)
     if key not in CHIPS:
-        raise ValueError(f"unknown TPU generation {name!r}; known: {', '.join(CHIPS)} "
+        raise ValueError(f"unknown TPU generation {generation!r}; known: {', '.join(CHIPS)} "
                          f"(aliases {', '.join(_ALIASES)})")
     return CHIPS[key]
 
@@ -85,9 +80,6 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
 
     "Gathered" means after the FSDP all-gather: still split over ``tensor``.
     """
-    from .jax_reference import param_shapes
-    from .llama_plan import llama_plan
-
     plan = llama_plan()
     sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
     local = gathered = layer0 = largest = 0
@@ -125,25 +117,67 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     all-reduced input gradient (``4 dim``). These coefficients match XLA's buffer assignment
     for the reference step within a few per cent once activations dominate (see the tests).
     ``scan_layers`` (the compiled step's default, without checkpointing): a scanned layer
-    keeps its input and its projections' outputs (``3 dim + (dim + 2 kv_dim) / t + 2 ffn /
-    t``: the elementwise rest and the scores are recomputed, tpu_train.compile.layer_scan),
-    plus one layer's full set while its backward runs.
+    keeps its input and the projections' outputs its backward reads (``2 dim + (dim + 2
+    kv_dim) / t + 2 ffn / t``: the input, the attention output projection's, q, k, v and the
+    two SwiGLU projections'; the elementwise rest and the scores are recomputed, and the down
+    projection's output is not kept, as only the residual add reads it,
+    tpu_train.compile.layer_scan), plus one layer's full set while its backward runs.
     """
     t = shape.tensor
     tokens = batch * seq_len // shape.batch_shards
-    kv = cfg.n_kv_heads * cfg.head_dim
-    scores = 2 * cfg.n_heads / t if flash_attention else 3 * cfg.n_heads * seq_len / t
-    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + scores
-                 + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
+    per_layer, kept = _layer_elements(cfg, t, seq_len, flash_attention)
     if activation_checkpointing:
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
     elif scan_layers:
-        kept = 3 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
         layers = tokens * (cfg.n_layers * kept + per_layer)
     else:
         layers = tokens * cfg.n_layers * per_layer
     head = tokens * (3 * cfg.vocab_size / t + (4 * cfg.dim if t > 1 else 0))
     return {"layers": int(layers * act_bytes), "loss_head": int(head * act_bytes)}
+
+
+def _layer_elements(cfg: Any, t: int, seq_len: int, flash_attention: bool) -> tuple[float, float]:
+    """Per token: a layer's full set of activations, and what a scanned layer keeps
+    (:func:`activation_bytes`)."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    scores = 2 * cfg.n_heads / t if flash_attention else 3 * cfg.n_heads * seq_len / t
+    per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + scores
+                 + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
+    kept = 2 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
+    return per_layer, kept
+
+
+def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, local: int,
+                  one_layer: int, largest: int, param_bytes: int, act_bytes: int,
+                  flash_attention: bool) -> dict[str, Any]:
+    """Memory rows of a scanned step (no checkpointing) at its peak: the larger of two phases.
+
+    Live throughout the backward: what each scanned layer keeps (:func:`activation_bytes`)
+    and a second copy of the stacked layer inputs (the forward scan writes each layer's input
+    into the stack it builds while the previous stack is still read). Then either the
+    *head's backward* (the loss head's logits, log-probabilities and gradient; the gathered
+    head and its unreduced gradient; no layer is gathered yet, as the layers' all-gathers are
+    inside the loop) or the *first layer's backward* (the layers' stacked gradients; one
+    layer's full set of activations, recomputed; that layer's gathered weights and unreduced
+    gradient: the loop gathers no second layer ahead). Summing both phases overstated XLA's
+    TPU figure by 13-16 % (Llama-3.1-8B on v5e:16x16, 70B on v5p:4x4x8, sequences of 128);
+    the phases are within 4 % of it from 128 to 2048 tokens (docs/compile.md).
+    """
+    tokens = batch * seq_len // shape.batch_shards
+    per_layer, kept = _layer_elements(cfg, shape.tensor, seq_len, flash_attention)
+    loss_head = activation_bytes(cfg, shape, batch, seq_len, activation_checkpointing=False,
+                                 act_bytes=act_bytes)["loss_head"]
+    always = int(tokens * cfg.n_layers * (kept + cfg.dim) * act_bytes)
+    sharded = shape.fsdp > 1
+    head = {"bytes_grads": 0, "bytes_loss_head": loss_head, "bytes_activations": always,
+            "bytes_fsdp_gathered": 2 * largest * param_bytes if sharded else 0,
+            "peak_phase": "the head's backward"}
+    layer = {"bytes_grads": local * param_bytes, "bytes_loss_head": 0,
+             "bytes_activations": always + int(tokens * per_layer * act_bytes),
+             "bytes_fsdp_gathered": 2 * one_layer * param_bytes if sharded else 0,
+             "peak_phase": "the first layer's backward"}
+    return max(head, layer, key=lambda rows: sum(v for k, v in rows.items()
+                                                 if k.startswith("bytes_")))
 
 
 def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
@@ -193,10 +227,11 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     (which gathers each layer's weights inside the loop, and stacks every layer's local weight
     shards once) the larger of the head's backward (head gathered, its gradient unreduced, a
     layer prefetched) and a layer's (two layers gathered, one layer's gradient unreduced).
+    Scanned layers without checkpointing: the larger of two whole phases, each with its own
+    gradients, FSDP working set and activations (:func:`_scanned_peak`); ``peak_phase`` names
+    it (None when the rows are a sum over the step).
     Returns a flat dict of figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
-    from tpu_train.models import flops_per_token, num_params
-
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices)
     check_model_divisibility(cfg, shape)
     if batch % shape.batch_shards:
@@ -219,9 +254,16 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
                             flash_attention=flash_attention, scan_layers=scan_layers)
+    rows = {"bytes_grads": grads, "bytes_fsdp_gathered": fsdp_working,
+            "bytes_activations": acts["layers"], "bytes_loss_head": acts["loss_head"],
+            "peak_phase": None}
+    if scan_layers and not activation_checkpointing:
+        rows = _scanned_peak(cfg, shape, batch, seq_len, local=local, one_layer=one_layer,
+                             largest=largest, param_bytes=param_bytes, act_bytes=act_bytes,
+                             flash_attention=flash_attention)
     accumulator = local * 4 if grad_accum_steps > 1 else 0
-    total = (params + grads + optimizer + accumulator + fsdp_working + stacked + acts["layers"]
-             + acts["loss_head"])
+    total = (params + optimizer + accumulator + stacked
+             + sum(v for k, v in rows.items() if k.startswith("bytes_")))
 
     tokens = batch * seq_len * grad_accum_steps
     model_flops = flops_per_token(cfg, seq_len) * tokens
@@ -233,11 +275,9 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
         "num_params": num_params(cfg),
         "grad_accum_steps": grad_accum_steps,
-        "bytes_params": params, "bytes_grads": grads, "bytes_optimizer": optimizer,
-        "bytes_grad_accumulator": accumulator,
-        "bytes_fsdp_gathered": fsdp_working, "bytes_stacked_layers": stacked,
-        "scan_layers": scan_layers, "bytes_activations": acts["layers"],
-        "bytes_loss_head": acts["loss_head"], "bytes_total": total,
+        "bytes_params": params, "bytes_optimizer": optimizer,
+        "bytes_grad_accumulator": accumulator, "bytes_stacked_layers": stacked,
+        "scan_layers": scan_layers, **rows, "bytes_total": total,
         "model_flops_per_step": model_flops,
         "hardware_flops_per_chip": hardware_flops / num_devices,
         "tokens_per_step": tokens,
@@ -289,10 +329,6 @@ def precision_of(config: Any) -> str:
 def planned_model(name: str, checkpoint: str | None = None):
     """The architecture to plan: a Hugging Face checkpoint's config.json when ``checkpoint``
     names one (as the trainer builds it), else the named preset."""
-    from pathlib import Path
-
-    from tpu_train.models import get_config, read_config
-
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
         return read_config(checkpoint)[1]
     return get_config(name)
@@ -315,8 +351,6 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"parallel.data/fsdp/tensor = {degrees} contains -1: planning needs the chip "
                 f"count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees)
-    from tpu_train.compile.layer_groups import scans
-
     precision = precision_of(config)
     cfg = planned_model(config.model.name, config.model.checkpoint)
     return estimate(
@@ -327,162 +361,3 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         chip=chip or config.plan.chip, mfu=mfu, act_bytes=2 if precision == "bf16" else 4,
         grad_accum_steps=int(config.trainer.grad_accum_steps),
         scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))
-
-
-# -- the XLA side ------------------------------------------------------------------------------
-
-def xla_analysis(jitted, *abstract_args) -> dict[str, Any]:
-    """Lower and compile ``jitted`` for ``abstract_args``; XLA's per-device memory and cost.
-
-    ``abstract_args`` are ``jax.ShapeDtypeStruct`` pytrees carrying shardings (nothing is
-    allocated). ``bytes_peak_estimate`` is arguments + temporaries + outputs that do not
-    alias a donated argument: what one device must hold at once.
-    """
-    from tpu_train.compile.program import compiled_analysis
-
-    return compiled_analysis(jitted.lower(*abstract_args).compile())
-
-
-def _reference_xla(cfg: Any, shape: MeshShape, batch: int, seq_len: int,
-                   activation_checkpointing: bool) -> dict[str, Any]:
-    """:func:`xla_analysis` of the hand-written JAX step under the Llama plan."""
-    import jax
-
-    from . import jax_reference
-    from .llama_plan import llama_plan
-    from .mesh import build_mesh
-
-    if len(jax.devices()) != shape.num_devices:
-        raise RuntimeError(f"this process sees {len(jax.devices())} devices, the mesh needs "
-                           f"{shape.num_devices}")
-    mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, model_config=cfg)
-    plan = llama_plan()
-    step = jax_reference.make_train_step(cfg, mesh, plan, remat=activation_checkpointing)
-    return xla_analysis(step, *jax_reference.abstract_inputs(cfg, batch, seq_len, mesh, plan))
-
-
-def virtual_devices_env(num_devices: int) -> dict:
-    """This process's environment for a child JAX with ``num_devices`` virtual CPU devices."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TPU_TRAIN_PLATFORM"] = "cpu"
-    return env
-
-
-def xla_analysis_subprocess(model: str, overrides: dict | None = None, *, num_devices: int,
-                            data: int = -1, fsdp: int = 1, tensor: int = 1, batch: int,
-                            seq_len: int, activation_checkpointing: bool = False,
-                            timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run the reference step's AOT analysis on ``num_devices`` virtual CPU devices.
-
-    A fresh interpreter is needed because the virtual device count is fixed when JAX starts
-    (``XLA_FLAGS=--xla_force_host_platform_device_count``). Returns the child's JSON line.
-    """
-    env = virtual_devices_env(num_devices)
-    cmd = [sys.executable, "-m", "tpu_train.parallel.planner", "--model", model,
-           "--overrides", json.dumps(overrides or {}), "--num-devices", str(num_devices),
-           "--data", str(data), "--fsdp", str(fsdp), "--tensor", str(tensor),
-           "--batch", str(batch), "--seq", str(seq_len), "--xla-only"]
-    if activation_checkpointing:
-        cmd.append("--activation-checkpointing")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"AOT analysis subprocess failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
-
-
-def _format_bytes(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:8.2f} MiB"
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """Human-readable lines for an :func:`estimate` result (optionally with ``xla`` figures)."""
-    m = result["mesh"]
-    lines = [f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} "
-             f"({result['num_devices']} chips), batch {result['batch']} x seq "
-             f"{result['seq_len']}, activation checkpointing "
-             f"{'on' if result['activation_checkpointing'] else 'off'}, activations "
-             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
-             f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}"
-             + (", layers scanned" if result.get("scan_layers") else ""),
-             f"parameters {result['num_params']:,}", "per-chip memory (analytic):"]
-    for key in ("params", "grads", "optimizer", "grad_accumulator", "fsdp_gathered",
-                "stacked_layers", "activations", "loss_head", "total"):
-        lines.append(f"  {key:<14} {_format_bytes(result.get('bytes_' + key, 0))}")
-    lines.append(f"FLOPs per step (model) {result['model_flops_per_step']:.3e}")
-    if "chip" in result:
-        lines.append(
-            f"on {result['chip']} ({_format_bytes(result['chip_hbm_bytes']).strip()} HBM, "
-            f"{result['chip_bf16_tflops']:.0f} bf16 TFLOP/s) at an assumed MFU of "
-            f"{100 * result['assumed_mfu']:.0f} %: step {result['step_time_s']:.3f} s, "
-            f"{result['tokens_per_s_per_chip']:,.0f} tokens/s/chip; uses "
-            f"{100 * result['hbm_use_fraction']:.0f} % of HBM: "
-            f"{'FITS' if result['fits'] else 'DOES NOT FIT'}")
-    if "xla" in result:
-        x = result["xla"]
-        lines.append(f"XLA (virtual CPU devices): peak {_format_bytes(x['bytes_peak_estimate'])} "
-                     f"per device, {x['flops_per_device']:.3e} FLOPs per device")
-    lines += [f"warning: {w}" for w in result["warnings"]]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tpu_train.parallel.planner",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="debug_tiny")
-    parser.add_argument("--overrides", default="{}", help="JSON LlamaConfig field overrides")
-    parser.add_argument("--num-devices", type=int, default=None,
-                        help="chips in the job (default: the product of the degrees)")
-    parser.add_argument("--data", type=int, default=1)
-    parser.add_argument("--fsdp", type=int, default=1)
-    parser.add_argument("--tensor", type=int, default=1)
-    parser.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
-    parser.add_argument("--seq", type=int, required=True)
-    parser.add_argument("--chip", default=None, help=f"one of {', '.join(CHIPS)}")
-    parser.add_argument("--mfu", type=float, default=ASSUMED_MFU)
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="activation dtype (weights and optimizer state stay fp32)")
-    parser.add_argument("--flash-attention", action="store_true",
-                        help="assume a fused attention kernel (no seq x seq scores kept)")
-    parser.add_argument("--xla", action="store_true",
-                        help="also compile the reference step on virtual CPU devices")
-    parser.add_argument("--xla-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    from tpu_train.models import get_config
-
-    cfg = get_config(args.model, **json.loads(args.overrides))
-    degrees = (args.data, args.fsdp, args.tensor)
-    num_devices = args.num_devices
-    if num_devices is None:
-        if -1 in degrees:
-            parser.error("--num-devices is needed when a degree is -1")
-        num_devices = math.prod(degrees)
-    shape = resolve_mesh_shape(num_devices, *degrees)
-    if args.xla_only:
-        print(json.dumps(_reference_xla(cfg, shape, args.batch, args.seq,
-                                        args.activation_checkpointing)))
-        return 0
-    result = estimate(cfg, num_devices=num_devices, data=shape.data, fsdp=shape.fsdp,
-                      tensor=shape.tensor, batch=args.batch, seq_len=args.seq,
-                      activation_checkpointing=args.activation_checkpointing, chip=args.chip,
-                      mfu=args.mfu, act_bytes=2 if args.precision == "bf16" else 4,
-                      flash_attention=args.flash_attention)
-    if args.xla:
-        result["xla"] = xla_analysis_subprocess(
-            args.model, json.loads(args.overrides), num_devices=num_devices, data=shape.data,
-            fsdp=shape.fsdp, tensor=shape.tensor, batch=args.batch, seq_len=args.seq,
-            activation_checkpointing=args.activation_checkpointing)
-    print(format_report(result))
-    print(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

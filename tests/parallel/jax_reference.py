@@ -1,4 +1,4 @@
-"""A hand-written JAX Llama-like training step, the yardstick for the SPMD layer.
+"""A hand-written JAX Llama-like training step, the tests' yardstick for the SPMD layer.
 
 It uses the parameter names and ``[out, in]`` weight layout of ``tpu_train.models.Llama``, so
 the Llama sharding plan applies to it unchanged, but it is plain ``jax.numpy``: an embedding,
@@ -7,8 +7,9 @@ the output head, mean cross-entropy, ``jax.grad`` and an AdamW update. Rotary em
 left out: they are elementwise and change nothing about sharding or memory.
 
 Its purposes: check that a plan gives the same loss on every mesh as on one device, measure
-per-device memory of sharded parameters and optimizer state, and exercise the planner's
-ahead-of-time compile path, all without depending on the PyTorch step compiler.
+per-device memory of sharded parameters and optimizer state, and check the planner's analytic
+memory model against XLA's, all without depending on the PyTorch step compiler. A test
+yardstick: it lives beside the tests, not in the package.
 """
 
 from __future__ import annotations
@@ -21,34 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .plans import ShardingPlan, constrain
+from tpu_train.models import param_shapes
+from tpu_train.parallel.plans import ShardingPlan, constrain
 
 __all__ = ["abstract_inputs", "adamw_init", "init_params", "loss_fn", "make_train_step"]
 
 ActivationHook = Callable[[str, jax.Array], jax.Array]
-
-
-def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` in ``Llama.named_parameters()`` order and layout."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim)}
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attention.wq.weight": (cfg.n_heads * cfg.head_dim, cfg.dim),
-            p + "attention.wk.weight": (kv, cfg.dim),
-            p + "attention.wv.weight": (kv, cfg.dim),
-            p + "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.head_dim),
-            p + "feed_forward.w1.weight": (cfg.ffn_hidden_dim, cfg.dim),
-            p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_hidden_dim),
-            p + "feed_forward.w3.weight": (cfg.ffn_hidden_dim, cfg.dim),
-            p + "attention_norm.weight": (cfg.dim,),
-            p + "ffn_norm.weight": (cfg.dim,),
-        })
-    shapes["norm.weight"] = (cfg.dim,)
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (cfg.vocab_size, cfg.dim)
-    return shapes
 
 
 def init_params(cfg: Any, seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,0 +1,137 @@
+"""``tpu-train plan plan.chip=...`` with XLA's TPU compiler: the pod's topology, per-chip memory
+and FLOPs with scanned layers counted per layer, and the fallback to the CPU compiler.
+
+The compiling tests need libtpu (``pip install tpu_train[tpu]``; CI installs it) and compile a
+small Llama for four v5e chips in this process (a few seconds each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpu_train.compile import targets
+from tpu_train.models import flops_per_token, get_config, num_params
+from tpu_train.planning import command, pod_topology
+from tpu_train.planning.analysis import compiled_step_analysis
+from tpu_train.planning import tpu_dump
+from tpu_train.planning.loop_flops import loop_flops, while_loops
+
+needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
+                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
+# Large enough that matmuls are most of the FLOPs, small enough to compile in seconds.
+SMALL = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
+         "ffn_hidden_dim": 768}
+FSDP4 = dict(data=1, fsdp=4, tensor=1, batch=8, seq_len=128, overrides=SMALL)
+
+
+@pytest.mark.parametrize("chip, chips, topology", [
+    ("v5e", 256, "v5e:16x16"), ("v5e", 8, "v5e:2x4"), ("v5e", 1, "v5e:1x1"),
+    ("v5p", 128, "v5p:4x4x8"), ("v5p", 4, "v5p:2x2x1"), ("v4", 64, "v4:4x4x4"),
+    ("v5litepod", 16, "v5e:4x4"), ("v5p:2x4x4", 32, "v5p:2x4x4"),
+])
+def test_pod_topology_of_a_chip_count(chip, chips, topology):
+    assert pod_topology(chip, chips) == topology
+
+
+@pytest.mark.parametrize("chip, chips, message", [
+    ("v5e:3x3", 8, "plan.chip='v5e:3x3' has 9 chips but the mesh"),
+    ("v5e:2x2x2", 8, "a v5e topology has 2 non-zero dimensions"),
+    ("v5e:2x", 8, "bad topology in TPU target 'v5e:2x'"),
+    ("v9", 8, "unknown TPU generation"),
+])
+def test_bad_topology_is_a_one_line_error(chip, chips, message):
+    with pytest.raises(ValueError, match=message) as error:
+        command.choose_compiler(chip, chips)
+    assert "\n" not in str(error.value)
+
+
+def test_without_libtpu_the_cpu_compiler_is_used_and_said(monkeypatch):
+    monkeypatch.setattr(command, "libtpu_available", lambda: False)
+    target, note = command.choose_compiler("v5e", 256)
+    assert target is None
+    assert note.startswith("libtpu is not installed (pip install tpu_train[tpu]), so XLA's "
+                           "TPU compiler cannot compile for v5e:16x16")
+    assert command.choose_compiler("v7", 8) == (
+        None, "XLA's TPU compiler here has no v7 target: XLA's figures are the CPU compiler's")
+    assert command.choose_compiler(None, 8) == (None, None)
+
+
+@needs_libtpu
+def test_v5e_compiler_figures_with_scanned_layers_counted_per_layer(tmp_path):
+    scanned = compiled_step_analysis("debug_tiny", scan_layers=True, target="v5e:2x2",
+                                     dump_to=str(tmp_path), **FSDP4)
+    assert scanned["compiler"] == "TPU" and scanned["compiled_for"] == "v5e:2x2"
+    # What the plan command reads from the compiler's dump, before code generation, is what
+    # the finished executable says, except the temporaries code generation adds.
+    dumped, text = tpu_dump.dumped_figures(str(tmp_path))
+    for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"):
+        assert dumped[key] == scanned[key], key
+    assert 0 < dumped["temp_size_in_bytes"] <= scanned["temp_size_in_bytes"]
+    assert dumped["bytes_peak_estimate"] - dumped["temp_size_in_bytes"] == \
+        scanned["bytes_peak_estimate"] - scanned["temp_size_in_bytes"]
+    assert dumped["flops_per_device"] == scanned["flops_per_device_raw"]
+    assert loop_flops(text, dumped["flops_per_device"])["flops_per_device"] == \
+        scanned["flops_per_device"]
+    # The forward and the backward scans, each over the 4 layers.
+    assert scanned["flops_per_device"] > 2 * scanned["flops_per_device_raw"]
+    assert "2 loop bodies counted per iteration (4 x " in scanned["flops_note"]
+    # The oracle: the TPU compiler's own count of the same step unrolled (no loops), where
+    # XLA counts every layer. Scanned layers recompute a little (tpu_train.compile.layer_scan).
+    unrolled = compiled_step_analysis("debug_tiny", scan_layers=False, target="v5e:2x2",
+                                      **FSDP4)
+    assert "flops_note" not in unrolled
+    assert unrolled["flops_per_device"] == unrolled["flops_per_device_raw"]
+    assert scanned["flops_per_device"] == pytest.approx(unrolled["flops_per_device"], rel=0.05)
+    # And the model's count: 6 N per token plus attention, over 4 chips.
+    cfg = get_config("debug_tiny", **SMALL)
+    analytic = flops_per_token(cfg, 128) * 8 * 128 / 4
+    assert scanned["flops_per_device"] == pytest.approx(analytic, rel=0.10)
+    # Per-chip memory holds at least the FSDP shards of the parameters and AdamW's moments.
+    assert scanned["argument_size_in_bytes"] >= 3 * 4 * num_params(cfg) / 4
+    assert scanned["bytes_peak_estimate"] > scanned["argument_size_in_bytes"]
+
+
+def test_loops_and_their_trip_counts_are_read_from_the_program():
+    text = (
+        "HloModule m\n\n"
+        "%cond (p: (s32[], f32[])) -> pred[] {\n"
+        "  %p = (s32[], f32[]) parameter(0)\n"
+        "  %c = s32[]{:T(128)} constant(12)\n"
+        "  %i = s32[] get-tuple-element(%p), index=0\n"
+        "  ROOT %lt = pred[] compare(%i, %c), direction=LT\n}\n\n"
+        "%body (p: (s32[], f32[])) -> (s32[], f32[]) {\n"
+        "  ROOT %p = (s32[], f32[]) parameter(0)\n}\n\n"
+        "ENTRY %main (a: (s32[], f32[])) -> (s32[], f32[]) {\n"
+        "  %a = (s32[], f32[]) parameter(0)\n"
+        "  ROOT %w = (s32[], f32[]) while(%a), condition=%cond, body=%body\n}\n")
+    assert while_loops(text) == [("body", 12)]
+    assert while_loops(text.replace("direction=LT", "direction=NE")) == [("body", None)]
+
+
+@needs_libtpu
+def test_a_topology_libtpu_rejects_stops_the_plan_in_one_line():
+    # Well formed and the mesh's size, but no such slice: the analysis child's libtpu says so.
+    from tests.trainer.cli_helpers import run_in_process
+
+    code, out, err = run_in_process("plan", "model=debug_tiny", "parallel.data=9",
+                                    "plan.chip=v5e:3x3")
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "tpu-train: error: TPU target 'v5e:3x3': libtpu cannot build it ("), err
+
+
+@needs_libtpu
+def test_plan_fast_reads_the_buffer_assignment_as_a_lower_bound():
+    import json
+
+    from tests.trainer.cli_helpers import run_in_process
+
+    code, out, err = run_in_process("plan", "model=debug_tiny", "parallel.fsdp=4",
+                                    "data.seq_len=32", "plan.chip=v5e", "plan.fast=true")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "compile_until_buffer_assignment" in result["xla"]["seconds"]
+    assert "XLA (TPU compiler, v5e:2x2, at its buffer assignment, plan.fast): " in out
+    assert "memory: read before code generation" in out and "a lower bound" in out
+    # A lower bound under the chip's memory says nothing about fitting.
+    assert result["fits_xla"] is None and "whether it fits needs the executable's" in out

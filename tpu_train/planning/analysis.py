@@ -1,0 +1,234 @@
+"""What XLA says about a plan's compiled step: per-chip memory and FLOPs, from one compiler.
+
+:func:`compiled_step_analysis` builds the step the trainer would run for a named model (on
+the ``meta`` device: nothing the size of the model is allocated), lowers it over a
+``(data, fsdp, tensor)`` mesh for abstract sharded inputs and reads the compiled program's
+``memory_analysis()`` and ``cost_analysis()``. Two compilers can produce it:
+
+* **TPU** (``target="v5e:16x16"``): XLA's TPU compiler from libtpu, for the pod's real
+  topology (:mod:`tpu_train.compile.targets`; no chip needed, any x86-64 host). Its buffer
+  assignment and FLOPs are the TPU's. With ``plan.fast=true`` the plan command's child
+  reads them from the compiler's dump as soon as its HLO passes end and exits without
+  waiting for code generation, most of the compile, which adds to the temporaries
+  (:mod:`tpu_train.planning.tpu_dump`).
+* **CPU** (``target=None``): this process's devices; for a pod-sized mesh, a child process
+  with as many virtual CPU devices (:func:`analyse_in_child`). The CPU compiler's buffers are
+  only a stand-in for a TPU's (bf16 elementwise work is kept in f32, for one).
+
+XLA's cost analysis counts a ``while`` loop's body once, whatever its trip count. A step
+whose decoder layers are scanned (``trainer.scan_layers``) runs each layer's forward and
+backward as a loop body, so its raw FLOPs cover one layer, not ``n_layers``.
+:func:`loop_flops` recovers the missing iterations from the optimized program (module
+docstring there); the analysis reports both (``flops_per_device`` is the corrected figure,
+``flops_per_device_raw`` XLA's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from tpu_train.compile import lower_train_step
+from tpu_train.compile.program import compiled_analysis
+from tpu_train.compile.targets import TargetError, parse_target, resolve_target
+from tpu_train.models import Llama
+from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
+from tpu_train.parallel.llama_plan import llama_plan
+from tpu_train.parallel.mesh import build_mesh
+
+from . import tpu_dump
+from .estimate import planned_model
+from .loop_flops import loop_flops
+
+__all__ = ["ANALYSIS_ONLY_XLA_FLAGS", "CHILD_TIMEOUT_S", "analyse_in_child",
+           "compiled_step_analysis", "pod_topology", "virtual_devices_env"]
+
+# Bounds the analysis child so a plan never hangs; a 70B model on 128 virtual CPU devices has
+# needed more than 10 minutes on a loaded 2-core machine.
+CHILD_TIMEOUT_S = 1800.0
+# The CPU program is analysed, never run: LLVM's optimizations only cost time (2-3x the
+# compile on debug_tiny) and change no figure (buffer assignment happens before them). XLA's
+# CPU pipeline also merges every gradient's all-reduce into one at the end of the step, so
+# each gradient's unreduced input and output stay live together (3x the parameters per layer
+# on Llama-3.1-70B: gathered weights, unreduced gradients and their sums); a TPU
+# reduce-scatters each gradient as it is made. Without that merge the CPU program's memory has
+# the TPU's shape. Nor are dots handed to the CPU's YNNPACK library, which a TPU does not
+# have: its fusions change the CPU program's temporaries (Llama-3.1-70B, fsdp=128, activation
+# checkpointing: XLA's figure +14.2 % against the analytic one with them, -9.7 % without).
+ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
+                           "--xla_llvm_disable_expensive_passes=true",
+                           "--xla_disable_hlo_passes=cpu-all-reduce-combiner",
+                           "--xla_cpu_experimental_ynn_fusion_type=")
+_EXIT_BAD_TARGET = 3  # the analysis child's exit status for a TargetError
+# The child's entry (not ``-m``: the package imports this module first, and runpy warns).
+_CHILD_MAIN = "import sys; from tpu_train.planning.analysis import main; sys.exit(main())"
+# libtpu on a host without chips: no metadata server to ask, a single host, and other
+# processes (a test run, the parent) may have loaded libtpu too.
+CHIPLESS_LIBTPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+                       "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def pod_topology(chip: str, num_chips: int) -> str:
+    """The TPU target name (``"v5e:16x16"``) of ``num_chips`` chips of generation ``chip``.
+
+    ``chip`` may name the topology itself (``"v5p:4x4x8"``), which must hold ``num_chips``;
+    otherwise the slice is the most nearly cubic (square for 2-D generations) one, smallest
+    axes first and axes of one chip last, as TPU slices are named: 256 v5e chips are 16x16,
+    128 v5p chips 4x4x8, 4 v5p chips 2x2x1. Checked without libtpu (a bad name is a
+    :class:`TargetError`).
+    """
+    generation, shape = parse_target(chip)
+    if ":" in chip:
+        if math.prod(shape) != num_chips:
+            raise TargetError(f"plan.chip={chip!r} has {math.prod(shape)} chips but the mesh "
+                              f"(parallel.data * fsdp * tensor) has {num_chips}")
+        return f"{generation}:{'x'.join(map(str, shape))}"
+    dims, remaining = [], num_chips
+    for left in range(len(shape), 0, -1):  # each axis takes about the left-th root of the rest
+        size = max(d for d in range(1, remaining + 1)
+                   if remaining % d == 0 and d ** left <= remaining)
+        dims.append(size)
+        remaining //= size
+    dims[-1] *= remaining
+    dims = [d for d in dims if d > 1] + [d for d in dims if d == 1]  # 4 v5p chips: 2x2x1
+    return f"{generation}:{'x'.join(map(str, dims))}"
+
+
+def _build_step(cfg, *, batch: int, seq_len: int, activation_checkpointing: bool):
+    """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+        tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
+                  "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def loss_fn(m, b):
+        logits = m(b["tokens"])
+        return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
+
+    return model, optimizer, loss_fn, tokens
+
+
+def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
+                           seq_len: int, overrides: dict | None = None,
+                           checkpoint: str | None = None,
+                           activation_checkpointing: bool = False, precision: str = "fp32",
+                           scan_layers: bool | None = None, target: str | None = None,
+                           dump_to: str | None = None,
+                           on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """XLA's memory and cost analysis of the compiled PyTorch Llama step.
+
+    ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
+    hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
+    ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
+    bf16 autocast apply when asked. ``dump_to`` (a directory): the compiler dumps its
+    optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
+    that only plans) the figures are read from that dump as soon as it is written, passed to
+    ``on_dumped``, and the process ends without waiting for code generation
+    (:mod:`tpu_train.planning.tpu_dump`).
+    """
+    cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
+    devices = resolve_target(target).devices if target is not None else None
+    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
+    model, optimizer, loss_fn, tokens = _build_step(
+        cfg, batch=batch, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
+                               autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+                               scan_layers=scan_layers, runtime_options=False, compile=False)
+    out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
+                           "compiler": "TPU" if target is not None else "CPU"}
+    if target is not None:
+        out["compiled_for"] = resolve_target(target).name
+    seconds = {stage: s for stage, s in program.seconds.items() if stage != "compile"}
+    started = time.perf_counter()
+    if on_dumped is not None:
+        def report(figures: dict, text: str) -> None:
+            seconds["compile_until_buffer_assignment"] = time.perf_counter() - started
+            on_dumped({**out, **figures, **loop_flops(text, figures["flops_per_device"]),
+                       "seconds": seconds})
+
+        tpu_dump.report_when_dumped(dump_to, report)
+    compiled = program.lowered.compile(
+        compiler_options=tpu_dump.dump_options(dump_to) if dump_to else None)
+    seconds["compile"] = time.perf_counter() - started
+    out.update(compiled_analysis(compiled))
+    out.update(loop_flops(compiled.as_text(), out["flops_per_device"]))
+    out["seconds"] = seconds
+    return out
+
+
+def virtual_devices_env(num_devices: int) -> dict:
+    """This process's environment for a child JAX with ``num_devices`` virtual CPU devices
+    and the CPU analysis flags."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}",
+                                         *ANALYSIS_ONLY_XLA_FLAGS])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TPU_TRAIN_PLATFORM"] = "cpu"
+    return env
+
+
+def _tpu_compiler_env() -> dict:
+    """A child that runs nothing (its JAX platform is the CPU: chips on this host, if any,
+    stay free) and compiles with libtpu's TPU compiler."""
+    env = dict(os.environ)
+    for key, value in CHIPLESS_LIBTPU_ENV.items():
+        env.setdefault(key, value)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TPU_TRAIN_PLATFORM"] = "cpu"
+    return env
+
+
+def analyse_in_child(args: dict[str, Any], *, num_devices: int,
+                     timeout_s: float = CHILD_TIMEOUT_S,
+                     until_buffer_assignment: bool = True) -> dict[str, Any]:
+    """:func:`compiled_step_analysis` of ``args`` in a fresh interpreter: with libtpu's TPU
+    compiler when ``args["target"]`` names a topology, else on ``num_devices`` virtual CPU
+    devices (their count is fixed when JAX starts). ``until_buffer_assignment`` (TPU only):
+    the child reports the figures of the compiler's buffer assignment and exits before code
+    generation. Raises :class:`TargetError` for a topology libtpu rejects, RuntimeError with
+    the child's error output for other failures."""
+    on_tpu = args.get("target") is not None
+    env = _tpu_compiler_env() if on_tpu else virtual_devices_env(num_devices)
+    with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
+        early = on_tpu and until_buffer_assignment
+        child_args = {**args, "dump_to": dump} if early else args
+        cmd = [sys.executable, "-c", _CHILD_MAIN, "--child", json.dumps(child_args)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode == _EXIT_BAD_TARGET:  # libtpu rejected the topology: bad input
+        raise TargetError(proc.stderr.strip().splitlines()[-1])
+    if proc.returncode or not lines:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--child":
+        args = json.loads(argv[1])
+        if args.get("dump_to"):
+            args["on_dumped"] = lambda figures: print(json.dumps(figures), flush=True)
+        try:
+            print(json.dumps(compiled_step_analysis(**args)))
+        except TargetError as error:
+            print(error, file=sys.stderr)
+            return _EXIT_BAD_TARGET
+        return 0
+    print("usage: --child JSON (the plan command's analysis child; the command line is "
+          "`tpu-train plan`)", file=sys.stderr)
+    return 2
