@@ -124,7 +124,8 @@ def _build_step(cfg, *, batch: int, seq_len: int, activation_checkpointing: bool
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
-                           activation_checkpointing: bool = False, precision: str = "fp32",
+                           activation_checkpointing: bool = False,
+                           compute_dtype: torch.dtype | None = None,
                            scan_layers: bool | None = None, target: str | None = None,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
-    bf16 autocast apply when asked. ``dump_to`` (a directory): the compiler dumps its
+    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked. ``dump_to`` (a directory): the compiler dumps its
     optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
     that only plans) the figures are read from that dump as soon as it is written, passed to
     ``on_dumped``, and the process ends without waiting for code generation
@@ -145,7 +146,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
     program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
-                               autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+                               compute_dtype=compute_dtype,
                                scan_layers=scan_layers, runtime_options=False, compile=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
                            "compiler": "TPU" if target is not None else "CPU"}

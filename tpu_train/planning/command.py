@@ -59,7 +59,7 @@ def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dic
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
                 batch=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
                 activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
-                precision=estimate_mod.precision_of(cfg), scan_layers=cfg.trainer.scan_layers,
+                compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
                 target=target, **degrees)
 
 

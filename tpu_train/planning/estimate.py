@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tpu_train.compile.layer_groups import scans
 from tpu_train.models import flops_per_token, get_config, num_params, param_shapes, read_config
 from tpu_train.parallel.llama_plan import llama_plan
@@ -30,7 +32,7 @@ __all__ = [
     "estimate_from_config",
     "get_chip",
     "planned_model",
-    "precision_of",
+    "compute_dtype_of",
 ]
 
 GiB = 1024 ** 3
@@ -321,9 +323,11 @@ def _chip_figures(c, hardware_flops_per_chip: float, tokens_per_chip: float, tot
             "fits": total <= usable, "hbm_use_fraction": total / c.hbm_bytes}
 
 
-def precision_of(config: Any) -> str:
-    """``trainer.precision`` of a composed config as its name (``"fp32"`` or ``"bf16"``)."""
-    return str(getattr(config.trainer.precision, "value", config.trainer.precision))
+def compute_dtype_of(config: Any) -> torch.dtype | None:
+    """The dtype ``trainer.precision`` computes the step in (``torch.bfloat16`` for bf16; None:
+    the weights' own), as the trainer's ``Precision.compute_dtype`` gives it to the step."""
+    name = str(getattr(config.trainer.precision, "value", config.trainer.precision))
+    return torch.bfloat16 if name == "bf16" else None
 
 
 def planned_model(name: str, checkpoint: str | None = None):
@@ -351,13 +355,13 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"parallel.data/fsdp/tensor = {degrees} contains -1: planning needs the chip "
                 f"count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees)
-    precision = precision_of(config)
+    compute_dtype = compute_dtype_of(config)
     cfg = planned_model(config.model.name, config.model.checkpoint)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0],
         fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
         seq_len=int(config.data.seq_len),
         activation_checkpointing=bool(config.trainer.activation_checkpointing),
-        chip=chip or config.plan.chip, mfu=mfu, act_bytes=2 if precision == "bf16" else 4,
+        chip=chip or config.plan.chip, mfu=mfu, act_bytes=compute_dtype.itemsize if compute_dtype else 4,
         grad_accum_steps=int(config.trainer.grad_accum_steps),
         scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))
