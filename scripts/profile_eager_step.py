@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Where an eager training step's time goes: ``scripts/bench_eager_models.py``'s step (the tiny
+transformers Llama, AdamW) in strict or fused eager mode on the tpu device.
+
+After a warm-up, ``--steps`` blocked steps are timed; then a few steps run under Python's
+``cProfile`` (the host: dispatch, op cache, transfers) and a few under ``jax.profiler`` (the
+device programs each step runs and their busy time). Prints ONE JSON line: ``step_ms``
+(fastest, median), ``first_step_s`` (every op compiled on first use), ``device_programs_per_step``,
+``device_ms_per_step``, the costliest programs, and the host functions with the most own time.
+``--out DIR`` also writes the line and the full cProfile listing there. On a CPU host the
+device rows are empty (the CPU client writes no device lines). Usage::
+
+    python scripts/profile_eager_step.py [--mode strict|fused] [--steps 8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import cProfile
+import glob
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PROFILED = 3
+
+
+def _device_programs(step) -> tuple[collections.Counter, collections.Counter]:
+    import jax
+    from jax._src.lib import _profile_data  # ProfileData: jax.profiler's own trace reader
+
+    busy, calls = collections.Counter(), collections.Counter()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(PROFILED):
+                step()
+        trace = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
+        for plane in _profile_data.ProfileData.from_file(trace).planes:
+            if not plane.name.startswith("/device:") or plane.name.startswith("/device:CPU"):
+                continue
+            for line in plane.lines:
+                if line.name == "XLA Modules":
+                    for event in line.events:
+                        name = event.name.split("(")[0]
+                        busy[name] += event.duration_ns / PROFILED / 1e6
+                        calls[name] += 1 / PROFILED
+    return busy, calls
+
+
+def _host_profile(step) -> tuple[list, str]:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(PROFILED):
+        step()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text).sort_stats("tottime")
+    stats.print_stats(60)
+    top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:15]  # (file, line, name): (.., tottime, ..)
+    own = [(f"{os.path.basename(key[0])}:{key[1]} {key[2]}", round(v[2] / PROFILED * 1e3, 3),
+            round(v[1] / PROFILED, 1)) for key, v in top]
+    return own, text.getvalue()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("strict", "fused"), default="strict")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps after the warm-up")
+    parser.add_argument("--out", help="also write the report and the cProfile listing here")
+    args = parser.parse_args(argv)
+    import torch
+    import transformers
+
+    import bench_eager_models as bench
+    from tpu_train.device import runtime
+
+    torch.manual_seed(0)
+    cpu_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**bench.CONFIG))
+    ids = torch.randint(0, bench.CONFIG["vocab_size"], (bench.BATCH, bench.SEQ),
+                        generator=torch.Generator().manual_seed(1))
+    step = bench.Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, mode=args.mode)
+    started = time.perf_counter()
+    step()
+    first = time.perf_counter() - started
+    for _ in range(2):
+        step()
+    times = [step() for _ in range(args.steps)]
+    own, listing = _host_profile(step)
+    busy, calls = _device_programs(step)
+    report = {
+        "mode": args.mode, "platform": runtime.platform(), "device_kind": runtime.device_kind(0),
+        "host_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+        "first_step_s": round(first, 2),
+        "step_ms": {"fastest": round(min(times) * 1e3, 2),
+                    "median": round(statistics.median(times) * 1e3, 2)},
+        "device_programs_per_step": round(sum(calls.values()), 1),
+        "device_ms_per_step": round(sum(busy.values()), 3),
+        "top_programs": [(name, round(ms, 3), round(calls[name], 1))
+                         for name, ms in busy.most_common(15)],
+        "host_own_ms_per_step": own,  # (function, own ms per step, calls per step)
+    }
+    line = json.dumps(report)
+    print(line)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"profile_eager_{args.mode}.json"), "w") as f:
+            f.write(line + "\n")
+        with open(os.path.join(args.out, f"profile_eager_{args.mode}.txt"), "w") as f:
+            f.write(listing)
+    return report
+
+
+if __name__ == "__main__":
+    main()
