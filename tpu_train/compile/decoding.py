@@ -119,6 +119,12 @@ def _trace_step(wrapper: _DecodeModule, names: Sequence[str], tensors: Sequence[
     return gm
 
 
+def model_tensors(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and tensors a compiled program takes as inputs: parameters, then buffers."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    return [n for n, _ in named], [t for _, t in named]
+
+
 def flat_on_device(tensor: torch.Tensor, device, name: str):
     """``tensor``'s elements, flat, on the JAX ``device``: its storage's own buffer when it is
     the whole storage (no work per call: a reshape per tensor cost 1.5 ms of dispatch, 60 ms
@@ -161,10 +167,6 @@ class CompiledDecoder:
         """One record per compiled program (cause, trace / lower / compile seconds)."""
         return list(self.cache.records)
 
-    def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
-        return [n for n, _ in named], [t for _, t in named]
-
     def generate(self, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
                  temperature: float = 0.0, top_p: float = 1.0,
                  eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
@@ -191,7 +193,7 @@ class CompiledDecoder:
                                  max_new_tokens, self.decoding.max_length(self.model))
         eos = [] if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        names, tensors = self._tensors()
+        names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
         arrays = [flat_on_device(t, device, n) for n, t in zip(names, tensors)]

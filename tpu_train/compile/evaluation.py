@@ -14,12 +14,11 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import numpy as np
 import torch
 
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import interpreter, tracing
-from tpu_train.compile.decoding import flat_on_device
+from tpu_train.compile.decoding import flat_on_device, model_tensors
 from tpu_train.compile.lowering import autocast_region
 from tpu_train.device import runtime
 from tpu_train.device.tensor import host_array
@@ -59,8 +58,7 @@ class CompiledLoss:
         return list(self.cache.records)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> float:
-        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
-        names, tensors = [n for n, _ in named], [t for _, t in named]
+        names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
         arrays = [flat_on_device(t, device, n) for n, t in zip(names, tensors)]
@@ -101,7 +99,7 @@ class CompiledLoss:
             loss, _ = interpreter.run_graph(gm, values)  # the graph's one output: the loss
             return loss
 
-        args = [arrays, [jax.ShapeDtypeStruct(np.shape(host_array(t)), host_array(t).dtype)
-                         for t in leaves]]
+        args = [arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                         for a in map(host_array, leaves)]]
         lowered = stages.time("lower", jax.jit(program).lower, *args)
         return stages.time("compile", lowered.compile)
