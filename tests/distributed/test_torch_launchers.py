@@ -79,6 +79,9 @@ def test_torchrun_with_the_port_after_master_port_taken(tmp_path):
     The spawn test above covers the default port."""
     port = free_port_pair()
     with socket.socket() as taken:
+        # As free_port_pair judged it free: a connection of an earlier test may still hold the
+        # port in TIME_WAIT, which only a socket with SO_REUSEADDR can bind over.
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
         code, out, *rest = _run(["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
