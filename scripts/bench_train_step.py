@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -315,6 +316,8 @@ def main(argv=None) -> dict:
                         help="with --size: trainer.precision, and the reference's (default bf16)")
     parser.add_argument("--remat", choices=("full", "dots"),
                         help="with --size: rematerialize each layer of the JAX reference")
+    parser.add_argument("--layers", type=int, metavar="N",
+                        help="with --size: N decoder layers instead of the size's own")
     args = parser.parse_args(argv)
     if args.only:
         args.only = [name for item in args.only for name in item.split(",") if name]
@@ -390,6 +393,10 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
             mode.block(loss)
             results[name]["times"].append(time.perf_counter() - start)
             results[name]["losses"].append(loss)
+            if i == 0:
+                # The first step compiles: say so as it ends, a long silence is then a compile.
+                print(f"{name}: first step {results[name]['times'][0]:.1f} s", file=sys.stderr,
+                      flush=True)
 
 
 SIZED_MODES = ("compiled", "jax")
@@ -409,6 +416,10 @@ def sized(parser, args) -> dict:
     from tpu_train.models import Llama
 
     size = jax_llama.SIZES[args.size]
+    if args.layers is not None:
+        if args.layers < 1:
+            parser.error(f"--layers must be >= 1, got {args.layers}")
+        size = dataclasses.replace(size, n_layers=args.layers)
     facts = tsm.device_facts()
     if facts["device_count"] > 1:
         # The trainer's step would run data-parallel over all of them, the reference on one.
@@ -430,7 +441,7 @@ def sized(parser, args) -> dict:
         memory[name] = tsm.device_memory()
     del cpu_model
     run_interleaved(modes, results, batches)
-    report = {"size": args.size, "precision": args.precision, "remat_jax": args.remat,
+    report = {"size": args.size, "layers": size.n_layers, "precision": args.precision, "remat_jax": args.remat,
               "steps": args.steps, "batch": size.batch, "seq": size.seq,
               "params": sum(int(np.prod(s)) for s in jax_llama.param_shapes(size.config()).values()),
               "model_flops_per_step": tsm.step_flops(size), **facts,
