@@ -6,7 +6,12 @@ After a warm-up, ``--steps`` blocked steps are timed; then a few steps run under
 ``cProfile`` (the host: dispatch, op cache, transfers) and a few under ``jax.profiler`` (the
 device programs each step runs and their busy time). Prints ONE JSON line: ``step_ms``
 (fastest, median), ``first_step_s`` (every op compiled on first use), ``device_programs_per_step``,
-``device_ms_per_step``, the costliest programs, and the host functions with the most own time.
+``device_ms_per_step``, the costliest programs, the host functions with the most own time, and
+``jax_floor_ms_per_step``: as many calls of one cached ``jax.jit`` program (a small elementwise op,
+each call taking the last one's output) as the step runs device programs, timed the same way: the
+dispatch cost JAX and the PJRT client add before any of this project's work. The autograd
+engine runs the backward on a thread of its own, which cProfile does not follow: its time shows
+as ``run_backward``'s own time.
 ``--out DIR`` also writes the line and the full cProfile listing there. On a CPU host the
 device rows are empty (the CPU client writes no device lines). Usage::
 
@@ -71,6 +76,28 @@ def _host_profile(step) -> tuple[list, str]:
     return own, text.getvalue()
 
 
+def _jax_dispatch_floor(calls: int, repeats: int = 5) -> float:
+    """Seconds for ``calls`` dispatches of one cached jitted elementwise program on device 0,
+    chained and blocked at the end (fastest of ``repeats``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpu_train.device import runtime
+
+    add_one = jax.jit(lambda x: x + 1)
+    x = jax.device_put(jnp.zeros((64, 64), jnp.float32), runtime.jax_device(0))
+    add_one(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        y = x
+        for _ in range(calls):
+            y = add_one(y)
+        y.block_until_ready()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("strict", "fused"), default="strict")
@@ -96,6 +123,8 @@ def main(argv=None) -> dict:
     times = [step() for _ in range(args.steps)]
     own, listing = _host_profile(step)
     busy, calls = _device_programs(step)
+    programs = round(sum(calls.values()))
+    floor_ms = _jax_dispatch_floor(programs) * 1e3 if programs else None
     report = {
         "mode": args.mode, "platform": runtime.platform(), "device_kind": runtime.device_kind(0),
         "host_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
@@ -104,6 +133,7 @@ def main(argv=None) -> dict:
                     "median": round(statistics.median(times) * 1e3, 2)},
         "device_programs_per_step": round(sum(calls.values()), 1),
         "device_ms_per_step": round(sum(busy.values()), 3),
+        "jax_floor_ms_per_step": None if floor_ms is None else round(floor_ms, 2),
         "top_programs": [(name, round(ms, 3), round(calls[name], 1))
                          for name, ms in busy.most_common(15)],
         "host_own_ms_per_step": own,  # (function, own ms per step, calls per step)
