@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -182,7 +183,9 @@ def _write_config(job: Job) -> None:
 
 
 class _Throughput:
-    """Tokens per second and, where the chip's peak is known, MFU of one step."""
+    """Tokens per second and, where the chip's peak is known, MFU of one step; and the run's
+    steady rate: the median over its steps that compiled nothing (the first step of a process
+    always compiles or warms up), and the wall-clock rate from the end of its first step."""
 
     def __init__(self, job: Job, model: torch.nn.Module, logger: RunLogger):
         from tpu_train.models import flops_per_token
@@ -194,14 +197,66 @@ class _Throughput:
         self.peak = peak_bf16_tflops(detect_device_kind(job.device))
         if self.peak is None:
             logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")
+        self.steady_times: list[float] = []
+        self.steps = 0
+        # (steps taken, perf_counter) at the end of the first step's and the last step's call.
+        self._wall_from: tuple[int, float] | None = None
+        self._wall_to: tuple[int, float] | None = None
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return None if self.peak is None else tokens_per_s * self.flops / (self.peak * 1e12)
 
     def scalars(self, out: dict, loss: float, elapsed: float) -> dict[str, float]:
         scalars = {"loss": loss, "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
                    "step_time_s": elapsed,
                    "tokens_per_s": self.tokens_per_step / max(elapsed, 1e-9)}
         if self.peak is not None:
-            scalars["mfu"] = scalars["tokens_per_s"] * self.flops / (self.peak * 1e12)
+            scalars["mfu"] = self.mfu(scalars["tokens_per_s"])
         return scalars
+
+    def record(self, elapsed: float, compiled: bool) -> None:
+        """One step's seconds (its call until its loss was read); ``compiled``: the train
+        step compiled during it."""
+        self.steps += 1
+        mark = (self.steps, time.perf_counter())
+        if self.steps == 1:
+            self._wall_from = mark
+        else:
+            self._wall_to = mark
+            if not compiled:
+                self.steady_times.append(elapsed)
+
+    def summary(self) -> dict[str, float]:
+        """The steady figures (``throughput/*`` in metrics.jsonl); {} before a second step."""
+        if not self.steady_times:
+            return {}
+        median = statistics.median(self.steady_times)
+        values = {"median_step_time_s": median, "fastest_step_time_s": min(self.steady_times),
+                  "timed_steps": float(len(self.steady_times)),
+                  "tokens_per_s": self.tokens_per_step / median}
+        if self.peak is not None:
+            values["mfu"] = self.mfu(values["tokens_per_s"])
+        (first, start), (last, end) = self._wall_from, self._wall_to
+        values["wall_tokens_per_s"] = self.tokens_per_step * (last - first) / (end - start)
+        return values
+
+    def describe(self, values: dict[str, float]) -> list[tuple[str, str]]:
+        """The closing block's rows for :meth:`summary`'s ``values``."""
+        if not values:
+            return [("throughput", "not measured: the run took one step, which compiles "
+                                   "(two or more give the steady rate)")] if self.steps else []
+        skipped = self.steps - int(values["timed_steps"])
+        left_out = ("the first, which compiled" if skipped == 1
+                    else f"{skipped} that compiled")
+        mfu = f"MFU {values['mfu']:.1%}" if "mfu" in values else "MFU unknown"
+        return [
+            ("step time", f"median {values['median_step_time_s']:.4f} s, fastest "
+                          f"{values['fastest_step_time_s']:.4f} s over {int(values['timed_steps'])}"
+                          f" steps ({left_out}, not counted)"),
+            ("throughput", f"{values['tokens_per_s']:,.0f} tokens/s at the median step, {mfu}; "
+                           f"{values['wall_tokens_per_s']:,.0f} tokens/s by the wall clock after "
+                           "the first step (logging, validation, checkpoints included)"),
+        ]
 
 
 class _Loop:
@@ -248,11 +303,13 @@ class _Loop:
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
 
-    def _log_compilations(self) -> None:
+    def _log_compilations(self) -> int:
+        """Log the train step's compilations since the last call; returns how many."""
         records = self.step_fn.compiled.compilations if self.step_fn.compiled is not None else []
         for record in records[self.compilations:]:
             self.logger.line(describe_compilation(record))
-        self.compilations = len(records)
+        new, self.compilations = len(records) - self.compilations, len(records)
+        return new
 
     def _stop_on_non_finite(self, loss: float, grad_norm: float, finite: bool) -> None:
         """With ``trainer.on_nan=stop``: stop on a non-finite loss or gradient norm. The step
@@ -291,7 +348,7 @@ class _Loop:
                           else math.isfinite(loss) and math.isfinite(grad_norm))
                 elapsed = time.perf_counter() - started
                 profiler.after(self.step + 1)
-                self._log_compilations()
+                throughput.record(elapsed, compiled=self._log_compilations() > 0)
                 self._stop_on_non_finite(loss, grad_norm, finite)
                 self.step += 1
                 if not finite:
@@ -352,8 +409,11 @@ def fit(run: Run) -> Path:
             logger.line(line)
         validate = _Validator(run)
         validate.at_start(loop.start_step)
-        stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
-                                                                             logger))
+        throughput = _Throughput(job, run.model, logger)
+        stopped_by = _train_or_say_how_to_resume(loop, validate, throughput)
+        steady = throughput.summary()
+        if steady:
+            logger.scalars("throughput", steady, run.step)
         run.checkpointer.wait()
         export_dir = None
         if stopped_by is not None:
@@ -367,7 +427,8 @@ def fit(run: Run) -> Path:
             if cfg.checkpoint.export_hf:
                 export_dir = job.run_dir / "hf"
                 _export(run, export_dir)
-        logger.line(final_summary(run, export_dir, validate.last, validate.first))
+        logger.line(final_summary(run, export_dir, validate.last, validate.first,
+                                  throughput.describe(steady)))
     finally:
         logger.close()
     return job.run_dir
