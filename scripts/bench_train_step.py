@@ -427,7 +427,7 @@ def sized(parser, args) -> dict:
                      f"{facts['device_count']} {facts['platform']} devices; make one visible "
                      "(a TPU host: TPU_VISIBLE_CHIPS=0 TPU_PROCESS_BOUNDS=1,1,1 "
                      "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1)")
-    cfg = tsm.trainer_config(args.precision)
+    cfg = tsm.trainer_config(args.precision, model=tsm.model_option(args.size))
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
     batches = make_batches(args.steps, size.vocab_size, batch=size.batch, seq=size.seq)
