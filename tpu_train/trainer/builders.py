@@ -47,8 +47,12 @@ def build_random_token_loader(cfg: DictConfig):
     """Endless batches of random ids of the model's vocabulary, seeded by ``trainer.seed``."""
     from tpu_train.data import RandomTokenLoader
 
-    return RandomTokenLoader(model_config(cfg).vocab_size, cfg.data.seq_len,
-                             cfg.data.batch_size, seed=cfg.trainer.seed)
+    try:
+        return RandomTokenLoader(model_config(cfg).vocab_size, cfg.data.seq_len,
+                                 cfg.data.batch_size, seed=cfg.trainer.seed)
+    except ValueError as exc:
+        raise ConfigError(f"data=synthetic_tokens with trainer.seed={cfg.trainer.seed}: {exc}; "
+                          "choose a smaller trainer.seed") from None
 
 
 def data_paths(cfg: DictConfig, bundled: str = "tasks"):

@@ -7,6 +7,7 @@ end exports the model in Hugging Face format.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import statistics
@@ -259,6 +260,25 @@ class _Throughput:
         ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Cadence:
+    """The settings the loop reads at every step, as plain ints: reading a nested value of the
+    config (OmegaConf) costs ~20 us, some ten per step, host time the device waits through."""
+
+    max_steps: int
+    grad_accum_steps: int
+    log_every: int
+    val_every: int
+    checkpoint_every: int
+
+    @classmethod
+    def of(cls, cfg) -> "_Cadence":
+        trainer = cfg.trainer
+        return cls(int(trainer.max_steps), int(trainer.grad_accum_steps),
+                   int(cfg.logging.every_n_steps), int(trainer.val_every_n_steps),
+                   int(cfg.checkpoint.every_n_steps))
+
+
 class _Loop:
     """One call of :func:`fit`: the training loop's own state beside the run's."""
 
@@ -270,6 +290,7 @@ class _Loop:
         self.start_step = start_step = run.step
         self.compilations = 0
         cfg = run.job.cfg
+        self.cadence = _Cadence.of(cfg)
         self.checkpointer = run.checkpointer
         self.checkpointer.remove_stale_temporaries()
         self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
@@ -329,16 +350,16 @@ class _Loop:
     def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
         """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
         ``trainer.max_minutes``), if anything."""
-        cfg, trainer, logger = self.job.cfg, self.job.cfg.trainer, self.logger
+        cfg, cadence, logger = self.job.cfg, self.cadence, self.logger
         batches = iter(self.data.train)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
-        if self.step_fn.compiled is not None and self.step < trainer.max_steps:
+        if self.step_fn.compiled is not None and self.step < cadence.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest(trainer.max_minutes) as stop, profiler:
-            while self.step < trainer.max_steps and stop.signal_name is None:
+        with _StopRequest(cfg.trainer.max_minutes) as stop, profiler:
+            while self.step < cadence.max_steps and stop.signal_name is None:
                 # The loader yields micro-batches; the step takes the global batch they make up.
                 batch = join_micro_batches([next(batches)
-                                            for _ in range(trainer.grad_accum_steps)])
+                                            for _ in range(cadence.grad_accum_steps)])
                 profiler.before(self.step + 1)
                 started = time.perf_counter()
                 out = self.step_fn(batch)
@@ -361,7 +382,7 @@ class _Loop:
             return stop.signal_name
 
     def _after_step(self, scalars: dict[str, float], finite: bool, validate: _Validator) -> None:
-        cfg, trainer, step, logger = self.job.cfg, self.job.cfg.trainer, self.step, self.logger
+        cadence, step, logger = self.cadence, self.step, self.logger
         logger.scalars("train", scalars, step)
         if step == self.start_step + 1:
             _log_memory(logger, self.parallel, self.model, self.optimizer, step)
@@ -372,11 +393,11 @@ class _Loop:
                         f"{self.skipped_updates} skipped so far)")
         if step == self.start_step + 1:  # the first step compiles: the rate starts after it
             self._rate_from = (step, time.perf_counter())
-        if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
-            logger.line(format_log_line(step, trainer.max_steps, scalars, self._eta(step)))
-        if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
+        if step % cadence.log_every == 0 or step == cadence.max_steps:
+            logger.line(format_log_line(step, cadence.max_steps, scalars, self._eta(step)))
+        if cadence.val_every and step % cadence.val_every == 0:
             validate(step)
-        if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
+        if step % cadence.checkpoint_every == 0 or step == cadence.max_steps:
             self.save()
 
 
