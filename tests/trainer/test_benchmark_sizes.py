@@ -100,3 +100,22 @@ def test_one_step_has_no_steady_rate(tmp_path):
     assert code == 0, err
     assert "throughput: not measured: the run took one step" in " ".join(out.split())
     assert "throughput/" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_synthetic_tokens_resume_exactly(tmp_path):
+    """A run on random tokens stopped at step 2 and resumed to 4 sees the batches, and so the
+    losses, of an uninterrupted 4-step run (the checkpoint holds the stream's position)."""
+    from tests.trainer.cli_helpers import TINY
+
+    common = [*TINY, "data=synthetic_tokens", "checkpoint.every_n_steps=2"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert run_in_process(*common, "trainer.max_steps=4", f"run.dir={whole}")[0] == 0
+    assert run_in_process(*common, "trainer.max_steps=2", f"run.dir={split}")[0] == 0
+    code, _, err = run_in_process(*common, "trainer.max_steps=4", "scheduler.extend=true",
+                                  f"run.dir={split}")
+    assert code == 0, err
+    losses = {name: [read_metrics(d)[step]["train/loss"] for step in range(1, 5)]
+              for name, d in (("whole", whole), ("split", split))}
+    assert losses["whole"] == losses["split"]
+    assert len(set(losses["whole"])) == 4
