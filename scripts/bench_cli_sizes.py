@@ -24,9 +24,11 @@ Prints ONE JSON line: both sides' figures (the median over rounds of each round'
 optimizer and parallel settings, and the batch, in which the command's composed config differs
 from the one the benchmark's step is built from (empty when the comparison is like for like;
 the lr schedule is not compared: the lr is an input of the compiled program). Exit status 1
-when a side failed (its ``error`` holds the end of its output). Usage::
+when a side failed (its ``error`` holds the end of its output), or ran past ``--timeout``
+seconds. Usage::
 
-    python scripts/bench_cli_sizes.py --size w1|350m|1b [--steps N] [--bench-steps M] [--rounds R]
+    python scripts/bench_cli_sizes.py --size w1|350m|1b [--steps N] [--bench-steps M]
+                                      [--rounds R] [--timeout S]
 
 Runs on the best platform present (a TPU, else the CPU; ``TPU_TRAIN_PLATFORM`` chooses), as
 both children do.
@@ -54,6 +56,9 @@ SIZES = ("w1", "350m", "1b")
 NOT_COMPARED = {"max_steps", "seed", "val_every_n_steps", "val_at_start", "val_batches",
                 "max_minutes"}
 TAIL = 4000  # characters of a failed child's output kept in the report
+# Seconds between two children: a TPU chip has refused a program started just after another
+# one had released it.
+PAUSE_S = 5.0
 
 
 def cli_overrides(size: str, steps: int, run_dir: str) -> list[str]:
@@ -67,18 +72,29 @@ def cli_overrides(size: str, steps: int, run_dir: str) -> list[str]:
     return user + housekeeping
 
 
-def _failure(proc: subprocess.CompletedProcess) -> dict:
-    return {"error": f"exit status {proc.returncode}",
-            "output_tail": (proc.stdout + proc.stderr)[-TAIL:]}
-
-
-def run_bench(size: str, steps: int) -> dict:
-    """``bench_train_step.py --size size --only compiled``'s report, or an error."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train_step.py"),
-                           "--size", size, "--only", "compiled", "--steps", str(steps)],
-                          cwd=ROOT, capture_output=True, text=True)
+def _child(command: list[str], timeout_s: float) -> subprocess.CompletedProcess | dict:
+    """The finished child, or the report's error entry when it failed or ran out of time."""
+    time.sleep(PAUSE_S)
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        output = "".join(part.decode() if isinstance(part, bytes) else part or ""
+                         for part in (exc.stdout, exc.stderr))
+        return {"error": f"stopped after {timeout_s:g} s (--timeout)",
+                "output_tail": output[-TAIL:]}
     if proc.returncode != 0:
-        return _failure(proc)
+        return {"error": f"exit status {proc.returncode}",
+                "output_tail": (proc.stdout + proc.stderr)[-TAIL:]}
+    return proc
+
+
+def run_bench(size: str, steps: int, timeout_s: float) -> dict:
+    """``bench_train_step.py --size size --only compiled``'s report, or an error."""
+    proc = _child([sys.executable, str(ROOT / "scripts" / "bench_train_step.py"), "--size", size,
+                   "--only", "compiled", "--steps", str(steps)], timeout_s)
+    if isinstance(proc, dict):
+        return proc
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     compiled = report["modes"]["compiled"]
     return {"median_step_s": compiled["median_s"], "fastest_step_s": compiled["fastest_s"],
@@ -106,16 +122,15 @@ def read_throughput(run_dir: Path) -> dict:
             "timed_steps": int(row["timed_steps"])}
 
 
-def run_cli(size: str, steps: int) -> dict:
+def run_cli(size: str, steps: int, timeout_s: float) -> dict:
     """``tpu-train`` on the size's model option (module docstring), or an error."""
     run_dir = Path(tempfile.mkdtemp(prefix="bench_cli_sizes_")) / "run"
     try:
         overrides = cli_overrides(size, steps, str(run_dir))
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "tpu_train.cli", *overrides], cwd=ROOT,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            return _failure(proc)
+        proc = _child([sys.executable, "-m", "tpu_train.cli", *overrides], timeout_s)
+        if isinstance(proc, dict):
+            return proc
         figures = read_throughput(run_dir)
         figures["process_s"] = round(time.perf_counter() - start, 1)
         return figures
@@ -165,15 +180,22 @@ def _median_over(rounds: list[dict]) -> dict:
     for key, value in rounds[0].items():
         values = [r[key] for r in rounds if isinstance(r.get(key), (int, float))]
         if isinstance(value, (int, float)) and not isinstance(value, bool) and values:
-            merged[key] = statistics.median(values)
+            merged[key] = _rounded(key, statistics.median(values))
     if len(rounds) > 1:
-        merged["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds]
+        merged["rounds_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in rounds]
     return merged
+
+
+def _rounded(key: str, value: float) -> float:
+    """Seconds to the microsecond, rates to a tenth, fractions to 4 places."""
+    if key.endswith("per_s"):
+        return round(value, 1)
+    return round(value, 6) if key.endswith("_s") else round(value, 4)
 
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -188,6 +210,8 @@ def main(argv=None) -> dict:
                         help="bench_train_step.py's --steps (the first step compiles)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="benchmark then command, this many times; figures are medians")
+    parser.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                        help="stop a child after S seconds (it is then reported as failed)")
     args = parser.parse_args(argv)
     for name in ("steps", "bench_steps"):
         if getattr(args, name) < 2:
@@ -200,15 +224,16 @@ def main(argv=None) -> dict:
     sides: dict[str, list[dict]] = {"bench": [], "cli": []}
     failed = {}
     for _ in range(args.rounds):
-        for name, run in (("bench", lambda: run_bench(args.size, args.bench_steps)),
-                          ("cli", lambda: run_cli(args.size, args.steps))):
+        for name, run in (("bench", lambda: run_bench(args.size, args.bench_steps, args.timeout)),
+                          ("cli", lambda: run_cli(args.size, args.steps, args.timeout))):
             result = run()
             if "error" in result:
                 failed[name] = result
             else:
                 sides[name].append(result)
-            print(f"{name}: {result.get('tokens_per_s', result.get('error'))} tokens/s",
-                  file=sys.stderr, flush=True)
+            said = (result["error"] if "error" in result
+                    else f"{result['tokens_per_s']:,.1f} tokens/s at the median step")
+            print(f"{name}: {said}", file=sys.stderr, flush=True)
         if failed:
             break
     size = jax_llama.SIZES[args.size]

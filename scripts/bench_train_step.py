@@ -30,9 +30,10 @@ first and last step; and the compiled/jax ratios. Usage::
 
 ``--size`` compares, interleaved as above, two modes of a model size of
 ``scripts/jax_llama.py`` (``w1``, ``350m``, ``1b``) at ``--precision`` (default bf16):
-``compiled``, the step exactly as ``tpu-train trainer.mode=compiled trainer.precision=...``
-builds it (``scripts/train_step_modes.py``: AdamW on the trainer's parameter groups, clipping
-to 1.0, a constant lr), and ``jax``, the hand-written JAX reference at the same precision with
+``compiled``, the step exactly as ``tpu-train model=llama_<size> trainer.mode=compiled
+trainer.precision=...`` builds it (``scripts/train_step_modes.py``: the size's model option,
+AdamW on the trainer's parameter groups, clipping to 1.0, a constant lr; what ``tpu-train``
+reaches on that model option: ``scripts/bench_cli_sizes.py``), and ``jax``, the hand-written JAX reference at the same precision with
 the same optimizer settings. Per mode: fastest / median step, tokens/s, MFU
 ((6 N_matmul + 12 layers seq dim) x tokens / step / the chip's peak bf16 FLOP/s; null where
 the chip's peak is unknown, e.g. on a CPU), trace / compile seconds, first / last loss; the
