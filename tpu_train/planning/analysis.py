@@ -125,7 +125,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False,
-                           compute_dtype: torch.dtype | None = None,
+                           compute_dtype: torch.dtype | str | None = None,
                            scan_layers: bool | None = None, target: str | None = None,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -134,12 +134,15 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
-    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked. ``dump_to`` (a directory): the compiler dumps its
+    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``; a dtype or its name,
+    ``"bfloat16"``, as the plan command's child gets it) apply when asked. ``dump_to`` (a directory): the compiler dumps its
     optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
     that only plans) the figures are read from that dump as soon as it is written, passed to
     ``on_dumped``, and the process ends without waiting for code generation
     (:mod:`tpu_train.planning.tpu_dump`).
     """
+    if isinstance(compute_dtype, str):
+        compute_dtype = getattr(torch, compute_dtype)
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     devices = resolve_target(target).devices if target is not None else None
     mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
