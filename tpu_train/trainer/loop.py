@@ -7,10 +7,8 @@ end exports the model in Hugging Face format.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
-import statistics
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from .rng import capture_rng_state
 from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .run import Run
 from .setup import Job
+from .steady import SteadyRate
 from .step import join_micro_batches
 from .summary import describe_compilation, start_summary, final_summary
 
@@ -184,9 +183,7 @@ def _write_config(job: Job) -> None:
 
 
 class _Throughput:
-    """Tokens per second and, where the chip's peak is known, MFU of one step; and the run's
-    steady rate: the median over its steps that compiled nothing (the first step of a process
-    always compiles or warms up), and the wall-clock rate from the end of its first step."""
+    """Tokens per second and, where the chip's peak is known, MFU of one step."""
 
     def __init__(self, job: Job, model: torch.nn.Module, logger: RunLogger):
         from tpu_train.models import flops_per_token
@@ -198,85 +195,14 @@ class _Throughput:
         self.peak = peak_bf16_tflops(detect_device_kind(job.device))
         if self.peak is None:
             logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")
-        self.steady_times: list[float] = []
-        self.steps = 0
-        # (steps taken, perf_counter) at the end of the first step's and the last step's call.
-        self._wall_from: tuple[int, float] | None = None
-        self._wall_to: tuple[int, float] | None = None
-
-    def mfu(self, tokens_per_s: float) -> float | None:
-        return None if self.peak is None else tokens_per_s * self.flops / (self.peak * 1e12)
 
     def scalars(self, out: dict, loss: float, elapsed: float) -> dict[str, float]:
         scalars = {"loss": loss, "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
                    "step_time_s": elapsed,
                    "tokens_per_s": self.tokens_per_step / max(elapsed, 1e-9)}
         if self.peak is not None:
-            scalars["mfu"] = self.mfu(scalars["tokens_per_s"])
+            scalars["mfu"] = scalars["tokens_per_s"] * self.flops / (self.peak * 1e12)
         return scalars
-
-    def record(self, elapsed: float, compiled: bool) -> None:
-        """One step's seconds (its call until its loss was read); ``compiled``: the train
-        step compiled during it."""
-        self.steps += 1
-        mark = (self.steps, time.perf_counter())
-        if self.steps == 1:
-            self._wall_from = mark
-        else:
-            self._wall_to = mark
-            if not compiled:
-                self.steady_times.append(elapsed)
-
-    def summary(self) -> dict[str, float]:
-        """The steady figures (``throughput/*`` in metrics.jsonl); {} before a second step."""
-        if not self.steady_times:
-            return {}
-        median = statistics.median(self.steady_times)
-        values = {"median_step_time_s": median, "fastest_step_time_s": min(self.steady_times),
-                  "timed_steps": float(len(self.steady_times)),
-                  "tokens_per_s": self.tokens_per_step / median}
-        if self.peak is not None:
-            values["mfu"] = self.mfu(values["tokens_per_s"])
-        (first, start), (last, end) = self._wall_from, self._wall_to
-        values["wall_tokens_per_s"] = self.tokens_per_step * (last - first) / (end - start)
-        return values
-
-    def describe(self, values: dict[str, float]) -> list[tuple[str, str]]:
-        """The closing block's rows for :meth:`summary`'s ``values``."""
-        if not values:
-            return [("throughput", "not measured: the run took one step, which compiles "
-                                   "(two or more give the steady rate)")] if self.steps else []
-        skipped = self.steps - int(values["timed_steps"])
-        left_out = ("the first, which compiled" if skipped == 1
-                    else f"{skipped} that compiled")
-        mfu = f"MFU {values['mfu']:.1%}" if "mfu" in values else "MFU unknown"
-        return [
-            ("step time", f"median {values['median_step_time_s']:.4f} s, fastest "
-                          f"{values['fastest_step_time_s']:.4f} s over {int(values['timed_steps'])}"
-                          f" steps ({left_out}, not counted)"),
-            ("throughput", f"{values['tokens_per_s']:,.0f} tokens/s at the median step, {mfu}; "
-                           f"{values['wall_tokens_per_s']:,.0f} tokens/s by the wall clock after "
-                           "the first step (logging, validation, checkpoints included)"),
-        ]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cadence:
-    """The settings the loop reads at every step, as plain ints: reading a nested value of the
-    config (OmegaConf) costs ~20 us, some ten per step, host time the device waits through."""
-
-    max_steps: int
-    grad_accum_steps: int
-    log_every: int
-    val_every: int
-    checkpoint_every: int
-
-    @classmethod
-    def of(cls, cfg) -> "_Cadence":
-        trainer = cfg.trainer
-        return cls(int(trainer.max_steps), int(trainer.grad_accum_steps),
-                   int(cfg.logging.every_n_steps), int(trainer.val_every_n_steps),
-                   int(cfg.checkpoint.every_n_steps))
 
 
 class _Loop:
@@ -290,7 +216,6 @@ class _Loop:
         self.start_step = start_step = run.step
         self.compilations = 0
         cfg = run.job.cfg
-        self.cadence = _Cadence.of(cfg)
         self.checkpointer = run.checkpointer
         self.checkpointer.remove_stale_temporaries()
         self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
@@ -300,6 +225,8 @@ class _Loop:
         last = self.logger.truncate_metrics_after(start_step)
         self.skipped_updates = int(last.get("train/skipped_updates") or 0)
         self._rate_from = (start_step + 1, time.perf_counter())
+        # The steady rate of this process's steps, for the closing block.
+        self.steady = SteadyRate.of(run.job, run.model)
 
     @property
     def step(self) -> int:
@@ -350,16 +277,16 @@ class _Loop:
     def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
         """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
         ``trainer.max_minutes``), if anything."""
-        cfg, cadence, logger = self.job.cfg, self.cadence, self.logger
+        cfg, trainer, logger = self.job.cfg, self.job.cfg.trainer, self.logger
         batches = iter(self.data.train)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
-        if self.step_fn.compiled is not None and self.step < cadence.max_steps:
+        if self.step_fn.compiled is not None and self.step < trainer.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest(cfg.trainer.max_minutes) as stop, profiler:
-            while self.step < cadence.max_steps and stop.signal_name is None:
+        with _StopRequest(trainer.max_minutes) as stop, profiler:
+            while self.step < trainer.max_steps and stop.signal_name is None:
                 # The loader yields micro-batches; the step takes the global batch they make up.
                 batch = join_micro_batches([next(batches)
-                                            for _ in range(cadence.grad_accum_steps)])
+                                            for _ in range(trainer.grad_accum_steps)])
                 profiler.before(self.step + 1)
                 started = time.perf_counter()
                 out = self.step_fn(batch)
@@ -369,7 +296,7 @@ class _Loop:
                           else math.isfinite(loss) and math.isfinite(grad_norm))
                 elapsed = time.perf_counter() - started
                 profiler.after(self.step + 1)
-                throughput.record(elapsed, compiled=self._log_compilations() > 0)
+                self.steady.record(elapsed, compiled=self._log_compilations() > 0)
                 self._stop_on_non_finite(loss, grad_norm, finite)
                 self.step += 1
                 if not finite:
@@ -382,7 +309,7 @@ class _Loop:
             return stop.signal_name
 
     def _after_step(self, scalars: dict[str, float], finite: bool, validate: _Validator) -> None:
-        cadence, step, logger = self.cadence, self.step, self.logger
+        cfg, trainer, step, logger = self.job.cfg, self.job.cfg.trainer, self.step, self.logger
         logger.scalars("train", scalars, step)
         if step == self.start_step + 1:
             _log_memory(logger, self.parallel, self.model, self.optimizer, step)
@@ -393,11 +320,11 @@ class _Loop:
                         f"{self.skipped_updates} skipped so far)")
         if step == self.start_step + 1:  # the first step compiles: the rate starts after it
             self._rate_from = (step, time.perf_counter())
-        if step % cadence.log_every == 0 or step == cadence.max_steps:
-            logger.line(format_log_line(step, cadence.max_steps, scalars, self._eta(step)))
-        if cadence.val_every and step % cadence.val_every == 0:
+        if step % cfg.logging.every_n_steps == 0 or step == trainer.max_steps:
+            logger.line(format_log_line(step, trainer.max_steps, scalars, self._eta(step)))
+        if trainer.val_every_n_steps and step % trainer.val_every_n_steps == 0:
             validate(step)
-        if step % cadence.checkpoint_every == 0 or step == cadence.max_steps:
+        if step % cfg.checkpoint.every_n_steps == 0 or step == trainer.max_steps:
             self.save()
 
 
@@ -430,9 +357,9 @@ def fit(run: Run) -> Path:
             logger.line(line)
         validate = _Validator(run)
         validate.at_start(loop.start_step)
-        throughput = _Throughput(job, run.model, logger)
-        stopped_by = _train_or_say_how_to_resume(loop, validate, throughput)
-        steady = throughput.summary()
+        stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
+                                                                             logger))
+        steady = loop.steady.summary()
         if steady:
             logger.scalars("throughput", steady, run.step)
         run.checkpointer.wait()
@@ -449,7 +376,7 @@ def fit(run: Run) -> Path:
                 export_dir = job.run_dir / "hf"
                 _export(run, export_dir)
         logger.line(final_summary(run, export_dir, validate.last, validate.first,
-                                  throughput.describe(steady)))
+                                  loop.steady.describe(steady)))
     finally:
         logger.close()
     return job.run_dir
