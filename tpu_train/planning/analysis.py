@@ -125,7 +125,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False,
-                           compute_dtype: torch.dtype | str | None = None,
+                           compute_dtype: torch.dtype | None = None,
                            scan_layers: bool | None = None, target: str | None = None,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -134,15 +134,12 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
-    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``; a dtype or its name,
-    ``"bfloat16"``, as the plan command's child gets it) apply when asked. ``dump_to`` (a directory): the compiler dumps its
+    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked. ``dump_to`` (a directory): the compiler dumps its
     optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
     that only plans) the figures are read from that dump as soon as it is written, passed to
     ``on_dumped``, and the process ends without waiting for code generation
     (:mod:`tpu_train.planning.tpu_dump`).
     """
-    if isinstance(compute_dtype, str):
-        compute_dtype = getattr(torch, compute_dtype)
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     devices = resolve_target(target).devices if target is not None else None
     mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
@@ -211,7 +208,8 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
         early = on_tpu and until_buffer_assignment
         child_args = {**args, "dump_to": dump} if early else args
-        cmd = [sys.executable, "-c", _CHILD_MAIN, "--child", json.dumps(child_args)]
+        cmd = [sys.executable, "-c", _CHILD_MAIN, "--child",
+               json.dumps(child_args, default=_dtype_name)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode == _EXIT_BAD_TARGET:  # libtpu rejected the topology: bad input
@@ -221,10 +219,19 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     return json.loads(lines[-1])
 
 
+def _dtype_name(value: Any) -> str:
+    """A torch dtype as JSON carries it to the child (``compute_dtype``: ``"bfloat16"``)."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"{type(value).__name__} {value!r} cannot be passed to the analysis child")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--child":
         args = json.loads(argv[1])
+        if isinstance(args.get("compute_dtype"), str):  # the name _dtype_name gave it
+            args["compute_dtype"] = getattr(torch, args["compute_dtype"])
         if args.get("dump_to"):
             args["on_dumped"] = lambda figures: print(json.dumps(figures), flush=True)
         try:

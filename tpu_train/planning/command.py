@@ -56,13 +56,11 @@ def choose_compiler(chip: str | None, num_chips: int) -> tuple[str | None, str |
 
 
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
-    """The analysis child's arguments, as JSON carries them (a dtype by its name)."""
-    dtype = estimate_mod.compute_dtype_of(cfg)
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
                 batch=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
                 activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
-                compute_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
-                scan_layers=cfg.trainer.scan_layers, target=target, **degrees)
+                compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
+                target=target, **degrees)
 
 
 def _compare(result: dict[str, Any], chip: str | None) -> None:
