@@ -30,9 +30,10 @@ first and last step; and the compiled/jax ratios. Usage::
 
 ``--size`` compares, interleaved as above, two modes of a model size of
 ``scripts/jax_llama.py`` (``w1``, ``350m``, ``1b``) at ``--precision`` (default bf16):
-``compiled``, the step exactly as ``tpu-train trainer.mode=compiled trainer.precision=...``
-builds it (``scripts/train_step_modes.py``: AdamW on the trainer's parameter groups, clipping
-to 1.0, a constant lr), and ``jax``, the hand-written JAX reference at the same precision with
+``compiled``, the step exactly as ``tpu-train model=llama_<size> trainer.mode=compiled
+trainer.precision=...`` builds it (``scripts/train_step_modes.py``: the size's model option,
+AdamW on the trainer's parameter groups, clipping to 1.0, a constant lr; what ``tpu-train``
+reaches on that model option: ``scripts/bench_cli_sizes.py``), and ``jax``, the hand-written JAX reference at the same precision with
 the same optimizer settings. Per mode: fastest / median step, tokens/s, MFU
 ((6 N_matmul + 12 layers seq dim) x tokens / step / the chip's peak bf16 FLOP/s; null where
 the chip's peak is unknown, e.g. on a CPU), trace / compile seconds, first / last loss; the
@@ -427,7 +428,7 @@ def sized(parser, args) -> dict:
                      f"{facts['device_count']} {facts['platform']} devices; make one visible "
                      "(a TPU host: TPU_VISIBLE_CHIPS=0 TPU_PROCESS_BOUNDS=1,1,1 "
                      "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1)")
-    cfg = tsm.trainer_config(args.precision)
+    cfg = tsm.trainer_config(args.precision, model=tsm.model_option(args.size))
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
     batches = make_batches(args.steps, size.vocab_size, batch=size.batch, seq=size.seq)

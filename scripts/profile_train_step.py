@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
     from tpu_train.models import Llama
 
     size = jax_llama.SIZES[args.size]
-    cfg = tsm.trainer_config("bf16")
+    cfg = tsm.trainer_config("bf16", model=tsm.model_option(args.size))
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
     modes = {"compiled": tsm.TrainerMode(cpu_model, cfg),

@@ -3,8 +3,9 @@ hand-written JAX reference (``scripts/jax_llama.py``) of the same model at the s
 plus the device facts the report needs (platform, chip, peak FLOP/s, device memory).
 
 * :class:`TrainerMode` builds the step exactly as ``tpu-train`` does for
-  ``trainer.mode=compiled trainer.precision=...``: the Hydra config is composed from the
-  shipped ``configs/`` and the trainer's own blocks (``tpu_train.trainer.setup.start``,
+  ``model=llama_<size> trainer.mode=compiled trainer.precision=...``: the Hydra config is
+  composed from the shipped ``configs/`` (the size's model option included) and the trainer's
+  own blocks (``tpu_train.trainer.setup.start``,
   ``parallelize``, ``build_optimizer``, ``build_scheduler``, the layout's ``build_step``) are called, so
   the benchmark follows whatever that path does (autocast, skipping non-finite updates, the
   parameter groups, the schedule).
@@ -27,12 +28,20 @@ import jax_llama
 # The trainer's settings the benchmark pins: AdamW from scratch (configs/optim/adamw.yaml) and
 # a constant learning rate (no warmup), so that both sides use the same lr at every step. The
 # trainer spreads the batch over every device of the process (parallel.data=-1).
-TRAINER_OVERRIDES = ("model=debug_tiny", "optim=adamw", "scheduler=constant",
-                     "scheduler.warmup_steps=0", "trainer.mode=compiled", "trainer.device=tpu")
+TRAINER_OVERRIDES = ("optim=adamw", "scheduler=constant", "scheduler.warmup_steps=0",
+                     "trainer.mode=compiled", "trainer.device=tpu")
 
 
-def trainer_config(precision: str):
-    """The composed ``tpu-train`` config for ``trainer.precision=precision``."""
+def model_option(size_name: str) -> str:
+    """The ``configs/model/`` option of a size of ``jax_llama.SIZES``: its shape, batch and
+    trainer settings, as ``tpu-train model=...`` gives them (``scripts/bench_cli_sizes.py``)."""
+    return f"llama_{size_name}"
+
+
+def trainer_config(precision: str, model: str = "debug_tiny"):
+    """The composed ``tpu-train`` config for ``model=model trainer.precision=precision``: the
+    model option's settings (e.g. its batch, which sizes micro-batches) reach the step as they
+    reach a user's run."""
     from hydra import compose, initialize_config_dir
 
     from tpu_train.cli import CONFIG_DIR
@@ -41,7 +50,8 @@ def trainer_config(precision: str):
     register_schema()
     run_dir = tempfile.mkdtemp(prefix="bench_train_step_run_")  # the blocks write nothing here
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
-    overrides = [*TRAINER_OVERRIDES, f"trainer.precision={precision}", f"run.dir={run_dir}"]
+    overrides = [f"model={model}", *TRAINER_OVERRIDES, f"trainer.precision={precision}",
+                 f"run.dir={run_dir}"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 

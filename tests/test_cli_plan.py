@@ -47,6 +47,22 @@ def test_plan_reports_analytic_and_xla_memory():
     assert "XLA vs analytic per chip: memory " in out
 
 
+@pytest.mark.timeout(240)
+def test_plan_of_a_bf16_step():
+    """trainer.precision=bf16 (the benchmark sizes' model options carry it) reaches the
+    analysis child, which compiles the bf16 step: another program than the fp32 one (on the
+    CPU compiler a larger one, with the bf16 copies of the weights beside the fp32 ones)."""
+    base = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32"]
+    figures = {}
+    for precision in ("fp32", "bf16"):
+        code, out, err = run_in_process(*base, f"trainer.precision={precision}")
+        assert code == 0, err
+        figures[precision] = json.loads(out.strip().splitlines()[-1])
+        assert "xla_error" not in figures[precision], figures[precision]
+    peaks = {precision: plan["xla"]["bytes_peak_estimate"] for precision, plan in figures.items()}
+    assert peaks["bf16"] != peaks["fp32"], peaks
+
+
 def test_plan_raises_a_batch_that_does_not_split():
     # Analytic only would need no XLA; the batch note is decided before any compile.
     from omegaconf import OmegaConf

@@ -20,6 +20,11 @@ Training batches
     of ``tokens[:, i]`` (already shifted), ``-100`` = ignored. ``state_dict()`` /
     ``load_state_dict()`` resume exactly.
 
+Random token ids
+    ``RandomTokenLoader(vocab_size, seq_len, batch_size, seed=0)`` yields endless batches of
+    uniformly random ids in the same form, seeded per batch, resumable: for measuring
+    throughput without a dataset (``tpu-train data=synthetic_tokens``).
+
 Evaluation batches
     ``PaddedInstructionLoader(path, tokenizer, batch_size)`` yields whole, padded
     instruction/chat samples with ``prompt_tokens`` (left-padded), ``prompts`` and ``references``.
@@ -45,6 +50,7 @@ from tpu_train.data.errors import DataError
 from tpu_train.data.packing import IGNORE_INDEX, PackedLoader
 from tpu_train.data.padded import PaddedInstructionLoader
 from tpu_train.data.prefetch import DevicePrefetcher, move_batch
+from tpu_train.data.random_tokens import RandomTokenLoader
 from tpu_train.data.synthetic import exact_match, extract_response, generate_examples, iter_examples, write_jsonl
 from tpu_train.data.tokenizer import (
     HFTokenizer,
@@ -63,6 +69,7 @@ __all__ = [
     "IGNORE_INDEX",
     "PackedLoader",
     "PaddedInstructionLoader",
+    "RandomTokenLoader",
     "Sample",
     "SentencePieceTokenizer",
     "Tokenizer",

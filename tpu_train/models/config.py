@@ -107,6 +107,21 @@ CONFIGS: dict[str, LlamaConfig] = {
         dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=768,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False,
     ),
+    # The sizes scripts/bench_train_step.py --size benchmarks (scripts/jax_llama.py SIZES), at
+    # the sequence length they are benchmarked at: configs/model/llama_{w1,350m,1b}.yaml train
+    # them from random initialization at the benchmark's batch.
+    "llama_w1": LlamaConfig(
+        dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, ffn_hidden_dim=1408,
+        max_seq_len=256,
+    ),
+    "llama_350m": LlamaConfig(
+        dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=32000, ffn_hidden_dim=2816,
+        max_seq_len=1024,
+    ),
+    "llama_1b": LlamaConfig(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_hidden_dim=5632,
+        max_seq_len=2048,
+    ),
     "llama2_7b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
         ffn_hidden_dim=11008, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,

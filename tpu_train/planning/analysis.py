@@ -208,7 +208,8 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
         early = on_tpu and until_buffer_assignment
         child_args = {**args, "dump_to": dump} if early else args
-        cmd = [sys.executable, "-c", _CHILD_MAIN, "--child", json.dumps(child_args)]
+        cmd = [sys.executable, "-c", _CHILD_MAIN, "--child",
+               json.dumps(child_args, default=_dtype_name)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode == _EXIT_BAD_TARGET:  # libtpu rejected the topology: bad input
@@ -218,10 +219,19 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     return json.loads(lines[-1])
 
 
+def _dtype_name(value: Any) -> str:
+    """A torch dtype as JSON carries it to the child (``compute_dtype``: ``"bfloat16"``)."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"{type(value).__name__} {value!r} cannot be passed to the analysis child")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--child":
         args = json.loads(argv[1])
+        if isinstance(args.get("compute_dtype"), str):  # the name _dtype_name gave it
+            args["compute_dtype"] = getattr(torch, args["compute_dtype"])
         if args.get("dump_to"):
             args["on_dumped"] = lambda figures: print(json.dumps(figures), flush=True)
         try:

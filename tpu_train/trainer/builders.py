@@ -36,12 +36,36 @@ def resolve_device(name: str) -> torch.device:
     raise ConfigError(f"trainer.device={name!r} is not a device; valid devices: cpu, tpu")
 
 
+def synthetic_tokens(cfg: DictConfig) -> bool:
+    """Whether ``data.source`` is ``synthetic_tokens`` (random ids; no files)."""
+    from .config import DataSource
+
+    return DataSource(cfg.data.source) is DataSource.synthetic_tokens
+
+
+def build_random_token_loader(cfg: DictConfig):
+    """Endless batches of random ids of the model's vocabulary, seeded by ``trainer.seed``."""
+    from tpu_train.data import RandomTokenLoader
+
+    try:
+        return RandomTokenLoader(model_config(cfg).vocab_size, cfg.data.seq_len,
+                                 cfg.data.batch_size, seed=cfg.trainer.seed)
+    except ValueError as exc:
+        raise ConfigError(f"data=synthetic_tokens with trainer.seed={cfg.trainer.seed}: {exc}; "
+                          "choose a smaller trainer.seed") from None
+
+
 def data_paths(cfg: DictConfig, bundled: str = "tasks"):
     """(training files, validation files or None) as ``DataFiles`` carrying ``data.column_map``;
     ``data.path: null`` means the bundled corpus's ``bundled`` training file
-    (:data:`BUNDLED_TRAIN_FILES`)."""
+    (:data:`BUNDLED_TRAIN_FILES`). ``data=synthetic_tokens`` has no files: a ConfigError."""
     from tpu_train.data import default_corpus_dir
     from tpu_train.data.sources import DataFiles
+
+    if synthetic_tokens(cfg):
+        raise ConfigError(
+            f"recipe={cfg.recipe.name} reads data files, but data=synthetic_tokens generates "
+            "random token ids; choose data=jsonl data.path=... (or data=bundled)")
 
     column_map = dict(cfg.data.column_map or {})
 

@@ -86,6 +86,16 @@ class ModelConfig:
     checkpoint: Optional[str] = None
 
 
+class DataSource(Enum):
+    """Where training batches come from: ``files`` (``data.path``, or the bundled corpus), or
+    ``synthetic_tokens``: uniformly random token ids of the model's vocabulary, seeded by
+    ``trainer.seed``, generated on the host at no measurable cost, for measuring training
+    throughput without a dataset (``data=synthetic_tokens``; no validation)."""
+
+    files = "files"
+    synthetic_tokens = "synthetic_tokens"
+
+
 @dataclass
 class DataConfig:
     """Training (and validation) data; ``path: null`` selects the bundled corpus.
@@ -96,6 +106,7 @@ class DataConfig:
     ``tasks_heldout.jsonl``) otherwise.
     """
 
+    source: DataSource = DataSource.files
     # No default: every data option states it (the jsonl option leaves it for the command line).
     # Any: a path or a list of paths (OmegaConf has no str-or-list type); validation checks it.
     path: Any = MISSING

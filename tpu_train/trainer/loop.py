@@ -29,6 +29,7 @@ from .rng import capture_rng_state
 from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .run import Run
 from .setup import Job
+from .steady import SteadyRate
 from .step import join_micro_batches
 from .summary import describe_compilation, start_summary, final_summary
 
@@ -224,6 +225,8 @@ class _Loop:
         last = self.logger.truncate_metrics_after(start_step)
         self.skipped_updates = int(last.get("train/skipped_updates") or 0)
         self._rate_from = (start_step + 1, time.perf_counter())
+        # The steady rate of this process's steps, for the closing block.
+        self.steady = SteadyRate.of(run.job, run.model)
 
     @property
     def step(self) -> int:
@@ -248,11 +251,13 @@ class _Loop:
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
 
-    def _log_compilations(self) -> None:
+    def _log_compilations(self) -> int:
+        """Log the train step's compilations since the last call; returns how many."""
         records = self.step_fn.compiled.compilations if self.step_fn.compiled is not None else []
         for record in records[self.compilations:]:
             self.logger.line(describe_compilation(record))
-        self.compilations = len(records)
+        new, self.compilations = len(records) - self.compilations, len(records)
+        return new
 
     def _stop_on_non_finite(self, loss: float, grad_norm: float, finite: bool) -> None:
         """With ``trainer.on_nan=stop``: stop on a non-finite loss or gradient norm. The step
@@ -291,7 +296,7 @@ class _Loop:
                           else math.isfinite(loss) and math.isfinite(grad_norm))
                 elapsed = time.perf_counter() - started
                 profiler.after(self.step + 1)
-                self._log_compilations()
+                self.steady.record(elapsed, compiled=self._log_compilations() > 0)
                 self._stop_on_non_finite(loss, grad_norm, finite)
                 self.step += 1
                 if not finite:
@@ -354,6 +359,9 @@ def fit(run: Run) -> Path:
         validate.at_start(loop.start_step)
         stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
                                                                              logger))
+        steady = loop.steady.summary()
+        if steady:
+            logger.scalars("throughput", steady, run.step)
         run.checkpointer.wait()
         export_dir = None
         if stopped_by is not None:
@@ -367,7 +375,8 @@ def fit(run: Run) -> Path:
             if cfg.checkpoint.export_hf:
                 export_dir = job.run_dir / "hf"
                 _export(run, export_dir)
-        logger.line(final_summary(run, export_dir, validate.last, validate.first))
+        logger.line(final_summary(run, export_dir, validate.last, validate.first,
+                                  loop.steady.describe(steady)))
     finally:
         logger.close()
     return job.run_dir

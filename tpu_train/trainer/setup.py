@@ -101,9 +101,12 @@ def build_data(job: Job, tokenizer, bundled: str = "tasks") -> Data:
     its own rows, see :meth:`Layout.place_batch`) and the validation files.
 
     ``data.path: null`` trains on the bundled corpus's ``bundled`` file: ``"tasks"`` (the
-    synthetic instruction task) or ``"prose"`` (for pretraining).
+    synthetic instruction task) or ``"prose"`` (for pretraining). ``data=synthetic_tokens``
+    trains on random token ids and validates on nothing.
     """
     cfg = job.cfg
+    if builders.synthetic_tokens(cfg):
+        return Data(builders.build_random_token_loader(cfg), None, False, None)
     train_path, val_path = builders.data_paths(cfg, bundled)
     train = builders.build_train_loader(cfg, tokenizer, train_path)
     has_val_loss = builders.build_val_loader(cfg, tokenizer, val_path) is not None

@@ -162,9 +162,11 @@ def _validation_figures(validation: dict, start: dict) -> str:
 
 
 def final_summary(run, export_dir: Path | None, validation: dict,
-                  start: dict | None = None) -> str:
+                  start: dict | None = None,
+                  throughput: list[tuple[str, str]] | None = None) -> str:
     """The closing block of ``run``: where everything is, the final validation figures beside
-    the starting model's (``start``, step 0) and the job's wall time."""
+    the starting model's (``start``, step 0), the steady step time and throughput rows
+    (``throughput``) and the job's wall time."""
     from .checkpoint import latest_checkpoint
 
     run_dir, logger, step, source = run.job.run_dir, run.logger, run.step, run.source
@@ -178,6 +180,7 @@ def final_summary(run, export_dir: Path | None, validation: dict,
             ("hf export", str(export_dir) if export_dir else "none")]
     if validation.get("step") == step and validation.get("values"):
         rows.append((f"validation at step {step}", _validation_figures(validation, start)))
+    rows += throughput or []
     rows.append(("wall time", duration(wall_s)))
     width = max(len(key) for key, _ in rows)
     lines = [f"finished step {step}/{max_steps}" if step >= max_steps

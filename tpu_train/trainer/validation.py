@@ -167,6 +167,20 @@ def _validate_data_files(data: DictConfig) -> None:
         raise ConfigError(f"data.{exc}") from None
 
 
+def _validate_synthetic_tokens(data: DictConfig) -> None:
+    """``data.source=synthetic_tokens`` reads no files: a file setting beside it is a mistake
+    (the run would silently ignore the user's data)."""
+    from .config import DataSource
+
+    if DataSource(data.source) is not DataSource.synthetic_tokens:
+        return
+    for key in ("path", "val_path", "weights", "column_map"):
+        _require(data[key] is None,
+                 f"data.{key}={data[key]!r} is set, but data.source=synthetic_tokens trains on "
+                 f"random token ids and reads no files; drop data.{key}, or choose data=jsonl "
+                 "data.path=... to train on files")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
     from omegaconf import OmegaConf
@@ -182,6 +196,7 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_optimizer(cfg.optim, cfg.scheduler)
     _validate_parallel(cfg)
     _validate_model_and_data(cfg)
+    _validate_synthetic_tokens(cfg.data)
     _validate_data_files(cfg.data)
     _validate_logging_and_checkpoint(cfg)
     _validate_run_dir(cfg)
