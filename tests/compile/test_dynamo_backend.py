@@ -8,10 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tpu_train.compile  # noqa: F401  (registers the "tpu" backend)
+from tpu_train.compile import dynamo_backend
 from tests.compile.helpers import (DEVICE, assert_losses_close, assert_params_within, lm_batches,
                                    lm_loss, mlp, param_bound, tiny_llama)
 from tests.tolerances import assert_rel_close, loss_rtol, rtol_for
+
+# As a checkout used without `pip install` does; an installed tpu_train is also found through
+# its entry point (test_backend_works_right_after_import_tpu_train).
+dynamo_backend.register()
 
 # Float32 tolerances (tests/tolerances.py). Longest reductions: the MLP's forward the hidden
 # size 32 (its MSE: 8 x 5 = 40 outputs); the tiny Llama's SwiGLU hidden size 176.

@@ -15,11 +15,15 @@ import copy
 import pytest
 import torch
 
-import tpu_train.compile  # noqa: F401  (registers the torch.compile backend "tpu")
+from tpu_train.compile import dynamo_backend
 from tests.tolerances import loss_rtol, param_atol
 
 from .helpers import (DEVICE, assert_losses_close, assert_params_within, lm_batches, lm_loss,
                       run_compiled, run_reference, to_device, w1_llama)
+
+# As a checkout used without `pip install` does; an installed tpu_train is also found through
+# its entry point (test_backend_works_right_after_import_tpu_train).
+dynamo_backend.register()
 
 STEPS = 5
 # torch.compile trains with the eager optimizer (op by op, ~37 tensors): a few steps show the

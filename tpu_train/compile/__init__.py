@@ -12,6 +12,8 @@ Compiled decoding (prefill + the decode loop as one program per shape bucket)::
 See ``docs/compile.md``.
 """
 
+import sys
+
 import tpu_train.ops  # noqa: F401  (the op families first, then the compile extras)
 import tpu_train.ops.compile_extras  # noqa: F401
 from tpu_train.compile.cache import CompileRecord, Signature, describe_changes
@@ -23,7 +25,14 @@ from tpu_train.compile.program import Program
 from tpu_train.compile.train_step import CompiledTrainStep, compile_train_step
 from tpu_train.compile import dynamo_backend as _dynamo_backend
 
-_dynamo_backend.register()  # torch.compile(model, backend="tpu")
+# torch.compile(model, backend="tpu"): an installed tpu_train declares the backend as an entry
+# point, which torch loads on the first such call. Registering it here would import dynamo, a
+# quarter of a training job's import time, which a job that never calls torch.compile does not
+# need; only where dynamo is already loaded is it registered now (a checkout used without
+# ``pip install`` calls ``dynamo_backend.register()`` itself).
+_dynamo_backend.install_traceable_protocol()
+if "torch._dynamo" in sys.modules:
+    _dynamo_backend.register()
 
 __all__ = [
     "CompileRecord",
