@@ -14,7 +14,13 @@ what one collection found and, on the next call, only checks that it still holds
 * each constant (a parameter outside the optimizer, a buffer) is still what its module holds
   under its name (``Module.to()`` and ``_apply`` replace them without the hooks);
 * each tensor still has the same storage and geometry (a ``key_part`` is renewed whenever
-  either changes), and no storage was resized since (:data:`tpu_train.device.storage`'s count).
+  either changes, and counted: while no tensor changed, none is compared), and no storage was
+  resized since (:data:`tpu_train.device.storage`'s count).
+
+Every check is an identity comparison run by a C loop (``map``), so the whole check costs
+tens of microseconds, not the milliseconds a Python loop over ~450 tensors would. And when
+the param and state storages still hold exactly what the previous call wrote, those arrays
+are the next call's inputs as they are (:meth:`CallPlan.reused_arrays`).
 
 Anything else (a new batch shape, a changed setting, autocast) is part of the signature and
 is compared on every call as before. Where a check fails, the inputs are collected again.
@@ -22,7 +28,9 @@ is compared on every call as before. Where a check fails, the inputs are collect
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import operator
 import threading
 from typing import Any
@@ -32,6 +40,7 @@ import torch
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile.lowering import StepInputs
 from tpu_train.device import storage as storage_mod
+from tpu_train.device import tensor as tensor_mod
 from tpu_train.device.tensor import TpuTensor, owns_whole_storage, storage_of
 
 __all__ = ["CallPlan", "structure_generation"]
@@ -61,8 +70,12 @@ def structure_generation() -> int:
     return _generation
 
 
-_GEOMETRY = operator.attrgetter("_storage", "key_part")
+_STORAGE = operator.attrgetter("_storage")
+_KEY_PART = operator.attrgetter("key_part")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_BUFFER = operator.attrgetter("_buffer")
+_PENDING = operator.attrgetter("_pending")
+_NO_STATE: dict = {}
 
 
 def _owners(model: torch.nn.Module) -> dict[int, tuple[dict, str]]:
@@ -77,9 +90,22 @@ def _owners(model: torch.nn.Module) -> dict[int, tuple[dict, str]]:
     return owners
 
 
+def _all_same(values, expected) -> bool:
+    """Is every item of ``values`` the very object at the same place of ``expected``? (Identity
+    only: comparing tensors or arrays with ``==`` would compare their elements.) Runs in C."""
+    return all(map(operator.is_, values, expected))
+
+
 @dataclasses.dataclass
 class CallPlan:
-    """One collection of a step's inputs and what calls derive from it (module docstring)."""
+    """One collection of a step's inputs and what calls derive from it (module docstring).
+
+    The checks of :meth:`holds` and the reuse of the previous call's outputs
+    (:meth:`step_arrays`) are identity comparisons over lists, run by C loops (``map``): a
+    Python loop over a 150-tensor model's ~450 tensors costs more host time than a small
+    model's whole step on a TPU. Tensors are never dictionary keys here: a lookup by tensor
+    calls ``Tensor.__hash__`` in Python.
+    """
 
     inputs: StepInputs  # batch fields are those of the collecting call
     device_index: int
@@ -88,12 +114,24 @@ class CallPlan:
     generation: int
     resizes: int
     group_params: list  # per param group: its params list object and a copy of its items
+    all_params: list  # every group's params, in order
     requires_grad: tuple
-    state_refs: list  # (param, key, state tensor)
-    const_refs: list  # (owner dict, name, tensor)
+    state: Any  # optimizer.state, its keys and its values (per-parameter dicts) when collected
+    state_keys: list
+    state_values: list
+    state_holders: list  # per state tensor: the dict that holds it, and its key there
+    state_names: list
+    const_tables: list  # per constant: the dict its module holds it in, and its name there
+    const_names: list
     tensors: list  # every param, state and constant tpu tensor
-    geometry: list  # (storage, key_part) per tensor of ``tensors``
-    storages: frozenset  # ids of the param and state storages
+    storages: list  # their storages,
+    key_parts: list  # and geometries
+    storage_ids: frozenset  # ids of the param and state storages
+    # The param and state storages when every one is passed whole, else None; and what the
+    # latest call wrote into them (its outputs, reused as the next call's inputs).
+    whole_storages: list | None
+    geometry_changes: int  # tensor_mod.geometry_changes() when storages and geometries matched
+    written: list | None = None
     last: Any = None  # (batch specs, settings, signature) of the latest call
 
     @classmethod
@@ -101,51 +139,94 @@ class CallPlan:
                 tensor_specs: tuple, generation: int) -> "CallPlan":
         optimizer = step.optimizer
         group_params = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
-        requires_grad = tuple(p.requires_grad for _, ps in group_params for p in ps)
-        state_refs = []  # in collect_step_inputs' order
+        all_params = [p for _, ps in group_params for p in ps]
+        holders, names = [], []  # in collect_step_inputs' order
         for group in optimizer.param_groups:
             keys = step.adapter.state_keys_for(group)
-            state_refs.extend((p, key, optimizer.state[p][key])
-                              for p in group["params"] if p.requires_grad for key in keys)
+            for p in group["params"]:
+                if p.requires_grad:
+                    holders.extend([optimizer.state[p]] * len(keys))
+                    names.extend(keys)
         owners = _owners(step.model)
-        const_refs = [owners[id(t)] + (t,) for t in inputs.consts]
+        tables = [owners[id(t)] for t in inputs.consts]
         tensors = [t for t in inputs.params + inputs.states + inputs.consts
                    if isinstance(t, TpuTensor)]
-        storages = frozenset(id(t._storage) for t in inputs.params + inputs.states
-                             if isinstance(t, TpuTensor))
+        param_and_state = inputs.params + inputs.states
+        storages = frozenset(id(t._storage) for t in param_and_state if isinstance(t, TpuTensor))
+        state = optimizer.state
         return cls(inputs, device_index, whole, tensor_specs, generation,
-                   storage_mod.resize_count(), group_params, requires_grad, state_refs,
-                   const_refs, tensors, list(map(_GEOMETRY, tensors)), storages)
+                   storage_mod.resize_count(), group_params, all_params,
+                   tuple(map(_REQUIRES_GRAD, all_params)), state, list(state.keys()),
+                   list(state.values()), holders, names, [t for t, _ in tables],
+                   [n for _, n in tables], tensors, list(map(_STORAGE, tensors)),
+                   list(map(_KEY_PART, tensors)), storages,
+                   list(map(_STORAGE, param_and_state)) if all(whole) else None,
+                   tensor_mod.geometry_changes())
 
     def holds(self, step, batch_leaves: list) -> bool:
         """Do the user's objects still hold exactly what this plan collected (and does the
         batch share no storage with a donated parameter or state)?"""
-        if any(isinstance(b, TpuTensor) and id(b._storage) in self.storages
+        if any(isinstance(b, TpuTensor) and id(b._storage) in self.storage_ids
                for b in batch_leaves):
             return False
         if structure_generation() != self.generation \
                 or storage_mod.resize_count() != self.resizes:
             return False
-        groups = step.optimizer.param_groups
+        optimizer = step.optimizer
+        groups = optimizer.param_groups
         if len(groups) != len(self.group_params):
             return False
         for group, (params_list, items) in zip(groups, self.group_params):
             params = group["params"]
             if params is not params_list or len(params) != len(items) \
-                    or not all(a is b for a, b in zip(params, items)):
+                    or not _all_same(params, items):
                 return False
-        if tuple(_REQUIRES_GRAD(p) for _, ps in self.group_params for p in ps) \
-                != self.requires_grad:
+        if tuple(map(_REQUIRES_GRAD, self.all_params)) != self.requires_grad:
             return False
-        state = step.optimizer.state
-        for p, key, tensor in self.state_refs:
-            held = state.get(p)
-            if held is None or held.get(key) is not tensor:
-                return False
-        if not all(table.get(name) is t for table, name, t in self.const_refs):
+        # The same per-parameter state dicts under the same parameters (by iteration, not by
+        # lookups), each still holding the same state tensors.
+        state = optimizer.state
+        if state is not self.state or len(state) != len(self.state_keys) \
+                or not _all_same(state.keys(), self.state_keys) \
+                or not _all_same(state.values(), self.state_values):
             return False
-        # Tuples of the same objects compare equal without calling their __eq__.
-        return list(map(_GEOMETRY, self.tensors)) == self.geometry
+        inputs = self.inputs
+        if not _all_same(map(dict.get, self.state_holders, self.state_names), inputs.states):
+            return False
+        if not _all_same(map(dict.get, self.const_tables, self.const_names), inputs.consts):
+            return False
+        # A tensor's storage and geometry change in place only through refresh_key_part,
+        # which counts the changes and renews key_part (a new tuple each time).
+        changes = tensor_mod.geometry_changes()
+        if changes == self.geometry_changes:
+            return True
+        tensors = self.tensors
+        if not (_all_same(map(_STORAGE, tensors), self.storages)
+                and _all_same(map(_KEY_PART, tensors), self.key_parts)):
+            return False
+        self.geometry_changes = changes
+        return True
+
+    def reused_arrays(self) -> list | None:
+        """The param and state arrays of this call when they are exactly what the latest call
+        wrote (nobody replaced a buffer since, no copy into one is in flight): the program's
+        outputs become its next inputs without a look at each tensor. None otherwise."""
+        written, storages = self.written, self.whole_storages
+        if written is None or any(map(_PENDING, storages)) \
+                or not _all_same(map(_BUFFER, storages), written):
+            return None
+        return written
+
+    def write_whole(self, outputs: list) -> bool:
+        """Make ``outputs`` (new params then new states) the storages' buffers when every one
+        is passed whole (False, nothing written, otherwise). The call read every buffer just
+        before (resolving any copy in flight), so a plain assignment is the setter's work."""
+        storages = self.whole_storages
+        if storages is None:
+            return False
+        collections.deque(map(setattr, storages, itertools.repeat("_buffer"), outputs), maxlen=0)
+        self.written = outputs
+        return True
 
     def signature(self, batch_specs: tuple, settings: tuple) -> cache_mod.Signature:
         """The call's signature; the one of the latest call when nothing changed (no hashing

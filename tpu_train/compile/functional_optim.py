@@ -24,9 +24,14 @@ step. Every other optimizer (and a subclass of these that overrides ``step``) ge
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import itertools
 import math
+import operator
 from typing import Sequence
 
+import numpy
 import torch
 
 from tpu_train.device.tensor import storage_of
@@ -48,16 +53,20 @@ class StepCounters:
     torch keeps one counter per parameter (on the CPU, or on the device with ``capturable`` /
     ``fused``); the compiled step updates a param group together, so a group's counters must
     agree, and the host feeds the count to the program instead of the program reading them.
+
+    A compiled step reads and advances every counter once per call. For CPU counters that
+    goes through NumPy views of their memory, by C loops (``map``), after checking by identity
+    that the group's parameters, ``optimizer.state`` and the counters are those of the last
+    call (never looking a tensor up in a dict: ``Tensor.__hash__`` runs in Python): ~0.1 us a
+    counter, where ``item()`` and ``fill_`` cost 5-10 us.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self._device_steps: dict[int, tuple] = {}
-        # Per param group: its counters and, for those on the CPU, NumPy views of their
-        # memory. A compiled step reads and advances every counter once per call: through the
-        # views that costs ~0.1 us a counter, through torch (item(), fill_) ~5-10 us.
-        self._views: dict[int, tuple] = {}
-        self._checked: dict[int, tuple] = {}
+        # Per param group (by id): _GroupCounters of the last look.
+        self._groups: dict[int, _GroupCounters] = {}
+        self._checked: dict[int, _GroupCounters] = {}
 
     def _read(self, step_t: torch.Tensor) -> int:
         # A counter on the device (capturable/fused) would cost a host sync per parameter per
@@ -69,48 +78,45 @@ class StepCounters:
                 return known[1]
         return int(_scalar(step_t))
 
-    def _counters(self, group):
-        state = self.optimizer.state
-        return [state[p]["step"] for p in group["params"]
-                if p in state and isinstance(state[p].get("step"), torch.Tensor)]
-
-    def _counters_and_views(self, group) -> tuple:
-        """``(counters, views)``: ``views[i]`` is a NumPy view of a CPU counter's element
-        (None for a device counter), made again when the group's counter tensors changed (a
-        loaded state dict replaces them)."""
-        counters = self._counters(group)
-        cached = self._views.get(id(group))
-        if cached is not None and len(cached[0]) == len(counters) \
-                and all(a is b for a, b in zip(cached[0], counters)):
+    def _group_counters(self, group) -> "_GroupCounters":
+        """The group's counters (and NumPy views of the CPU ones), looked up again only when
+        the group's parameters, ``optimizer.state`` or a counter object changed (a loaded
+        state dict replaces them)."""
+        cached = self._groups.get(id(group))
+        if cached is not None and cached.still(self.optimizer.state, group["params"]):
             return cached
-        views = [t.detach().numpy() if t.device.type == "cpu" and t.numel() == 1 else None
-                 for t in counters]
-        self._views[id(group)] = cached = (counters, views)
+        cached = self._groups[id(group)] = _GroupCounters.look_up(self.optimizer.state,
+                                                                  group["params"])
         return cached
 
     def count(self, group) -> int:
         """Updates applied so far to the group (0 without counters)."""
-        counters, views = self._counters_and_views(group)
-        self._checked[id(group)] = (counters, views)  # for the set() that follows
-        counts = {int(v.item()) if v is not None else self._read(t)
-                  for t, v in zip(counters, views)}
+        counters = self._group_counters(group)
+        self._checked[id(group)] = counters  # for the set() that follows
+        if counters.all_views:
+            counts = set(map(_ITEM, counters.views))
+        else:
+            counts = {v.item() if v is not None else self._read(t)
+                      for t, v in zip(counters.tensors, counters.views)}
         if len(counts) > 1:
             raise UnsupportedOptimizerError(
-                f"parameters of one param group are at different step counts {sorted(counts)}"
-                "; the compiled step updates a group together")
-        return counts.pop() if counts else 0
+                f"parameters of one param group are at different step counts "
+                f"{sorted(int(c) for c in counts)}; the compiled step updates a group together")
+        return int(counts.pop()) if counts else 0
 
     def set(self, group, step: int) -> None:
         """Record the new step count in ``optimizer.state`` (where eager torch keeps it)."""
         value = float(step)
-        shared_device_value = None
         # A step reads the counts (count) just before the program runs and sets them right
         # after: nothing can have replaced the counters in between.
-        checked = self._checked.pop(id(group), None)
-        counters, views = checked if checked is not None else self._counters_and_views(group)
-        for step_t, view in zip(counters, views):
+        counters = self._checked.pop(id(group), None) or self._group_counters(group)
+        if counters.all_views:  # the CPU tensors' own memory
+            collections.deque(map(_FILL, counters.views, itertools.repeat(value)), maxlen=0)
+            return
+        shared_device_value = None
+        for step_t, view in zip(counters.tensors, counters.views):
             if view is not None:
-                view.fill(value)  # the CPU tensor's own memory
+                view.fill(value)
             elif step_t.device.type == "cpu":
                 step_t.fill_(value)
             else:
@@ -121,6 +127,45 @@ class StepCounters:
                 buffer = storage_of(shared_device_value).buffer
                 storage_of(step_t).buffer = buffer
                 self._device_steps[id(step_t)] = (buffer, int(step))
+
+
+_ITEM = numpy.ndarray.item
+_FILL = numpy.ndarray.fill
+_GET_STEP = operator.methodcaller("get", "step")
+
+
+@dataclasses.dataclass
+class _GroupCounters:
+    """One param group's step counters as last looked up (:class:`StepCounters`)."""
+
+    state: dict  # optimizer.state then, with its keys and values (per-parameter dicts)
+    state_keys: list
+    state_values: list
+    params: list  # the group's parameters then
+    holders: list  # the state dicts of those parameters that have state
+    steps: list  # holder.get("step") for each (a counter, or whatever else it holds)
+    tensors: list  # the counters (the tensors among ``steps``)
+    views: list  # per counter: a NumPy view of a one-element CPU counter, else None
+    all_views: bool
+
+    @classmethod
+    def look_up(cls, state, params) -> "_GroupCounters":
+        holders = [state[p] for p in params if p in state]
+        steps = list(map(_GET_STEP, holders))
+        tensors = [t for t in steps if isinstance(t, torch.Tensor)]
+        views = [t.detach().numpy() if t.device.type == "cpu" and t.numel() == 1 else None
+                 for t in tensors]
+        return cls(state, list(state.keys()), list(state.values()), list(params), holders,
+                   steps, tensors, views, all(v is not None for v in views))
+
+    def still(self, state, params) -> bool:
+        """Is this what a new look-up would find? (Identity checks run by C loops.)"""
+        return (state is self.state and len(state) == len(self.state_keys)
+                and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params))
+                and all(map(operator.is_, state.keys(), self.state_keys))
+                and all(map(operator.is_, state.values(), self.state_values))
+                and all(map(operator.is_, map(_GET_STEP, self.holders), self.steps)))
 
 
 class OptimizerAdapter:

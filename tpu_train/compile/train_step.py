@@ -164,9 +164,9 @@ class CompiledTrainStep:
 
     # ------------------------------------------------------------------ the call
 
-    def _plan(self, batch) -> tuple[CallPlan, StepInputs]:
-        """The call plan (collected again where the last one no longer holds) and this
-        call's inputs (the plan's tensors with this batch)."""
+    def _plan(self, batch) -> tuple[CallPlan, list, list, Any]:
+        """The call plan (collected again where the last one no longer holds) and this call's
+        batch leaves, their names and tree spec."""
         leaves, names, spec = flatten_batch(batch, self._batch_structure)
         self._batch_structure = batch_structure(batch, names, spec)
         plan = self._call_plan
@@ -178,21 +178,20 @@ class CompiledTrainStep:
             index = self._device_index(st)
             plan = self._call_plan = CallPlan.collect(self, st, index, donatable(st),
                                                       self._tensor_specs(st), generation)
-        inputs = dataclasses.replace(plan.inputs, batch_leaves=leaves, batch_names=names,
-                                     batch_spec=spec)
-        return plan, inputs
+        return plan, leaves, names, spec
 
-    def __call__(self, batch) -> dict[str, torch.Tensor]:
-        plan, st = self._plan(batch)
-        index, whole = plan.device_index, plan.whole
-        device = runtime.jax_device(index)
-        n_params = len(st.params)
-        natural = self.mesh is None and natural_layout(device.platform)
-        param_arrays = _step_arrays(st.params, whole[:n_params], natural)
-        state_arrays = _step_arrays(st.states, whole[n_params:], natural)
-        const_arrays = [t.jax_value() for t in st.consts]
-        batch_arrays = []
-        for name, t in zip(st.batch_names, st.batch_leaves):
+    def _param_and_state_arrays(self, plan: CallPlan, natural: bool) -> tuple[list, list]:
+        st, n_params = plan.inputs, len(plan.inputs.params)
+        arrays = plan.reused_arrays()
+        if arrays is not None:
+            return arrays[:n_params], arrays[n_params:]
+        whole = plan.whole
+        return (_step_arrays(st.params, whole[:n_params], natural),
+                _step_arrays(st.states, whole[n_params:], natural))
+
+    def _batch_arrays(self, names, leaves) -> list:
+        arrays = []
+        for name, t in zip(names, leaves):
             if t.dim() == 0 or t.shape[0] % self.grad_accum_steps:
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)}: with grad_accum_steps="
@@ -200,16 +199,27 @@ class CompiledTrainStep:
                     "of it (micro-batches are consecutive slices along dim 0)")
             # A host tensor goes to the executable as a NumPy array: its own transfer, with
             # the other host arguments, costs less host time than a device_put before.
-            batch_arrays.append(t.jax_value() if isinstance(t, TpuTensor) else host_array(t))
+            arrays.append(t.jax_value() if isinstance(t, TpuTensor) else host_array(t))
+        return arrays
+
+    def __call__(self, batch) -> dict[str, torch.Tensor]:
+        plan, leaves, names, spec = self._plan(batch)
+        index, whole = plan.device_index, plan.whole
+        device = runtime.jax_device(index)
+        natural = self.mesh is None and natural_layout(device.platform)
+        param_arrays, state_arrays = self._param_and_state_arrays(plan, natural)
+        const_arrays = [t.jax_value() for t in plan.inputs.consts]
+        batch_arrays = self._batch_arrays(names, leaves)
         autocast_dtype = step_autocast_dtype(self.autocast_dtype)
-        signature = plan.signature(self._specs(st.batch_names, st.batch_leaves, batch_arrays),
-                                   self._settings(st, whole, autocast_dtype))
-        groups = self.optimizer.param_groups
+        signature = plan.signature(self._specs(names, leaves, batch_arrays),
+                                   self._settings(plan.inputs, whole, autocast_dtype))
         scalars, steps = host_scalars(self.optimizer, self.adapter)
-        values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
-                  "batch": [_on_device(a, device) for a in batch_arrays], "whole": whole}
 
         def build(stages):
+            st = dataclasses.replace(plan.inputs, batch_leaves=leaves, batch_names=names,
+                                     batch_spec=spec)
+            values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
+                      "batch": [_on_device(a, device) for a in batch_arrays], "whole": whole}
             return lower_collected(self, st, scalars, stages, values=values, device=device,
                                    mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype,
                                    runtime_options=True)
@@ -221,19 +231,26 @@ class CompiledTrainStep:
                 entry.layer_index_values(device)]
         if entry.random:
             args.append(rng.next_key(index))
-        new_params, new_states, new_consts, loss, grad_norm, lr, *flag = entry.executable(*args)
-        self._write_back(st.params, whole[:n_params], new_params)
-        self._write_back(st.states, whole[n_params:], new_states)
+        outputs = entry.executable(*args)
+        return self._finish(plan, entry, steps, outputs)
+
+    def _finish(self, plan: CallPlan, entry, steps: list, outputs) -> dict[str, torch.Tensor]:
+        """Everything after the program is dispatched: the new values into the user's tensors,
+        the scheduler's step, the result. Whatever does not need the step's values runs
+        before the one host sync (the finiteness flag, only when skipping), so that on a chip
+        it overlaps the program."""
+        new_params, new_states, new_consts, loss, grad_norm, lr, *flag = outputs
+        st, index = plan.inputs, plan.device_index
+        if not plan.write_whole(new_params + new_states):
+            n_params = len(st.params)
+            self._write_back(st.params, plan.whole[:n_params], new_params)
+            self._write_back(st.states, plan.whole[n_params:], new_states)
         for position, value in zip(entry.mutated_consts, new_consts):
             write_elements(st.consts[position], value)
         # Whoever reads one of these (the finiteness flag below, the loop's loss and gradient
         # norm) reads them all: one transfer round trip instead of one per value.
         for value in (loss, grad_norm, lr, *flag):
             value.copy_to_host_async()
-        applied = bool(flag[0]) if flag else True  # a host sync only when skipping
-        if applied:  # a skipped update leaves the step counts (and so bias corrections) as is
-            for group, step in zip(groups, steps):
-                self.adapter.set_step_count(group, step)
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
         # optimizer step before their own (and do not warn that the order is wrong).
         self.optimizer._opt_called = True
@@ -244,6 +261,10 @@ class CompiledTrainStep:
         out = {"loss": wrap(loss, torch.float32, index, shape=()),
                "grad_norm": wrap(grad_norm, entry.grad_norm_dtype, index, shape=()),
                "lr": wrap(lr, torch.float32, index, shape=())}
+        applied = bool(flag[0]) if flag else True  # a host sync only when skipping
+        if applied:  # a skipped update leaves the step counts (and so bias corrections) as is
+            for group, step in zip(self.optimizer.param_groups, steps):
+                self.adapter.set_step_count(group, step)
         if flag:
             out["finite"] = torch.tensor(applied)
         return out

@@ -61,8 +61,20 @@ def current_key_part(tensor: "TpuTensor") -> tuple:
             storage.dtype, storage.device_index)
 
 
+_geometry_changes = 0
+
+
+def geometry_changes() -> int:
+    """How many times an existing tpu tensor changed its storage or geometry in place
+    (:func:`refresh_key_part`) so far: what a caller that keeps tensors' storages and
+    geometries (a compiled step's call plan) checks before comparing them one by one."""
+    return _geometry_changes
+
+
 def refresh_key_part(tensor: "TpuTensor") -> None:
     """Recompute ``tensor.key_part`` after its geometry or storage changed in place."""
+    global _geometry_changes
+    _geometry_changes += 1
     tensor.key_part = current_key_part(tensor)
 
 
@@ -113,7 +125,7 @@ class TpuTensor(torch.Tensor):
             dtype=storage.dtype, device=_device(storage.device_index),
             requires_grad=requires_grad)
         tensor._storage = storage
-        refresh_key_part(tensor)
+        tensor.key_part = current_key_part(tensor)  # a new tensor: no change to count
         return tensor
 
     def __init__(self, *args, **kwargs):
