@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Host time of one training step: the trainer's compiled step call, its parts, and the
+``fit`` loop around it, for a ~150-tensor Llama (W1's width, 16 layers: 147 tensors).
+
+What is timed, with the host's own clock (``time.perf_counter``), min and median over many
+calls; before each timed call the previous step has finished on the device, so a call's time
+is what the host spends on it (plus, where the call itself waits for the device, that wait,
+reported on its own):
+
+* ``step_call``: ``TrainStep.__call__`` exactly as ``tpu-train trainer.mode=compiled`` builds
+  it (``scripts/train_step_modes.py``: skipping non-finite updates, AdamW on the trainer's two
+  parameter groups, clipping, bf16 compute). Split into ``program_dispatch`` (inside the
+  compiled program's call: JAX's own host work to launch it), ``finite_wait`` (the one host
+  sync of a step that skips non-finite updates: waiting for the device to finish the step and
+  send its finiteness flag) and ``host`` (everything else: the project's own work);
+* ``host_only``: the same call with the compiled program replaced by a stub that returns its
+  inputs at once, so the device is out of the picture: the project's host work alone, and its
+  parts (``inputs_check``: is the cached call plan still valid; ``signature``: the compile
+  signature; ``step_counts``: the optimizer's counters and the per-group host scalars;
+  ``finish``: writing the results back, the scheduler's step, the result tensors);
+* ``jax_reference_call``: one step of the hand-written JAX reference of the same model
+  (``scripts/jax_llama.py``: two ``device_put`` and one jitted call with donated pytrees):
+  what a JAX user's step costs the host, the floor to compare ``step_call`` with;
+* ``loop`` (``--loop-steps``, 0 to skip): ``tpu_train.trainer.loop.fit`` on the bundled data
+  with the program stubbed as above after its first (compiling) step: ``per_step`` (start of
+  one step call to the next), and of it ``step_call``, ``data`` (the loader's next batch) and
+  ``logging`` (metrics.jsonl, TensorBoard, log lines); ``other`` is the rest (reading the
+  loss, gradient norm and flag, the loop's own checks).
+
+Prints ONE JSON line. Usage (``--dim``/``--heads``/``--seq`` make it cheap to compile on a
+CPU; on a chip the defaults)::
+
+    python scripts/bench_host_time.py [--layers 16] [--calls 400] [--loop-steps 200]
+    python scripts/bench_host_time.py --dim 64 --heads 2 --kv-heads 1 --seq 32   # a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+# The sibling modules (jax_llama, train_step_modes), and this checkout's tpu_train before any
+# installed one.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+
+
+def figures(seconds: list) -> dict:
+    """Min and median in milliseconds."""
+    if not seconds:
+        return {"min": None, "median": None}
+    return {"min": round(min(seconds) * 1e3, 4), "median": round(statistics.median(seconds) * 1e3, 4)}
+
+
+class Timings:
+    """Seconds per label, per call: ``with timings("label")`` adds to the current call."""
+
+    def __init__(self):
+        self.current: dict = collections.defaultdict(float)
+        self.calls: dict = collections.defaultdict(list)
+        self.recording = False
+
+    @contextlib.contextmanager
+    def __call__(self, label: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current[label] += time.perf_counter() - start
+
+    def next_call(self, labels) -> None:
+        if self.recording:
+            for label in labels:
+                self.calls[label].append(self.current.get(label, 0.0))
+        self.current.clear()
+
+    def wrap(self, obj, name: str, label: str):
+        """Time every call of ``obj.name`` under ``label`` (an instance or class attribute);
+        returns what undoes it."""
+        function = getattr(obj, name)
+        had_own = name in vars(obj)
+
+        def timed(*args, **kwargs):
+            with self(label):
+                return function(*args, **kwargs)
+
+        setattr(obj, name, timed)
+        return lambda: setattr(obj, name, function) if had_own else delattr(obj, name)
+
+
+class _TimedFlag:
+    """The step's finiteness flag (a jax.Array), timing the host's read of it."""
+
+    def __init__(self, array, timings: Timings):
+        self.array, self.timings = array, timings
+
+    def copy_to_host_async(self):
+        self.array.copy_to_host_async()
+
+    def __bool__(self) -> bool:
+        with self.timings("finite_wait"):
+            return bool(self.array)
+
+
+class TimedProgram:
+    """The compiled program, its call timed (``program_dispatch``); or, with ``stub``, not
+    called at all: its inputs come back as the new values, with fixed metrics."""
+
+    def __init__(self, program, timings: Timings, stub: bool, returns_flag: bool):
+        import jax.numpy as jnp
+
+        self.program, self.timings, self.stub = program, timings, stub
+        one = jnp.ones((1,), jnp.float32)
+        self.metrics = (one, one, one) + ((jnp.ones((1,), bool),) if returns_flag else ())
+
+    def __call__(self, params, states, consts, batch, scalars, layer_indices, *key):
+        if self.stub:
+            return (params, states, []) + self.metrics
+        with self.timings("program_dispatch"):
+            outputs = self.program(params, states, consts, batch, scalars, layer_indices, *key)
+        if len(outputs) > 6:
+            outputs = (*outputs[:6], _TimedFlag(outputs[6], self.timings))
+        return outputs
+
+
+def install_program(compiled, timings: Timings, stub: bool) -> None:
+    """Put a :class:`TimedProgram` in front of the latest compiled program of ``compiled``."""
+    entry = compiled.cache._last_entry
+    program = entry.executable
+    if isinstance(program, TimedProgram):
+        program = program.program
+    entry.executable = TimedProgram(program, timings, stub, compiled.skip_non_finite)
+
+
+def size_of(args):
+    import jax_llama
+
+    base = jax_llama.SIZES[args.size]
+    dim = args.dim or base.dim
+    heads = args.heads or base.n_heads
+    return dataclasses.replace(
+        base, name=f"{args.size}-host", dim=dim, n_layers=args.layers, n_heads=heads,
+        n_kv_heads=args.kv_heads or max(1, heads // 2),
+        ffn_hidden_dim=base.ffn_hidden_dim if dim == base.dim else int(dim * 2.75),
+        seq=args.seq or base.seq, batch=args.batch or base.batch)
+
+
+def time_step_calls(size, args, timings: Timings) -> dict:
+    """``step_call`` and ``host_only`` (module docstring) on the trainer's compiled step."""
+    import jax
+    import numpy as np
+    import torch
+    import train_step_modes as tsm
+
+    from bench_train_step import make_batches
+    from tpu_train.compile import call_plan, train_step
+    from tpu_train.device.tensor import storage_of
+    from tpu_train.models import Llama
+
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    mode = tsm.TrainerMode(cpu_model, tsm.trainer_config(args.precision))
+    compiled = mode.train_step.compiled
+    batches = [{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in b.items()}
+               for b in make_batches(16, size.vocab_size, batch=size.batch, seq=size.seq)]
+    mode.block(mode.train_step(batches[0])["loss"])  # compiles
+    parameters = list(compiled.model.parameters())
+    # (What an older tpu_train lacks is left out, so that the script measures it too.)
+    undo = [timings.wrap(obj, name, label)
+            for obj, name, label in ((call_plan.CallPlan, "holds", "inputs_check"),
+                                     (call_plan.CallPlan, "signature", "signature"),
+                                     (train_step, "host_scalars", "step_counts"),
+                                     (compiled, "_finish", "finish")) if hasattr(obj, name)]
+    report = {"tensors": len(list(compiled.model.parameters())) + len(list(compiled.model.buffers()))}
+    for stub, key in ((False, "step_call"), (True, "host_only")):
+        install_program(compiled, timings, stub)
+        timings.calls.clear()
+        for i in range(args.warmup + args.calls):
+            timings.recording = i >= args.warmup
+            with timings("call"):
+                out = mode.train_step(batches[i % len(batches)])
+            jax.block_until_ready([storage_of(out["loss"])._resolved()]
+                                  + [storage_of(p)._resolved() for p in parameters])
+            timings.next_call(("call", "program_dispatch", "finite_wait", "inputs_check",
+                               "signature", "step_counts", "finish"))
+        calls = timings.calls
+        if stub:
+            report[key] = {"call": figures(calls["call"]),
+                           **{part: figures(calls[part]) for part in
+                              ("inputs_check", "signature", "step_counts", "finish")}}
+        else:
+            host = [c - d - w for c, d, w in zip(calls["call"], calls["program_dispatch"],
+                                                 calls["finite_wait"])]
+            report[key] = {"call": figures(calls["call"]),
+                           "program_dispatch": figures(calls["program_dispatch"]),
+                           "finite_wait": figures(calls["finite_wait"]),
+                           "host": figures(host)}
+    for restore in undo:
+        restore()
+    report["compilations"] = len(compiled.compilations)
+    return report
+
+
+def time_reference(size, args) -> dict:
+    """``jax_reference_call``: the hand-written JAX step's call, blocked before each."""
+    import train_step_modes as tsm
+
+    from bench_train_step import make_batches
+    from tpu_train.models import Llama
+
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(tsm.trainer_config(args.precision)),
+                                  args.precision)
+    batches = make_batches(16, size.vocab_size, batch=size.batch, seq=size.seq)
+    reference.block(reference.step(batches[0]))
+    seconds = []
+    for i in range(args.warmup + args.calls):
+        start = time.perf_counter()
+        loss = reference.step(batches[i % len(batches)])
+        if i >= args.warmup:
+            seconds.append(time.perf_counter() - start)
+        reference.block(loss)
+    return figures(seconds)
+
+
+def time_loop(size, args, timings: Timings) -> dict:
+    """``loop`` (module docstring): ``fit`` on the bundled data, the program stubbed after the
+    first step."""
+    from tpu_train.models import CONFIGS
+    from tpu_train.trainer import loop, metrics, run as run_mod, setup
+    from train_step_modes import trainer_config
+
+    name = f"bench_host_time_{size.dim}x{size.n_layers}"
+    CONFIGS[name] = dataclasses.replace(size.config(), max_seq_len=size.seq)
+    run_dir = tempfile.mkdtemp(prefix="bench_host_time_run_")
+    try:
+        cfg = trainer_config(args.precision)
+        overrides = {"model.name": name, "trainer.max_steps": args.loop_steps + 1,
+                     "trainer.val_every_n_steps": 0, "checkpoint.every_n_steps": 10 ** 6,
+                     "checkpoint.export_hf": False, "data.batch_size": size.batch,
+                     "data.seq_len": size.seq, "run.dir": run_dir}
+        for key, value in overrides.items():
+            section, field = key.split(".")
+            cfg[section][field] = value
+        run = run_mod.resume(run_mod.assemble(setup.start(cfg)))
+        step_fn, compiled = run.step_fn, run.step_fn.compiled
+        starts = []
+
+        def step(batch, _call=step_fn.__call__):
+            if len(starts) == 1:  # the first call compiled the program
+                install_program(compiled, timings, stub=True)
+            starts.append(time.perf_counter())
+            # What the last period held: that step's call and logging, this step's batch.
+            timings.next_call(("step_call", "data", "logging"))
+            with timings("step_call"):
+                return _call(batch)
+
+        timings.recording = True
+        run.step_fn = _Step(step, compiled)
+        run.data.train = _TimedIterable(run.data.train, timings)
+        undo = [timings.wrap(metrics.RunLogger, method, "logging")
+                for method in ("scalars", "line", "advance")]
+        try:
+            with contextlib.redirect_stdout(open(os.devnull, "w")):
+                loop.fit(run)
+        finally:
+            for restore in undo:
+                restore()
+        # Period i runs from call i to call i + 1; the record made at call i + 1 holds its
+        # parts. The first two periods (compiling, installing the stub) are left out.
+        periods = [b - a for a, b in zip(starts, starts[1:])][2:]
+        parts = {label: timings.calls[label][1:][2:] for label in ("step_call", "data", "logging")}
+        other = [p - sum(parts[label][i] for label in parts) for i, p in enumerate(periods)]
+        return {"steps": len(periods), "per_step": figures(periods),
+                **{label: figures(values) for label, values in parts.items()},
+                "other": figures(other)}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class _Step:
+    """The run's TrainStep, its call timed (``compiled`` is what the loop reads from it)."""
+
+    def __init__(self, call, compiled):
+        self._call, self.compiled = call, compiled
+
+    def __call__(self, batch):
+        return self._call(batch)
+
+
+class _TimedIterable:
+    def __init__(self, loader, timings: Timings):
+        self.loader, self.timings = loader, timings
+
+    def __iter__(self):
+        iterator = iter(self.loader)
+        while True:
+            with self.timings("data"):
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+            yield batch
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="w1", choices=("w1", "350m", "1b"),
+                        help="the width (and batch) of this jax_llama size (default w1)")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--dim", type=int, help="model width instead of the size's")
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--loop-steps", type=int, default=200)
+    parser.add_argument("--no-reference", action="store_true")
+    args = parser.parse_args(argv)
+    import train_step_modes as tsm
+
+    size = size_of(args)
+    timings = Timings()
+    report = {"date": time.strftime("%Y-%m-%d"), **tsm.device_facts(),
+              "model": {"dim": size.dim, "layers": size.n_layers, "heads": size.n_heads,
+                        "kv_heads": size.n_kv_heads, "ffn": size.ffn_hidden_dim,
+                        "vocab": size.vocab_size, "batch": size.batch, "seq": size.seq},
+              "precision": args.precision, "calls": args.calls}
+    report.update(time_step_calls(size, args, timings))
+    if not args.no_reference:
+        report["jax_reference_call"] = time_reference(size, args)
+    if args.loop_steps:
+        report["loop"] = time_loop(size, args, Timings())
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
