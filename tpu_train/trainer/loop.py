@@ -196,8 +196,9 @@ class _Throughput:
         if self.peak is None:
             logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")
 
-    def scalars(self, out: dict, loss: float, elapsed: float) -> dict[str, float]:
-        scalars = {"loss": loss, "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
+    def scalars(self, out: dict, loss: float, grad_norm: float,
+                elapsed: float) -> dict[str, float]:
+        scalars = {"loss": loss, "lr": float(out["lr"]), "grad_norm": grad_norm,
                    "step_time_s": elapsed,
                    "tokens_per_s": self.tokens_per_step / max(elapsed, 1e-9)}
         if self.peak is not None:
@@ -301,7 +302,7 @@ class _Loop:
                 self.step += 1
                 if not finite:
                     self.skipped_updates += 1
-                scalars = throughput.scalars(out, loss, elapsed)
+                scalars = throughput.scalars(out, loss, grad_norm, elapsed)
                 scalars["skipped_updates"] = float(self.skipped_updates)
                 self._after_step(scalars, finite, validate)
             if stop.signal_name is not None:

@@ -125,6 +125,7 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self._writer = None
         self._log_file: TextIO | None = None
+        self._metrics_file: TextIO | None = None
         self._bar = None
         if not enabled:
             return
@@ -157,13 +158,24 @@ class RunLogger:
         if not self.enabled:
             return
         record = metrics_record(step, {f"{prefix}/{k}": v for k, v in values.items()})
-        with open(self.metrics_path, "a", encoding="utf-8") as handle:
-            # json writes floats with repr(): they read back bit for bit.
-            handle.write(json.dumps(record, allow_nan=False) + "\n")
+        # One handle for the run, opened at the first row (after truncate_metrics_after has
+        # rewritten the file), each row written through at once: a crash loses no row, and a
+        # step costs one write instead of an open and a close.
+        if self._metrics_file is None:
+            self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")
+        # json writes floats with repr(): they read back bit for bit.
+        self._metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._metrics_file.flush()
         if self._writer is None:
             return
-        for key, value in values.items():
-            self._writer.add_scalar(f"{prefix}/{key}", value, step)
+        # One TensorBoard event holding every value: add_scalar makes an event (protobufs, a
+        # queue put waking the writer thread) per value, most of the loop's own host time
+        # per step.
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=f"{prefix}/{key}", simple_value=float(value))
+                                 for key, value in values.items()])
+        self._writer.file_writer.add_summary(summary, step)
 
     def truncate_metrics_after(self, step: int) -> dict:
         """Drop the rows of ``metrics.jsonl`` after ``step`` (a run resumed from ``step``
@@ -271,3 +283,6 @@ class RunLogger:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
