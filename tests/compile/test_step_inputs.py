@@ -106,3 +106,52 @@ def test_bad_compute_dtype_is_one_clear_error():
     with pytest.raises(ValueError, match="compute_dtype must be"):
         compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
                            compute_dtype=torch.int8)
+
+
+def _mlp_step(lr=1e-2):
+    model = mlp().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    return model, opt, compile_train_step(model, opt, mlp_loss)
+
+
+def test_weights_written_eagerly_between_calls_are_read():
+    """A call reuses the previous call's outputs as inputs only while the storages still hold
+    them: an eager in-place write, a ``.data`` swap and a ``set_`` in between are all seen.
+    Oracle: with every weight zero the MLP outputs its zeroed biases, so the loss is the
+    batch's own mean of y squared."""
+    batch = to_device(mlp_batches(1)[0])
+    zero_output = float((mlp_batches(1)[0]["y"] ** 2).mean())
+    for change in ("in place", "data", "set_"):
+        model, _, step = _mlp_step()
+        step(batch)
+        step(batch)
+        with torch.no_grad():
+            for p in model.parameters():
+                if change == "in place":
+                    p.zero_()
+                elif change == "data":
+                    p.data = torch.zeros(p.shape, device=DEVICE)
+                else:
+                    p.set_(torch.zeros(p.shape, device=DEVICE))
+        assert float(step(batch)["loss"]) == pytest.approx(zero_output, rel=1e-6), change
+        assert len(step.compilations) == 1, change
+
+
+def test_step_counters_written_between_calls_are_read():
+    """The counters are read on every call (through views of their memory): a counter set by
+    hand drives the next bias correction, and the call advances it from there."""
+    batch = to_device(mlp_batches(1)[0])
+    model, opt, step = _mlp_step()
+    step(batch)
+    reference_model = copy.deepcopy(model)
+    reference_opt = torch.optim.AdamW(reference_model.parameters(), lr=1e-2)
+    reference_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # nothing shared
+    for state in list(opt.state.values()) + list(reference_opt.state.values()):
+        state["step"].fill_(40.0)
+    step(batch)
+    loss = mlp_loss(reference_model, batch)  # the same update in eager torch
+    loss.backward()
+    reference_opt.step()
+    assert {s["step"].item() for s in opt.state.values()} == {41.0}
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)

@@ -108,6 +108,22 @@ def test_int64_stays_int64_as_torch_sees_it():
     assert x.sum().item() == 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.int32, torch.int8, torch.bool, torch.complex64])
+def test_item_of_a_one_element_storage_is_the_python_number_cpu_gives(dtype):
+    """A scalar that is its whole storage (a compiled step's loss) is read from its buffer's
+    host copy directly; a scalar viewing a larger storage the general way. Both give exactly
+    what the same tensor on the CPU gives, of the same Python type."""
+    source = (torch.arange(-3, 3) * 7 % 5).to(dtype) / (3 if dtype.is_floating_point else 1)
+    x = source.to("tpu")
+    for cpu_value, tpu_value in ((source[4], x[4]), (source[4].clone(), x[4].clone()),
+                                 (source.sum(), x.sum())):
+        expected, got = cpu_value.item(), tpu_value.item()
+        assert type(got) is type(expected) and got == expected, (dtype, got, expected)
+        assert float(tpu_value.real if dtype.is_complex else tpu_value) == float(
+            cpu_value.real if dtype.is_complex else cpu_value)
+
+
 @pytest.mark.devices(8)
 def test_save_load_round_trip(tmp_path):
     x = torch.randn(3, 4).to("tpu:2")
