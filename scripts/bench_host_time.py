@@ -141,6 +141,14 @@ def install_program(compiled, timings: Timings, stub: bool) -> None:
     entry.executable = TimedProgram(program, timings, stub, compiled.skip_non_finite)
 
 
+def config(args):
+    """The trainer's config for ``tpu-train model=llama_<size>`` at ``--precision`` (the size's
+    own trainer settings, as a user's run gets them; the model itself is replaced)."""
+    import train_step_modes as tsm
+
+    return tsm.trainer_config(args.precision, tsm.model_option(args.size))
+
+
 def size_of(args):
     import jax_llama
 
@@ -168,7 +176,7 @@ def time_step_calls(size, args, timings: Timings) -> dict:
 
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
-    mode = tsm.TrainerMode(cpu_model, tsm.trainer_config(args.precision))
+    mode = tsm.TrainerMode(cpu_model, config(args))
     compiled = mode.train_step.compiled
     batches = [{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in b.items()}
                for b in make_batches(16, size.vocab_size, batch=size.batch, seq=size.seq)]
@@ -219,8 +227,7 @@ def time_reference(size, args) -> dict:
 
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
-    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(tsm.trainer_config(args.precision)),
-                                  args.precision)
+    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(config(args)), args.precision)
     batches = make_batches(16, size.vocab_size, batch=size.batch, seq=size.seq)
     reference.block(reference.step(batches[0]))
     seconds = []
@@ -238,13 +245,12 @@ def time_loop(size, args, timings: Timings) -> dict:
     first step."""
     from tpu_train.models import CONFIGS
     from tpu_train.trainer import loop, metrics, run as run_mod, setup
-    from train_step_modes import trainer_config
 
     name = f"bench_host_time_{size.dim}x{size.n_layers}"
     CONFIGS[name] = dataclasses.replace(size.config(), max_seq_len=size.seq)
     run_dir = tempfile.mkdtemp(prefix="bench_host_time_run_")
     try:
-        cfg = trainer_config(args.precision)
+        cfg = config(args)
         overrides = {"model.name": name, "trainer.max_steps": args.loop_steps + 1,
                      "trainer.val_every_n_steps": 0, "checkpoint.every_n_steps": 10 ** 6,
                      "checkpoint.export_hf": False, "data.batch_size": size.batch,
