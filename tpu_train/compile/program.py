@@ -134,7 +134,8 @@ def _state_owners(st) -> list[int]:
 
 
 def _has_checkpointed_regions(gm: torch.fx.GraphModule) -> bool:
-    return any(node.target is OPTIMIZATION_BARRIER for node in gm.graph.nodes)
+    return any(node.target is OPTIMIZATION_BARRIER for node in gm.graph.nodes) \
+        or shared_layers.has_remat_calls(gm)
 
 
 def _has_layer_scans(gm: torch.fx.GraphModule) -> bool:

@@ -14,8 +14,9 @@ Unlike a scan (:mod:`.layer_scan`), a call needs nothing of its neighbours: each
 called with any arguments of the same signature, in any order, and its parameters stay
 separate arrays. A layer is traced inline, as before, where its call does not fit: an argument
 that is neither a tensor nor a plain value (a cache object), a body that draws random numbers
-(each layer needs its own) or writes its inputs, a result whose leaves are not all tensors, a
-checkpointed layer (the step then traces PyTorch's backward, see :mod:`.loss_graph`).
+(each layer needs its own) or writes its inputs, a result whose leaves are not all tensors. A
+checkpointed layer (``trainer.remat``) is a body with its remat policy, whose calls are
+differentiated through ``jax.checkpoint`` with that policy (:func:`.layer_scan.jax_policy`).
 
 As for scans, an int attribute holding a layer's own position (``layer_idx``) is taken for
 bookkeeping (a KV-cache slot) and keyed as "the index"; every other attribute is part of the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import jax
 import torch
 from torch.utils._pytree import tree_unflatten
 
@@ -60,9 +62,51 @@ def _(body_id, tensors):
 
 
 def _lower_layer_call(body_id: int, tensors: Sequence, constrain=None, uses=None) -> list:
-    values = [t if use is None else use(t)
-              for t, use in zip(tensors, uses or [None] * len(tensors))]
-    return list(layer_scan.body(body_id).jitted(constrain)(*values))
+    body = layer_scan.body(body_id)
+    jitted = body.jitted(constrain)
+    uses = uses or [None] * len(tensors)
+
+    def call(*values):
+        # Inside the checkpoint: a recomputation reads (gathers) the stored weights again.
+        return list(jitted(*[t if use is None else use(t) for t, use in zip(values, uses)]))
+
+    if body.remat is not None:
+        call = _recomputed(call, layer_scan.jax_policy(body.remat))
+    return call(*tensors)
+
+
+def _recomputed(function: Callable, policy) -> Callable:
+    """``function`` differentiated through ``jax.checkpoint`` with ``policy``, its backward
+    starting from fenced residuals (:func:`.interpreter.fence`, tied to the incoming
+    gradient): left to ``jax.checkpoint``'s own barriers, XLA's CPU pipeline merged the
+    recomputation with the forward and kept every activation (measured: no memory saved)."""
+    checkpointed = jax.checkpoint(function, policy=policy)
+
+    @jax.custom_vjp
+    def run(*values):
+        return checkpointed(*values)
+
+    def forward(*values):
+        return jax.vjp(checkpointed, *values)
+
+    def backward(pullback, cotangents):
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        cot_leaves, cot_tree = jax.tree_util.tree_flatten(cotangents)
+        # The fence's last value is the one it waits for: an incoming gradient.
+        fenced = interpreter.fence(leaves + cot_leaves[1:] + cot_leaves[:1])
+        pullback = jax.tree_util.tree_unflatten(treedef, fenced[:len(leaves)])
+        cot_leaves = fenced[len(leaves):]
+        cotangents = jax.tree_util.tree_unflatten(cot_tree, cot_leaves[-1:] + cot_leaves[:-1])
+        return tuple(pullback(cotangents))
+
+    run.defvjp(forward, backward)
+    return run
+
+
+def has_remat_calls(gm: torch.fx.GraphModule) -> bool:
+    """Does ``gm`` call a layer with a remat policy (a recomputed layer)?"""
+    return any(node.target is LAYER_CALL and layer_scan.body(node.args[0]).remat is not None
+               for node in gm.graph.nodes)
 
 
 interpreter.GRAPH_OPS[LAYER_CALL] = _lower_layer_call
@@ -107,9 +151,9 @@ def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
         traced = layer_groups.trace_layer(need, layer_groups.signature_autocast(signature), wrap)
     except Exception:  # noqa: BLE001 - traced inline instead, where any error is the user's
         return _NOT_SHARED
-    # A checkpointed layer is traced inline, where the probe sends the step to PyTorch's
-    # backward and its recomputation (``trace_layer`` records checkpoint calls instead).
-    if traced.checkpointed or not traced.outputs \
+    # A checkpointed layer's body keeps its remat policy: its call is differentiated through
+    # ``jax.checkpoint`` (``trace_layer`` records the checkpoint call instead of running it).
+    if not traced.outputs \
             or not all(isinstance(o, torch.Tensor) for o in traced.outputs) \
             or not layer_groups.pure_graph(traced.gm):
         return _NOT_SHARED
