@@ -54,7 +54,23 @@ _LIBRARY.define("layer_scan(int body, Tensor[] tensors) -> Tensor[]")
 _LIBRARY.define("layer_scan_backward(int body, Tensor[] tensors) -> Tensor[]")
 
 _BODIES: "weakref.WeakValueDictionary[int, LayerBody]" = weakref.WeakValueDictionary()
-_SAVED_RESIDUALS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+def _unbatched_dot(prim, params) -> bool:
+    return prim is jax.lax.dot_general_p and not params["dimension_numbers"][1][0]
+
+
+def _dots_with_no_batch_dims_saveable(prim, *_, **params) -> bool:
+    """JAX's ``dots_with_no_batch_dims_saveable``, also for the low-precision dots of
+    ``tpu_train.ops.matmul`` (a ``custom_vjp`` around one ``dot_general``), which JAX's policy
+    does not see: under bf16 it kept no projection's output (the program was ``full``'s)."""
+    if _unbatched_dot(prim, params):
+        return True
+    if prim.name == "custom_vjp_call":
+        jaxpr = getattr(params["call_jaxpr"], "jaxpr", params["call_jaxpr"])
+        return any(_unbatched_dot(eqn.primitive, eqn.params) for eqn in jaxpr.eqns)
+    return False
+
+
+_SAVED_RESIDUALS = _dots_with_no_batch_dims_saveable
 
 
 def jax_policy(remat: str):

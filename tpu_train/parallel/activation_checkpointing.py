@@ -45,6 +45,21 @@ def _mark_projections(layer: torch.nn.Module) -> int:
     return marked
 
 
+def remat_setting(remat, activation_checkpointing: bool = False) -> str:
+    """The policy of ``trainer.remat`` (an enum member or its name) and
+    ``trainer.activation_checkpointing``, the older switch, which means ``full``."""
+    remat = getattr(remat, "value", remat)
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"trainer.remat={remat!r} is not a remat policy; choose one of "
+                         f"{', '.join(REMAT_POLICIES)}")
+    if activation_checkpointing:
+        if remat not in ("none", "full"):
+            raise ValueError(f"trainer.activation_checkpointing=true means trainer.remat=full, "
+                             f"but trainer.remat={remat}; set only trainer.remat")
+        return "full"
+    return remat
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, remat: str = "full") -> int:
     """Recompute each block of ``model.layers`` in backward, keeping what ``remat`` says
     (module docstring); ``"none"`` leaves the model as it is.
