@@ -364,13 +364,15 @@ def remat_of(config: Any) -> str:
 
 
 def estimate_from_config(config: Any, num_devices: int | None = None,
-                         chip: str | None = None, mfu: float = ASSUMED_MFU) -> dict[str, Any]:
+                         chip: str | None = None, mfu: float = ASSUMED_MFU, *,
+                         remat: str | None = None, batch: int | None = None) -> dict[str, Any]:
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
 
     Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` (the micro-batch) and ``data.seq_len``,
     ``parallel.{data,fsdp,tensor}``, ``trainer.{activation_checkpointing,precision,
     grad_accum_steps}`` and ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed
-    only when a degree is -1; otherwise it is their product.
+    only when a degree is -1; otherwise it is their product. ``remat`` and ``batch`` replace
+    the config's policy and micro-batch (the settings :mod:`.fit` tries).
     """
     par = config.parallel
     degrees = (int(par.data), int(par.fsdp), int(par.tensor))
@@ -384,8 +386,8 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     cfg = planned_model(config.model.name, config.model.checkpoint)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0],
-        fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
+        fsdp=degrees[1], tensor=degrees[2], batch=batch or int(config.data.batch_size),
         seq_len=int(config.data.seq_len),
-        remat=remat_of(config), chip=chip or config.plan.chip, mfu=mfu, act_bytes=compute_dtype.itemsize if compute_dtype else 4,
+        remat=remat or remat_of(config), chip=chip or config.plan.chip, mfu=mfu, act_bytes=compute_dtype.itemsize if compute_dtype else 4,
         grad_accum_steps=int(config.trainer.grad_accum_steps),
         scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))
