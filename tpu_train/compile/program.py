@@ -371,19 +371,6 @@ def _spmd_layout(step, st, plan, mesh, traced: _TracedStep) -> _SpmdLayout:
                        activation_constraint(plan, mesh, step.model, traced.batch_fakes), at_use)
 
 
-def _compiled(lowered, stages, compiler_options):
-    """XLA's executable of ``lowered``; a program too large for the device's memory is a
-    :class:`~tpu_train.compile.memory_errors.ProgramOutOfMemoryError` (one line)."""
-    try:
-        return stages.time("compile", functools.partial(lowered.compile,
-                                                        compiler_options=compiler_options))
-    except Exception as error:  # noqa: BLE001 - only XLA's RESOURCE_EXHAUSTED is replaced
-        found = memory_errors.out_of_memory(error)
-        if found is None:
-            raise
-        raise found from None
-
-
 def _pin(value, sharding):
     return jax.lax.with_sharding_constraint(value, sharding)
 
@@ -588,7 +575,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             f"{type(error).__name__}: {error}".splitlines()[0]
         stages.autodiff_fallback = fallback.autodiff_note
         return fallback
-    executable = _compiled(lowered, stages, compiler_options) if compile else None
+    executable = memory_errors.compiled(lowered, stages, compiler_options, in_shardings) \
+        if compile else None
     if layout is not None and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, traced.random, traced.mutated, traced.grad_norm_dtype,
