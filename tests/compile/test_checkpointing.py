@@ -16,8 +16,6 @@ from torch.utils.checkpoint import checkpoint
 
 from tpu_train.compile import compile_train_step
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER, UnsupportedCheckpointError
-from tpu_train.compile.layer_scan import body
-from tpu_train.compile.shared_layers import LAYER_CALL
 
 from tests.tolerances import loss_rtol
 
@@ -117,7 +115,7 @@ def test_trainer_activation_checkpointing_on_llama():
     from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 
     model, batches = tiny_llama(), lm_batches(LLAMA_STEPS)
-    # Layer by layer (scan_layers=False): each layer is recomputed on its own.
+    # Layer by layer (scan_layers=False): each layer is a recomputed region of its own.
     # Scanned layers are recomputed inside the loop instead (tests/compile/test_scan_layers.py).
     metrics, trained, _, _ = run_compiled(model, OPTIMIZERS["adamw"], lm_loss, batches,
                                           max_grad_norm=1.0, scan_layers=False)
@@ -129,11 +127,7 @@ def test_trainer_activation_checkpointing_on_llama():
                         loss_rtol(F32, LLAMA_STEPS, LLAMA_N))
     assert_params_within(ck_trained, trained, param_bound("adamw", model, LLAMA_STEPS, LLAMA_N))
     (program,) = step.cache.entries.values()
-    # Each layer is one call of a body traced once, differentiated by JAX through
-    # jax.checkpoint (tpu_train.compile.shared_layers), not PyTorch's backward.
-    calls = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_CALL]
-    assert [body(n.args[0]).remat for n in calls] == ["full", "full"]
-    assert program.autodiff == "jax", program.autodiff_note
+    assert sum(n.target is OPTIMIZATION_BARRIER for n in program.grad_graph.graph.nodes) == 2
     # Eager execution (outside the compiled step) still uses torch's own checkpoint.
     tokens = batches[0]["tokens"].to(DEVICE)
     out = ck_trained(tokens)

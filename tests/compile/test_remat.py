@@ -94,7 +94,9 @@ def test_compiled_gradients_match_autograd(remat, scan):
                               scan_layers=scan)
     step(to_device(batch))
     (program,) = step.cache.entries.values()
-    assert program.autodiff == ("torch" if scan else "jax"), program.autodiff_note
+    # Scanned stacks and full recomputation layer by layer: PyTorch's backward is traced.
+    assert program.autodiff == ("torch" if scan or remat == "full" else "jax"), \
+        program.autodiff_note
     for name, p in trained.named_parameters():
         assert_rel_close((before[name] - p.detach().cpu()) / LR, expected[name],
                          update_rtol(F32, 1, REDUCTION, depth=2), f"{remat} {name}")

@@ -15,8 +15,10 @@ called with any arguments of the same signature, in any order, and its parameter
 separate arrays. A layer is traced inline, as before, where its call does not fit: an argument
 that is neither a tensor nor a plain value (a cache object), a body that draws random numbers
 (each layer needs its own) or writes its inputs, a result whose leaves are not all tensors. A
-checkpointed layer (``trainer.remat``) is a body with its remat policy, whose calls are
-differentiated through ``jax.checkpoint`` with that policy (:func:`.layer_scan.jax_policy`).
+layer checkpointed with a selective policy (``trainer.remat=save_dots|save_qkv_proj``) is a
+body with that policy, whose calls are differentiated through ``jax.checkpoint`` with it
+(:func:`.layer_scan.jax_policy`); a ``full`` one is traced inline (the step then traces
+PyTorch's backward and its recomputation, :mod:`.checkpointing`).
 
 As for scans, an int attribute holding a layer's own position (``layer_idx``) is taken for
 bookkeeping (a KV-cache slot) and keyed as "the index"; every other attribute is part of the
@@ -29,6 +31,8 @@ own ``detach()`` ends the trace as it would inline.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Callable, Sequence
 
 import jax
@@ -71,8 +75,27 @@ def _lower_layer_call(body_id: int, tensors: Sequence, constrain=None, uses=None
         return list(jitted(*[t if use is None else use(t) for t, use in zip(values, uses)]))
 
     if body.remat is not None:
-        call = _recomputed(call, layer_scan.jax_policy(body.remat))
+        policy = layer_scan.jax_policy(body.remat)
+        call = _recomputed(call, policy) if _FENCED.get() \
+            else jax.checkpoint(call, policy=policy)
     return call(*tensors)
+
+
+# Whether a recomputed layer's backward starts from fenced residuals (:func:`_recomputed`):
+# on the CPU client only. XLA's TPU compiler keeps jax.checkpoint's own barriers, and there the
+# fence's conditionals stopped it from rematerializing to fit: a 16-layer 1B step with
+# save_dots needed 26.6 GiB fenced (docs/compile.md, "Remat policies").
+_FENCED: contextvars.ContextVar = contextvars.ContextVar("fenced_recomputation", default=True)
+
+
+@contextlib.contextmanager
+def recomputation_fenced(fenced: bool):
+    """Within the block, recomputed layers are lowered fenced (the CPU client) or not."""
+    token = _FENCED.set(fenced)
+    try:
+        yield
+    finally:
+        _FENCED.reset(token)
 
 
 def _recomputed(function: Callable, policy) -> Callable:
@@ -110,6 +133,7 @@ def has_remat_calls(gm: torch.fx.GraphModule) -> bool:
 
 
 interpreter.GRAPH_OPS[LAYER_CALL] = _lower_layer_call
+interpreter.ORDERED_GRAPH_OPS.add(LAYER_CALL)
 
 
 def called_layers(gm: torch.fx.GraphModule) -> int:
@@ -153,7 +177,11 @@ def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
         return _NOT_SHARED
     # A checkpointed layer's body keeps its remat policy: its call is differentiated through
     # ``jax.checkpoint`` (``trace_layer`` records the checkpoint call instead of running it).
-    if not traced.outputs \
+    # ``full`` stays inline, where the probe sends the step to PyTorch's backward and its
+    # recomputation: under FSDP that kept fewer gathered weights and gradients per layer than
+    # the JAX form (CPU client, 8 devices: +0.23 vs +0.44 MB per layer,
+    # tests/parallel/test_compiled_spmd.py).
+    if traced.remat == "full" or not traced.outputs \
             or not all(isinstance(o, torch.Tensor) for o in traced.outputs) \
             or not layer_groups.pure_graph(traced.gm):
         return _NOT_SHARED
