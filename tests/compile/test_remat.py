@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpu_train.compile import lower_train_step
+from tpu_train.compile import lower_train_step, targets
 from tpu_train.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                          remat_setting)
 
@@ -165,3 +165,27 @@ def test_save_qkv_proj_needs_projections():
     with pytest.raises(ValueError, match="layer 0 of Model has another set: choose "
                                          "trainer.remat=save_dots"):
         apply_activation_checkpointing(Model(), "save_qkv_proj")
+
+
+@pytest.mark.skipif(not targets.libtpu_available(),
+                    reason="libtpu is not installed (pip install tpu_train[tpu])")
+def test_for_a_tpu_full_is_a_recomputed_layer_call():
+    """For a TPU (compiled without a chip) a ``full`` layer is a body differentiated by JAX
+    through ``jax.checkpoint``; on the CPU client it is PyTorch's recomputed region."""
+    from tpu_train.compile.layer_scan import body
+    from tpu_train.compile.shared_layers import LAYER_CALL
+    from tpu_train.models import Llama
+
+    tiny = tiny_llama()
+    with torch.device("meta"):
+        model = Llama(tiny.config)
+        tokens = torch.empty(2, 32, dtype=torch.int64)
+    apply_activation_checkpointing(model, "full")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = {"tokens": tokens, "labels": tokens.clone()}
+    for target, autodiff in (("v5e", "jax"), (None, "torch")):
+        program = lower_train_step(model, optimizer, lm_loss, batch, scan_layers=False,
+                                   target=target, compile=False)
+        assert program.autodiff == autodiff, (target, program.autodiff_note)
+        calls = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_CALL]
+        assert [body(n.args[0]).remat for n in calls] == (["full"] * 2 if target else [])

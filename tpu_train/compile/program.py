@@ -553,8 +553,10 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         raise ValueError("an SPMD step needs both mesh= and plan= (got only "
                          f"{'mesh' if plan is None else 'plan'})")
     natural = mesh is not None or natural_layout(device.platform)
-    traced = _trace_step(step, st, scalars, stages, autodiff or getattr(step, "autodiff", "jax"),
-                         natural)
+    platform = device.platform if mesh is None else mesh.devices.flat[0].platform
+    with shared_layers.recomputation_fenced(platform == "cpu"):
+        traced = _trace_step(step, st, scalars, stages,
+                             autodiff or getattr(step, "autodiff", "jax"), natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
     step_function = _StepFunction(step, st, traced, layout, natural)
 
@@ -568,7 +570,6 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     try:
         # A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does
         # not split a Pallas kernel (tpu_train.ops.attention_tpu).
-        platform = device.platform if mesh is None else mesh.devices.flat[0].platform
         with attention_tpu.xla_form() if layout is not None \
                 else contextlib.nullcontext(), \
                 shared_layers.recomputation_fenced(platform == "cpu"):

@@ -81,8 +81,10 @@ def _lower_layer_call(body_id: int, tensors: Sequence, constrain=None, uses=None
     return call(*tensors)
 
 
-# Whether a recomputed layer's backward starts from fenced residuals (:func:`_recomputed`):
-# on the CPU client only, whose pipeline removes jax.checkpoint's barriers. XLA's TPU
+# Whether the program is for the CPU client (set by build_program around its trace and
+# lowering): a recomputed layer's backward then starts from fenced residuals
+# (:func:`_recomputed`), as XLA's CPU pipeline removes jax.checkpoint's barriers, and a
+# ``full`` layer is PyTorch's recomputation (:func:`_trace_body`). XLA's TPU
 # compiler keeps them, so its program needs no per-layer conditionals (a 16-layer 1B step
 # with save_dots, compiled for a v5e: 26.44 GiB unfenced, 26.59 GiB fenced).
 _FENCED: contextvars.ContextVar = contextvars.ContextVar("fenced_recomputation", default=True)
@@ -158,7 +160,8 @@ class _CallTracer:
         if signature is None:
             return forward(*args, **kwargs)
         states = [t for _, t in layer_groups.layer_state(layer)]
-        key = (signature, tuple(t.requires_grad for t in states + tensors))
+        # The platform's choice of lowering is part of the key (``full``: see _trace_body).
+        key = (signature, tuple(t.requires_grad for t in states + tensors), _FENCED.get())
         body = _BODIES.get(key)
         if body is None:
             raise layer_groups.NeedBody(key, layer, args, kwargs)
@@ -169,7 +172,7 @@ class _CallTracer:
 
 
 def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
-    signature, requires = need.signature
+    signature, requires, fenced = need.signature
     wrap = None if wrap_body is None else (lambda run: wrap_body(run, requires))
     try:
         traced = layer_groups.trace_layer(need, layer_groups.signature_autocast(signature), wrap)
@@ -177,11 +180,13 @@ def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
         return _NOT_SHARED
     # A checkpointed layer's body keeps its remat policy: its call is differentiated through
     # ``jax.checkpoint`` (``trace_layer`` records the checkpoint call instead of running it).
-    # ``full`` stays inline, where the probe sends the step to PyTorch's backward and its
-    # recomputation: under FSDP that kept fewer gathered weights and gradients per layer than
-    # the JAX form (CPU client, 8 devices: +0.23 vs +0.44 MB per layer,
-    # tests/parallel/test_compiled_spmd.py).
-    if traced.remat == "full" or not traced.outputs \
+    # On the CPU client ``full`` stays inline, where the probe sends the step to PyTorch's
+    # backward and its recomputation: under FSDP that kept less per layer than the JAX form
+    # (8 devices: +0.23 vs +0.44 MB per layer, tests/parallel/test_compiled_spmd.py). For a
+    # TPU the JAX form: PyTorch's backward left the Pallas attention kernels out, and the 1B
+    # step (16 layers, compiled for a v5e) did 57.7 TFLOP and moved 571 GB against 47.6 and
+    # 255 (docs/compile.md, "Remat policies").
+    if (traced.remat == "full" and fenced) or not traced.outputs \
             or not all(isinstance(o, torch.Tensor) for o in traced.outputs) \
             or not layer_groups.pure_graph(traced.gm):
         return _NOT_SHARED
