@@ -185,7 +185,7 @@ def _trace_body(need: layer_groups.NeedBody, wrap_body: Callable | None):
     # (8 devices: +0.23 vs +0.44 MB per layer, tests/parallel/test_compiled_spmd.py). For a
     # TPU the JAX form: PyTorch's backward left the Pallas attention kernels out, and the 1B
     # step (16 layers, compiled for a v5e) did 57.7 TFLOP and moved 571 GB against 47.6 and
-    # 255 (docs/compile.md, "Remat policies").
+    # 247 (docs/compile.md, "Remat policies").
     if (traced.remat == "full" and fenced) or not traced.outputs \
             or not all(isinstance(o, torch.Tensor) for o in traced.outputs) \
             or not layer_groups.pure_graph(traced.gm):
