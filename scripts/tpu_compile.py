@@ -16,6 +16,8 @@ entry parameters against the arguments the step passes (they must be equal). Usa
     python scripts/tpu_compile.py [--size default|w1|350m|1b] [--precision fp32|bf16]
                                   [--matmul-precision highest|high|medium] [--target v5e]
                                   [--seq N] [--batch N] [--layers N]
+                                  [--remat none|full|save_dots|save_qkv_proj]
+                                  [--scan-layers auto|true|false]
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, help="sequence length (default: the size's)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the size's)")
     parser.add_argument("--layers", type=int, help="decoder layers (default: the size's)")
+    parser.add_argument("--remat", choices=("none", "full", "save_dots", "save_qkv_proj"),
+                        default="none", help="what each layer keeps for its backward "
+                                             "(trainer.remat)")
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
+                        help="trainer.scan_layers (auto: stacks of 20 layers or more)")
     args = parser.parse_args(argv)
     for name in ("seq", "batch", "layers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -83,25 +90,30 @@ def main(argv=None) -> dict:
     from tpu_train.compile import lower_train_step
     from tpu_train.compile.targets import TargetError, libtpu_available
     from tpu_train.ops.matmul import set_matmul_precision
+    from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
     from tpu_train.trainer.step import causal_lm_loss_sum_and_count
 
     if not libtpu_available():
         parser.error('libtpu is not installed: pip install -c constraints.txt -e ".[tpu]"')
     set_matmul_precision(args.matmul_precision)
     model, batch = build(args.size, args.seq, args.batch, args.layers)
+    apply_activation_checkpointing(model, args.remat)
+    scan_layers = {"auto": None, "true": True, "false": False}[args.scan_layers]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     bf16 = torch.bfloat16 if args.precision == "bf16" else None
     started = time.perf_counter()
     try:
         program = lower_train_step(model, optimizer, causal_lm_loss_sum_and_count, batch,
                                    max_grad_norm=1.0, skip_non_finite=True, target=args.target,
-                                   autocast_dtype=bf16, compute_dtype=bf16)
+                                   autocast_dtype=bf16, compute_dtype=bf16,
+                                   scan_layers=scan_layers)
     except TargetError as error:
         parser.error(str(error))
     text = program.executable.as_text()
     tokens = batch["tokens"].shape
     report = {"size": args.size, "batch": tokens[0], "seq": tokens[1],
               "layers": model.config.n_layers, "precision": args.precision,
+              "remat": args.remat, "scan_layers": args.scan_layers,
               "matmul_precision": args.matmul_precision, "target": args.target,
               "date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(),
               "seconds": {k: round(v, 2) for k, v in program.seconds.items()},

@@ -33,6 +33,8 @@ SCHEMA = {
     "bad_matmul_precision": (["trainer.matmul_precision=low"],
                              "expected one of [highest, high, medium]"),
     "bad_on_nan": (["trainer.on_nan=ignore"], "expected one of [stop, skip]"),
+    "bad_remat": (["trainer.remat=some"],
+                  "expected one of [none, full, save_dots, save_qkv_proj]"),
     "bad_schedule_name": (["scheduler.name=linear"], "scheduler.name"),
     "bad_data_source": (["data.source=random"], "expected one of [files, synthetic_tokens]"),
     "added_unknown_key": (["+trainer.foo=1"], "trainer.foo is not a setting"),
@@ -43,6 +45,9 @@ SCHEMA = {
 
 VALUES = {
     "zero_steps": (["trainer.max_steps=0"], "trainer.max_steps must be >= 1"),
+    "remat_and_old_switch": (["trainer.remat=save_dots", "trainer.activation_checkpointing=true"],
+                             "trainer.activation_checkpointing=true means trainer.remat=full, "
+                             "but trainer.remat=save_dots; set only trainer.remat"),
     "negative_steps": (["trainer.max_steps=-5"], "trainer.max_steps must be >= 1"),
     "negative_lr": (["optim.lr=-1"], "optim.lr must be > 0"),
     "zero_lr": (["optim.lr=0"], "optim.lr must be > 0"),

@@ -371,23 +371,27 @@ def test_max_minutes_stops_with_a_checkpoint_and_the_command_that_resumes(tmp_pa
     assert code == 2 and "trainer.max_minutes must be > 0 or null" in err, err
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_assemble_applies_activation_checkpointing_with_the_layout(checkpointing, tmp_path):
-    """trainer.activation_checkpointing is applied by ``trainer.assemble`` (where the layout
-    is applied), so a recipe, copied or not, cannot silently leave it out."""
-    import functools
-
+@pytest.mark.parametrize("override, remat", [
+    ("trainer.activation_checkpointing=true", "full"),
+    ("trainer.activation_checkpointing=false", None),
+    ("trainer.remat=save_dots", "save_dots"),
+    ("trainer.remat=save_qkv_proj", "save_qkv_proj"),
+    ("trainer.remat=none", None)])
+def test_assemble_applies_remat_with_the_layout(override, remat, tmp_path):
+    """trainer.remat (and activation_checkpointing=true, which is remat=full) is applied by
+    ``trainer.assemble`` (where the layout is applied), so a recipe, copied or not, cannot
+    silently leave it out."""
     from hydra import compose, initialize_config_dir
 
     from tpu_train import cli, trainer
+    from tpu_train.compile.checkpointing import forward_remat
     from tpu_train.trainer.config import register_schema
 
     register_schema()
-    overrides = [*TINY, f"trainer.activation_checkpointing={str(checkpointing).lower()}",
-                 f"run.dir={tmp_path / 'run'}"]
+    overrides = [*TINY, override, f"run.dir={tmp_path / 'run'}"]
     with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     run = trainer.assemble(trainer.start(cfg))
-    wrapped = [isinstance(layer.forward, functools.partial) for layer in run.model.layers]
-    assert wrapped == [checkpointing] * len(run.model.layers)
+    applied = [forward_remat(vars(layer).get("forward")) for layer in run.model.layers]
+    assert applied == [remat] * len(run.model.layers)
     assert not (tmp_path / "run").exists()  # assembling writes nothing

@@ -21,6 +21,7 @@ from tpu_train.compile.decoding import CompiledDecoder
 from tpu_train.compile.functional_optim import UnsupportedOptimizerError
 from tpu_train.compile.interpreter import MissingLoweringError, run_graph
 from tpu_train.compile.lowering import lower_step, lower_train_step
+from tpu_train.compile.memory_errors import ProgramOutOfMemoryError
 from tpu_train.compile.program import Program
 from tpu_train.compile.train_step import CompiledTrainStep, compile_train_step
 from tpu_train.compile import dynamo_backend as _dynamo_backend
@@ -40,6 +41,7 @@ __all__ = [
     "CompiledTrainStep",
     "MissingLoweringError",
     "Program",
+    "ProgramOutOfMemoryError",
     "Signature",
     "UnsupportedOptimizerError",
     "compile_train_step",

@@ -66,6 +66,119 @@ def _(tensors):
 OPTIMIZATION_BARRIER = torch.ops.tpu_train_compile.optimization_barrier.default
 optimization_barrier = OPTIMIZATION_BARRIER
 
+# ---------------------------------------------------------------------- remat policies
+#
+# What a checkpointed layer keeps for its backward (``trainer.remat``): ``full`` nothing but
+# its inputs; ``save_dots`` the results of its projections (matmuls without batch dimensions);
+# ``save_qkv_proj`` only the outputs of its attention's q, k and v projections, marked with
+# :data:`CHECKPOINT_NAME`. The policy travels with the ``checkpoint`` call itself, as the
+# ``context_fn`` PyTorch's selective checkpointing uses (:class:`RematContext`), so that the
+# compiled step reads it where it finds the call and eager mode honours it through PyTorch.
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj")
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+
+_LIBRARY.define("checkpoint_name(Tensor x, str name) -> Tensor")
+
+
+def _named_copy(x, name):
+    return x.clone()
+
+
+_LIBRARY.impl("checkpoint_name", _named_copy, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{BARRIER_NAMESPACE}::checkpoint_name")
+def _(x, name):
+    return torch.empty_like(x)
+
+
+CHECKPOINT_NAME = torch.ops.tpu_train_compile.checkpoint_name.default
+# The op has no autograd formula on purpose: it is only recorded while a layer's body is traced
+# forward-only (:func:`naming_values`), and JAX differentiates that body. PyTorch's autograd
+# (eager mode, a layer traced inline with PyTorch's backward) never sees it.
+_NAMING = [0]
+
+
+@contextlib.contextmanager
+def naming_values():
+    """Within the block (a layer body's trace), :func:`checkpoint_name` records its op."""
+    _NAMING[0] += 1
+    try:
+        yield
+    finally:
+        _NAMING[0] -= 1
+
+
+def checkpoint_name(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` marked ``name`` for the remat policies that save named values: while a
+    layer body is traced, a :data:`CHECKPOINT_NAME` op (lowered to JAX's
+    ``checkpoint_name``); anywhere else ``tensor`` itself."""
+    if not _NAMING[0]:
+        return tensor
+    return CHECKPOINT_NAME(tensor, name)
+
+
+class RematContext:
+    """The ``context_fn`` of a checkpointed layer's ``checkpoint`` call: carries the policy
+    (``remat``) for the compiled step and, called by PyTorch in eager mode, returns its
+    selective checkpointing contexts: ``save_dots`` keeps the outputs of ``mm``/``addmm``;
+    ``full`` and ``save_qkv_proj`` keep nothing (op by op, the q/k/v projections are matmuls
+    like the others: eager recomputes the whole layer)."""
+
+    _SAVED_OPS = {"save_dots": ("mm", "addmm")}
+
+    def __init__(self, remat: str):
+        if remat not in REMAT_POLICIES[1:]:
+            raise ValueError(f"a checkpointed layer's remat policy must be one of "
+                             f"{', '.join(REMAT_POLICIES[1:])}, got {remat!r}")
+        self.remat = remat
+
+    def __call__(self):
+        from torch.utils.checkpoint import (CheckpointPolicy,
+                                            create_selective_checkpoint_contexts)
+
+        saved = self._SAVED_OPS.get(self.remat)
+        if saved is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+
+        def policy(ctx, op, *args, **kwargs):
+            name = op.__name__.split(".")[0] if hasattr(op, "__name__") else str(op)
+            return (CheckpointPolicy.MUST_SAVE if name in saved
+                    else CheckpointPolicy.PREFER_RECOMPUTE)
+
+        return create_selective_checkpoint_contexts(policy)
+
+    def __eq__(self, other):
+        return isinstance(other, RematContext) and other.remat == self.remat
+
+    def __hash__(self):
+        return hash(("RematContext", self.remat))
+
+
+def remat_of_call(kwargs: dict) -> str:
+    """The remat policy of a ``checkpoint(...)`` call's keyword arguments: ``full`` unless its
+    ``context_fn`` is a :class:`RematContext`."""
+    context = kwargs.get("context_fn")
+    return context.remat if isinstance(context, RematContext) else "full"
+
+
+def checkpointed_forward(context: RematContext, forward, *args, **kwargs):
+    """``forward(*args, **kwargs)`` under ``torch.utils.checkpoint`` with ``context``'s policy
+    (a layer's forward, replaced on the instance by a ``functools.partial`` of this)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+def forward_remat(forward) -> str | None:
+    """The remat policy a layer's (instance) ``forward`` applies, or None: not checkpointed
+    by :func:`checkpointed_forward`."""
+    if isinstance(forward, functools.partial) and forward.func is checkpointed_forward:
+        return forward.args[0].remat
+    return None
+
 
 class UnsupportedCheckpointError(NotImplementedError):
     """A checkpointed region the compiled step cannot recompute faithfully."""
@@ -289,17 +402,19 @@ def traced_checkpoints(root: torch.nn.Module | None):
 @contextlib.contextmanager
 def checkpoint_calls_recorded(calls: list):
     """Within the block, ``checkpoint(function, ...)`` runs ``function`` as is and appends it
-    to ``calls``: a scanned layer's body is traced forward only, and whether its layer was
-    checkpointed decides how its backward is taken (see :mod:`.layer_scan`)."""
+    to ``calls`` with its remat policy (:func:`remat_of_call`): a layer's body is traced
+    forward only, and its layer's policy decides how its backward is taken (see
+    :mod:`.layer_scan`)."""
     target = _checkpoint_target()
     attribute = "__dynamo_disable"
     missing = object()
     previous = target.__dict__.get(attribute, missing)
 
     def recorded(function, *args, **kwargs):
+        remat = remat_of_call(kwargs)
         for option in _CHECKPOINT_OPTIONS:
             kwargs.pop(option, None)
-        calls.append(function)
+        calls.append((function, remat))
         return function(*args, **kwargs)
 
     setattr(target, attribute, recorded)

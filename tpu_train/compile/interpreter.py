@@ -36,6 +36,9 @@ class MissingLoweringError(NotImplementedError):
 # constrain=..., uses=...)`` returning the node's value; ``uses`` holds, per tensor argument,
 # the at-use function of run_graph (or None). Registered by the modules that define them.
 GRAPH_OPS: dict = {}
+# Graph ops whose at-use reads are ordered like other ops' (:class:`_OrderedReads`), each one
+# call a chunk of its own: a shared layer's call reads one layer's weights.
+ORDERED_GRAPH_OPS: set = set()
 
 
 # Mutating ops that survive functionalization when a forward writes a tensor inside a
@@ -185,8 +188,11 @@ class _OrderedReads:
                     if isinstance(a, torch.fx.Node) and a in carries]
             if not read:
                 continue
+            whole = node.target in ORDERED_GRAPH_OPS  # one layer's call: a chunk of its own
+            if whole:
+                reads = -(-reads // READS_PER_CHUNK) * READS_PER_CHUNK
             chunk = reads // READS_PER_CHUNK
-            reads += 1
+            reads += READS_PER_CHUNK if whole else 1
             if chunk == len(self._sources):
                 self._sources.append([])
             self._chunk_of[node] = chunk
@@ -343,11 +349,20 @@ class _GraphRun:
             # Recomputed checkpoint regions start from fenced values (see .checkpointing).
             return fence(tree_map(self.load, node.args)[0])
         if target in GRAPH_OPS:
-            # The op applies the at-use functions itself, where its body reads each input.
+            # The op applies the at-use functions itself, where its body reads each input;
+            # they become available in order like other ops' reads (a layer's call: a chunk).
             uses = [self.carries.get(a) if isinstance(a, torch.fx.Node) else None
                     for a in tree_flatten(node.args)[0]]
-            return GRAPH_OPS[target](*tree_map(self.load, node.args), constrain=self.constrain,
-                                     uses=uses[1:])
+            if self.order is None or target not in ORDERED_GRAPH_OPS:
+                return GRAPH_OPS[target](*tree_map(self.load, node.args),
+                                         constrain=self.constrain, uses=uses[1:])
+            self.order.enter(node, self.env)
+            args = tree_map(lambda a: self.order.value(a, self.env)
+                            if isinstance(a, torch.fx.Node) and a in self.carries
+                            else self.load(a), node.args)
+            value = GRAPH_OPS[target](*args, constrain=self.constrain, uses=uses[1:])
+            self.order.saw(value[0] if isinstance(value, (list, tuple)) and value else value)
+            return value
         if self.order is not None:
             self.order.enter(node, self.env)
         args = tree_map(self.load_for_use, node.args)

@@ -148,7 +148,7 @@ def _forward_kind(module: torch.nn.Module):
     forward = vars(module).get("forward")
     if forward is None:
         return None
-    return (type(forward), getattr(forward, "func", None))
+    return (type(forward), getattr(forward, "func", None), checkpointing.forward_remat(forward))
 
 
 def _shares_tensors(layers) -> bool:
@@ -229,7 +229,8 @@ def call_signature(layer, index, forward, spec, statics, tensors) -> tuple | Non
         return None  # an object argument (a cache, a config): no body for it
     autocast = (torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
     # ``forward``: what the layer's call runs (the instance attribute is our hook by now).
-    forward_kind = (type(forward), getattr(forward, "func", None))
+    forward_kind = (type(forward), getattr(forward, "func", None),
+                    checkpointing.forward_remat(forward))
     return (type(layer), _state_signature(layer), _attributes_key(layer, index), forward_kind,
             str(spec), tuple(statics), tuple((tuple(t.shape), t.dtype) for t in tensors),
             _compute_dtype.get(), autocast, torch.is_grad_enabled())
@@ -339,12 +340,15 @@ class TracedLayer:
     input_metas: list
     outputs: list  # the result's leaves, as traced (fake tensors or other values)
     output_spec: Any
-    checkpointed: bool
+    remat: str | None  # the policy of the layer's checkpoint call; None: not checkpointed
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.remat is not None
 
     def body(self) -> "layer_scan.LayerBody":
         return layer_scan.LayerBody(self.gm, self.state_metas, self.input_metas,
-                                    metas(self.outputs), self.output_spec,
-                                    checkpointed=self.checkpointed)
+                                    metas(self.outputs), self.output_spec, remat=self.remat)
 
 
 def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -> TracedLayer:
@@ -376,10 +380,11 @@ def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -
     traced = run_layer if wrap is None else wrap(run_layer)
     autocast_enabled, autocast_dtype = autocast
     with fakes.mode, checkpointing.checkpoint_calls_recorded(checkpointed), \
+            checkpointing.naming_values(), \
             torch.autocast("tpu", dtype=autocast_dtype, enabled=autocast_enabled):
         gm = tracing.trace_forward(traced, fake_inputs)
     return TracedLayer(gm, state_metas, input_metas, output_info["leaves"],
-                       output_info["spec"], bool(checkpointed))
+                       output_info["spec"], checkpointed[0][1] if checkpointed else None)
 
 
 def trace_body(need: NeedBody):

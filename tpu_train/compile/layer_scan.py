@@ -25,7 +25,9 @@ layer, transposed weights among them) made the step slower and its compile longe
 policy (6 residuals) the W1 step needs less temporary memory than the unrolled program
 (docs/compile.md, with the figures). A layer whose
 forward was wrapped in ``torch.utils.checkpoint`` is differentiated through ``jax.checkpoint``
-without a policy: its residuals are its inputs only, and its backward recomputes it.
+with its remat policy (:func:`jax_policy`): ``full`` keeps its inputs only and its backward
+recomputes it; ``save_dots`` is the policy above; ``save_qkv_proj`` keeps only the values
+marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.checkpointing.checkpoint_name`).
 
 :mod:`tpu_train.compile.layer_groups` decides which layers form a stack and traces the body.
 """
@@ -41,6 +43,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import torch
+from jax.ad_checkpoint import checkpoint_name
 
 from tpu_train.compile import checkpointing, interpreter
 from tpu_train.ops import attention_tpu
@@ -51,7 +54,35 @@ _LIBRARY.define("layer_scan(int body, Tensor[] tensors) -> Tensor[]")
 _LIBRARY.define("layer_scan_backward(int body, Tensor[] tensors) -> Tensor[]")
 
 _BODIES: "weakref.WeakValueDictionary[int, LayerBody]" = weakref.WeakValueDictionary()
-_SAVED_RESIDUALS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+def _unbatched_dot(prim, params) -> bool:
+    return prim is jax.lax.dot_general_p and not params["dimension_numbers"][1][0]
+
+
+def _dots_with_no_batch_dims_saveable(prim, *_, **params) -> bool:
+    """JAX's ``dots_with_no_batch_dims_saveable``, also for the low-precision dots of
+    ``tpu_train.ops.matmul`` (a ``custom_vjp`` around one ``dot_general``), which JAX's policy
+    does not see: under bf16 it kept no projection's output (the program was ``full``'s)."""
+    if _unbatched_dot(prim, params):
+        return True
+    if prim.name == "custom_vjp_call":
+        jaxpr = getattr(params["call_jaxpr"], "jaxpr", params["call_jaxpr"])
+        return any(_unbatched_dot(eqn.primitive, eqn.params) for eqn in jaxpr.eqns)
+    return False
+
+
+_SAVED_RESIDUALS = _dots_with_no_batch_dims_saveable
+
+
+def jax_policy(remat: str):
+    """The ``jax.checkpoint`` policy of a remat policy name (``trainer.remat``)."""
+    if remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "save_dots":
+        return _SAVED_RESIDUALS
+    if remat == "save_qkv_proj":
+        return jax.checkpoint_policies.save_only_these_names(*checkpointing.QKV_NAMES)
+    raise ValueError(f"remat policy must be one of {', '.join(checkpointing.REMAT_POLICIES[1:])}"
+                     f", got {remat!r}")
 _IDS = itertools.count(1)
 
 
@@ -85,18 +116,23 @@ class LayerBody:
 
     def __init__(self, gm: torch.fx.GraphModule, state_metas: Sequence[Meta],
                  input_metas: Sequence[Meta], output_metas: Sequence[Meta], output_spec,
-                 checkpointed: bool):
+                 remat: str | None = None):
         self.id = next(_IDS)
         self.gm = gm
         self.state_metas = tuple(state_metas)
         self.input_metas = tuple(input_metas)
         self.output_metas = tuple(output_metas)
         self.output_spec = output_spec
-        self.checkpointed = checkpointed
+        # The layer's remat policy (``trainer.remat``); None: the layer was not checkpointed.
+        self.remat = remat
         self._layout: ResidualLayout | None = None
         self.lowered_treedef = None  # set by the forward's lowering, read by the backward's
         self._jitted: dict = {}
         _BODIES[self.id] = self
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.remat is not None
 
     @property
     def n_states(self) -> int:
@@ -147,12 +183,9 @@ class LayerBody:
                 full[i] = value
             return self.run(full[:self.n_states], full[self.n_states:], constrain)
 
-        if self.checkpointed:
-            layer = jax.checkpoint(layer)
-        else:
-            # Keep the projections' products, recompute the elementwise rest in backward
-            # (module docstring: stacking every residual made the step slower).
-            layer = jax.checkpoint(layer, policy=_SAVED_RESIDUALS)
+        # Not checkpointed: keep the projections' products, recompute the elementwise rest in
+        # backward (module docstring: stacking every residual made the step slower).
+        layer = jax.checkpoint(layer, policy=jax_policy(self.remat or "save_dots"))
         outputs, pullback = jax.vjp(layer, *[values[i] for i in wanted])
         leaves, treedef = jax.tree_util.tree_flatten(pullback)
         sources, computed = [], 0
@@ -438,3 +471,10 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
 
 interpreter.GRAPH_OPS[LAYER_SCAN] = lower_layer_scan
 interpreter.GRAPH_OPS[LAYER_SCAN_BACKWARD] = lower_layer_scan_backward
+
+
+def _lower_checkpoint_name(value, name: str, constrain=None, uses=None):
+    return checkpoint_name(value, name)
+
+
+interpreter.GRAPH_OPS[checkpointing.CHECKPOINT_NAME] = _lower_checkpoint_name

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph, shared_layers,
-                               tracing)
+from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph, memory_errors,
+                               shared_layers, tracing)
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
@@ -134,7 +134,8 @@ def _state_owners(st) -> list[int]:
 
 
 def _has_checkpointed_regions(gm: torch.fx.GraphModule) -> bool:
-    return any(node.target is OPTIMIZATION_BARRIER for node in gm.graph.nodes)
+    return any(node.target is OPTIMIZATION_BARRIER for node in gm.graph.nodes) \
+        or shared_layers.has_remat_calls(gm)
 
 
 def _has_layer_scans(gm: torch.fx.GraphModule) -> bool:
@@ -361,10 +362,14 @@ def _spmd_layout(step, st, plan, mesh, traced: _TracedStep) -> _SpmdLayout:
     # placed where each op reads a weight, so that a recomputation gathers again from the
     # fenced stored weight; without them once at the top, which compiles faster (70B plan:
     # XLA compile 76 s vs 131 s, same memory within 2.5 %).
+    # The read first pins the weight to its stored layout: where JAX differentiates the read
+    # (a recomputed layer's call), the gradient is then reduce-scattered in that layer's
+    # backward instead of staying whole until the step's end (measured: one gathered layer
+    # more per layer, tests/parallel/test_compiled_spmd.py).
     at_use = None
     if _has_checkpointed_regions(traced.grad_gm) or _has_layer_scans(traced.grad_gm):
-        at_use = {i: functools.partial(_pin, sharding=c)
-                  for i, c in enumerate(shardings.compute_params)}
+        at_use = {i: functools.partial(_pin_at_use, stored=s, compute=c)
+                  for i, (s, c) in enumerate(zip(shardings.params, shardings.compute_params))}
     return _SpmdLayout(shardings, [flat_storage_sharding(s) for s in shardings.params],
                        [flat_storage_sharding(s) for s in shardings.states],
                        activation_constraint(plan, mesh, step.model, traced.batch_fakes), at_use)
@@ -372,6 +377,10 @@ def _spmd_layout(step, st, plan, mesh, traced: _TracedStep) -> _SpmdLayout:
 
 def _pin(value, sharding):
     return jax.lax.with_sharding_constraint(value, sharding)
+
+
+def _pin_at_use(value, stored, compute):
+    return _pin(_pin(value, stored), compute)
 
 
 class _StepFunction:
@@ -544,8 +553,10 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         raise ValueError("an SPMD step needs both mesh= and plan= (got only "
                          f"{'mesh' if plan is None else 'plan'})")
     natural = mesh is not None or natural_layout(device.platform)
-    traced = _trace_step(step, st, scalars, stages, autodiff or getattr(step, "autodiff", "jax"),
-                         natural)
+    platform = device.platform if mesh is None else mesh.devices.flat[0].platform
+    with shared_layers.recomputation_fenced(platform == "cpu"):
+        traced = _trace_step(step, st, scalars, stages,
+                             autodiff or getattr(step, "autodiff", "jax"), natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
     step_function = _StepFunction(step, st, traced, layout, natural)
 
@@ -560,7 +571,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
         # A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does
         # not split a Pallas kernel (tpu_train.ops.attention_tpu).
         with attention_tpu.xla_form() if layout is not None \
-                else contextlib.nullcontext():
+                else contextlib.nullcontext(), \
+                shared_layers.recomputation_fenced(platform == "cpu"):
             lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001
         if not traced.jax_autodiff:
@@ -574,8 +586,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             f"{type(error).__name__}: {error}".splitlines()[0]
         stages.autodiff_fallback = fallback.autodiff_note
         return fallback
-    executable = stages.time("compile", functools.partial(
-        lowered.compile, compiler_options=compiler_options)) if compile else None
+    executable = memory_errors.compiled(lowered, stages, compiler_options, in_shardings) \
+        if compile else None
     if layout is not None and executable is not None:
         executable = PlacingExecutable(executable, in_shardings)
     return Program(executable, traced.random, traced.mutated, traced.grad_norm_dtype,

@@ -104,14 +104,13 @@ def pod_topology(chip: str, num_chips: int) -> str:
     return f"{generation}:{'x'.join(map(str, dims))}"
 
 
-def _build_step(cfg, *, batch: int, seq_len: int, activation_checkpointing: bool):
+def _build_step(cfg, *, batch: int, seq_len: int, remat: str):
     """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them."""
     with torch.device("meta"):
         model = Llama(cfg)
         tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
                   "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, remat)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     def loss_fn(m, b):
@@ -124,13 +123,14 @@ def _build_step(cfg, *, batch: int, seq_len: int, activation_checkpointing: bool
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
-                           activation_checkpointing: bool = False,
+                           activation_checkpointing: bool = False, remat: str | None = None,
                            compute_dtype: torch.dtype | None = None,
                            scan_layers: bool | None = None, target: str | None = None,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step.
 
+    ``remat`` (``trainer.remat``; ``activation_checkpointing``: ``full``).
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
@@ -144,7 +144,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     devices = resolve_target(target).devices if target is not None else None
     mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
     model, optimizer, loss_fn, tokens = _build_step(
-        cfg, batch=batch, seq_len=seq_len, activation_checkpointing=activation_checkpointing)
+        cfg, batch=batch, seq_len=seq_len,
+        remat=remat or ("full" if activation_checkpointing else "none"))
     program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
                                compute_dtype=compute_dtype,
                                scan_layers=scan_layers, runtime_options=False, compile=False)

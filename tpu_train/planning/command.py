@@ -58,7 +58,7 @@ def choose_compiler(chip: str | None, num_chips: int) -> tuple[str | None, str |
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
                 batch=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
-                activation_checkpointing=bool(cfg.trainer.activation_checkpointing),
+                remat=estimate_mod.remat_of(cfg),
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
                 target=target, **degrees)
 

@@ -103,7 +103,8 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
 
 def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
                      activation_checkpointing: bool, act_bytes: int = 4,
-                     flash_attention: bool = False, scan_layers: bool = False) -> dict[str, int]:
+                     flash_attention: bool = False, scan_layers: bool = False,
+                     remat: str | None = None) -> dict[str, int]:
     """Activations one chip keeps for the backward pass, and the loss head's peak.
 
     Per layer and token (``t`` = tensor degree), saved for the backward without
@@ -124,11 +125,19 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     two SwiGLU projections'; the elementwise rest and the scores are recomputed, and the down
     projection's output is not kept, as only the residual add reads it,
     tpu_train.compile.layer_scan), plus one layer's full set while its backward runs.
+    ``remat`` (``trainer.remat``; ``full`` is ``activation_checkpointing``): ``save_dots``
+    keeps what a scanned layer keeps, ``save_qkv_proj`` the input and q, k, v (``dim +
+    (dim + 2 kv_dim) / t``), each plus one layer's full set during its recomputation.
     """
     t = shape.tensor
     tokens = batch * seq_len // shape.batch_shards
     per_layer, kept = _layer_elements(cfg, t, seq_len, flash_attention)
-    if activation_checkpointing:
+    kv = cfg.n_kv_heads * cfg.head_dim
+    if remat == "save_dots":
+        layers = tokens * (cfg.n_layers * kept + per_layer)
+    elif remat == "save_qkv_proj":
+        layers = tokens * (cfg.n_layers * (cfg.dim + (cfg.dim + 2 * kv) / t) + per_layer)
+    elif activation_checkpointing or remat == "full":
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
     elif scan_layers:
         layers = tokens * (cfg.n_layers * kept + per_layer)
@@ -215,7 +224,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
              param_bytes: int = 4, act_bytes: int = 4,
              flash_attention: bool = False, grad_accum_steps: int = 1,
-             scan_layers: bool = False) -> dict[str, Any]:
+             scan_layers: bool = False, remat: str | None = None) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
     ``batch`` is the global micro-batch (sequences per forward/backward), which must split
@@ -232,8 +241,13 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     Scanned layers without checkpointing: the larger of two whole phases, each with its own
     gradients, FSDP working set and activations (:func:`_scanned_peak`); ``peak_phase`` names
     it (None when the rows are a sum over the step).
+    ``remat`` (``trainer.remat``): ``full`` is ``activation_checkpointing``; ``save_dots`` and
+    ``save_qkv_proj`` keep part of each layer (:func:`activation_bytes`), gather weights as
+    checkpointing does, and are costed at checkpointing's FLOPs (an upper bound).
     Returns a flat dict of figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
+    remat = remat or ("full" if activation_checkpointing else "none")
+    activation_checkpointing = remat == "full"
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices)
     check_model_divisibility(cfg, shape)
     if batch % shape.batch_shards:
@@ -249,17 +263,18 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     grads = local * param_bytes
     optimizer = 2 * local * 4
     fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes,
-                                       activation_checkpointing or scan_layers)
+                                       remat != "none" or scan_layers)
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
     stacked = int(local * param_bytes * cfg.n_layers * one_layer / gathered) \
         if scan_layers and gathered else 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
-                            flash_attention=flash_attention, scan_layers=scan_layers)
+                            flash_attention=flash_attention, scan_layers=scan_layers,
+                            remat=remat)
     rows = {"bytes_grads": grads, "bytes_fsdp_gathered": fsdp_working,
             "bytes_activations": acts["layers"], "bytes_loss_head": acts["loss_head"],
             "peak_phase": None}
-    if scan_layers and not activation_checkpointing:
+    if scan_layers and remat in ("none", "save_dots"):
         rows = _scanned_peak(cfg, shape, batch, seq_len, local=local, one_layer=one_layer,
                              largest=largest, param_bytes=param_bytes, act_bytes=act_bytes,
                              flash_attention=flash_attention)
@@ -270,10 +285,11 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     tokens = batch * seq_len * grad_accum_steps
     model_flops = flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
-    hardware_flops = model_flops * (4 / 3 if activation_checkpointing else 1)
+    hardware_flops = model_flops * (4 / 3 if remat in ("full", "save_qkv_proj") else 1)
     result: dict[str, Any] = {
         "mesh": shape.as_dict(), "num_devices": num_devices, "batch": batch,
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
+        "remat": remat,
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
         "num_params": num_params(cfg),
         "grad_accum_steps": grad_accum_steps,
@@ -338,14 +354,25 @@ def planned_model(name: str, checkpoint: str | None = None):
     return get_config(name)
 
 
+def remat_of(config: Any) -> str:
+    """The composed config's remat policy (``trainer.remat``, ``activation_checkpointing``)."""
+    from tpu_train.parallel.activation_checkpointing import remat_setting
+
+    trainer = config.trainer
+    return remat_setting(trainer.get("remat", "none"),
+                         bool(trainer.get("activation_checkpointing", False)))
+
+
 def estimate_from_config(config: Any, num_devices: int | None = None,
-                         chip: str | None = None, mfu: float = ASSUMED_MFU) -> dict[str, Any]:
+                         chip: str | None = None, mfu: float = ASSUMED_MFU, *,
+                         remat: str | None = None, batch: int | None = None) -> dict[str, Any]:
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
 
     Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` (the micro-batch) and ``data.seq_len``,
     ``parallel.{data,fsdp,tensor}``, ``trainer.{activation_checkpointing,precision,
     grad_accum_steps}`` and ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed
-    only when a degree is -1; otherwise it is their product.
+    only when a degree is -1; otherwise it is their product. ``remat`` and ``batch`` replace
+    the config's policy and micro-batch (the settings :mod:`.fit` tries).
     """
     par = config.parallel
     degrees = (int(par.data), int(par.fsdp), int(par.tensor))
@@ -359,9 +386,8 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     cfg = planned_model(config.model.name, config.model.checkpoint)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0],
-        fsdp=degrees[1], tensor=degrees[2], batch=int(config.data.batch_size),
+        fsdp=degrees[1], tensor=degrees[2], batch=batch or int(config.data.batch_size),
         seq_len=int(config.data.seq_len),
-        activation_checkpointing=bool(config.trainer.activation_checkpointing),
-        chip=chip or config.plan.chip, mfu=mfu, act_bytes=compute_dtype.itemsize if compute_dtype else 4,
+        remat=remat or remat_of(config), chip=chip or config.plan.chip, mfu=mfu, act_bytes=compute_dtype.itemsize if compute_dtype else 4,
         grad_accum_steps=int(config.trainer.grad_accum_steps),
         scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))

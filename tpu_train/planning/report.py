@@ -25,8 +25,7 @@ def _setting_line(result: dict[str, Any]) -> str:
     m = result["mesh"]
     return (f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} "
             f"({result['num_devices']} chips), batch {result['batch']} x seq "
-            f"{result['seq_len']}, activation checkpointing "
-            f"{'on' if result['activation_checkpointing'] else 'off'}, activations "
+            f"{result['seq_len']}, remat {result.get('remat', 'none')}, activations "
             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
             f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}"
             + (", layers scanned" if result.get("scan_layers") else ""))

@@ -53,6 +53,18 @@ class MatmulPrecision(Enum):
     medium = "medium"
 
 
+class Remat(Enum):
+    """What each decoder layer keeps for its backward; the rest is recomputed there
+    (``tpu_train.parallel.activation_checkpointing``, docs/compile.md). ``none``: everything
+    (a scanned stack keeps its projections' outputs); ``full``: only the layer's input;
+    ``save_dots``: its projections' outputs; ``save_qkv_proj``: its q, k, v projections'."""
+
+    none = "none"
+    full = "full"
+    save_dots = "save_dots"
+    save_qkv_proj = "save_qkv_proj"
+
+
 class ParamDtype(Enum):
     """How weights are stored: fp32 (master weights, the default) or bf16 (half the memory;
     the optimizer then updates bf16 weights, which loses small updates)."""
@@ -226,6 +238,9 @@ class TrainerConfig:
     # of a shard's rows at once.
     micro_batch_size: Optional[int] = None
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
+    # What each layer keeps for its backward (Remat above): less memory for recomputation.
+    remat: Remat = Remat.none
+    # The older switch: true is trainer.remat=full.
     activation_checkpointing: bool = False
     # Compiled steps trace a stack of identical layers once and run it as a loop (lax.scan).
     # null: stacks of 20 layers or more (shallower ones compile faster unrolled); true: every

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from . import builders
 from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
-from .errors import TrainingStopped
+from .errors import ConfigError, TrainingStopped
 from .evaluation import (Decoding, HostEvaluationModel, compiled_decoder, decodes_compiled,
                          compiled_loss, compiled_validation_loss, describe_decoder,
                          exact_match_count, runs_on_host_cpu, validation_loss)
@@ -296,6 +296,21 @@ class _Loop:
             "Lower optim.lr, "
             "check the data, or set trainer.on_nan=skip")
 
+    def _run_step(self, batch) -> dict:
+        """One step; a step too large for the device's memory (found when XLA compiles it)
+        is a one-line :class:`ConfigError` naming the settings that would fit."""
+        from tpu_train.compile import ProgramOutOfMemoryError
+
+        try:
+            return self.step_fn(batch)
+        except ProgramOutOfMemoryError as error:
+            import jax
+
+            from tpu_train.planning.fit import out_of_memory_message
+
+            raise ConfigError(out_of_memory_message(error, self.job.cfg,
+                                                    jax.device_count())) from None
+
     def train(self, validate: _Validator, throughput: _Throughput) -> str | None:
         """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
         ``trainer.max_minutes``), if anything."""
@@ -311,7 +326,7 @@ class _Loop:
                                             for _ in range(every.grad_accum_steps)])
                 profiler.before(self.step + 1)
                 started = time.perf_counter()
-                out = self.step_fn(batch)
+                out = self._run_step(batch)
                 loss = float(out["loss"])
                 grad_norm = float(out["grad_norm"])
                 finite = (bool(out["finite"]) if "finite" in out

@@ -31,7 +31,7 @@ from .layouts import Layout
 from .parallelism import setup_parallelism
 from .rng import seed_everything
 from .run_dirs import resolve_latest
-from .validation import resolve_seq_len, validate_config
+from .validation import remat_policy, resolve_seq_len, validate_config
 from .world import World, requested_world_size, start_processes
 
 
@@ -126,14 +126,15 @@ def describe_source(cfg: DictConfig) -> str:
 
 
 def parallelize(job: Job, model: torch.nn.Module) -> Layout:
-    """Choose the job's layout and apply it to ``model``: activation checkpointing when
-    ``trainer.activation_checkpointing`` (here, so that no recipe can leave it out), the
-    weights stored in ``trainer.param_dtype``, the model on the device (sharded per device for
+    """Choose the job's layout and apply it to ``model``: the layers' remat policy
+    (``trainer.remat``; here, so that no recipe can leave it out), the weights stored in
+    ``trainer.param_dtype``, the model on the device (sharded per device for
     ``trainer.mode=eager`` under a launcher)."""
-    if job.cfg.trainer.activation_checkpointing:
-        from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
+    from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model)
+    remat = remat_policy(job.cfg.trainer)
+    if remat != "none":
+        apply_activation_checkpointing(model, remat)
     if ParamDtype(job.cfg.trainer.param_dtype) is ParamDtype.bf16:
         model.to(torch.bfloat16)
     parallel = setup_parallelism(job.cfg, model, job.world, job.device)

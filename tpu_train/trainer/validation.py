@@ -238,8 +238,20 @@ def _validate_trainer(trainer) -> None:
         _require(requested_world_size() == 1,
                  "trainer.max_minutes stops a job of one process; under a launcher set "
                  "trainer.max_steps instead (or stop the job with SIGTERM: it saves and resumes)")
+    remat_policy(trainer)
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
+
+
+def remat_policy(trainer) -> str:
+    """``trainer.remat`` as a policy name, ``trainer.activation_checkpointing=true`` read as
+    ``full``; both set, differently, is a :class:`ConfigError`."""
+    from tpu_train.parallel.activation_checkpointing import remat_setting
+
+    try:
+        return remat_setting(trainer.remat, trainer.get("activation_checkpointing", False))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _validate_optimizer(optim, sched) -> None:

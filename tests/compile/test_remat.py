@@ -1,0 +1,191 @@
+"""``trainer.remat``: what each decoder layer keeps for its backward.
+
+In the compiled step (layer by layer and scanned) a policy must change what the program keeps:
+XLA's own buffer assignment of the compiled program (CPU client) shows less temporary memory
+the less a policy keeps, and its FLOPs show the recomputation. Gradients are those of PyTorch's
+autograd on the CPU without recomputation, in the compiled step and eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tpu_train.compile import lower_train_step, targets
+from tpu_train.parallel.activation_checkpointing import (apply_activation_checkpointing,
+                                                         remat_setting)
+
+from tests.tolerances import assert_rel_close, update_rtol
+
+from .helpers import DEVICE, lm_batches, lm_loss, tiny_llama, to_device
+
+F32 = torch.float32
+POLICIES = ("none", "save_dots", "save_qkv_proj", "full")
+# Longest reduction of a gradient: the SwiGLU weights' (176) over 2 x 32 tokens.
+REDUCTION = 176 * 64
+LR = 2.0 ** 30
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_figures(scan: bool) -> dict:
+    """XLA's temporary bytes and FLOPs of the step of a 3-layer Llama (dim 256, 8 x 128
+    tokens: activations dominate), per policy."""
+    from tpu_train.models import CONFIGS, Llama
+
+    config = dataclasses.replace(CONFIGS["debug_tiny"], n_layers=3)
+    figures = {}
+    for remat in POLICIES:
+        with torch.device("meta"):
+            model = Llama(config)
+            tokens = torch.empty(8, 128, dtype=torch.int64)
+        apply_activation_checkpointing(model, remat)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        program = lower_train_step(model, optimizer, lm_loss,
+                                   {"tokens": tokens, "labels": tokens.clone()},
+                                   scan_layers=scan)
+        analysis = program.analysis()
+        figures[remat] = (analysis["temp_size_in_bytes"], analysis["flops_per_device"])
+    return figures
+
+
+def test_policies_keep_less_layer_by_layer():
+    # Measured: 101, 58, 44, 40 MB; 16.7, 17.1, 19.9, 20.7 GFLOP.
+    temp = {remat: t for remat, (t, _) in _compiled_figures(False).items()}
+    flops = {remat: f for remat, (_, f) in _compiled_figures(False).items()}
+    assert temp["none"] > temp["save_dots"] > temp["save_qkv_proj"] > temp["full"], temp
+    assert temp["full"] < 0.5 * temp["none"], temp
+    # Recomputation is work: the forward's elementwise ops (save_dots), all but the q/k/v
+    # projections (save_qkv_proj), the whole forward (full).
+    assert flops["none"] < flops["save_dots"] < flops["save_qkv_proj"] < flops["full"], flops
+
+
+def test_policies_keep_less_in_a_scanned_stack():
+    # A scanned layer keeps its projections' outputs by itself: none is save_dots there.
+    # Measured: 80, 80, 69, 63 MB.
+    temp = {remat: t for remat, (t, _) in _compiled_figures(True).items()}
+    assert temp["none"] == temp["save_dots"] > temp["save_qkv_proj"] > temp["full"], temp
+
+
+def _cpu_gradients(model, batch) -> dict:
+    model = copy.deepcopy(model)
+    lm_loss(model, batch).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("remat", POLICIES)
+def test_compiled_gradients_match_autograd(remat, scan):
+    model, batch = tiny_llama(), lm_batches(1)[0]
+    expected = _cpu_gradients(model, batch)
+    trained = copy.deepcopy(model)
+    apply_activation_checkpointing(trained, remat)
+    trained.to(DEVICE)
+    before = {name: p.detach().cpu().clone() for name, p in trained.named_parameters()}
+    # One SGD step at a learning rate that moves each parameter by far more than its size,
+    # so that before - after (divided by it) is its gradient to float32's rounding.
+    from tpu_train.compile import compile_train_step
+
+    step = compile_train_step(trained, torch.optim.SGD(trained.parameters(), lr=LR), lm_loss,
+                              scan_layers=scan)
+    step(to_device(batch))
+    (program,) = step.cache.entries.values()
+    # Scanned stacks and full recomputation layer by layer: PyTorch's backward is traced.
+    assert program.autodiff == ("torch" if scan or remat == "full" else "jax"), \
+        program.autodiff_note
+    for name, p in trained.named_parameters():
+        assert_rel_close((before[name] - p.detach().cpu()) / LR, expected[name],
+                         update_rtol(F32, 1, REDUCTION, depth=2), f"{remat} {name}")
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", DEVICE])
+def test_eager_policies(device):
+    """Eagerly, ``full`` and ``save_qkv_proj`` recompute each layer, ``save_dots`` all but
+    its projections (PyTorch's selective checkpointing); gradients unchanged."""
+    model, batch = tiny_llama(), lm_batches(1)[0]
+    expected = _cpu_gradients(model, batch)
+    matmuls = {}
+    for remat in POLICIES:
+        checkpointed = copy.deepcopy(model)
+        assert apply_activation_checkpointing(checkpointed, remat) == (0 if remat == "none"
+                                                                      else 2)
+        checkpointed.to(device)
+        loss = lm_loss(checkpointed, {k: v.to(device) for k, v in batch.items()})
+        with _CountMatmuls() as counter:
+            loss.backward()
+        matmuls[remat] = counter.count
+        for name, p in checkpointed.named_parameters():
+            assert_rel_close(p.grad.cpu(), expected[name], update_rtol(F32, 1, REDUCTION, 2),
+                             f"{remat} {name}")
+    # 6 of a layer's 7 projections: PyTorch stops recomputing once it has what backward reads
+    # (the down projection's output is only added to the residual).
+    assert matmuls["full"] == matmuls["save_qkv_proj"] == matmuls["none"] + 2 * 6, matmuls
+    assert matmuls["save_dots"] == matmuls["none"], matmuls
+
+
+def test_bad_policy_is_one_line():
+    with pytest.raises(ValueError, match=r"^trainer.remat='some' is not a remat policy; "
+                                         r"choose one of none, full, save_dots, save_qkv_proj$"):
+        remat_setting("some")
+    with pytest.raises(ValueError, match="trainer.activation_checkpointing=true means "
+                                         "trainer.remat=full, but trainer.remat=save_dots"):
+        remat_setting("save_dots", activation_checkpointing=True)
+    assert remat_setting("none", activation_checkpointing=True) == "full"
+
+
+def test_save_qkv_proj_needs_projections():
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    with pytest.raises(ValueError, match="layer 0 of Model has another set: choose "
+                                         "trainer.remat=save_dots"):
+        apply_activation_checkpointing(Model(), "save_qkv_proj")
+
+
+@pytest.mark.skipif(not targets.libtpu_available(),
+                    reason="libtpu is not installed (pip install tpu_train[tpu])")
+def test_for_a_tpu_full_is_a_recomputed_layer_call():
+    """For a TPU (compiled without a chip) a ``full`` layer is a body differentiated by JAX
+    through ``jax.checkpoint``; on the CPU client it is PyTorch's recomputed region."""
+    from tpu_train.compile.layer_scan import body
+    from tpu_train.compile.shared_layers import LAYER_CALL
+    from tpu_train.models import Llama
+
+    tiny = tiny_llama()
+    with torch.device("meta"):
+        model = Llama(tiny.config)
+        tokens = torch.empty(2, 32, dtype=torch.int64)
+    apply_activation_checkpointing(model, "full")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = {"tokens": tokens, "labels": tokens.clone()}
+    for target, autodiff in (("v5e", "jax"), (None, "torch")):
+        program = lower_train_step(model, optimizer, lm_loss, batch, scan_layers=False,
+                                   target=target, compile=False)
+        assert program.autodiff == autodiff, (target, program.autodiff_note)
+        calls = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_CALL]
+        assert [body(n.args[0]).remat for n in calls] == (["full"] * 2 if target else [])
