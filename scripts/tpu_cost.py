@@ -117,24 +117,31 @@ def compile_ours(size: jax_llama.Size, target: str = "v5e",
     from tpu_train.compile import lower_train_step
     from tpu_train.models import Llama
     from tpu_train.ops import attention_tpu
-    from tpu_train.ops.matmul import set_matmul_precision
+    from tpu_train.ops.matmul import get_matmul_precision, set_matmul_precision
     from tpu_train.trainer.optim import parameter_groups
     from tpu_train.trainer.step import causal_lm_loss_sum_and_count
 
     hyper = jax_llama.Hyper()
-    set_matmul_precision("medium")  # float32 dots as JAX's TPU default (none at bf16 compute)
     with torch.device("meta"):
         model = Llama(size.config())
         tokens = torch.empty(size.batch, size.seq, dtype=torch.long)
     optimizer = torch.optim.AdamW(parameter_groups(model, hyper.weight_decay), lr=hyper.lr,
                                   betas=(hyper.b1, hyper.b2), eps=hyper.eps)
     started = time.perf_counter()
-    with attention_tpu.xla_form():
-        program = lower_train_step(model, optimizer, causal_lm_loss_sum_and_count,
-                                   {"tokens": tokens, "labels": tokens.clone()},
-                                   max_grad_norm=hyper.max_grad_norm, skip_non_finite=True,
-                                   compute_dtype=torch.bfloat16, target=target, compile=False)
-        compiled = program.lowered.compile(OPTIONS if options is None else options)
+    previous = get_matmul_precision()
+    # Float32 dots as JAX's TPU default (there are none at bf16 compute); the process's own
+    # setting comes back after (a test run goes on with it).
+    set_matmul_precision("medium")
+    try:
+        with attention_tpu.xla_form():
+            program = lower_train_step(model, optimizer, causal_lm_loss_sum_and_count,
+                                       {"tokens": tokens, "labels": tokens.clone()},
+                                       max_grad_norm=hyper.max_grad_norm, skip_non_finite=True,
+                                       compute_dtype=torch.bfloat16, target=target,
+                                       compile=False)
+    finally:
+        set_matmul_precision(previous)
+    compiled = program.lowered.compile(OPTIONS if options is None else options)
     return _program_facts(compiled, time.perf_counter() - started)
 
 

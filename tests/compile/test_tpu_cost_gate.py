@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tpu_train.compile import targets
+from tpu_train.ops.matmul import get_matmul_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,6 +47,7 @@ def _load_tpu_cost():
 
 
 tpu_cost = _load_tpu_cost()
+PRECISION_BEFORE = get_matmul_precision()
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,8 @@ def test_the_options_leave_out_memory_space_prefetches_only(reports):
     # Without memory-space assignment the programs have no asynchronous prefetch into the
     # chip's on-core memory; every other option is XLA's default.
     assert tpu_cost.OPTIONS == {"xla_msa_enable": False}
+    # The compiles left the process's float32 matmul precision as they found it.
+    assert get_matmul_precision() == PRECISION_BEFORE
     for report in reports.values():
         for side in ("ours", "reference"):
             assert report[side]["prefetches"] == 0, report
