@@ -107,3 +107,28 @@ def test_shrink_backward(op):
     x = inputs(torch.float32)
     g = make(x.shape, torch.float32, -2, 2)
     assert_lowering_matches(op, g, x, 0.5, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_jax_derivative_of_16_bit_silu_is_pytorchs_backward(dtype):
+    """A compiled step differentiates the silu lowering with JAX: for 16-bit inputs its
+    custom derivative (only the input kept for the backward) must give PyTorch's gradient."""
+    import jax
+    import numpy as np
+
+    from tpu_train.ops.activations import silu
+
+    x = inputs(dtype)
+    grad = make(x.shape, dtype, seed=6)
+    leaf = x.clone().requires_grad_(True)
+    torch.nn.functional.silu(leaf).backward(grad)
+
+    def as_jax(t):
+        return jax.numpy.asarray(t.float().numpy()).astype(str(dtype).split(".")[1])
+
+    out, pullback = jax.vjp(silu, as_jax(x))
+    (got,) = pullback(as_jax(grad))
+    assert out.dtype == got.dtype == as_jax(x).dtype
+    tol = activation_tolerance(dtype)
+    torch.testing.assert_close(torch.from_numpy(np.array(got.astype("float32"))),
+                               leaf.grad.float(), **tol)

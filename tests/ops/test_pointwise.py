@@ -293,3 +293,14 @@ def test_clamp(dtype):
     assert_lowering_matches(aten.clamp_max.default, x, 0.5, **tol)
     assert_lowering_matches(aten.clamp_min.Tensor, x, low, **tol)
     assert_lowering_matches(aten.clamp_max.Tensor, x, high, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_products_are_pytorchs_bits(dtype):
+    """Two 16-bit tensors multiply in their own dtype (their product is exact in float32, so
+    one rounding gives opmath's result): the same bits as PyTorch on the CPU, specials too."""
+    a = torch.cat([make((64,), dtype, -300, 300), torch.tensor(
+        [0.0, -0.0, float("inf"), float("nan"), 1e-7, 6e4, -6e4]).to(dtype)])
+    b = torch.cat([make((64,), dtype, -300, 300, seed=1), torch.tensor(
+        [float("inf"), 5.0, 0.0, 1.0, 1e-7, 6e4, 2.0]).to(dtype)])
+    assert_matches_jitted(aten.mul.Tensor, a, b, atol=0, rtol=0)

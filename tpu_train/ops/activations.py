@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.scipy import special
 
@@ -83,8 +84,32 @@ def gelu_backward(grad_output, self, *, approximate="none"):
 
 @lowers(aten.silu.default)
 def silu(self):
-    dtype, _, (x,) = _opmath(self)
+    dtype, compute, (x,) = _opmath(self)
+    if compute != dtype:
+        return _low_precision_silu(self.astype(dtype))
     return (x / (1 + jnp.exp(-x))).astype(dtype)
+
+
+@jax.custom_vjp
+def _low_precision_silu(x):
+    """SiLU of a 16-bit tensor computed in float32 and rounded, whose derivative (JAX's, in a
+    compiled step) keeps only ``x`` for the backward and recomputes the sigmoid there, as
+    PyTorch's ``silu_backward`` does. JAX's own derivative of the float32 formula kept its
+    float32 intermediates alive from the forward (W1 bf16 for a v5e: float32 [1024, 1408]
+    tensors written in the forward and read in the backward of every layer)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 / (1 + jnp.exp(-x32))).astype(x.dtype)
+
+
+def _low_precision_silu_forward(x):
+    return _low_precision_silu(x), x
+
+
+def _low_precision_silu_backward(x, grad):
+    return (silu_backward(grad.astype(x.dtype), x),)
+
+
+_low_precision_silu.defvjp(_low_precision_silu_forward, _low_precision_silu_backward)
 
 
 @lowers(aten.silu_backward.default)
