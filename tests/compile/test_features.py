@@ -289,7 +289,9 @@ def test_a_step_updates_its_donated_parameters_in_place_without_copying_them():
     assert _copied_entry_parameters(entry.executable.as_text()) == []
 
 
-def test_skip_non_finite_applies_finite_steps_and_passes_skipped_ones_through():
+def _skipping_run_passes_the_nan_step_through():
+    """Three steps with skip_non_finite, a NaN batch in the middle, against the two finite
+    steps alone: the skipped step changed nothing (nor the step count). Returns the step."""
     batches = mlp_batches(3)
     batches[1] = {"x": batches[1]["x"], "y": torch.full_like(batches[1]["y"], float("nan"))}
     plain, plain_model, _, _ = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss,
@@ -297,11 +299,15 @@ def test_skip_non_finite_applies_finite_steps_and_passes_skipped_ones_through():
     metrics, model, opt, step = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss, batches,
                                              max_grad_norm=1.0, skip_non_finite=True)
     assert [m["finite"] for m in metrics] == [1.0, 0.0, 1.0]
-    # The skipped step changed nothing (nor the step count): the run is the plain one's.
     assert [metrics[0]["loss"], metrics[2]["loss"]] == [m["loss"] for m in plain]
     for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
         assert torch.equal(p.cpu(), q.cpu()), name
     assert {int(s["step"]) for s in opt.state.values()} == {2}
+    return step
+
+
+def test_skip_non_finite_applies_finite_steps_and_passes_skipped_ones_through():
+    step = _skipping_run_passes_the_nan_step_through()
     # A skipped step passes the donated buffers through (a conditional), so the program
     # copies no parameter or optimizer state to keep its old value.
     (entry,) = step.cache.entries.values()
@@ -314,16 +320,6 @@ def test_skip_non_finite_by_select_as_off_the_cpu_passes_skipped_steps_through(m
     from tpu_train.compile import program
 
     monkeypatch.setattr(program, "skips_by_select", lambda platform: True)
-    batches = mlp_batches(3)
-    batches[1] = {"x": batches[1]["x"], "y": torch.full_like(batches[1]["y"], float("nan"))}
-    plain, plain_model, _, _ = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss,
-                                            [batches[0], batches[2]], max_grad_norm=1.0)
-    metrics, model, opt, step = run_compiled(mlp(), OPTIMIZERS["adamw"], mlp_loss, batches,
-                                             max_grad_norm=1.0, skip_non_finite=True)
-    assert [m["finite"] for m in metrics] == [1.0, 0.0, 1.0]
-    assert [metrics[0]["loss"], metrics[2]["loss"]] == [m["loss"] for m in plain]
-    for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
-        assert torch.equal(p.cpu(), q.cpu()), name
-    assert {int(s["step"]) for s in opt.state.values()} == {2}
+    step = _skipping_run_passes_the_nan_step_through()
     (entry,) = step.cache.entries.values()
     assert " conditional(" not in entry.executable.as_text()
