@@ -96,13 +96,18 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def rtol_for(dtype: torch.dtype, reduction: int = 1, depth: int = 1) -> float:
+def rtol_for(dtype: torch.dtype, reduction: int = 1, depth: int = 1,
+             functions: tuple[str, ...] = ()) -> float:
     """Relative (normwise) difference between two implementations of one computation in
     ``dtype`` whose longest reduction (sum length / matmul inner dimension) is ``reduction``,
     with ``depth`` such reductions chained: SAFETY * sqrt(depth * reduction) * u * r, r the
-    platform's rounding in units of u (``rounding_ulps``)."""
-    return (SAFETY * math.sqrt(depth * max(reduction, 1)) * unit_roundoff(dtype)
-            * rounding_ulps(dtype))
+    platform's rounding in units of u (``rounding_ulps``). ``functions``: the elementwise
+    functions (names of ``measured_ulps``) applied once each along the chain, each adding its
+    own measured error, SAFETY * ulps * u(float32) (they are computed in float32): on a TPU
+    tanh alone is 399 u, next to a few u of rounding."""
+    functions_error = sum(function_ulps(name) for name in functions) * unit_roundoff(torch.float32)
+    return SAFETY * (math.sqrt(depth * max(reduction, 1)) * unit_roundoff(dtype)
+                     * rounding_ulps(dtype) + functions_error)
 
 
 def rounding_ulps(dtype: torch.dtype) -> int:
@@ -224,11 +229,12 @@ def update_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) 
 
 
 def param_atol(dtype: torch.dtype, lr: float, steps: int, *, reduction: int, numel: int,
-               depth: int = 1) -> float:
+               depth: int = 1, functions: tuple[str, ...] = ()) -> float:
     """RMS-per-element tolerance on an Adam/AdamW-trained parameter tensor of ``numel``
     elements after ``steps`` steps at learning rate ``lr`` (peak): each step moves an element
-    by ~lr and gets that wrong by at most min(2, sqrt(numel) * rtol) of it."""
-    per_step = min(2.0, math.sqrt(numel) * rtol_for(dtype, reduction, depth))
+    by ~lr and gets that wrong by at most min(2, sqrt(numel) * rtol) of it (``functions``: as
+    :func:`rtol_for`'s, the model's elementwise functions)."""
+    per_step = min(2.0, math.sqrt(numel) * rtol_for(dtype, reduction, depth, functions))
     return lr * max(steps, 1) * per_step
 
 

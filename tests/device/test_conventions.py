@@ -309,7 +309,10 @@ def test_optimizers_and_clipping_take_their_foreach_paths_by_default_as_on_cuda(
         else:  # the CPU oracle keeps torch's CPU default for AdamW: the per-parameter path
             assert "_foreach_lerp_" not in foreach
     for p_cpu, p_tpu in zip(cpu_model.parameters(), tpu_model.parameters()):
-        limit = param_atol(torch.float32, 1e-2, 3, reduction=16, numel=p_cpu.numel())
+        # The gradients pass through the model's tanh: its measured error counts (on a TPU it is
+        # 399 u, far above the rounding of these 16-wide reductions).
+        limit = param_atol(torch.float32, 1e-2, 3, reduction=16, numel=p_cpu.numel(),
+                           functions=("tanh",))
         assert _rms(p_tpu.cpu() - p_cpu) <= limit
 
 
