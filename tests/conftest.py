@@ -1,13 +1,15 @@
 """Test-session setup (before JAX is imported anywhere): 8 virtual CPU devices, no persistent
-compilation cache, and how many pytest-xdist workers ``-n auto`` (in ``addopts``) starts.
+compilation cache (on a chip: one for the session only), and how many pytest-xdist workers
+``-n auto`` (in ``addopts``) starts.
 
 ``TPU_TRAIN_CACHE_DIR=off`` for the session and the ``tpu-train`` child processes it starts
 (they inherit it): tests never write to the user's ``~/.cache/tpu_train/xla``, and a program is
 always compiled, so "compiled the train step" / "XLA compile" in the logs that tests read does
 not depend on test order or on whether an earlier compile happened to take over a second (the
 cache's threshold). A session temporary cache was not measurably faster beyond the machine's load
-noise (docs/compile.md): most test programs compile in under a second and are never written. ``tests/compile/test_persistent_cache.py`` gives its child
-processes a cache directory of their own.
+noise (docs/compile.md): most test programs compile in under a second and are never written.
+``tests/compile/test_persistent_cache.py`` gives its child processes a cache directory of their
+own.
 
 ``TPU_TRAIN_PLATFORM`` names the platform the tests run on (``cpu`` unless set; ``tpu`` on a TPU
 host, one process: ``-n 0``). Markers say what a test needs beyond one device, and
@@ -33,6 +35,19 @@ os.environ.setdefault("TPU_TRAIN_PLATFORM", "cpu")
 # backend too, on the chip this process holds ("JAX finds no cpu devices").
 os.environ.pop("JAX_PLATFORMS", None)
 os.environ["TPU_TRAIN_CACHE_DIR"] = "off"
+if os.environ["TPU_TRAIN_PLATFORM"].strip().lower() not in ("", "cpu"):
+    # On a chip a trainer test's programs take 5-30 s of XLA compile each (docs/benchmarks.md),
+    # and many tests build the same ones (the bundled model at the same settings): a cache
+    # shared by this session only, in a directory removed at its end, compiles each once. Only
+    # programs over the cache's 1 s threshold are written, so the per-op programs of the eager
+    # tests and the small ones whose logs tests read are compiled as on the CPU client.
+    import atexit
+    import shutil
+    import tempfile
+
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="tpu_train_test_xla_")
+    atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+    os.environ["TPU_TRAIN_CACHE_DIR"] = _SESSION_CACHE
 # Every op checks each tensor argument's cached key part against its geometry (op_cache).
 os.environ.setdefault("TPU_TRAIN_VERIFY_KEY_PARTS", "1")
 
