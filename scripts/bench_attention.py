@@ -29,12 +29,14 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's tpu_train, also where another one is installed
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import provenance  # noqa: E402
 
 DEFAULT_SHAPES = "4x8(4)x256,8x16(8)x512,8x16(8)x1024,4x32(8)x2048"
 HEAD_DIM = 64
@@ -129,12 +131,6 @@ def bench_shape(shape, device, rounds: int, interpret: bool) -> dict:
     return report
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv=None) -> dict:
@@ -158,7 +154,7 @@ def main(argv=None) -> dict:
     device = runtime.jax_device(0)
     report = {"benchmark": "attention_fwd_bwd", "platform": device.platform,
               "device_kind": device.device_kind, "host_cores": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "dtype": "bfloat16",
+              "date": time.strftime("%Y-%m-%d"), "commit": provenance.commit(), "dtype": "bfloat16",
               "head_dim": HEAD_DIM, "causal": True, "rounds": args.rounds,
               "min_sequence_rule": attention_tpu.MIN_SEQUENCE,
               "splash": ("kernels" if device.platform == "tpu" else

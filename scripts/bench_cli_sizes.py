@@ -49,6 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import provenance  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("w1", "350m", "1b")
 # Trainer settings that do not shape the step: how long, which seed, validation (the synthetic
@@ -193,12 +195,6 @@ def _rounded(key: str, value: float) -> float:
     return round(value, 6) if key.endswith("_s") else round(value, 4)
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv=None) -> dict:
@@ -240,7 +236,7 @@ def main(argv=None) -> dict:
     report = {"size": args.size, "batch": size.batch, "seq": size.seq, "rounds": args.rounds,
               "cli_command": "tpu-train " + " ".join(cli_overrides(args.size, args.steps,
                                                                     "<tmp>")),
-              "date": time.strftime("%Y-%m-%d"), "commit": _commit()}
+              "date": time.strftime("%Y-%m-%d"), "commit": provenance.commit()}
     for name in sides:
         report[name] = failed.get(name) or _median_over(sides[name])
     if not failed:

@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -59,6 +58,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, ROOT)
 
 import jax_llama  # noqa: E402
+import provenance  # noqa: E402
 
 # The gate: ours may access at most 5 % more bytes and run at most 2 % more FLOPs.
 BYTES_LIMIT = 1.05
@@ -191,12 +191,6 @@ def compare(name: str, target: str = "v5e", hlo_dir: str | None = None,
     return report
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _libtpu_version() -> str | None:
@@ -231,7 +225,7 @@ def main(argv=None) -> dict:
     if target.num_chips != 1:
         parser.error(f"--target {args.target} has {target.num_chips} chips: name one chip "
                      "(e.g. v5e); both programs are single-device")
-    report = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "target": target.name,
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": provenance.commit(), "target": target.name,
               "libtpu": _libtpu_version(), "host_cores": os.cpu_count(),
               "options": OPTIONS,
               "limits": {"bytes_ratio": BYTES_LIMIT, "flops_ratio": FLOPS_LIMIT},
