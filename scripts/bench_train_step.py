@@ -26,19 +26,20 @@ first and last step; and the compiled/jax ratios. Usage::
 
     python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager,fused,compiled,jax] [--steps N]
     python scripts/bench_train_step.py --isolated R [--only ...] [--steps N]
-    python scripts/bench_train_step.py --size w1|350m|1b [--precision fp32|bf16] [--only compiled,jax]
+    python scripts/bench_train_step.py --size w1|350m|1b [--precision fp32|bf16] [--only eager,fused,compiled,jax]
 
-``--size`` compares, interleaved as above, two modes of a model size of
+``--size`` compares, interleaved as above, the modes of a model size of
 ``scripts/jax_llama.py`` (``w1``, ``350m``, ``1b``) at ``--precision`` (default bf16):
 ``compiled``, the step exactly as ``tpu-train model=llama_<size> trainer.mode=compiled
 trainer.precision=...`` builds it (``scripts/train_step_modes.py``: the size's model option,
 AdamW on the trainer's parameter groups, clipping to 1.0, a constant lr; what ``tpu-train``
-reaches on that model option: ``scripts/bench_cli_sizes.py``), and ``jax``, the hand-written JAX reference at the same precision with
-the same optimizer settings. Per mode: fastest / median step, tokens/s, MFU
+reaches on that model option: ``scripts/bench_cli_sizes.py``) and ``jax``, the hand-written
+JAX reference at the same precision with the same optimizer settings, by default; ``eager``
+and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. Per mode: fastest / median step, tokens/s, MFU
 ((6 N_matmul + 12 layers seq dim) x tokens / step / the chip's peak bf16 FLOP/s; null where
 the chip's peak is unknown, e.g. on a CPU), trace / compile seconds, first / last loss; the
 device's memory (``memory_stats``: in use after each mode's set-up, and the process's peak);
-and the compiled/jax ratios. At ``1b`` the two modes' float32 weights and AdamW state do not
+and the compiled/jax and fused/compiled ratios. At ``1b`` the two modes' float32 weights and AdamW state do not
 fit one 16 GB chip together: run ``--only compiled`` and ``--only jax`` separately.
 
 Every script runs on the best platform present (a TPU, else a GPU, else the CPU; set
@@ -400,12 +401,13 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
                       flush=True)
 
 
-SIZED_MODES = ("compiled", "jax")
+SIZED_MODES = ("eager", "fused", "compiled", "jax")
+SIZED_DEFAULT = ("compiled", "jax")
 
 
 def sized(parser, args) -> dict:
     """``--size``: the trainer's compiled step vs the JAX reference (module docstring)."""
-    names = args.only or list(SIZED_MODES)
+    names = args.only or list(SIZED_DEFAULT)
     unknown = sorted(set(names) - set(SIZED_MODES))
     if unknown:
         parser.error(f"--only with --size: unknown mode(s) {', '.join(unknown)}; choose from "
@@ -428,13 +430,15 @@ def sized(parser, args) -> dict:
                      f"{facts['device_count']} {facts['platform']} devices; make one visible "
                      "(a TPU host: TPU_VISIBLE_CHIPS=0 TPU_PROCESS_BOUNDS=1,1,1 "
                      "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1)")
-    cfg = tsm.trainer_config(args.precision, model=tsm.model_option(args.size))
+    configs = {mode: tsm.trainer_config(args.precision, model=tsm.model_option(args.size),
+                                        mode=mode) for mode in ("eager", "fused", "compiled")}
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
     batches = make_batches(args.steps, size.vocab_size, batch=size.batch, seq=size.seq)
-    build = {"compiled": lambda: tsm.TrainerMode(cpu_model, cfg),
-             "jax": lambda: tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg),
-                                              args.precision, args.remat)}
+    build = {mode: (lambda cfg=cfg: tsm.TrainerMode(cpu_model, cfg))
+             for mode, cfg in configs.items()}
+    build["jax"] = lambda: tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(configs["compiled"]),
+                                             args.precision, args.remat)
     modes, results, memory = {}, {}, {}
     for name in names:
         modes[name] = build[name]()
@@ -464,7 +468,11 @@ def sized(parser, args) -> dict:
             f"loss_step{args.steps}": float(np.asarray(to_numpy(r["losses"][-1]))),
         }
     report["device_memory_end"] = tsm.device_memory()
-    if len(report["modes"]) == 2:
+    if "compiled" in report["modes"] and "fused" in report["modes"]:
+        f, c = report["modes"]["fused"], report["modes"]["compiled"]
+        report["fused_over_compiled"] = {"fastest": round(f["fastest_s"] / c["fastest_s"], 3),
+                                         "median": round(f["median_s"] / c["median_s"], 3)}
+    if "compiled" in report["modes"] and "jax" in report["modes"]:
         c, j = report["modes"]["compiled"], report["modes"]["jax"]
         report["compiled_over_jax"] = {
             "fastest": round(c["fastest_s"] / j["fastest_s"], 3),

@@ -29,7 +29,7 @@ import jax_llama
 # a constant learning rate (no warmup), so that both sides use the same lr at every step. The
 # trainer spreads the batch over every device of the process (parallel.data=-1).
 TRAINER_OVERRIDES = ("optim=adamw", "scheduler=constant", "scheduler.warmup_steps=0",
-                     "trainer.mode=compiled", "trainer.device=tpu")
+                     "trainer.device=tpu")
 
 
 def model_option(size_name: str) -> str:
@@ -38,10 +38,10 @@ def model_option(size_name: str) -> str:
     return f"llama_{size_name}"
 
 
-def trainer_config(precision: str, model: str = "debug_tiny"):
-    """The composed ``tpu-train`` config for ``model=model trainer.precision=precision``: the
-    model option's settings (e.g. its batch, which sizes micro-batches) reach the step as they
-    reach a user's run."""
+def trainer_config(precision: str, model: str = "debug_tiny", mode: str = "compiled"):
+    """The composed ``tpu-train`` config for ``model=model trainer.precision=precision
+    trainer.mode=mode``: the model option's settings (e.g. its batch, which sizes micro-batches)
+    reach the step as they reach a user's run."""
     from hydra import compose, initialize_config_dir
 
     from tpu_train.cli import CONFIG_DIR
@@ -50,8 +50,8 @@ def trainer_config(precision: str, model: str = "debug_tiny"):
     register_schema()
     run_dir = tempfile.mkdtemp(prefix="bench_train_step_run_")  # the blocks write nothing here
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
-    overrides = [f"model={model}", *TRAINER_OVERRIDES, f"trainer.precision={precision}",
-                 f"run.dir={run_dir}"]
+    overrides = [f"model={model}", *TRAINER_OVERRIDES, f"trainer.mode={mode}",
+                 f"trainer.precision={precision}", f"run.dir={run_dir}"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
@@ -65,7 +65,8 @@ def hyper_from(cfg) -> "jax_llama.Hyper":
 
 
 class TrainerMode:
-    """The compiled step as ``tpu-train`` builds it, on a copy of ``cpu_model``."""
+    """The step as ``tpu-train`` builds it for ``cfg`` (its ``trainer.mode``: compiled, eager or
+    fused), on a copy of ``cpu_model``."""
 
     def __init__(self, cpu_model, cfg):
         from tpu_train.trainer import setup
