@@ -97,26 +97,30 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def rtol_for(dtype: torch.dtype, reduction: int = 1, depth: int = 1,
-             functions: tuple[str, ...] = ()) -> float:
+             functions: tuple[str, ...] = (), platform: str = PLATFORM) -> float:
     """Relative (normwise) difference between two implementations of one computation in
     ``dtype`` whose longest reduction (sum length / matmul inner dimension) is ``reduction``,
     with ``depth`` such reductions chained: SAFETY * sqrt(depth * reduction) * u * r, r the
     platform's rounding in units of u (``rounding_ulps``). ``functions``: the elementwise
     functions (names of ``measured_ulps``) applied once each along the chain, each adding its
     own measured error, SAFETY * ulps * u(float32) (they are computed in float32): on a TPU
-    tanh alone is 399 u, next to a few u of rounding."""
-    functions_error = sum(function_ulps(name) for name in functions) * unit_roundoff(torch.float32)
+    tanh alone is 399 u, next to a few u of rounding. ``platform``: whose measurements (the
+    test platform's unless named)."""
+    functions_error = (sum(function_ulps(name, platform) for name in functions)
+                       * unit_roundoff(torch.float32))
     return SAFETY * (math.sqrt(depth * max(reduction, 1)) * unit_roundoff(dtype)
-                     * rounding_ulps(dtype) + functions_error)
+                     * rounding_ulps(dtype, platform) + functions_error)
 
 
-def rounding_ulps(dtype: torch.dtype) -> int:
+def rounding_ulps(dtype: torch.dtype, platform: str = PLATFORM) -> int:
     """How many u one rounded operation of the test platform is from torch's CPU result: the
     model above counts roundings of u each (correctly rounded + - * / sqrt), which holds on the
     CPU client (1); a TPU's float32 division, reciprocal and square root are not correctly
     rounded (measured 2-3 u), so there each rounding counts ELEMENTWISE_ULPS["arithmetic"].
     16-bit dtypes are computed in float32 and rounded once to the dtype: u of the dtype."""
-    return ELEMENTWISE_ULPS["arithmetic"] if dtype == torch.float32 else 1
+    if dtype != torch.float32:
+        return 1
+    return (ELEMENTWISE_ULPS if platform == PLATFORM else load_ulps(platform))["arithmetic"]
 
 
 # How many u (unit roundoff of float32) the XLA lowering of each elementwise function is from
@@ -220,6 +224,55 @@ def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) ->
     """Relative difference of the loss after ``steps`` training steps (linear accumulation of
     each step's rounding; ``steps=1`` is the forward alone)."""
     return max(steps, 1) * rtol_for(dtype, reduction, depth)
+
+
+# The elementwise functions of one Llama decoder layer (tpu_train/models/llama.py): the two
+# RMSNorms' rsqrt, the attention softmax's exp and SiLU's sigmoid; the model adds its final norm.
+LLAMA_LAYER_FUNCTIONS = ("rsqrt", "exp", "sigmoid", "rsqrt")
+
+
+def llama_functions(layers: int) -> tuple[str, ...]:
+    """The elementwise functions along a ``layers``-deep Llama's forward, for ``functions=``."""
+    return LLAMA_LAYER_FUNCTIONS * layers + ("rsqrt",)
+
+
+def cross_entropy_atol(vocab: int, logit_max: float, platform: str = PLATFORM) -> float:
+    """Absolute error of one token's cross-entropy evaluated from given float32 logits,
+    lse - z_y with lse = m + log(sum_i exp(z_i - m)), m = max z: each exp's relative error (its
+    measured ulps) is the sum's, which its log turns into the same absolute error; the log's
+    own error is absolute, ulps * u * (1 + |log s|) (what measure_ulps.py measures) with
+    1 <= s <= vocab; the additions round at the logsumexp's magnitude, |lse| <= logit_max +
+    log(vocab). A systematic error (the same polynomial at every token): a mean over tokens
+    does not average it away."""
+    log_sum = math.log(vocab)
+    ulps = (function_ulps("exp", platform) + function_ulps("log", platform) * (1 + log_sum)
+            + rounding_ulps(torch.float32, platform) * (logit_max + log_sum))
+    return SAFETY * ulps * unit_roundoff(torch.float32)
+
+
+def loss_atol(*, reduction: int, depth: int, functions: tuple[str, ...], logit_rms: float,
+              logit_max: float, vocab: int, tokens: int, loss: float, steps: int = 1,
+              dtype: torch.dtype = torch.float32, platform: str = PLATFORM) -> float:
+    """Absolute difference of a mean next-token cross-entropy ``loss`` over ``tokens`` labels
+    between two implementations (the platform's XLA and torch's CPU kernels), after ``steps``
+    training steps (1: the forward alone).
+
+    A trained model's loss is small (0.5) next to its logits (|z| ~ 10-30): lse - z_y is a
+    difference of large terms, so its error is relative to the logits, not to the loss. The
+    logits' error, normwise (``rtol_for`` of the model's longest reduction, depth and elementwise
+    ``functions``), has an RMS per element of sigma = rtol * ``logit_rms``. One token's loss
+    moves by sum_i p_i dz_i - dz_y = sum_(i != y) p_i dz_i - (1 - p_y) dz_y (the logsumexp's
+    gradient is the softmax p): for independent dz its RMS is at most sqrt(2) sigma (1 - p_y),
+    and 1 - p_y <= min(1, that token's loss). The mean over ``tokens`` tokens averages that to
+    sqrt(2 min(1, loss) / tokens) sigma (independent roundings, as rtol_for's sqrt(n)). To that
+    the cross-entropy's own error (:func:`cross_entropy_atol`, systematic). Training steps:
+    linear accumulation of each step's error (the module docstring); Adam's update errors enter
+    the loss only through elements whose gradient is small (|g_i dp_i| <= lr * rtol * RMS(g)
+    each), far below the forward's error at the tests' learning rates."""
+    logits_rms_error = rtol_for(dtype, reduction, depth, functions, platform) * logit_rms
+    per_forward = (math.sqrt(2 * min(1.0, abs(loss)) / max(tokens, 1)) * logits_rms_error
+                   + cross_entropy_atol(vocab, logit_max, platform))
+    return max(steps, 1) * per_forward
 
 
 def update_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) -> float:
