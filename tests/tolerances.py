@@ -236,18 +236,20 @@ def llama_functions(layers: int) -> tuple[str, ...]:
     return LLAMA_LAYER_FUNCTIONS * layers + ("rsqrt",)
 
 
-def cross_entropy_atol(vocab: int, logit_max: float, platform: str = PLATFORM) -> float:
-    """Absolute error of one token's cross-entropy evaluated from given float32 logits,
-    lse - z_y with lse = m + log(sum_i exp(z_i - m)), m = max z: each exp's relative error (its
-    measured ulps) is the sum's, which its log turns into the same absolute error; the log's
-    own error is absolute, ulps * u * (1 + |log s|) (what measure_ulps.py measures) with
-    1 <= s <= vocab; the additions round at the logsumexp's magnitude, |lse| <= logit_max +
-    log(vocab). A systematic error (the same polynomial at every token): a mean over tokens
-    does not average it away."""
+def cross_entropy_atol(vocab: int, logit_max: float, tokens: int = 1,
+                       platform: str = PLATFORM) -> float:
+    """Absolute error of a mean over ``tokens`` tokens of the cross-entropy evaluated from given
+    float32 logits, lse - z_y with lse = m + log(sum_i exp(z_i - m)), m = max z: each exp's
+    relative error (its measured ulps) is the sum's, which its log turns into the same absolute
+    error; the log's own error is absolute, ulps * u * (1 + |log s|) (what measure_ulps.py
+    measures) with 1 <= s <= vocab. Those are the functions' approximation errors, systematic
+    (the same polynomial at every token): a mean over tokens does not average them away. The
+    additions round at the logsumexp's magnitude, |lse| <= logit_max + log(vocab), independently
+    at each token: that rounding averages as 1 / sqrt(tokens)."""
     log_sum = math.log(vocab)
-    ulps = (function_ulps("exp", platform) + function_ulps("log", platform) * (1 + log_sum)
-            + rounding_ulps(torch.float32, platform) * (logit_max + log_sum))
-    return SAFETY * ulps * unit_roundoff(torch.float32)
+    functions = function_ulps("exp", platform) + function_ulps("log", platform) * (1 + log_sum)
+    rounding = rounding_ulps(torch.float32, platform) * (logit_max + log_sum)
+    return SAFETY * (functions + rounding / math.sqrt(max(tokens, 1))) * unit_roundoff(torch.float32)
 
 
 def loss_atol(*, reduction: int, depth: int, functions: tuple[str, ...], logit_rms: float,
@@ -271,7 +273,7 @@ def loss_atol(*, reduction: int, depth: int, functions: tuple[str, ...], logit_r
     each), far below the forward's error at the tests' learning rates."""
     logits_rms_error = rtol_for(dtype, reduction, depth, functions, platform) * logit_rms
     per_forward = (math.sqrt(2 * min(1.0, abs(loss)) / max(tokens, 1)) * logits_rms_error
-                   + cross_entropy_atol(vocab, logit_max, platform))
+                   + cross_entropy_atol(vocab, logit_max, tokens, platform))
     return max(steps, 1) * per_forward
 
 
