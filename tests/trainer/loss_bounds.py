@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import torch
+
 from tests.platforms import PLATFORM
-from tests.tolerances import llama_functions, loss_atol
+from tests.tolerances import llama_functions, loss_atol, loss_rtol
 
 LAYERS, FFN_HIDDEN, VOCAB = 4, 768, 512
 # The base model's logits on the bundled task (measured: RMS 8.5 - 9.2, max |z| 19.7 - 28.1 per
@@ -30,10 +33,25 @@ def base_model_loss_atol(rows: int, loss: float, steps: int = 1, platform: str =
 
 
 def assert_base_model_losses_close(got: list[float], want: list[float], rows: int,
-                                   what: str = "loss") -> None:
-    """Step i's loss (i = 1, 2, ...) within ``base_model_loss_atol(rows, want[i], i)``."""
+                                   what: str = "loss", trained: bool = True) -> None:
+    """The i-th loss (i = 1, 2, ...) within ``base_model_loss_atol(rows, want[i], i)``: step i
+    of a training run where both sides trained; ``trained=False`` where only the losses'
+    evaluation differs (the same parameters on both sides), each a forward alone."""
     assert len(got) == len(want), (got, want)
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        atol = base_model_loss_atol(rows, b, step)
+    for index, (a, b) in enumerate(zip(got, want), start=1):
+        atol = base_model_loss_atol(rows, b, index if trained else 1)
         assert math.isfinite(a) and abs(a - b) <= atol, \
-            f"{what} at step {step}: {a!r} vs {b!r}, difference {abs(a - b):.2e} > {atol:.2e}"
+            f"{what} {index}: {a!r} vs {b!r}, difference {abs(a - b):.2e} > {atol:.2e}"
+
+
+def assert_matches_golden(losses: list[float], golden: list[float], rows: int) -> None:
+    """A recipe's losses against its golden file (tests/trainer/golden, written on the CPU
+    client). On the CPU client a regression check as tight as its own rounding: fp32 rounding of
+    the steps of debug_tiny (longest reduction the 768-wide feed-forward, 4 layers deep),
+    relative, as the golden values were written there. On another platform the golden values
+    are another implementation's: within the derived cross-platform bound."""
+    if PLATFORM == "cpu":
+        assert losses == pytest.approx(
+            golden, rel=loss_rtol(torch.float32, len(golden), reduction=FFN_HIDDEN, depth=LAYERS))
+    else:
+        assert_base_model_losses_close(losses, golden, rows, "loss against the golden file")
