@@ -249,7 +249,8 @@ def cross_entropy_atol(vocab: int, logit_max: float, tokens: int = 1,
     log_sum = math.log(vocab)
     functions = function_ulps("exp", platform) + function_ulps("log", platform) * (1 + log_sum)
     rounding = rounding_ulps(torch.float32, platform) * (logit_max + log_sum)
-    return SAFETY * (functions + rounding / math.sqrt(max(tokens, 1))) * unit_roundoff(torch.float32)
+    per_token = functions + rounding / math.sqrt(max(tokens, 1))
+    return SAFETY * per_token * unit_roundoff(torch.float32)
 
 
 def loss_atol(*, reduction: int, depth: int, functions: tuple[str, ...], logit_rms: float,

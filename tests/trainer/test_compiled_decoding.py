@@ -56,11 +56,13 @@ def test_eval_on_tpu_is_compiled_and_matches_the_cpu(one_thread, monkeypatch):
     assert tpu[0] == 0 and cpu[0] == 0, tpu[2] + cpu[2]
     assert COMPILED_MARK in tpu[1] and "decoding:" not in cpu[1]
     assert len([line for line in tpu[1].splitlines() if "exact_match" in line]) == 1
-    (*tpu_lines, tpu_result), (*cpu_lines, cpu_result) = _after_model_line(tpu[1]), _after_model_line(cpu[1])
+    *tpu_lines, tpu_result = _after_model_line(tpu[1])
+    *cpu_lines, cpu_result = _after_model_line(cpu[1])
     assert tpu_lines == cpu_lines  # the data
     assert len(results) == 2
     for values, line in zip(results, (tpu_result, cpu_result)):
-        assert line.startswith(f"loss {values['loss']:.4f} | perplexity {values['perplexity']:.4f} | ")
+        printed = f"loss {values['loss']:.4f} | perplexity {values['perplexity']:.4f} | "
+        assert line.startswith(printed), (line, values)
     assert tpu_result.split(" | ")[2:] == cpu_result.split(" | ")[2:]  # exact match
     assert_base_model_losses_close([results[0]["loss"]], [results[1]["loss"]], rows=16,
                                    what="eval loss, tpu against cpu")

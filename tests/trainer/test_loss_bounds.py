@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.cli_helpers import TINY, run_in_process
-from tests.trainer.loss_bounds import (BASE_LOGIT_MAX, BASE_LOGIT_RMS, LABELLED_PER_ROW,
-                                       base_model_loss_atol)
+from tests.trainer.loss_bounds import (BASE_LOGIT_MAX, BASE_LOGIT_RMS, BASE_SOFTMAX_RATIO,
+                                       LABELLED_PER_ROW, base_model_loss_atol)
 from tpu_train.trainer import step
 
 ROWS, STEPS = 8, 3
@@ -35,6 +35,7 @@ def oracle_run(tmp_path_factory):
         batches.append({
             "rows": batch["tokens"].shape[0], "tokens": int((labels != -100).sum()),
             "float32": float(loss.detach()), "logit_rms": float(exact.pow(2).mean().sqrt()),
+            "softmax_ratio": _softmax_ratio(exact.flatten(0, 1), labels),
             "logit_max": float(exact.abs().max()),
             "float64": float(F.cross_entropy(exact.flatten(0, 1), labels, ignore_index=-100,
                                              reduction="sum"))})
@@ -53,8 +54,17 @@ def oracle_run(tmp_path_factory):
     return [batches[i * per_step:(i + 1) * per_step] for i in range(STEPS)]
 
 
+def _softmax_ratio(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """||P|| / ||P - Y|| over the labelled positions."""
+    kept = labels != -100
+    probabilities = logits[kept].softmax(-1)
+    gradient = probabilities - F.one_hot(labels[kept], logits.shape[-1])
+    return float(probabilities.norm() / gradient.norm())
+
+
 def test_the_base_models_figures_cover_its_logits_and_labels(oracle_run):
     batches = [b for step_batches in oracle_run for b in step_batches]
+    assert max(b["softmax_ratio"] for b in batches) <= BASE_SOFTMAX_RATIO
     assert max(b["logit_rms"] for b in batches) <= BASE_LOGIT_RMS
     assert max(b["logit_max"] for b in batches) <= BASE_LOGIT_MAX
     assert min(b["tokens"] / b["rows"] for b in batches) >= LABELLED_PER_ROW
