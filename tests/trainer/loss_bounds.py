@@ -28,17 +28,34 @@ LABELLED_PER_ROW = 10
 BASE_SOFTMAX_RATIO = 5.0
 
 
-def base_model_loss_atol(rows: int, loss: float, steps: int = 1, platform: str = PLATFORM) -> float:
+
+
+def medium_matmuls(platform: str = PLATFORM) -> torch.dtype:
+    """What ``trainer.matmul_precision=medium`` (debug_tiny_base's setting) rounds float32 dots'
+    operands to: one bfloat16 pass on a TPU, nothing on the CPU client (exact there)."""
+    return torch.bfloat16 if platform == "tpu" else torch.float32
+
+
+def base_model_loss_atol(rows: int, loss: float, steps: int = 1, platform: str = PLATFORM,
+                         matmul_dtype: torch.dtype | None = None) -> float:
     """``loss_atol`` of the base model's mean loss over ``rows`` rows of the bundled task after
-    ``steps`` steps (1: the forward alone)."""
+    ``steps`` steps (1: the forward alone), one side's dots rounding their operands to
+    ``matmul_dtype``: by default debug_tiny_base's ``matmul_precision=medium`` on the platform
+    against torch's exact float32 on the CPU; float32 where both sides round alike (two runs at
+    the same precision on one platform: the same operands round the same way)."""
+    if matmul_dtype is None:
+        matmul_dtype = medium_matmuls(platform)
     return loss_atol(reduction=FFN_HIDDEN, depth=LAYERS, functions=llama_functions(LAYERS),
                      logit_rms=BASE_LOGIT_RMS, logit_max=BASE_LOGIT_MAX, vocab=VOCAB,
-                     tokens=rows * LABELLED_PER_ROW, loss=loss, steps=steps, platform=platform)
+                     tokens=rows * LABELLED_PER_ROW, loss=loss, steps=steps,
+                     matmul_dtype=matmul_dtype, platform=platform)
 
 
 def base_model_grad_norm_rtol(steps: int, platform: str = PLATFORM) -> float:
-    """Relative difference of the base model's gradient norm after ``steps`` steps: the forward
-    and backward chain (``rtol_for``, twice the depth and the functions) and the softmax's: its
+    """Relative difference of the base model's gradient norm after ``steps`` steps between two
+    runs at the same matmul precision on one platform (their dots' operands round alike): the
+    forward and backward chain (``rtol_for``, twice the depth and the functions) and the
+    softmax's: its
     probabilities p = exp(z - lse) take the logsumexp's absolute error (``cross_entropy_atol``
     of one token) as a relative error, magnified in the gradient P - Y by BASE_SOFTMAX_RATIO;
     linear in the steps."""
@@ -49,13 +66,15 @@ def base_model_grad_norm_rtol(steps: int, platform: str = PLATFORM) -> float:
 
 
 def assert_base_model_losses_close(got: list[float], want: list[float], rows: int,
-                                   what: str = "loss", trained: bool = True) -> None:
+                                   what: str = "loss", trained: bool = True,
+                                   matmul_dtype: torch.dtype | None = None) -> None:
     """The i-th loss (i = 1, 2, ...) within ``base_model_loss_atol(rows, want[i], i)``: step i
     of a training run where both sides trained; ``trained=False`` where only the losses'
-    evaluation differs (the same parameters on both sides), each a forward alone."""
+    evaluation differs (the same parameters on both sides), each a forward alone;
+    ``matmul_dtype`` as :func:`base_model_loss_atol`'s."""
     assert len(got) == len(want), (got, want)
     for index, (a, b) in enumerate(zip(got, want), start=1):
-        atol = base_model_loss_atol(rows, b, index if trained else 1)
+        atol = base_model_loss_atol(rows, b, index if trained else 1, matmul_dtype=matmul_dtype)
         assert math.isfinite(a) and abs(a - b) <= atol, \
             f"{what} {index}: {a!r} vs {b!r}, difference {abs(a - b):.2e} > {atol:.2e}"
 
