@@ -27,6 +27,12 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
   trajectory (small learning rate) later steps neither undo nor amplify that, so the errors
   accumulate at most linearly in N (measured on the tiny Llama: parameter error / (lr * N)
   stays flat from 5 to 40 steps, loss error grows sub-linearly). Losses: ``N * rtol``.
+* A trained model's cross-entropy (0.5 next to logits of magnitude 10-30) is a difference of
+  large terms, lse - z_y: its error is absolute, relative to the logits' size, not to the loss
+  (``loss_atol``: the logits' normwise error averaged over the tokens, plus the cross-entropy's
+  own exp / log error, which a mean does not average). An untrained model's loss (~log(vocab))
+  is not small next to its logits: relative (``loss_rtol``, counting the cross-entropy's
+  functions).
 * Optimizers linear in the gradient (SGD, momentum, weight decay): the update's relative error
   is the gradient's, so the accumulated update U = p_N - p_0 satisfies
   ||dU|| <= N * rtol * ||U|| (``update_rtol``).
@@ -220,10 +226,19 @@ def elementwise_rtol(dtype: torch.dtype, ulps: float | str = 1, roundings: int =
     return SAFETY * ulps * unit_roundoff(dtype)
 
 
-def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) -> float:
+def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1,
+              functions: tuple[str, ...] = ()) -> float:
     """Relative difference of the loss after ``steps`` training steps (linear accumulation of
-    each step's rounding; ``steps=1`` is the forward alone)."""
-    return max(steps, 1) * rtol_for(dtype, reduction, depth)
+    each step's rounding; ``steps=1`` is the forward alone); ``functions`` as :func:`rtol_for`'s.
+    Relative to the loss: where it is not small next to the logits (an untrained model's
+    ~log(vocab)); a trained model's small loss is a difference of large terms
+    (:func:`loss_atol`). A cross-entropy counts ``CROSS_ENTROPY_FUNCTIONS``: relative to a
+    loss ~log(vocab), the log's absolute error ulps * u * (1 + log s), s <= vocab, is ~its ulps."""
+    return max(steps, 1) * rtol_for(dtype, reduction, depth, functions)
+
+
+# The elementwise functions of a cross-entropy from logits (logsumexp's exp and log).
+CROSS_ENTROPY_FUNCTIONS = ("exp", "log")
 
 
 # The elementwise functions of one Llama decoder layer (tpu_train/models/llama.py): the two
@@ -289,10 +304,12 @@ def loss_atol(*, reduction: int, depth: int, functions: tuple[str, ...], logit_r
     return max(steps, 1) * per_forward
 
 
-def update_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) -> float:
+def update_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1,
+                functions: tuple[str, ...] = ()) -> float:
     """Relative error of the accumulated update p_N - p_0 of an optimizer linear in the
-    gradient (SGD with momentum / weight decay) after ``steps`` steps."""
-    return max(steps, 1) * rtol_for(dtype, reduction, depth)
+    gradient (SGD with momentum / weight decay) after ``steps`` steps (``functions`` as
+    :func:`rtol_for`'s)."""
+    return max(steps, 1) * rtol_for(dtype, reduction, depth, functions)
 
 
 def param_atol(dtype: torch.dtype, lr: float, steps: int, *, reduction: int, numel: int,
