@@ -23,11 +23,9 @@ BASE_LOGIT_MAX = 32.0
 # or more per row, 22 - 28 per 2-row batch).
 LABELLED_PER_ROW = 10
 # ||P|| / ||P - Y|| of a 2-row batch (P the labelled positions' softmax, Y their one-hot labels):
-# how much a relative error of the probabilities magnifies in the loss's gradient, where the model
-# predicts its labels well (measured up to 3.5 over the first batches of the runs), rounded up.
+# how much a relative error of the probabilities magnifies in the loss's gradient, where the
+# model predicts its labels well (measured: up to 3.5 over the first 2-row batches), rounded up.
 BASE_SOFTMAX_RATIO = 5.0
-
-
 
 
 def medium_matmuls(platform: str = PLATFORM) -> torch.dtype:
@@ -55,10 +53,9 @@ def base_model_grad_norm_rtol(steps: int, platform: str = PLATFORM) -> float:
     """Relative difference of the base model's gradient norm after ``steps`` steps between two
     runs at the same matmul precision on one platform (their dots' operands round alike): the
     forward and backward chain (``rtol_for``, twice the depth and the functions) and the
-    softmax's: its
-    probabilities p = exp(z - lse) take the logsumexp's absolute error (``cross_entropy_atol``
-    of one token) as a relative error, magnified in the gradient P - Y by BASE_SOFTMAX_RATIO;
-    linear in the steps."""
+    softmax's: its probabilities p = exp(z - lse) take the logsumexp's absolute error
+    (``cross_entropy_atol`` of one token) as a relative error, magnified in the gradient P - Y
+    by BASE_SOFTMAX_RATIO; linear in the steps."""
     chain = rtol_for(torch.float32, FFN_HIDDEN, 2 * LAYERS, 2 * llama_functions(LAYERS),
                      platform)
     softmax = BASE_SOFTMAX_RATIO * cross_entropy_atol(VOCAB, BASE_LOGIT_MAX, 1, platform)
