@@ -25,6 +25,19 @@ def mlp_loss(model, batch):
     return F.mse_loss(model(batch["x"]), batch["y"])
 
 
+def lm_functions(layers: int) -> tuple[str, ...]:
+    """The elementwise functions of a ``layers``-deep Llama trained with ``lm_loss`` (its layers'
+    and its cross-entropy's), for tests/tolerances' ``functions=``: each adds its measured error
+    (on a TPU the cross-entropy's log alone is 1370 u from torch's)."""
+    return (*tolerances.llama_functions(layers), *tolerances.CROSS_ENTROPY_FUNCTIONS)
+
+
+# The elementwise functions of ``mlp`` (GELU's erf, tanh; mlp_loss's mean-squared error has
+# none) and of ``tiny_llama`` with ``lm_loss``.
+MLP_FUNCTIONS = ("erf", "tanh")
+TINY_LLAMA_FUNCTIONS = lm_functions(2)
+
+
 def mlp_batches(n: int, batch: int = 8, seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"x": torch.randn(batch, 12, generator=g), "y": torch.randn(batch, 5, generator=g)}

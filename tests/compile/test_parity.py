@@ -12,9 +12,9 @@ import torch
 from tests import tolerances
 from tests.tolerances import loss_rtol, rtol_for
 
-from .helpers import (DEVICE, OPTIMIZERS, assert_losses_close, assert_params_within, lm_batches,
-                      lm_loss, mlp, mlp_batches, mlp_loss, param_bound, run_compiled,
-                      run_reference, tiny_llama)
+from .helpers import (DEVICE, MLP_FUNCTIONS, OPTIMIZERS, TINY_LLAMA_FUNCTIONS,
+                      assert_losses_close, assert_params_within, lm_batches, lm_loss, mlp,
+                      mlp_batches, mlp_loss, param_bound, run_compiled, run_reference, tiny_llama)
 
 STEPS = 20
 F32 = torch.float32
@@ -22,11 +22,8 @@ F32 = torch.float32
 # 8 x 5 outputs (its matmuls reduce over 12, 32 and the batch of 8); the tiny Llama's SwiGLU
 # hidden size 176 (its other reductions: dim 64, vocab 128, 2 x 32 tokens, head dim 16).
 MLP_N, LLAMA_N = 40, 176
-# The elementwise functions along each step (tests/tolerances rtol_for: each adds its measured
-# error): the MLP's GELU and tanh (its mean-squared error has none); the tiny Llama's 2 layers
-# and its cross-entropy.
-MLP_FUNCTIONS = ("erf", "tanh")
-LLAMA_FUNCTIONS = (*tolerances.llama_functions(2), *tolerances.CROSS_ENTROPY_FUNCTIONS)
+# The elementwise functions along each step: helpers.MLP_FUNCTIONS, TINY_LLAMA_FUNCTIONS.
+LLAMA_FUNCTIONS = TINY_LLAMA_FUNCTIONS
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_mlp_matches_cpu_and_eager_tpu(opt_name):
