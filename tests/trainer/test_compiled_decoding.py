@@ -44,7 +44,8 @@ def test_generate_on_tpu_is_compiled_and_matches_the_cpu(one_thread):
 def test_eval_on_tpu_is_compiled_and_matches_the_cpu(one_thread, monkeypatch):
     """The same data and exact match; the loss (recorded at full precision, its printed figures
     checked against it) within the derived bound of two implementations (on a chip, its XLA's
-    exp and log against torch's): one batch of debug_tiny_base's 16 rows."""
+    functions and debug_tiny_base's one-pass bfloat16 dots against torch's): one batch of
+    debug_tiny_base's 16 rows."""
     settings = ["recipe=eval", *BASE, "recipe.eval.batches=1", "recipe.eval.exact_match_examples=40",
                 "recipe.eval.max_new_tokens=8"]
     results = []
