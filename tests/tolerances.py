@@ -27,6 +27,12 @@ Model (all errors are normwise over a whole tensor: ||a - b|| / ||b||, or an RMS
   trajectory (small learning rate) later steps neither undo nor amplify that, so the errors
   accumulate at most linearly in N (measured on the tiny Llama: parameter error / (lr * N)
   stays flat from 5 to 40 steps, loss error grows sub-linearly). Losses: ``N * rtol``.
+* A trained model's cross-entropy (0.5 next to logits of magnitude 10-30) is a difference of
+  large terms, lse - z_y: its error is absolute, relative to the logits' size, not to the loss
+  (``loss_atol``: the logits' normwise error averaged over the tokens, plus the cross-entropy's
+  own exp / log error, which a mean does not average). An untrained model's loss (~log(vocab))
+  is not small next to its logits: relative (``loss_rtol``, counting the cross-entropy's
+  functions).
 * Optimizers linear in the gradient (SGD, momentum, weight decay): the update's relative error
   is the gradient's, so the accumulated update U = p_N - p_0 satisfies
   ||dU|| <= N * rtol * ||U|| (``update_rtol``).
@@ -97,26 +103,30 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def rtol_for(dtype: torch.dtype, reduction: int = 1, depth: int = 1,
-             functions: tuple[str, ...] = ()) -> float:
+             functions: tuple[str, ...] = (), platform: str = PLATFORM) -> float:
     """Relative (normwise) difference between two implementations of one computation in
     ``dtype`` whose longest reduction (sum length / matmul inner dimension) is ``reduction``,
     with ``depth`` such reductions chained: SAFETY * sqrt(depth * reduction) * u * r, r the
     platform's rounding in units of u (``rounding_ulps``). ``functions``: the elementwise
     functions (names of ``measured_ulps``) applied once each along the chain, each adding its
     own measured error, SAFETY * ulps * u(float32) (they are computed in float32): on a TPU
-    tanh alone is 399 u, next to a few u of rounding."""
-    functions_error = sum(function_ulps(name) for name in functions) * unit_roundoff(torch.float32)
+    tanh alone is 399 u, next to a few u of rounding. ``platform``: whose measurements (the
+    test platform's unless named)."""
+    functions_error = (sum(function_ulps(name, platform) for name in functions)
+                       * unit_roundoff(torch.float32))
     return SAFETY * (math.sqrt(depth * max(reduction, 1)) * unit_roundoff(dtype)
-                     * rounding_ulps(dtype) + functions_error)
+                     * rounding_ulps(dtype, platform) + functions_error)
 
 
-def rounding_ulps(dtype: torch.dtype) -> int:
+def rounding_ulps(dtype: torch.dtype, platform: str = PLATFORM) -> int:
     """How many u one rounded operation of the test platform is from torch's CPU result: the
     model above counts roundings of u each (correctly rounded + - * / sqrt), which holds on the
     CPU client (1); a TPU's float32 division, reciprocal and square root are not correctly
     rounded (measured 2-3 u), so there each rounding counts ELEMENTWISE_ULPS["arithmetic"].
     16-bit dtypes are computed in float32 and rounded once to the dtype: u of the dtype."""
-    return ELEMENTWISE_ULPS["arithmetic"] if dtype == torch.float32 else 1
+    if dtype != torch.float32:
+        return 1
+    return (ELEMENTWISE_ULPS if platform == PLATFORM else load_ulps(platform))["arithmetic"]
 
 
 # How many u (unit roundoff of float32) the XLA lowering of each elementwise function is from
@@ -216,16 +226,92 @@ def elementwise_rtol(dtype: torch.dtype, ulps: float | str = 1, roundings: int =
     return SAFETY * ulps * unit_roundoff(dtype)
 
 
-def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) -> float:
+def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1,
+              functions: tuple[str, ...] = ()) -> float:
     """Relative difference of the loss after ``steps`` training steps (linear accumulation of
-    each step's rounding; ``steps=1`` is the forward alone)."""
-    return max(steps, 1) * rtol_for(dtype, reduction, depth)
+    each step's rounding; ``steps=1`` is the forward alone); ``functions`` as :func:`rtol_for`'s.
+    Relative to the loss: where it is not small next to the logits (an untrained model's
+    ~log(vocab)); a trained model's small loss is a difference of large terms
+    (:func:`loss_atol`). A cross-entropy counts ``CROSS_ENTROPY_FUNCTIONS``: relative to a
+    loss ~log(vocab), the log's absolute error ulps * u * (1 + log s), s <= vocab, is ~its ulps."""
+    return max(steps, 1) * rtol_for(dtype, reduction, depth, functions)
 
 
-def update_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1) -> float:
+# The elementwise functions of a cross-entropy from logits (logsumexp's exp and log).
+CROSS_ENTROPY_FUNCTIONS = ("exp", "log")
+
+
+# The elementwise functions of one Llama decoder layer (tpu_train/models/llama.py): the two
+# RMSNorms' rsqrt, the attention softmax's exp and SiLU's sigmoid; the model adds its final norm.
+LLAMA_LAYER_FUNCTIONS = ("rsqrt", "exp", "sigmoid", "rsqrt")
+
+
+def llama_functions(layers: int) -> tuple[str, ...]:
+    """The elementwise functions along a ``layers``-deep Llama's forward, for ``functions=``."""
+    return LLAMA_LAYER_FUNCTIONS * layers + ("rsqrt",)
+
+
+def cross_entropy_atol(vocab: int, logit_max: float, tokens: int = 1,
+                       platform: str = PLATFORM) -> float:
+    """Absolute error of a mean over ``tokens`` tokens of the cross-entropy evaluated from given
+    float32 logits, lse - z_y with lse = m + log(sum_i exp(z_i - m)), m = max z: each exp's
+    relative error (its measured ulps) is the sum's, which its log turns into the same absolute
+    error; the log's own error is absolute, ulps * u * (1 + |log s|) (what measure_ulps.py
+    measures) with 1 <= s <= vocab. Those are the functions' approximation errors, systematic
+    (the same polynomial at every token): a mean over tokens does not average them away. The
+    additions round at the logsumexp's magnitude, |lse| <= logit_max + log(vocab), independently
+    at each token: that rounding averages as 1 / sqrt(tokens)."""
+    log_sum = math.log(vocab)
+    functions = function_ulps("exp", platform) + function_ulps("log", platform) * (1 + log_sum)
+    rounding = rounding_ulps(torch.float32, platform) * (logit_max + log_sum)
+    per_token = functions + rounding / math.sqrt(max(tokens, 1))
+    return SAFETY * per_token * unit_roundoff(torch.float32)
+
+
+def loss_atol(*, reduction: int, depth: int, functions: tuple[str, ...], logit_rms: float,
+              logit_max: float, vocab: int, tokens: int, loss: float, steps: int = 1,
+              dtype: torch.dtype = torch.float32, matmul_dtype: torch.dtype = torch.float32,
+              platform: str = PLATFORM) -> float:
+    """Absolute difference of a mean next-token cross-entropy ``loss`` over ``tokens`` labels
+    between two implementations (the platform's XLA and torch's CPU kernels), after ``steps``
+    training steps (1: the forward alone).
+
+    A trained model's loss is small (0.5) next to its logits (|z| ~ 10-30): lse - z_y is a
+    difference of large terms, so its error is relative to the logits, not to the loss.
+
+    * The logits' error, normwise: ``rtol_for`` of the model's longest reduction, depth and
+      elementwise ``functions``; where one side rounds its float32 dots' operands to
+      ``matmul_dtype`` (bfloat16: a TPU's default matmul precision, one pass, float32
+      accumulation) the mixed-precision model's ``rtol_for(matmul_dtype, 1, depth)`` more. Its
+      RMS per element: sigma = rtol * ``logit_rms``.
+    * One token's loss moves by sum_i p_i dz_i - dz_y = sum_(i != y) p_i dz_i - (1 - p_y) dz_y
+      (the logsumexp's gradient is the softmax p): for independent dz its RMS is at most
+      sqrt(2) sigma (1 - p_y), and 1 - p_y <= min(1, that token's loss). The mean over
+      ``tokens`` tokens averages that to sqrt(2 min(1, loss) / tokens) sigma (independent
+      roundings, as rtol_for's sqrt(n)).
+    * Plus the cross-entropy's own error (:func:`cross_entropy_atol`, systematic).
+    * Training steps: linear accumulation of each step's error (the module docstring), apart
+      from the low-precision dots' rounding, which enters each step's loss anew. Adam's
+      update errors enter the loss only through elements whose gradient is small (|g_i dp_i|
+      <= lr * rtol * RMS(g) each): measured on the base model (lr 5e-4, 2-row batches), a
+      1.4e-4 relative gradient error at every step moved the loss by at most 3.3e-5 in 4 steps,
+      1 % of the TPU's bound for one forward at full matmul precision (2.8e-3)."""
+    averaged = math.sqrt(2 * min(1.0, abs(loss)) / max(tokens, 1)) * logit_rms
+    per_step = (averaged * rtol_for(dtype, reduction, depth, functions, platform)
+                + cross_entropy_atol(vocab, logit_max, tokens, platform))
+    # The low-precision dots' rounding enters each step's loss anew (the weights and the
+    # optimizer stay float32: the module docstring's mixed-precision model).
+    low_precision = (averaged * rtol_for(matmul_dtype, 1, depth, platform=platform)
+                     if matmul_dtype != torch.float32 else 0.0)
+    return max(steps, 1) * per_step + low_precision
+
+
+def update_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1,
+                functions: tuple[str, ...] = ()) -> float:
     """Relative error of the accumulated update p_N - p_0 of an optimizer linear in the
-    gradient (SGD with momentum / weight decay) after ``steps`` steps."""
-    return max(steps, 1) * rtol_for(dtype, reduction, depth)
+    gradient (SGD with momentum / weight decay) after ``steps`` steps (``functions`` as
+    :func:`rtol_for`'s)."""
+    return max(steps, 1) * rtol_for(dtype, reduction, depth, functions)
 
 
 def param_atol(dtype: torch.dtype, lr: float, steps: int, *, reduction: int, numel: int,

@@ -25,6 +25,19 @@ def mlp_loss(model, batch):
     return F.mse_loss(model(batch["x"]), batch["y"])
 
 
+def lm_functions(layers: int) -> tuple[str, ...]:
+    """The elementwise functions of a ``layers``-deep Llama trained with ``lm_loss`` (its layers'
+    and its cross-entropy's), for tests/tolerances' ``functions=``: each adds its measured error
+    (on a TPU the cross-entropy's log alone is 1370 u from torch's)."""
+    return (*tolerances.llama_functions(layers), *tolerances.CROSS_ENTROPY_FUNCTIONS)
+
+
+# The elementwise functions of ``mlp`` (GELU's erf, tanh; mlp_loss's mean-squared error has
+# none) and of ``tiny_llama`` with ``lm_loss``.
+MLP_FUNCTIONS = ("erf", "tanh")
+TINY_LLAMA_FUNCTIONS = lm_functions(2)
+
+
 def mlp_batches(n: int, batch: int = 8, seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"x": torch.randn(batch, 12, generator=g), "y": torch.randn(batch, 5, generator=g)}
@@ -123,16 +136,19 @@ def optimizer_lr(make_opt) -> float:
 
 
 def param_bound(opt_name: str, initial: torch.nn.Module, steps: int, reduction: int,
-                dtype: torch.dtype = torch.float32, depth: int = 1):
+                dtype: torch.dtype = torch.float32, depth: int = 1,
+                functions: tuple[str, ...] = ()):
     """The largest RMS-per-element difference allowed on each parameter after ``steps`` steps of
     OPTIMIZERS[opt_name] (see tests/tolerances.py): Adam/AdamW by lr * steps, SGD relative to the
-    accumulated update p_N - p_0 (``initial`` holds p_0). Returns bound(name, reference)."""
+    accumulated update p_N - p_0 (``initial`` holds p_0); ``functions``: the model's and its
+    loss's elementwise functions. Returns bound(name, reference)."""
     if opt_name in ("adam", "adamw"):
         lr = optimizer_lr(OPTIMIZERS[opt_name])
         return lambda name, ref: tolerances.param_atol(dtype, lr, steps, reduction=reduction,
-                                                       numel=ref.numel(), depth=depth)
+                                                       numel=ref.numel(), depth=depth,
+                                                       functions=functions)
     start = {name: p.detach().cpu().double() for name, p in initial.named_parameters()}
-    rtol = tolerances.update_rtol(dtype, steps, reduction, depth)
+    rtol = tolerances.update_rtol(dtype, steps, reduction, depth, functions)
     return lambda name, ref: rtol * _rms(ref.detach().cpu().double() - start[name])
 
 

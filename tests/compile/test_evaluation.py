@@ -11,6 +11,10 @@ from tpu_train.compile.evaluation import CompiledLoss
 from tpu_train.models import Llama, LlamaConfig
 from tpu_train.trainer.step import causal_lm_loss_sum
 
+from .helpers import lm_functions
+
+FUNCTIONS = lm_functions(2)  # the 2-layer Llama below and its cross-entropy
+
 
 def _batch(seed: int, rows: int, seq: int = 16):
     g = torch.Generator().manual_seed(seed)
@@ -33,8 +37,10 @@ def test_compiled_loss_matches_cpu_and_compiles_once_per_shape():
         with torch.no_grad():
             expected = float(causal_lm_loss_sum(cpu, batch))
         got = loss(batch)
-        # One forward and a sum over rows * 13 labelled tokens (depth: the layers).
-        assert abs(got - expected) <= loss_rtol(torch.float32, 1, rows * 13, depth=2) * abs(expected)
+        # One forward and a sum over rows * 13 labelled tokens (depth: the layers), with the
+        # layers' and the cross-entropy's elementwise functions.
+        rtol = loss_rtol(torch.float32, 1, rows * 13, depth=2, functions=FUNCTIONS)
+        assert abs(got - expected) <= rtol * abs(expected)
     assert len(loss.compilations) == 2  # batches of 4 rows, then of 2
     # The weights are program inputs: a new state of the model is evaluated without a compile.
     with torch.no_grad():
@@ -44,5 +50,6 @@ def test_compiled_loss_matches_cpu_and_compiles_once_per_shape():
             p.mul_(0.5)
         expected = float(causal_lm_loss_sum(cpu, _batch(3, 4)))
     got = loss(_batch(3, 4))
-    assert abs(got - expected) <= loss_rtol(torch.float32, 1, 4 * 13, depth=2) * abs(expected)
+    rtol = loss_rtol(torch.float32, 1, 4 * 13, depth=2, functions=FUNCTIONS)
+    assert abs(got - expected) <= rtol * abs(expected)
     assert len(loss.compilations) == 2

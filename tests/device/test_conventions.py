@@ -22,7 +22,7 @@ from torch import nn
 import tpu_train  # noqa: F401
 from tests.device.test_training import _train as train_steps
 from tests.distributed.harness import free_port_pair
-from tests.tolerances import loss_rtol, param_atol, update_rtol
+from tests.tolerances import CROSS_ENTROPY_FUNCTIONS, loss_rtol, param_atol, update_rtol
 
 STEPS = 4
 
@@ -96,28 +96,36 @@ def _rms(t):
     return t.detach().double().pow(2).mean().sqrt().item()
 
 
-def _assert_trains_like_cpu(cpu_model, tpu_model, optimizer_name, batches, loss_fn):
+def _assert_trains_like_cpu(cpu_model, tpu_model, optimizer_name, batches, loss_fn, functions):
+    """``functions``: the elementwise functions along the model and its loss (tests/tolerances
+    ``rtol_for``: each adds its measured error)."""
     initial = {name: p.detach().clone() for name, p in cpu_model.named_parameters()}
     expected = _train(cpu_model, optimizer_name, batches, loss_fn)
     got = _train(tpu_model, optimizer_name, [_to(b, "tpu") for b in batches], loss_fn)
     # float32, STEPS steps; the longest reduction is the vocabulary (48) or the width (12).
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected),
-                               rtol=loss_rtol(torch.float32, STEPS, 48), atol=0)
+                               rtol=loss_rtol(torch.float32, STEPS, 48, functions=functions),
+                               atol=0)
     cpu_params = dict(cpu_model.named_parameters())
     tpu_params = dict(tpu_model.named_parameters())
     assert cpu_params.keys() == tpu_params.keys()  # shared ones listed once on both
     for name, p_cpu in cpu_params.items():
         if optimizer_name == "adamw":  # each element moves ~lr per step (tests/tolerances.py)
-            limit = param_atol(torch.float32, LR["adamw"], STEPS, reduction=48, numel=p_cpu.numel())
+            limit = param_atol(torch.float32, LR["adamw"], STEPS, reduction=48,
+                               numel=p_cpu.numel(), functions=functions)
         else:  # SGD is linear in the gradient: relative to the accumulated update
-            limit = update_rtol(torch.float32, STEPS, 48) * _rms(p_cpu - initial[name])
+            limit = (update_rtol(torch.float32, STEPS, 48, functions=functions)
+                     * _rms(p_cpu - initial[name]))
         err = _rms(tpu_params[name].cpu() - p_cpu)
         assert err <= limit, f"{name}: RMS difference {err:.2e} > {limit:.2e}"
 
 
-TIED = {"tied_lm": (TiedLM, _lm_batches, _lm_loss, ("lm_head", "embed")),
+# The elementwise functions of each model and its loss: TiedLM's GELU, LayerNorm and
+# cross-entropy; SharedLinears' tanh (a mean squared error has none).
+TIED_LM_FUNCTIONS = ("erf", "rsqrt", *CROSS_ENTROPY_FUNCTIONS)
+TIED = {"tied_lm": (TiedLM, _lm_batches, _lm_loss, ("lm_head", "embed"), TIED_LM_FUNCTIONS),
         "shared_linears": (SharedLinears, _regression_batches, _regression_loss,
-                           ("second", "first"))}
+                           ("second", "first"), ("tanh",))}
 
 
 def _shared(model, names):
@@ -128,14 +136,14 @@ def _shared(model, names):
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("case", TIED)
 def test_tied_parameters_stay_tied_through_to_and_train_like_cpu(case, optimizer_name):
-    make, batches, loss_fn, names = TIED[case]
+    make, batches, loss_fn, names, functions = TIED[case]
     torch.manual_seed(0)
     cpu_model = make()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     assert _shared(cpu_model, names) and _shared(tpu_model, names)
     assert isinstance(getattr(tpu_model, names[0]).weight, nn.Parameter)
     assert len(list(tpu_model.parameters())) == len(list(cpu_model.parameters()))
-    _assert_trains_like_cpu(cpu_model, tpu_model, optimizer_name, batches(), loss_fn)
+    _assert_trains_like_cpu(cpu_model, tpu_model, optimizer_name, batches(), loss_fn, functions)
     assert _shared(tpu_model, names)
 
 
@@ -176,7 +184,7 @@ def test_tied_parameters_through_save_and_load():
     assert _shared(loaded, ("lm_head", "embed"))
     assert all(isinstance(p, nn.Parameter) and p.device.type == "tpu" for p in loaded.parameters())
     assert len(list(loaded.parameters())) == len(list(cpu_model.parameters()))
-    _assert_trains_like_cpu(cpu_model, loaded, "adamw", _lm_batches(), _lm_loss)
+    _assert_trains_like_cpu(cpu_model, loaded, "adamw", _lm_batches(), _lm_loss, TIED_LM_FUNCTIONS)
     buffer = io.BytesIO()
     torch.save(loaded.state_dict(), buffer)
     buffer.seek(0)
@@ -201,7 +209,10 @@ def test_gpt2_tied_head_trains_like_cpu():
 
     # SGD: attention's key bias has an exactly-zero true gradient (softmax ignores a shift per
     # query), so both sides see rounding noise there, which Adam would scale up to lr per step.
-    _assert_trains_like_cpu(cpu_model, tpu_model, "sgd", _lm_batches(), loss_fn)
+    # GPT-2's elementwise functions: three LayerNorms, the attention softmax, its tanh GELU and
+    # the cross-entropy.
+    functions = ("rsqrt", "rsqrt", "rsqrt", "exp", "tanh", *CROSS_ENTROPY_FUNCTIONS)
+    _assert_trains_like_cpu(cpu_model, tpu_model, "sgd", _lm_batches(), loss_fn, functions)
     assert tpu_model.lm_head.weight is tpu_model.transformer.wte.weight
 
 
