@@ -18,7 +18,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import lazy, mutation, op_cache
+from tpu_train.device import lazy, mutation, op_cache, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
@@ -39,13 +39,14 @@ class _Fresh:
 
 class _Mutating:
     __slots__ = ("func", "run", "fn", "donating", "donate_slots", "index", "random", "written",
-                 "fresh", "returns")
+                 "fresh", "returns", "float_slots")
 
     def __init__(self, func, run, donate_slots, index, random, written, fresh, returns):
         self.func, self.run, self.index, self.random = func, run, index, random
         self.fn = jax.jit(run)
         self.donating, self.donate_slots = None, donate_slots
         self.written, self.fresh, self.returns = written, fresh, returns
+        self.float_slots = None  # found on the first call (the inputs)
 
     def __call__(self, args, kwargs, inputs, tensors, donate=True):
         if self.random:
@@ -53,6 +54,13 @@ class _Mutating:
         if lazy.active:
             flat = self._record(inputs, first=not donate)
         else:
+            slots = self.float_slots
+            if slots is None:
+                slots = self.float_slots = scalars.float_slots(inputs)
+            if slots:
+                to_device, index = scalars.on_device, self.index
+                for slot in slots:
+                    inputs[slot] = to_device(inputs[slot], index)
             fn = self.fn
             if donate and _sole_owner(tensors, self.written):
                 fn = self.donating or self._donating()

@@ -34,7 +34,7 @@ import threading
 import jax
 import numpy
 
-from tpu_train.device import runtime
+from tpu_train.device import runtime, scalars
 
 MODE_ENV = "TPU_TRAIN_EAGER_MODE"
 MAX_OPS_ENV = "TPU_TRAIN_FUSED_MAX_OPS"
@@ -182,6 +182,9 @@ class Region:
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
                 _programs[key] = program
+            for position in range(len(inputs)):
+                if type(inputs[position]) is float:  # each value transferred once per device
+                    inputs[position] = scalars.on_device(inputs[position], self.index)
             try:
                 results = program(*inputs)
             except Exception as error:  # noqa: BLE001 - every pending result reports it

@@ -42,7 +42,7 @@ import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import generator, lazy, mutation, rng
+from tpu_train.device import generator, lazy, mutation, rng, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
@@ -409,7 +409,7 @@ NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConvers
 
 class _Lowered:
     __slots__ = ("func", "fn", "body", "index", "random", "build", "structure", "single",
-                 "out_avals")
+                 "out_avals", "float_slots")
 
     def __init__(self, func, fn, body, index, random, build, structure, meta, specs, jitted):
         self.func, self.fn, self.body, self.index, self.random = func, fn, body, index, random
@@ -425,6 +425,7 @@ class _Lowered:
         self.out_avals = None
         if jitted and build is not None and all(spec is not None for spec in specs):
             self.out_avals = tuple(flat_aval(shape, dtype) for shape, dtype in specs)
+        self.float_slots = None if jitted else ()  # found on the first call (the inputs)
 
     def __call__(self, args, kwargs, inputs, tensors, first=False):
         if self.random:
@@ -432,6 +433,13 @@ class _Lowered:
         if lazy.active:
             flat = self._fused(inputs, first)
         else:
+            slots = self.float_slots
+            if slots is None:
+                slots = self.float_slots = scalars.float_slots(inputs)
+            if slots:
+                to_device, index = scalars.on_device, self.index
+                for slot in slots:
+                    inputs[slot] = to_device(inputs[slot], index)
             flat = self.fn(*inputs)
             if _sync:
                 wait(flat, self.func)
