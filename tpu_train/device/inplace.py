@@ -39,10 +39,12 @@ class _Fresh:
 
 class _Mutating:
     __slots__ = ("func", "run", "fn", "donating", "donate_slots", "index", "random", "written",
-                 "fresh", "returns", "float_slots")
+                 "fresh", "returns", "float_slots", "multi_tensor")
 
-    def __init__(self, func, run, donate_slots, index, random, written, fresh, returns):
+    def __init__(self, func, run, donate_slots, index, random, written, fresh, returns,
+                 multi_tensor=False):
         self.func, self.run, self.index, self.random = func, run, index, random
+        self.multi_tensor = multi_tensor
         self.fn = jax.jit(run)
         self.donating, self.donate_slots = None, donate_slots
         self.written, self.fresh, self.returns = written, fresh, returns
@@ -51,7 +53,7 @@ class _Mutating:
     def __call__(self, args, kwargs, inputs, tensors, donate=True):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        if lazy.active:
+        if lazy.active or (self.multi_tensor and op_cache.batch):
             flat = self._record(inputs, first=not donate)
         else:
             slots = self.float_slots
@@ -174,7 +176,7 @@ def _mutating_entry(info: OpInfo, func, args, kwargs, key, cache_key):
     # The input each written storage's buffer arrives in (what may be donated).
     donate_slots = tuple(next(w[0] for w in writes if w[1] == first) for first in written)
     return _Mutating(func, run, donate_slots, index, info.lowering.random, written, layouts,
-                     returns)
+                     returns, info.multi_tensor)
 
 
 def _mutating_program(info: OpInfo, func, key, specs, writes, written, fresh_leaves):
