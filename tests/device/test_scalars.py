@@ -5,6 +5,8 @@ Oracle: the same ops in PyTorch on CPU; the values kept apart are told apart by 
 
 import math
 
+import pytest
+
 import torch
 
 import tpu_train
@@ -57,3 +59,15 @@ def test_factories_fill_with_the_exact_value():
                        torch.full((3,), -0.0).view(torch.int32))
     assert torch.full((2,), 7, device=TPU).cpu().tolist() == [7, 7]
     assert torch.full((2,), True, device=TPU).cpu().tolist() == [True, True]
+
+
+@pytest.mark.devices(2)
+def test_each_device_gets_its_own_copy():
+    for mode in ("strict", "fused"):
+        with tpu_train.eager_mode(mode):
+            a = torch.ones(3, device="tpu:1") * 0.625
+            b = torch.ones(3, device="tpu:0") * 0.625
+            torch._foreach_mul_([a], 2.0)
+            assert a.cpu().tolist() == [1.25] * 3 and b.cpu().tolist() == [0.625] * 3
+    assert {d.id for d in scalars.on_device(0.625, 1).devices()} != \
+        {d.id for d in scalars.on_device(0.625, 0).devices()}
