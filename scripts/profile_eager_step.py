@@ -11,9 +11,10 @@ device programs each step runs and their busy time). Prints ONE JSON line: ``ste
 each call taking the last one's output) as the step runs device programs, timed the same way: the
 dispatch cost JAX and the PJRT client add before any of this project's work; ``jax_call_us``,
 what one plain JAX call costs with a Python float, a float on the device, or 21 arrays in and
-out (the host's cost per buffer on this platform). The autograd engine runs the backward on a
-thread of its own, which cProfile does not follow: its time shows as ``run_backward``'s own
-time.
+out (the host's cost per buffer on this platform), and how much faster two threads make as
+many calls (near 2: the call's host work runs without the GIL). The autograd engine runs the
+backward on a thread of its own, which cProfile does not follow: its time shows as
+``run_backward``'s own time.
 ``--out DIR`` also writes the line and the full cProfile listing there. On a CPU host the
 device rows are empty (the CPU client writes no device lines). Usage::
 
@@ -133,7 +134,38 @@ def _jax_call_costs(repeats: int = 5, calls: int = 200) -> dict:
             jax.block_until_ready(y)
             best = min(best, time.perf_counter() - started)
         costs[name] = round(best / calls * 1e6, 1)
+    costs["two_threads_speedup"] = _two_threads_speedup(jax.jit(lambda a: a + 1), x, calls)
     return costs
+
+
+def _two_threads_speedup(program, x, calls: int, repeats: int = 5) -> float:
+    """How much faster ``2 * calls`` chained calls finish on two threads (``calls`` each) than
+    on one: near 2 when the call's host work runs without the GIL (a dispatch thread beside
+    the op path would then hide it), near 1 when it holds the GIL throughout."""
+    import threading
+
+    import jax
+
+    def chain(count):
+        y = x
+        for _ in range(count):
+            y = program(y)
+        jax.block_until_ready(y)
+
+    def timed(threads: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            workers = [threading.Thread(target=chain, args=(2 * calls // threads,))
+                       for _ in range(threads)]
+            started = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    return round(timed(1) / timed(2), 2)
 
 
 def main(argv=None) -> dict:
