@@ -266,7 +266,8 @@ def flush_all() -> None:
 
 
 def stats() -> dict:
-    """Counts since the process started: ops recorded in fused mode, regions run, region
+    """Counts since the process started: ops recorded (in fused mode, and strict mode's runs of
+    multi-tensor ops), regions run, region
     programs compiled (a loop that repeats one structure stops compiling after its first pass)
     and region inputs donated (old buffers the program overwrote in place)."""
     with _lock:
