@@ -43,7 +43,7 @@ MODES = (STRICT, FUSED, DEBUG)
 
 active = False  # fused mode is on: read on every op call
 # Strict mode records runs of multi-tensor (``_foreach_*``) ops into its device's region too.
-# An optimizer's step is such a run (AdamW: 7 ops, each one program over every parameter; on a
+# An optimizer's step is such a run (AdamW: 8 ops, each one program over every parameter; on a
 # TPU each program call costs host time per buffer); recorded, it runs as one program, with the
 # old parameter and state buffers donated, before the next other op (the dispatcher calls
 # flush_all while ``deferred``) or when something reads a result. Debug mode does not.
@@ -267,9 +267,9 @@ def flush_all() -> None:
 
 def stats() -> dict:
     """Counts since the process started: ops recorded (in fused mode, and strict mode's runs of
-    multi-tensor ops), regions run, region
-    programs compiled (a loop that repeats one structure stops compiling after its first pass)
-    and region inputs donated (old buffers the program overwrote in place)."""
+    multi-tensor ops), regions run, region programs compiled (a loop that repeats one structure
+    stops compiling after its first pass) and region inputs donated (old buffers the program
+    overwrote in place)."""
     with _lock:
         return dict(_counts)
 
