@@ -56,13 +56,8 @@ class _Mutating:
         if lazy.active or (self.multi_tensor and op_cache.batch):
             flat = self._record(inputs, first=not donate)
         else:
-            slots = self.float_slots
-            if slots is None:
-                slots = self.float_slots = scalars.float_slots(inputs)
-            if slots:
-                to_device, index = scalars.on_device, self.index
-                for slot in slots:
-                    inputs[slot] = to_device(inputs[slot], index)
+            if self.float_slots != ():
+                scalars.place_floats(inputs, self)
             fn = self.fn
             if donate and _sole_owner(tensors, self.written):
                 fn = self.donating or self._donating()

@@ -441,13 +441,8 @@ class _Lowered:
         if lazy.active or (self.multi_tensor and batch):
             flat = self._fused(inputs, first)
         else:
-            slots = self.float_slots
-            if slots is None:
-                slots = self.float_slots = scalars.float_slots(inputs)
-            if slots:
-                to_device, index = scalars.on_device, self.index
-                for slot in slots:
-                    inputs[slot] = to_device(inputs[slot], index)
+            if self.float_slots != ():
+                scalars.place_floats(inputs, self)
             flat = self.fn(*inputs)
             if _sync:
                 wait(flat, self.func)

@@ -50,7 +50,13 @@ def on_device(value, index: int) -> jax.Array:
     return array
 
 
-def float_slots(inputs) -> tuple:
-    """The positions of Python floats among an executable's inputs (the same for every call
-    with the same key: the key says which arguments are floats)."""
-    return tuple(i for i, v in enumerate(inputs) if type(v) is float)
+def place_floats(inputs: list, entry) -> None:
+    """Replace the Python floats among an op executable's ``inputs`` by their device arrays on
+    ``entry.index``. ``entry.float_slots`` keeps their positions, found on the entry's first
+    call (the same on every call: the entry's key says which arguments are floats)."""
+    slots = entry.float_slots
+    if slots is None:
+        slots = entry.float_slots = tuple(i for i, v in enumerate(inputs) if type(v) is float)
+    index = entry.index
+    for slot in slots:
+        inputs[slot] = on_device(inputs[slot], index)
