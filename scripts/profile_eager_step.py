@@ -9,9 +9,12 @@ device programs each step runs and their busy time). Prints ONE JSON line: ``ste
 ``device_ms_per_step``, the costliest programs, the host functions with the most own time, and
 ``jax_floor_ms_per_step``: as many calls of one cached ``jax.jit`` program (a small elementwise op,
 each call taking the last one's output) as the step runs device programs, timed the same way: the
-dispatch cost JAX and the PJRT client add before any of this project's work. The autograd
-engine runs the backward on a thread of its own, which cProfile does not follow: its time shows
-as ``run_backward``'s own time.
+dispatch cost JAX and the PJRT client add before any of this project's work; ``jax_call_us``,
+what one plain JAX call costs with a Python float, a float on the device, or 21 arrays in and
+out (the host's cost per buffer on this platform), and how much faster two threads make as
+many calls (near 2: the call's host work runs without the GIL). The autograd engine runs the
+backward on a thread of its own, which cProfile does not follow: its time shows as
+``run_backward``'s own time.
 ``--out DIR`` also writes the line and the full cProfile listing there. On a CPU host the
 device rows are empty (the CPU client writes no device lines). Usage::
 
@@ -98,6 +101,73 @@ def _jax_dispatch_floor(calls: int, repeats: int = 5) -> float:
     return best
 
 
+def _jax_call_costs(repeats: int = 5, calls: int = 200) -> dict:
+    """Microseconds per call of plain JAX programs that differ in what they take: one array
+    (the floor above), an array and a Python float (JAX makes a device buffer of the float per
+    call), an array and a float already on the device, and 21 arrays in and out (an optimizer's
+    multi-tensor op): what a program's buffers cost the host on this platform."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpu_train.device import runtime
+
+    device = runtime.jax_device(0)
+    x = jax.device_put(jnp.zeros((4096,), jnp.float32), device)
+    scale = jax.jit(lambda a, s: a * s)
+    many = jax.jit(lambda *a: [v * 0.5 for v in a])
+    arrays = [x + i for i in range(21)]
+    on_device = jax.device_put(0.5, device)
+    cases = {"one_array": (jax.jit(lambda a: a + 1), lambda y: (y,), 1),
+             "array_and_python_float": (scale, lambda y: (y, 0.5), 1),
+             "array_and_device_float": (scale, lambda y: (y, on_device), 1),
+             "21_arrays_in_and_out": (many, lambda ys: ys, 21)}
+    costs = {}
+    for name, (program, arguments, width) in cases.items():
+        start = x if width == 1 else arrays
+        jax.block_until_ready(program(*arguments(start)))
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            y = start
+            for _ in range(calls):
+                y = program(*arguments(y))
+            jax.block_until_ready(y)
+            best = min(best, time.perf_counter() - started)
+        costs[name] = round(best / calls * 1e6, 1)
+    costs["two_threads_speedup"] = _two_threads_speedup(jax.jit(lambda a: a + 1), x, calls)
+    return costs
+
+
+def _two_threads_speedup(program, x, calls: int, repeats: int = 5) -> float:
+    """How much faster ``2 * calls`` chained calls finish on two threads (``calls`` each) than
+    on one: near 2 when the call's host work runs without the GIL (a dispatch thread beside
+    the op path would then hide it), near 1 when it holds the GIL throughout."""
+    import threading
+
+    import jax
+
+    def chain(count):
+        y = x
+        for _ in range(count):
+            y = program(y)
+        jax.block_until_ready(y)
+
+    def timed(threads: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            workers = [threading.Thread(target=chain, args=(2 * calls // threads,))
+                       for _ in range(threads)]
+            started = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    return round(timed(1) / timed(2), 2)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("strict", "fused"), default="strict")
@@ -134,6 +204,7 @@ def main(argv=None) -> dict:
         "device_programs_per_step": round(sum(calls.values()), 1),
         "device_ms_per_step": round(sum(busy.values()), 3),
         "jax_floor_ms_per_step": None if floor_ms is None else round(floor_ms, 2),
+        "jax_call_us": _jax_call_costs(),
         "top_programs": [(name, round(ms, 3), round(calls[name], 1))
                          for name, ms in busy.most_common(15)],
         "host_own_ms_per_step": own,  # (function, own ms per step, calls per step)

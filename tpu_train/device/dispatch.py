@@ -20,6 +20,8 @@ Views, mutating and functional ops go through the per-call cache of
 and one XLA dispatch. What kind an op is gets worked out once per op (``op_cache.op_info``).
 
 Dispatch is asynchronous (JAX's own): nothing waits for the device unless a value is read.
+Strict mode records a run of multi-tensor ops (an optimizer's step) and runs it as one program
+before the next other op (``lazy.batch_multi_tensor``).
 ``TPU_TRAIN_SYNC=1`` waits after every op so that an error points at the op that caused it.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_train.device import fallback, inplace, op_cache, special_ops
+from tpu_train.device import fallback, inplace, lazy, op_cache, special_ops
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta  # noqa: F401 (API)
 from tpu_train.device.op_cache import SYNC_ENV  # noqa: F401 (API)
 
@@ -39,6 +41,8 @@ _INFO = op_cache._INFO
 
 
 def dispatch(func, args, kwargs):
+    if lazy.deferred and not lazy.active:
+        _run_deferred_before(func)
     handler = _HANDLERS.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
@@ -66,3 +70,11 @@ def dispatch(func, args, kwargs):
             return result
         return op_cache.run_view(func, args, kwargs)
     return fallback.run_without_lowering(func, args, kwargs)
+
+
+def _run_deferred_before(func) -> None:
+    """Strict mode: run the recorded multi-tensor ops (``lazy.batch_multi_tensor``) before any
+    other op."""
+    info = _INFO.get(func)
+    if info is None or not info.multi_tensor or not op_cache.batch:
+        lazy.flush_all()

@@ -18,7 +18,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import lazy, mutation, op_cache
+from tpu_train.device import lazy, mutation, op_cache, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
@@ -39,20 +39,25 @@ class _Fresh:
 
 class _Mutating:
     __slots__ = ("func", "run", "fn", "donating", "donate_slots", "index", "random", "written",
-                 "fresh", "returns")
+                 "fresh", "returns", "float_slots", "multi_tensor")
 
-    def __init__(self, func, run, donate_slots, index, random, written, fresh, returns):
+    def __init__(self, func, run, donate_slots, index, random, written, fresh, returns,
+                 multi_tensor=False):
         self.func, self.run, self.index, self.random = func, run, index, random
+        self.multi_tensor = multi_tensor
         self.fn = jax.jit(run)
         self.donating, self.donate_slots = None, donate_slots
         self.written, self.fresh, self.returns = written, fresh, returns
+        self.float_slots = None  # found on the first call (the inputs)
 
     def __call__(self, args, kwargs, inputs, tensors, donate=True):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        if lazy.active:
+        if lazy.active or (self.multi_tensor and op_cache.batch):
             flat = self._record(inputs, first=not donate)
         else:
+            if self.float_slots != ():
+                scalars.place_floats(inputs, self)
             fn = self.fn
             if donate and _sole_owner(tensors, self.written):
                 fn = self.donating or self._donating()
@@ -166,7 +171,7 @@ def _mutating_entry(info: OpInfo, func, args, kwargs, key, cache_key):
     # The input each written storage's buffer arrives in (what may be donated).
     donate_slots = tuple(next(w[0] for w in writes if w[1] == first) for first in written)
     return _Mutating(func, run, donate_slots, index, info.lowering.random, written, layouts,
-                     returns)
+                     returns, info.multi_tensor)
 
 
 def _mutating_program(info: OpInfo, func, key, specs, writes, written, fresh_leaves):

@@ -34,7 +34,7 @@ import threading
 import jax
 import numpy
 
-from tpu_train.device import runtime
+from tpu_train.device import runtime, scalars
 
 MODE_ENV = "TPU_TRAIN_EAGER_MODE"
 MAX_OPS_ENV = "TPU_TRAIN_FUSED_MAX_OPS"
@@ -42,6 +42,13 @@ STRICT, FUSED, DEBUG = "strict", "fused", "debug"
 MODES = (STRICT, FUSED, DEBUG)
 
 active = False  # fused mode is on: read on every op call
+# Strict mode records runs of multi-tensor (``_foreach_*``) ops into its device's region too.
+# An optimizer's step is such a run (AdamW: 8 ops, each one program over every parameter; on a
+# TPU each program call costs host time per buffer); recorded, it runs as one program, with the
+# old parameter and state buffers donated, before the next other op (the dispatcher calls
+# flush_all while ``deferred``) or when something reads a result. Debug mode does not.
+batch_multi_tensor = True
+deferred = False  # outside fused mode, a region may hold ops not yet run
 _mode = STRICT
 _mode_listeners: list = []
 _lock = threading.RLock()  # the autograd engine records backward ops from its own thread
@@ -142,7 +149,10 @@ class Region:
     def record(self, body, inputs, out_avals) -> list:
         """Append ``body(*inputs)`` (an op executable's traceable function); its results as
         :class:`Pending` buffers."""
+        global deferred
         with _lock:
+            if not active:
+                deferred = True  # strict mode's multi-tensor ops (batch_multi_tensor)
             if len(self.ops) >= _max_region_ops:
                 self.flush()
             wiring = tuple([self._wire(v) for v in inputs])
@@ -182,6 +192,9 @@ class Region:
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
                 _programs[key] = program
+            for position in range(len(inputs)):
+                if type(inputs[position]) is float:  # each value transferred once per device
+                    inputs[position] = scalars.on_device(inputs[position], self.index)
             try:
                 results = program(*inputs)
             except Exception as error:  # noqa: BLE001 - every pending result reports it
@@ -245,14 +258,18 @@ def region(index: int) -> Region:
 
 
 def flush_all() -> None:
-    for found in list(_regions.values()):
-        found.flush()
+    global deferred
+    with _lock:  # a recording thread sets ``deferred`` under it (Region.record)
+        deferred = False
+        for found in list(_regions.values()):
+            found.flush()
 
 
 def stats() -> dict:
-    """Counts since the process started: ops recorded in fused mode, regions run, region
-    programs compiled (a loop that repeats one structure stops compiling after its first pass)
-    and region inputs donated (old buffers the program overwrote in place)."""
+    """Counts since the process started: ops recorded (in fused mode, and strict mode's runs of
+    multi-tensor ops), regions run, region programs compiled (a loop that repeats one structure
+    stops compiling after its first pass) and region inputs donated (old buffers the program
+    overwrote in place)."""
     with _lock:
         return dict(_counts)
 
@@ -278,17 +295,18 @@ def mode() -> str:
 
 def set_mode(name: str) -> None:
     """Switch the process's eager mode; leaving ``fused`` runs what was recorded."""
-    global active, _mode, _max_region_ops
+    global active, batch_multi_tensor, _mode, _max_region_ops
     if name not in MODES:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
     if name == FUSED:
         _max_region_ops = region_size_from_environment()
-    if _mode == FUSED and name != FUSED:
+    if (_mode == FUSED and name != FUSED) or (deferred and name == DEBUG):
         active = False
         flush_all()
     _mode = name
     active = name == FUSED
+    batch_multi_tensor = name == STRICT
     for listener in _mode_listeners:
         listener(name)
 

@@ -42,7 +42,7 @@ import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import generator, lazy, mutation, rng
+from tpu_train.device import generator, lazy, mutation, rng, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
@@ -59,11 +59,15 @@ VERIFY_KEY_PARTS_ENV = "TPU_TRAIN_VERIFY_KEY_PARTS"
 _verify_key_parts = os.environ.get(VERIFY_KEY_PARTS_ENV, "") not in ("", "0")
 _sync_from_environment = os.environ.get(SYNC_ENV, "") not in ("", "0")
 _sync = _sync_from_environment
+# Strict mode records multi-tensor ops into its device's region (lazy.batch_multi_tensor); never
+# when every op must wait (debug mode, TPU_TRAIN_SYNC=1).
+batch = not _sync
 
 
 def _follow_mode(name: str) -> None:
-    global _sync
+    global _sync, batch
     _sync = _sync_from_environment or name == lazy.DEBUG
+    batch = lazy.batch_multi_tensor and not _sync
 
 
 lazy.on_mode_change(_follow_mode)
@@ -160,10 +164,12 @@ class OpInfo:
     lowering table changes)."""
 
     __slots__ = ("kind", "lowering", "functional", "static_floats", "concrete",
-                 "positional_slots", "keyword_slots", "multi_dest")
+                 "positional_slots", "keyword_slots", "multi_dest", "multi_tensor")
 
     def __init__(self, func, kind, lowering=None, functional=None):
         self.kind, self.lowering, self.functional = kind, lowering, functional
+        # A ``_foreach_*`` op: strict mode batches runs of them into one program.
+        self.multi_tensor = func._schema.name.startswith("aten::_foreach_")
         self.static_floats = bool(lowering is not None and lowering.static_floats)
         self.concrete = False  # the lowering needs concrete values: run without jit
         arguments = func._schema.arguments
@@ -409,10 +415,12 @@ NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConvers
 
 class _Lowered:
     __slots__ = ("func", "fn", "body", "index", "random", "build", "structure", "single",
-                 "out_avals")
+                 "out_avals", "float_slots", "multi_tensor")
 
-    def __init__(self, func, fn, body, index, random, build, structure, meta, specs, jitted):
+    def __init__(self, func, fn, body, index, random, build, structure, meta, specs, jitted,
+                 multi_tensor=False):
         self.func, self.fn, self.body, self.index, self.random = func, fn, body, index, random
+        self.multi_tensor = multi_tensor
         self.build, self.structure = build, structure
         # One tensor result (most ops): built inline, its size in bytes known in advance.
         self.single = None
@@ -425,13 +433,16 @@ class _Lowered:
         self.out_avals = None
         if jitted and build is not None and all(spec is not None for spec in specs):
             self.out_avals = tuple(flat_aval(shape, dtype) for shape, dtype in specs)
+        self.float_slots = None if jitted else ()  # found on the first call (the inputs)
 
     def __call__(self, args, kwargs, inputs, tensors, first=False):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        if lazy.active:
+        if lazy.active or (self.multi_tensor and batch):
             flat = self._fused(inputs, first)
         else:
+            if self.float_slots != ():
+                scalars.place_floats(inputs, self)
             flat = self.fn(*inputs)
             if _sync:
                 wait(flat, self.func)
@@ -474,7 +485,7 @@ def run_lowered(info: OpInfo, func, args, kwargs):
         else (None, None)
     fn, body, structure = _lowered_program(info, func, key, specs)
     entry = _Lowered(func, fn, body, index, info.lowering.random, build, structure, meta, specs,
-                     not info.concrete)
+                     not info.concrete, info.multi_tensor)
     try:
         result = entry(args, kwargs, inputs, tensors, first=True)
     except NEEDS_VALUES as error:

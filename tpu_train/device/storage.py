@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpu_train.device import lazy, runtime
+from tpu_train.device import lazy, runtime, scalars
 from tpu_train.device.lazy import Pending
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -393,7 +393,7 @@ def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):
         if lazy.active:
             aval = ((numel,), np.dtype(dtype))
             return lazy.region(device_index).record(_fill_body(numel, dtype), [fill], [aval])[0]
-        return _filler(numel, dtype, device)(fill)[0]
+        return _filler(numel, dtype, device)(scalars.on_device(fill, device_index))[0]
     return jnp.full((numel,), fill, dtype=storage_dtype(dtype), device=device)
 
 

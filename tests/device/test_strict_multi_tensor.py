@@ -1,0 +1,138 @@
+"""Strict mode runs a run of multi-tensor (``_foreach_*``) ops, an optimizer's step, as one
+program before the next other op (lazy.batch_multi_tensor); debug mode runs each op alone.
+
+Oracle: the same steps in PyTorch on CPU, within the tolerances tests/tolerances.py derives
+for the platform (a ReLU model: its functions are AdamW's sqrt and div).
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import tpu_train
+from tpu_train.device import lazy
+from tests.tolerances import loss_rtol, param_atol
+
+# The model's longest reduction: the loss's mean over 4 x 3 outputs.
+REDUCTION, STEPS, LR = 12, 4, 0.05
+FUNCTIONS = ("sqrt", "div")
+
+TPU = torch.device("tpu", 0)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _train(model, device, steps=3, clip=False, zero_grad_to_none=True, counts=None):
+    """Losses and final parameters; ``counts`` gets lazy.stats() after the first step (which
+    compiles each op, running it alone) and after the last."""
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    x = torch.linspace(-1, 1, 24).reshape(4, 6).to(device)
+    losses = []
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad(set_to_none=zero_grad_to_none)
+        losses.append(loss.detach())
+        if counts is not None and len(losses) in (1, steps):
+            counts.append(lazy.stats())
+    return [float(v) for v in losses], [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["adamw", "clip_then_adamw"])
+@pytest.mark.parametrize("zero_grad_to_none", [True, False], ids=["grads_none", "grads_zeroed"])
+def test_an_optimizer_step_is_one_region_and_matches_cpu(clip, zero_grad_to_none):
+    cpu_losses, cpu_params = _train(_model(), torch.device("cpu"), steps=STEPS, clip=clip,
+                                    zero_grad_to_none=zero_grad_to_none)
+    counts = []
+    losses, params = _train(_model(), TPU, steps=STEPS, clip=clip,
+                            zero_grad_to_none=zero_grad_to_none, counts=counts)
+    ran = counts[1]["regions_run"] - counts[0]["regions_run"]
+    recorded = counts[1]["ops_recorded"] - counts[0]["ops_recorded"]
+    # Steps 2-4 record AdamW's 8 multi-tensor ops (weight decay, lerp, mul, addcmul, sqrt,
+    # div, add, addcdiv), clipping two more (norms, scaling). They run as one region a step
+    # (clipping: two, its norms' ordinary ops run the first), each when the next op comes
+    # (the next forward's, or zero_grad's per-tensor zero_): step 1's, and steps 2-3's.
+    assert recorded == 3 * (8 + (2 if clip else 0))
+    assert ran == (1 + 3 + 2 if clip else 3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), atol=0,
+                               rtol=loss_rtol(torch.float32, STEPS, REDUCTION))
+    for a, b in zip(params, cpu_params):
+        limit = param_atol(torch.float32, LR, STEPS, reduction=REDUCTION, numel=b.numel(),
+                           functions=FUNCTIONS)
+        assert float((a - b).square().mean().sqrt()) <= limit
+
+
+def test_the_next_op_and_a_view_see_the_update():
+    w = torch.arange(6.0).to(TPU)
+    v = w.view(2, 3)
+    torch._foreach_mul_([w], 2.0)
+    torch._foreach_add_([w], 1.0)
+    assert lazy.deferred
+    u = v[1] * 10  # an ordinary op on a view runs the recorded ones first
+    assert not lazy.deferred
+    assert u.cpu().tolist() == [70.0, 90.0, 110.0]
+    torch._foreach_sub_([w], 1.0)
+    assert w.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]  # a read runs them too
+
+
+def test_the_autograd_thread_runs_what_the_main_thread_recorded():
+    w = torch.ones(3, device=TPU, requires_grad=True)
+    with torch.no_grad():
+        torch._foreach_mul_([w], 3.0)
+    threads = []
+
+    def hook(grad):
+        threads.append(threading.get_ident())
+        return grad * 1.0  # an op on the engine's thread: it must see w's update
+
+    loss = (w * w).sum()
+    w.register_hook(hook)
+    loss.backward()
+    assert threads and threads[0] != threading.get_ident()
+    assert w.grad.cpu().tolist() == [6.0, 6.0, 6.0]
+
+
+def test_debug_mode_runs_each_multi_tensor_op_alone():
+    w = torch.arange(3.0).to(TPU)
+    with tpu_train.eager_mode("debug"):
+        before = lazy.stats()
+        torch._foreach_mul_([w], 2.0)
+        torch._foreach_add_([w], 1.0)
+        assert lazy.stats() == before and not lazy.deferred
+    assert w.cpu().tolist() == [1.0, 3.0, 5.0]
+
+
+def test_switching_to_debug_runs_what_strict_mode_recorded():
+    w = torch.arange(3.0).to(TPU)
+    torch._foreach_mul_([w], 2.0)
+    assert lazy.deferred
+    with tpu_train.eager_mode("debug"):
+        assert not lazy.deferred
+        assert w.cpu().tolist() == [0.0, 2.0, 4.0]
+
+
+def test_a_foreach_shape_error_is_raised_at_the_op():
+    a, b = torch.ones(3, device=TPU), torch.ones(4, device=TPU)
+    with pytest.raises(RuntimeError):
+        torch._foreach_add_([a], [b])
+    assert (a + 0).cpu().tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_parameter_copied_before_the_step_keeps_its_old_value():
+    model = _model().to(TPU)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    kept = copy.deepcopy(model)
+    model(torch.ones(2, 6, device=TPU)).sum().backward()
+    opt.step()
+    for p, q in zip(model.parameters(), kept.parameters()):
+        assert not torch.equal(p.detach().cpu(), q.detach().cpu())
+    torch.testing.assert_close(kept[0].weight.detach().cpu(), _model()[0].weight.detach())
