@@ -71,3 +71,26 @@ def test_each_device_gets_its_own_copy():
             assert a.cpu().tolist() == [1.25] * 3 and b.cpu().tolist() == [0.625] * 3
     assert {d.id for d in scalars.on_device(0.625, 1).devices()} != \
         {d.id for d in scalars.on_device(0.625, 0).devices()}
+
+
+@pytest.mark.devices(2)
+def test_a_tensor_sharded_over_devices_takes_python_numbers():
+    """A parameter sharded over a mesh (what data parallelism in one process makes of it) runs
+    its eager ops on every device of the mesh: its numbers stay Python numbers there, for JAX
+    to place, rather than arrays kept on one device."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tpu_train.device import runtime, storage_of
+
+    devices = np.array([runtime.jax_device(i) for i in range(2)])
+    sharding = NamedSharding(Mesh(devices, ("x",)), PartitionSpec("x"))
+    x = torch.linspace(-2, 2, 8)
+    expected = [x * 0.7, x + 0.25, x.clone().mul_(0.7)]
+    t = x.to(TPU)
+    storage = storage_of(t)
+    storage.buffer = jax.device_put(storage.buffer, sharding)
+    got = [t * 0.7, t + 0.25, t.clone().mul_(0.7)]
+    for a, b in zip(got, expected):
+        assert torch.equal(a.cpu(), b)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.trainer.cli_helpers import TINY_COMPILED, read_metrics, run_in_process
-from tests.trainer.loss_bounds import assert_base_model_losses_close, assert_matches_golden
+from tests.trainer.loss_bounds import (GOLDEN_OVERRIDES, assert_base_model_losses_close,
+                                       assert_matches_golden)
 from tpu_train.trainer import evaluation
 
 BASE = ["model=debug_tiny_base", "trainer.mode=eager"]
@@ -75,7 +76,8 @@ def test_validation_during_compiled_training_decodes_compiled(tmp_path, one_thre
     run_dir = tmp_path / "run"
     overrides = [o for o in TINY_COMPILED if not o.startswith("trainer.val_every_n_steps")]
     code, out, err = run_in_process(
-        "recipe=llama_finetune", *overrides, "trainer.max_steps=3", "trainer.val_every_n_steps=1",
+        "recipe=llama_finetune", *overrides, *GOLDEN_OVERRIDES, "trainer.max_steps=3",
+        "trainer.val_every_n_steps=1",
         "recipe.eval.exact_match_examples=8", "recipe.eval.max_new_tokens=4",
         f"run.dir={run_dir}")
     assert code == 0, err

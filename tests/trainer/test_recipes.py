@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process
-from tests.trainer.loss_bounds import assert_matches_golden
+from tests.trainer.loss_bounds import GOLDEN_OVERRIDES, assert_matches_golden
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 REGENERATE = os.environ.get("TPU_TRAIN_REGENERATE_GOLDEN") == "1"
@@ -26,8 +26,9 @@ STEPS = 3
 def test_training_recipe_matches_golden_losses(recipe, tmp_path):
     """Each training recipe with the compiled step on the tpu device (the schema's default)."""
     run_dir = tmp_path / "run"
-    code, out, err = run_in_process(f"recipe={recipe}", *TINY_COMPILED, f"trainer.max_steps={STEPS}",
-                                    "checkpoint.export_hf=true", f"run.dir={run_dir}")
+    code, out, err = run_in_process(f"recipe={recipe}", *TINY_COMPILED, *GOLDEN_OVERRIDES,
+                                    f"trainer.max_steps={STEPS}", "checkpoint.export_hf=true",
+                                    f"run.dir={run_dir}")
     assert code == 0, err
     losses = [read_metrics(run_dir)[step]["train/loss"] for step in range(1, STEPS + 1)]
     golden_file = GOLDEN_DIR / f"{recipe}.json"

@@ -192,9 +192,10 @@ class Region:
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
                 _programs[key] = program
-            for position in range(len(inputs)):
-                if type(inputs[position]) is float:  # each value transferred once per device
-                    inputs[position] = scalars.on_device(inputs[position], self.index)
+            if scalars.on_one_device(inputs):  # each value transferred once per device
+                for position in range(len(inputs)):
+                    if type(inputs[position]) is float:
+                        inputs[position] = scalars.on_device(inputs[position], self.index)
             try:
                 results = program(*inputs)
             except Exception as error:  # noqa: BLE001 - every pending result reports it

@@ -50,13 +50,25 @@ def on_device(value, index: int) -> jax.Array:
     return array
 
 
+def on_one_device(inputs) -> bool:
+    """No array among ``inputs`` spans several devices. A tensor sharded over a mesh (SPMD
+    eager) runs its ops on all of the mesh's devices, where a number placed on one device
+    would not go: such calls keep their Python numbers, which JAX places as the program's
+    sharding needs."""
+    single = jax.sharding.SingleDeviceSharding
+    return all(type(v.sharding) is single for v in inputs if isinstance(v, jax.Array))
+
+
 def place_floats(inputs: list, entry) -> None:
     """Replace the Python floats among an op executable's ``inputs`` by their device arrays on
-    ``entry.index``. ``entry.float_slots`` keeps their positions, found on the entry's first
-    call (the same on every call: the entry's key says which arguments are floats)."""
+    ``entry.index``, where the call runs on that device alone (:func:`on_one_device`).
+    ``entry.float_slots`` keeps their positions, found on the entry's first call (the same on
+    every call: the entry's key says which arguments are floats)."""
     slots = entry.float_slots
     if slots is None:
         slots = entry.float_slots = tuple(i for i, v in enumerate(inputs) if type(v) is float)
+    if not slots or not on_one_device(inputs):
+        return
     index = entry.index
     for slot in slots:
         inputs[slot] = on_device(inputs[slot], index)
