@@ -155,12 +155,28 @@ def compute_dtype_for(dtype: torch.dtype, compute: torch.dtype | None) -> torch.
     return compute if compute is not None and dtype.is_floating_point else dtype
 
 
-def _cast_for_compute(params: list, compute) -> list:
-    """JAX arrays cast to the compute dtype (a jnp dtype or None) where floating."""
+def _cast_for_compute(params: list, compute, gathered: frozenset = frozenset()) -> list:
+    """JAX arrays cast to the compute dtype (a jnp dtype or None) where floating, except the
+    ``gathered`` positions (:func:`gathered_parameters`), which the graph casts row by row."""
     if compute is None:
         return list(params)
     return [p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != compute
-            else p for p in params]
+            and i not in gathered else p for i, p in enumerate(params)]
+
+
+def gathered_parameters(gm: torch.fx.GraphModule, n_params: int) -> frozenset:
+    """Positions among the graph's first ``n_params`` inputs that only ``aten.embedding``
+    reads, as its table: under a compute dtype these enter in their own dtype, and the
+    interpreter casts the gathered rows to the node's dtype (as a JAX user gathers, then
+    casts). Cast whole at the top, a float32 vocabulary table was converted to bf16 in full
+    every step (W1: 16.8 MB read, 8.4 MB written, for 1024 rows), and its gradient summed
+    duplicate tokens' rows in bf16; now in float32, as PyTorch's own embedding backward."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:n_params]
+    return frozenset(
+        i for i, node in enumerate(placeholders)
+        if node.users and all(user.op == "call_function" and user.target is aten.embedding.default
+                              and user.args[0] is node and node not in user.args[1:]
+                              for user in node.users))
 
 
 def natural_layout(platform: str) -> bool:
@@ -268,10 +284,11 @@ def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain
     parameters are cast to ``compute`` (a jnp dtype) inside, so their gradients come back in
     the parameters' own dtype."""
     n_params = len(params)
+    gathered = gathered_parameters(loss_gm, n_params)
 
     def loss_and_rest(diff):
         (loss, weight), mutations = interpreter.run_graph(
-            loss_gm, _cast_for_compute(diff, compute) + consts + batch, rng_key=key,
+            loss_gm, _cast_for_compute(diff, compute, gathered) + consts + batch, rng_key=key,
             constrain=constrain, at_use=at_use)
         return loss, (loss.astype(jnp.float32), weight, mutations)
 
@@ -479,7 +496,9 @@ class _StepFunction:
                                               constrain=constrain, at_use=at_use,
                                               compute=self.compute)
         outputs, mutations = interpreter.run_graph(
-            traced.grad_gm, _cast_for_compute(params, self.compute) + consts + batch,
+            traced.grad_gm, _cast_for_compute(params, self.compute,
+                                              gathered_parameters(traced.grad_gm, len(params)))
+            + consts + batch,
             rng_key=key, constrain=constrain, at_use=at_use)
         new_consts = [mutations.get(self.n_params + i, consts[i]) for i in range(self.n_consts)]
         grads = [g.astype(p.dtype) for g, p in zip(outputs[:-2], params)]
