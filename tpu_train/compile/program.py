@@ -157,26 +157,12 @@ def compute_dtype_for(dtype: torch.dtype, compute: torch.dtype | None) -> torch.
 
 def _cast_for_compute(params: list, compute, gathered: frozenset = frozenset()) -> list:
     """JAX arrays cast to the compute dtype (a jnp dtype or None) where floating, except the
-    ``gathered`` positions (:func:`gathered_parameters`), which the graph casts row by row."""
+    ``gathered`` positions (:func:`.loss_graph.gathered_parameters`): the graph casts the
+    rows it gathers from them."""
     if compute is None:
         return list(params)
     return [p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != compute
             and i not in gathered else p for i, p in enumerate(params)]
-
-
-def gathered_parameters(gm: torch.fx.GraphModule, n_params: int) -> frozenset:
-    """Positions among the graph's first ``n_params`` inputs that only ``aten.embedding``
-    reads, as its table: under a compute dtype these enter in their own dtype, and the
-    interpreter casts the gathered rows to the node's dtype (as a JAX user gathers, then
-    casts). Cast whole at the top, a float32 vocabulary table was converted to bf16 in full
-    every step (W1: 16.8 MB read, 8.4 MB written, for 1024 rows), and its gradient summed
-    duplicate tokens' rows in bf16; now in float32, as PyTorch's own embedding backward."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:n_params]
-    return frozenset(
-        i for i, node in enumerate(placeholders)
-        if node.users and all(user.op == "call_function" and user.target is aten.embedding.default
-                              and user.args[0] is node and node not in user.args[1:]
-                              for user in node.users))
 
 
 def natural_layout(platform: str) -> bool:
@@ -278,13 +264,19 @@ def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes,
     return _GradientTrace(gm, weighted, note, model_fallback)
 
 
+def _gathered_tables(gm, n_params: int, at_use) -> frozenset:
+    """The parameters :func:`_cast_for_compute` leaves to the graph's gathers; none with
+    at-use gathers (SPMD), where a table is cast before its all-gather (half the bytes)."""
+    return frozenset() if at_use is not None else loss_graph.gathered_parameters(gm, n_params)
+
+
 def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain, at_use,
                                compute=None):
     """``(grads, loss, weight, new consts)`` of the loss graph, by ``jax.grad``; the
     parameters are cast to ``compute`` (a jnp dtype) inside, so their gradients come back in
     the parameters' own dtype."""
     n_params = len(params)
-    gathered = gathered_parameters(loss_gm, n_params)
+    gathered = _gathered_tables(loss_gm, n_params, at_use)
 
     def loss_and_rest(diff):
         (loss, weight), mutations = interpreter.run_graph(
@@ -496,8 +488,8 @@ class _StepFunction:
                                               constrain=constrain, at_use=at_use,
                                               compute=self.compute)
         outputs, mutations = interpreter.run_graph(
-            traced.grad_gm, _cast_for_compute(params, self.compute,
-                                              gathered_parameters(traced.grad_gm, len(params)))
+            traced.grad_gm, _cast_for_compute(
+                params, self.compute, _gathered_tables(traced.grad_gm, len(params), at_use))
             + consts + batch,
             rng_key=key, constrain=constrain, at_use=at_use)
         new_consts = [mutations.get(self.n_params + i, consts[i]) for i in range(self.n_consts)]
