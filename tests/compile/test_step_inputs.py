@@ -4,6 +4,8 @@ natural-shape layout a TPU uses, and bf16 compute."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -99,6 +101,44 @@ def test_bf16_compute_runs_every_product_in_bf16_and_tracks_float32():
     assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
     assert all(s.dtype == torch.float32 for st in bf16.optimizer.state.values()
                for s in st.values() if s.is_floating_point())
+
+
+def _table_conversions_and_scatters(model, vocab: int, dim: int) -> tuple[int, list]:
+    """In the bf16-compute step's lowered program: how many converts of a whole float32
+    ``[vocab, dim]`` weight to bf16, and the element types of ``[vocab, dim]`` scatters (the
+    embedding gradient)."""
+    from tpu_train.compile import lower_train_step
+
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    program = lower_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lm_loss,
+                               to_device({"tokens": tokens, "labels": tokens}),
+                               compute_dtype=torch.bfloat16, compile=False)
+    lines = program.lowered.as_text().splitlines()
+    table = f"tensor<{vocab}x{dim}x"
+    conversions = sum(1 for line in lines if "stablehlo.convert" in line
+                      and f"({table}f32>) -> {table}bf16>" in line)
+    scatters = []
+    for k, line in enumerate(lines):
+        if '"stablehlo.scatter"' in line:
+            end = next(rest for rest in lines[k:] if rest.strip().startswith("})"))
+            scatters.append(re.search(r"-> tensor<(?:\d+x)+(\w+)>", end).group(1))
+    return conversions, scatters
+
+
+def test_bf16_compute_gathers_embedding_rows_before_casting():
+    """Only the gathered rows of an embedding table are cast to the compute dtype (as a JAX
+    user writes it), and its gradient is summed in float32, as PyTorch's embedding backward
+    does; a table that a product also reads (tied embeddings) is cast whole, as every other
+    weight, once."""
+    untied = tiny_llama().to(DEVICE)
+    vocab, dim = untied.tok_embeddings.weight.shape
+    # One conversion: the output projection's weight (read by two products), not the table.
+    assert _table_conversions_and_scatters(untied, vocab, dim) == (1, ["f32"])
+    from tpu_train.models import Llama
+
+    tied = Llama(dataclasses.replace(untied.config, tie_embeddings=True))
+    tied.init_weights(seed=0, device="cpu")
+    assert _table_conversions_and_scatters(tied.to(DEVICE), vocab, dim) == (1, ["bf16"])
 
 
 def test_bad_compute_dtype_is_one_clear_error():

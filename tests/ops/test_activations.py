@@ -132,3 +132,26 @@ def test_jax_derivative_of_16_bit_silu_is_pytorchs_backward(dtype):
     tol = activation_tolerance(dtype)
     torch.testing.assert_close(torch.from_numpy(np.array(got.astype("float32"))),
                                leaf.grad.float(), **tol)
+
+
+def test_16_bit_silu_derivative_is_float32_on_the_cpu_client_and_16_bit_elsewhere():
+    """The derivative is PyTorch's float32 formula rounded once where XLA rounds every 16-bit
+    op (the CPU client: the exact bits checked above); for other platforms it is lowered in
+    the input's dtype, which XLA's TPU compiler computes in float32 and rounds once, without
+    conversions that make it write the derivative's product out instead of fusing it."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpu_train.ops.activations import silu
+
+    x = jnp.linspace(-4, 4, 256, dtype=jnp.bfloat16).reshape(2, 128)
+
+    def derivative(x):
+        return jax.vjp(silu, x)[1](jnp.ones_like(x))[0]
+
+    def float32_converts(platform):
+        text = jax.jit(derivative).trace(x).lower(lowering_platforms=(platform,)).as_text()
+        return text.count("-> tensor<2x128xf32>")
+
+    assert float32_converts("cpu") > 0
+    assert float32_converts("tpu") == 0

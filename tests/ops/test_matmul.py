@@ -170,6 +170,10 @@ def test_bf16_mm_accumulates_in_f32():
 
     a, b = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
     (dot,) = _dots(jax.make_jaxpr(matmul.mm)(a, b).jaxpr)
+    # Rounded to bf16 by the dot itself (nothing is added before torch's rounding); the exact
+    # long sum below shows the accumulation inside is f32. addmm keeps its f32 product.
+    assert dot.params["preferred_element_type"] == jnp.bfloat16
+    (dot,) = _dots(jax.make_jaxpr(matmul.addmm)(jnp.ones((4,), jnp.bfloat16), a, b).jaxpr)
     assert dot.params["preferred_element_type"] == jnp.float32
     # Differentiated by JAX, the backward products are bf16 x bf16 like torch's mm backward
     # (f32 accumulation inside the dot, rounded to bf16), not f32 x f32.
@@ -177,11 +181,13 @@ def test_bf16_mm_accumulates_in_f32():
                                     argnums=(0, 1)))(a, b)
     dots = _dots(grads.jaxpr)
     assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
-    assert sum(e.params["preferred_element_type"] == jnp.bfloat16 for e in dots) == 2
+    assert len(dots) == 3
+    assert all(e.params["preferred_element_type"] == jnp.bfloat16 for e in dots)
     # A long bf16 sum whose partial sums would lose bits if rounded to bf16 each step.
     a = torch.full((1, 4096), 1.0, dtype=torch.bfloat16)
     b = torch.full((4096, 1), 1.0 + 2 ** -7, dtype=torch.bfloat16)
     assert_lowering_matches(aten.mm.default, a, b, atol=0, rtol=0)
+    assert_lowering_matches(aten.bmm.default, a[None], b[None], atol=0, rtol=0)
 
 
 # --- linear algebra ------------------------------------------------------------------------

@@ -155,12 +155,14 @@ def compute_dtype_for(dtype: torch.dtype, compute: torch.dtype | None) -> torch.
     return compute if compute is not None and dtype.is_floating_point else dtype
 
 
-def _cast_for_compute(params: list, compute) -> list:
-    """JAX arrays cast to the compute dtype (a jnp dtype or None) where floating."""
+def _cast_for_compute(params: list, compute, gathered: frozenset = frozenset()) -> list:
+    """JAX arrays cast to the compute dtype (a jnp dtype or None) where floating, except the
+    ``gathered`` positions (:func:`.loss_graph.gathered_parameters`): the graph casts the
+    rows it gathers from them."""
     if compute is None:
         return list(params)
     return [p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != compute
-            else p for p in params]
+            and i not in gathered else p for i, p in enumerate(params)]
 
 
 def natural_layout(platform: str) -> bool:
@@ -262,16 +264,23 @@ def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes,
     return _GradientTrace(gm, weighted, note, model_fallback)
 
 
+def _gathered_tables(gm, n_params: int, at_use) -> frozenset:
+    """The parameters :func:`_cast_for_compute` leaves to the graph's gathers; none with
+    at-use gathers (SPMD), where a table is cast before its all-gather (half the bytes)."""
+    return frozenset() if at_use is not None else loss_graph.gathered_parameters(gm, n_params)
+
+
 def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain, at_use,
                                compute=None):
     """``(grads, loss, weight, new consts)`` of the loss graph, by ``jax.grad``; the
     parameters are cast to ``compute`` (a jnp dtype) inside, so their gradients come back in
     the parameters' own dtype."""
     n_params = len(params)
+    gathered = _gathered_tables(loss_gm, n_params, at_use)
 
     def loss_and_rest(diff):
         (loss, weight), mutations = interpreter.run_graph(
-            loss_gm, _cast_for_compute(diff, compute) + consts + batch, rng_key=key,
+            loss_gm, _cast_for_compute(diff, compute, gathered) + consts + batch, rng_key=key,
             constrain=constrain, at_use=at_use)
         return loss, (loss.astype(jnp.float32), weight, mutations)
 
@@ -479,7 +488,9 @@ class _StepFunction:
                                               constrain=constrain, at_use=at_use,
                                               compute=self.compute)
         outputs, mutations = interpreter.run_graph(
-            traced.grad_gm, _cast_for_compute(params, self.compute) + consts + batch,
+            traced.grad_gm, _cast_for_compute(
+                params, self.compute, _gathered_tables(traced.grad_gm, len(params), at_use))
+            + consts + batch,
             rng_key=key, constrain=constrain, at_use=at_use)
         new_consts = [mutations.get(self.n_params + i, consts[i]) for i in range(self.n_consts)]
         grads = [g.astype(p.dtype) for g, p in zip(outputs[:-2], params)]

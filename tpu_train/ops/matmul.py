@@ -64,33 +64,40 @@ def accumulator_dtype(*arrays):
     return dtype
 
 
-def dot_general(a, b, contracting, batch=((), ())):
+def dot_general(a, b, contracting, batch=((), ()), *, rounded: bool = False):
     """A ``lax.dot_general`` with torch's accumulation dtype and the current precision.
 
     bf16 / f16 operands give an f32 product (the caller rounds it to the operands' dtype, as
-    torch does). Its gradient is taken like PyTorch's ``mm`` backward: products of the
-    low-precision incoming gradient with the low-precision operands. Left to JAX's own
-    transpose rule, the f32 product's f32 cotangent would make every backward product an f32
-    one (multi-pass on a TPU's matrix unit) when JAX differentiates a compiled step."""
+    torch does), or with ``rounded`` the product rounded to their dtype by the dot itself
+    (f32 accumulation inside, one rounding: the same value). A product that nothing is added
+    to before its rounding (``mm``, ``bmm``) is better rounded inside: XLA's TPU compiler then
+    fuses what follows it (a residual add, a norm's statistics) into the dot, as for the JAX
+    reference's bf16 dots, where a float32 result and its conversion were written back to HBM
+    in float32 first (W1 for a v5e: a float32 [1024, 512] per projection). Its gradient is
+    taken like PyTorch's ``mm`` backward: products of the low-precision incoming gradient with
+    the low-precision operands. Left to JAX's own transpose rule, the f32 product's f32
+    cotangent would make every backward product an f32 one (multi-pass on a TPU's matrix
+    unit) when JAX differentiates a compiled step."""
     dtype = jnp.result_type(a, b)
     a, b = a.astype(dtype), b.astype(dtype)
     if accumulator_dtype(a, b) != dtype:
         return _low_precision_dot(a, b, (tuple(map(tuple, contracting)),
-                                         tuple(map(tuple, batch))), lax_precision())
+                                         tuple(map(tuple, batch))), lax_precision(),
+                                  jnp.dtype(dtype) if rounded else jnp.dtype(jnp.float32))
     return lax.dot_general(a, b, (contracting, batch), precision=lax_precision())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _low_precision_dot(a, b, dimension_numbers, precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _low_precision_dot(a, b, dimension_numbers, precision, out_dtype):
     return lax.dot_general(a, b, dimension_numbers, precision=precision,
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=out_dtype)
 
 
-def _low_precision_dot_forward(a, b, dimension_numbers, precision):
-    return _low_precision_dot(a, b, dimension_numbers, precision), (a, b)
+def _low_precision_dot_forward(a, b, dimension_numbers, precision, out_dtype):
+    return _low_precision_dot(a, b, dimension_numbers, precision, out_dtype), (a, b)
 
 
-def _low_precision_dot_backward(dimension_numbers, precision, operands, cotangent):
+def _low_precision_dot_backward(dimension_numbers, precision, out_dtype, operands, cotangent):
     a, b = operands
 
     def rounded_product(a, b):  # f32 accumulation inside the dot, rounded to a's dtype
@@ -125,22 +132,22 @@ def _add_scaled_input(product, inp, beta, alpha):
     return product + jnp.where(beta == 0, jnp.zeros_like(inp), inp * beta)
 
 
-def _mm(a, b):
-    return dot_general(a, b, ((1,), (0,)))
+def _mm(a, b, rounded: bool = False):
+    return dot_general(a, b, ((1,), (0,)), rounded=rounded)
 
 
-def _bmm(a, b):
-    return dot_general(a, b, ((2,), (1,)), ((0,), (0,)))
+def _bmm(a, b, rounded: bool = False):
+    return dot_general(a, b, ((2,), (1,)), ((0,), (0,)), rounded=rounded)
 
 
 @lowers(aten.mm.default)
 def mm(self, mat2):
-    return _mm(self, mat2)
+    return _mm(self, mat2, rounded=True)
 
 
 @lowers(aten.bmm.default)
 def bmm(self, mat2):
-    return _bmm(self, mat2)
+    return _bmm(self, mat2, rounded=True)
 
 
 @lowers(aten.addmm.default)

@@ -195,7 +195,21 @@ def _is_one(value) -> bool:
     return isinstance(value, (int, float)) and value == 1
 
 
+def _same_16_bit_tensors(a, b) -> bool:
+    return a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16) \
+        and jnp.ndim(a) > 0 and jnp.ndim(b) > 0
+
+
 def _add(self, other, alpha, *, scalar_other: bool, subtract: bool = False):
+    if not scalar_other and _is_one(alpha) and _same_16_bit_tensors(self, other):
+        # The sum of two 16-bit floats rounded once from float32 is the sum rounded once
+        # from the exact value (float32 holds it to far below half a 16-bit ulp): the same
+        # bits as opmath's, in the inputs' dtype. In a compiled bf16 step the residual add
+        # then reads the projection's bf16 result directly, and XLA's TPU compiler fuses the
+        # add and the next RMSNorm's statistics into the projection's dot, as it does for the
+        # JAX reference; through opmath's float32 round trip the dot wrote its result back
+        # in float32 (W1 for a v5e: a float32 [1024, 512] and one more fusion per projection).
+        return jnp.subtract(self, other) if subtract else jnp.add(self, other)
     if scalar_other:
         dtype, compute, (a,), (b,) = promote(self, scalars=[other])
     else:
