@@ -296,6 +296,29 @@ class _Loop:
             "Lower optim.lr, "
             "check the data, or set trainer.on_nan=skip")
 
+    def compile_ahead(self) -> None:
+        """Start the compiled step's XLA compile now, for the first batch's shapes, so that it
+        runs while the starting model is validated instead of after it (on a chip, the first
+        validation's own compiles and XLA's compile of the step then overlap). Tracing and
+        lowering happen here, as the first step would do them; the program is the same. The
+        loader is rewound: the first step reads the same batch, and a checkpoint saved before
+        it the same data position. Reading or tracing errors are left to the first step,
+        which raises them where it always has (its OOM compile error too)."""
+        loader = self.data.train
+        if (self.step_fn.compiled is None or self.step >= self.every.max_steps
+                or not hasattr(loader, "state_dict")):
+            return
+        position = loader.state_dict()
+        try:
+            batches = iter(loader)
+            batch = join_micro_batches([next(batches)
+                                        for _ in range(self.every.grad_accum_steps)])
+            self.step_fn.compile_ahead(batch)
+        except Exception:  # noqa: BLE001 - the first step reads and traces again, and raises
+            pass
+        finally:
+            loader.load_state_dict(position)
+
     def _run_step(self, batch) -> dict:
         """One step; a step too large for the device's memory (found when XLA compiles it)
         is a one-line :class:`ConfigError` naming the settings that would fit."""
@@ -393,6 +416,7 @@ def fit(run: Run) -> Path:
         for line in start_summary(run, run.layout.bytes_per_device(run.model, run.optimizer)):
             logger.line(line)
         validate = _Validator(run)
+        loop.compile_ahead()  # XLA compiles the step while the starting model is validated
         validate.at_start(loop.start_step)
         stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
                                                                              logger))
