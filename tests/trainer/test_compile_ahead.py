@@ -37,9 +37,20 @@ def _compile_lines(run_dir) -> list[str]:
 
 
 def test_compiling_ahead_gives_the_same_run(tmp_path, monkeypatch):
+    from tpu_train.compile import CompiledDecoder
+
+    started, compile_ahead = [], CompiledDecoder.compile_ahead
+
+    def decoding_ahead(self, *args, **kwargs):
+        started.append(compile_ahead(self, *args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(CompiledDecoder, "compile_ahead", decoding_ahead)
     code, _, err = run_in_process(*VALIDATED, f"run.dir={tmp_path / 'ahead'}")
     assert code == 0, err
+    assert started == [True]  # the first validation's decoding program was compiled ahead
     monkeypatch.setattr(loop._Loop, "compile_ahead", lambda self: None)
+    monkeypatch.setattr(loop._Validator, "compile_ahead", lambda self: None)
     code, _, err = run_in_process(*VALIDATED, f"run.dir={tmp_path / 'at_first_step'}")
     assert code == 0, err
 
