@@ -53,10 +53,12 @@ Errors in the configuration or the data are reported as one line,
 from __future__ import annotations
 
 import ast
+import atexit
 import importlib.util
 import os
 import runpy
 import sys
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -215,6 +217,34 @@ def main() -> None:
         _exit_for(exc)
     finally:
         sys.argv = saved_argv
+    if _is_the_process_command():
+        _end_process_now()
+
+
+def _is_the_process_command() -> bool:
+    """Is this process ``tpu-train`` (or ``python -m tpu_train.cli``) itself, rather than a
+    program that calls :func:`main` (a test, a notebook)? Read from the interpreter's own
+    command line, which no caller rewrites."""
+    argv = list(getattr(sys, "orig_argv", []))
+    return (len(argv) > 1 and os.path.basename(argv[1]) == "tpu-train") or any(
+        flag == "-m" and module == "tpu_train.cli" for flag, module in zip(argv, argv[1:]))
+
+
+def _end_process_now() -> None:
+    """End the finished command as the interpreter would -- the threads still running joined,
+    the atexit handlers run (JAX's, the loggers'), stdout and stderr flushed -- without then
+    tearing down every object, module and native library one by one, which writes nothing
+    and took 1.7 s after a run on the CPU client."""
+    # What Py_FinalizeEx does first: threading's own exit callbacks (which tell thread pools'
+    # workers to stop), then joining the threads that are not daemons; then the atexit ones.
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to write there
+            pass
+    os._exit(0)
 
 
 def _exit_for(exc: Exception) -> None:
