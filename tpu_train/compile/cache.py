@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -95,6 +96,9 @@ class CompileRecord:
     shared_layer_calls: int = 0
     # Why PyTorch's backward was traced where JAX would have differentiated the forward.
     autodiff_fallback: str = ""
+    # Compiled ahead of its first call (``CompileCache.build_ahead``): how long that call
+    # still waited for XLA; None when the call itself compiled.
+    waited_s: float | None = None
 
     @property
     def total_s(self) -> float:
@@ -130,6 +134,38 @@ class TimedStages:
                 self.cache_hits += compilation_cache.hits() - hits
 
 
+class _Ahead:
+    """A program lowered on the caller's thread whose XLA compile runs on a thread of its own
+    (XLA releases the GIL while it compiles): :meth:`wait` joins it and returns the program,
+    or raises the compile's error on the waiting thread."""
+
+    def __init__(self, cause: str, stages: TimedStages, entry: Any,
+                 compile: Callable[[Any, TimedStages], Any]):
+        self.cause, self.stages = cause, stages
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
+
+        def run() -> None:
+            try:
+                self._outcome = (compile(entry, stages), None)
+            except BaseException as error:  # noqa: BLE001 - re-raised by wait()
+                self._outcome = (None, error)
+
+        # Not a daemon: a process that ends before the first call waits for XLA to finish
+        # rather than tearing the runtime down under a running compile.
+        self._thread = threading.Thread(target=run, name="tpu_train ahead-of-time compile")
+        self._thread.start()
+
+    def wait(self) -> tuple[Any, float]:
+        """(the compiled program, seconds waited for it)."""
+        started = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - started
+        entry, error = self._outcome
+        if error is not None:
+            raise error
+        return entry, waited
+
+
 class CompileCache:
     """Programs keyed by :class:`Signature`, with logged and counted compilations."""
 
@@ -149,7 +185,13 @@ class CompileCache:
         if signature is self._last:  # the caller reuses its signature object when unchanged
             return self._last_entry
         entry = self.entries.get(signature)
-        if entry is None:
+        if isinstance(entry, _Ahead):
+            # Removed first: after a failed compile the next call builds the program anew.
+            ahead = self.entries.pop(signature)
+            entry, waited = ahead.wait()
+            self.entries[signature] = entry
+            self._record(ahead.cause, ahead.stages, waited_s=waited)
+        elif entry is None:
             cause = self._cause(signature)
             stages = TimedStages()
             entry = build(stages)
@@ -157,6 +199,21 @@ class CompileCache:
             self._record(cause, stages)
         self._last, self._last_entry = signature, entry
         return entry
+
+    def build_ahead(self, signature: Signature, lower: Callable[[TimedStages], Any],
+                    compile: Callable[[Any, TimedStages], Any]) -> bool:
+        """Start building the program for ``signature`` before its first call: ``lower(stages)``
+        traces and lowers it now, on this thread; ``compile(lowered entry, stages)`` returns the
+        compiled entry and runs on a thread of its own, while this one goes on. The first
+        :meth:`get_or_build` of ``signature`` waits for it (its record says how long) and raises
+        what the compile raised. False (and nothing built) where ``signature`` is built already.
+        """
+        if signature in self.entries:
+            return False
+        cause = self._cause(signature)
+        stages = TimedStages()
+        self.entries[signature] = _Ahead(cause, stages, lower(stages), compile)
+        return True
 
     def _cause(self, signature: Signature) -> str:
         if self._last is None:
@@ -167,13 +224,13 @@ class CompileCache:
             listed += f"; and {len(changes) - _MAX_LISTED} more"
         return listed
 
-    def _record(self, cause: str, stages: TimedStages) -> None:
+    def _record(self, cause: str, stages: TimedStages, waited_s: float | None = None) -> None:
         s = stages.seconds
         record = CompileRecord(cause, s["trace"], s["lower"], s["compile"], stages.graph_nodes,
                                from_cache=stages.from_cache,
                                scanned_layers=stages.scanned_layers,
                                shared_layer_calls=stages.shared_layer_calls,
-                               autodiff_fallback=stages.autodiff_fallback)
+                               autodiff_fallback=stages.autodiff_fallback, waited_s=waited_s)
         self.records.append(record)
         count = len(self.records)
         xla = "loaded from the compilation cache in" if record.from_cache else "XLA compile"

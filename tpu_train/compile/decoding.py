@@ -30,7 +30,7 @@ end tokens are program inputs, so any request that falls in a bucket reuses its 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -181,14 +181,53 @@ class CompiledDecoder:
         bucket to use (at least ``len(prompts)``), e.g. to give a last, shorter chunk the
         program of the full ones.
         """
+        rows = self._rows(prompts, max_new_tokens)
+        if max_new_tokens == 0:
+            return torch.zeros((len(rows), 0), dtype=torch.long)
+        entry, buckets, device, arrays, eos = self._program(
+            rows, max_new_tokens, temperature, top_p, eos_token_id, batch_size,
+            self.cache.get_or_build)
+        prompt, pad, finished = _left_padded(rows, buckets)
+        args = [jax.device_put(a, device) for a in (
+            prompt, pad, finished, np.int32(max_new_tokens), np.array(eos, np.int32))]
+        key = jax.device_put(jax.random.key(seed), device)
+        out, count = entry(arrays, *args, key)
+        return torch.from_numpy(np.asarray(out)[:len(rows), :int(count)].astype(np.int64))
+
+    def compile_ahead(self, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
+                      *, temperature: float = 0.0, top_p: float = 1.0,
+                      eos_token_id: int | Sequence[int] | None = None,
+                      batch_size: int | None = None) -> bool:
+        """Trace and lower the program :meth:`generate` would use for these arguments now and
+        start XLA's compile of it on a thread of its own (``CompileCache.build_ahead``); the
+        first :meth:`generate` that needs it waits for it. Nothing is decoded. False where
+        that program exists already (or nothing needs one)."""
+        rows = self._rows(prompts, max_new_tokens)
+        if max_new_tokens == 0:
+            return False
+
+        def ahead(signature, build):
+            return self.cache.build_ahead(
+                signature, lambda stages: build(stages, compile=False),
+                lambda lowered, stages: stages.time("compile", lowered.compile))
+
+        return self._program(rows, max_new_tokens, temperature, top_p, eos_token_id,
+                             batch_size, ahead)[0]
+
+    @staticmethod
+    def _rows(prompts, max_new_tokens: int) -> list[list[int]]:
         rows = [[int(t) for t in row] for row in
                 (prompts.tolist() if isinstance(prompts, torch.Tensor) else prompts)]
         if not rows or min(len(r) for r in rows) == 0:
             raise ValueError("prompts must be one or more non-empty lists of token ids")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if max_new_tokens == 0:
-            return torch.zeros((len(rows), 0), dtype=torch.long)
+        return rows
+
+    def _program(self, rows, max_new_tokens, temperature, top_p, eos_token_id, batch_size,
+                 get: Callable) -> tuple:
+        """``(get(signature, build), buckets, device, model arrays, end tokens)`` for ``rows``:
+        ``get`` is the cache's ``get_or_build`` (or a compile ahead)."""
         buckets = choose_buckets(max(batch_size or 0, len(rows)), max(len(r) for r in rows),
                                  max_new_tokens, self.decoding.max_length(self.model))
         eos = [] if eos_token_id is None else (
@@ -199,15 +238,12 @@ class CompiledDecoder:
         arrays = [flat_on_device(t, device, n) for n, t in zip(names, tensors)]
         settings = (float(temperature), float(top_p), len(eos))
         signature = self._signature(names, tensors, buckets, settings)
-        entry = self.cache.get_or_build(signature, lambda stages: self._build(
-            stages, names, tensors, buckets, settings, torch.device("tpu", index), device,
-            arrays))
-        prompt, pad, finished = _left_padded(rows, buckets)
-        args = [jax.device_put(a, device) for a in (
-            prompt, pad, finished, np.int32(max_new_tokens), np.array(eos, np.int32))]
-        key = jax.device_put(jax.random.key(seed), device)
-        out, count = entry(arrays, *args, key)
-        return torch.from_numpy(np.asarray(out)[:len(rows), :int(count)].astype(np.int64))
+
+        def build(stages, compile: bool = True):
+            return self._build(stages, names, tensors, buckets, settings,
+                               torch.device("tpu", index), device, arrays, compile)
+
+        return get(signature, build), buckets, device, arrays, eos
 
     def _signature(self, names, tensors, buckets: Buckets, settings) -> cache_mod.Signature:
         inputs = tuple(cache_mod.InputSpec(f'"{n}"', tuple(t.shape), t.dtype)
@@ -221,7 +257,7 @@ class CompiledDecoder:
             ("matmul precision", matmul_mod.get_matmul_precision())))
 
     def _build(self, stages: cache_mod.TimedStages, names, tensors, buckets: Buckets, settings,
-               torch_device: torch.device, device, arrays):
+               torch_device: torch.device, device, arrays, compile: bool = True):
         temperature, top_p, eos_count = settings
         wrapper = _DecodeModule(self.model, self.decoding, temperature, top_p)
         shapes = self.decoding.cache_shapes(self.model, buckets.batch, buckets.total)
@@ -236,7 +272,7 @@ class CompiledDecoder:
             ((buckets.batch,), jnp.bool_), ((), jnp.int32), ((eos_count,), jnp.int32))]
         args.append(jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
         lowered = stages.time("lower", jax.jit(program).lower, *args)
-        return stages.time("compile", lowered.compile)
+        return stages.time("compile", lowered.compile) if compile else lowered
 
 
 def _left_padded(rows: list[list[int]], buckets: Buckets):

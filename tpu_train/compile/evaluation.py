@@ -57,7 +57,8 @@ class CompiledLoss:
         """One record per compiled program (cause, trace / lower / compile seconds)."""
         return list(self.cache.records)
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> float:
+    def _prepared(self, batch: dict[str, torch.Tensor]) -> tuple:
+        """(signature, build(stages, compile=True), device arrays, batch leaves) for ``batch``."""
         names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
@@ -69,12 +70,30 @@ class CompiledLoss:
                   for n, t in zip(names + keys, tensors + leaves)),
             (("model.training", self.model.training), ("autocast", str(self.autocast_dtype)),
              ("matmul precision", matmul_mod.get_matmul_precision())))
-        program = self.cache.get_or_build(signature, lambda stages: self._build(
-            stages, names, tensors, keys, leaves, torch.device("tpu", index), arrays))
+
+        def build(stages, compile: bool = True):
+            return self._build(stages, names, tensors, keys, leaves, torch.device("tpu", index),
+                               arrays, compile)
+
+        return signature, build, arrays, leaves
+
+    def compile_ahead(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Trace and lower the program for batches like ``batch`` now and start XLA's compile
+        of it on a thread of its own (``CompileCache.build_ahead``); the first call with such
+        a batch (and the model in the same train/eval mode) waits for it. False where that
+        program exists already."""
+        signature, build, _, _ = self._prepared(batch)
+        return self.cache.build_ahead(signature, lambda stages: build(stages, compile=False),
+                                      lambda lowered, stages: stages.time("compile",
+                                                                          lowered.compile))
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> float:
+        signature, build, arrays, leaves = self._prepared(batch)
+        program = self.cache.get_or_build(signature, build)
         return float(program(arrays, [host_array(t) for t in leaves]))
 
     def _build(self, stages: cache_mod.TimedStages, names, tensors, keys, leaves,
-               torch_device: torch.device, arrays):
+               torch_device: torch.device, arrays, compile: bool = True):
         fakes = tracing.FakeFactory()
         module_keys = ["model." + n for n in names]
         n = len(module_keys)
@@ -102,4 +121,4 @@ class CompiledLoss:
         args = [arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype)
                          for a in map(host_array, leaves)]]
         lowered = stages.time("lower", jax.jit(program).lower, *args)
-        return stages.time("compile", lowered.compile)
+        return stages.time("compile", lowered.compile) if compile else lowered

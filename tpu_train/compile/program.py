@@ -66,6 +66,7 @@ class Program:
     # "torch": PyTorch's backward was traced. autodiff_note says why not "jax", if not.
     autodiff: str = "torch"
     autodiff_note: str = ""
+    compiler_options: dict | None = None  # the XLA options it is (to be) compiled with
 
     def layer_index_values(self, device) -> list:
         """The ``layer_indices`` argument: ``j`` at position ``j`` (made once per placement)."""
@@ -618,12 +619,22 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
             f"{type(error).__name__}: {error}".splitlines()[0]
         stages.autodiff_fallback = fallback.autodiff_note
         return fallback
-    executable = memory_errors.compiled(lowered, stages, compiler_options, in_shardings) \
-        if compile else None
-    if layout is not None and executable is not None:
-        executable = PlacingExecutable(executable, in_shardings)
-    return Program(executable, traced.random, traced.mutated, traced.grad_norm_dtype,
-                   traced.grad_gm, traced.update_gm, lowered=lowered, in_shardings=in_shardings,
-                   layer_indices=traced.layer_indices,
-                   autodiff="jax" if traced.jax_autodiff else "torch",
-                   autodiff_note=traced.autodiff_note)
+    program = Program(None, traced.random, traced.mutated, traced.grad_norm_dtype,
+                      traced.grad_gm, traced.update_gm, lowered=lowered, in_shardings=in_shardings,
+                      layer_indices=traced.layer_indices,
+                      autodiff="jax" if traced.jax_autodiff else "torch",
+                      autodiff_note=traced.autodiff_note, compiler_options=compiler_options)
+    return compile_program(program, stages) if compile else program
+
+
+def compile_program(program: Program, stages) -> Program:
+    """``program``, lowered by :func:`build_program` with ``compile=False``, with XLA's
+    executable (timed as ``stages``' compile stage). Safe on another thread than the one
+    that lowered it: it reads only the lowered module (XLA releases the GIL while it
+    compiles). A program too large for the device is a ``ProgramOutOfMemoryError``."""
+    executable = memory_errors.compiled(program.lowered, stages, program.compiler_options,
+                                        program.in_shardings)
+    if program.in_shardings is not None:  # an SPMD program
+        executable = PlacingExecutable(executable, program.in_shardings)
+    program.executable = executable
+    return program

@@ -18,6 +18,7 @@ the data. The result then has a ``finite`` flag; reading it costs one host sync 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -30,7 +31,7 @@ from tpu_train.compile.functional_optim import adapter_for
 from tpu_train.compile.lowering import (StepInputs, batch_structure, check_compute_dtype,
                                         check_step_settings, collect_step_inputs, flatten_batch,
                                         host_scalars, lower_collected, step_autocast_dtype)
-from tpu_train.compile.program import natural_layout
+from tpu_train.compile.program import compile_program, natural_layout
 from tpu_train.device import rng, runtime
 from tpu_train.device.storage import Storage
 from tpu_train.device.tensor import (TpuTensor, host_array, new_contiguous_tensor, storage_of,
@@ -213,7 +214,9 @@ class CompiledTrainStep:
             arrays.append(t.jax_value() if isinstance(t, TpuTensor) else host_array(t))
         return arrays
 
-    def __call__(self, batch) -> dict[str, torch.Tensor]:
+    def _prepared(self, batch) -> tuple:
+        """What a call with ``batch`` runs: ``(plan, device, argument lists, signature,
+        build)``, where ``build(stages, compile=True)`` makes the program for ``signature``."""
         plan, leaves, names, spec = self._plan(batch)
         index, whole = plan.device_index, plan.whole
         device = runtime.jax_device(index)
@@ -226,22 +229,43 @@ class CompiledTrainStep:
                                    self._settings(plan.inputs, whole, autocast_dtype))
         scalars, steps = host_scalars(self.optimizer, self.adapter)
 
-        def build(stages):
+        def build(stages, compile: bool = True):
             st = dataclasses.replace(plan.inputs, batch_leaves=leaves, batch_names=names,
                                      batch_spec=spec)
             values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
                       "batch": [_on_device(a, device) for a in batch_arrays], "whole": whole}
             return lower_collected(self, st, scalars, stages, values=values, device=device,
                                    mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype,
-                                   runtime_options=True)
+                                   runtime_options=True, compile=compile)
 
+        arguments = (param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps)
+        return plan, device, arguments, signature, build
+
+    def compile_ahead(self, batch) -> bool:
+        """Start compiling the program for batches like ``batch`` before the first call.
+
+        Tracing and lowering run now, on this thread (they read the model and optimizer);
+        XLA's compile runs on a thread of its own while this one goes on (a validation pass,
+        say). Nothing is updated or run: missing optimizer state is created, as the first
+        call would. The first call with a batch of the same shapes and unchanged settings
+        waits for the compile and raises its error, if any (``ProgramOutOfMemoryError``);
+        its compilation record says how long it waited. The program is the one that call
+        would have built: results are the same. False where that program exists already.
+        """
+        _, _, _, signature, build = self._prepared(batch)
+        return self.cache.build_ahead(signature, functools.partial(build, compile=False),
+                                      compile_program)
+
+    def __call__(self, batch) -> dict[str, torch.Tensor]:
+        plan, device, arguments, signature, build = self._prepared(batch)
+        param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps = arguments
         entry = self.cache.get_or_build(signature, build)
         # The host scalars go in as a NumPy array: the executable's own transfer of it costs
         # less host time than a jax.device_put before the call.
         args = [param_arrays, state_arrays, const_arrays, batch_arrays, scalars,
                 entry.layer_index_values(device)]
         if entry.random:
-            args.append(rng.next_key(index))
+            args.append(rng.next_key(plan.device_index))
         outputs = entry.executable(*args)
         return self._finish(plan, entry, steps, outputs)
 

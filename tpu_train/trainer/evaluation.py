@@ -183,6 +183,31 @@ def _decoded_answers(model, prompts: list[list[int]], eos_id: int,
 
 
 @torch.no_grad()
+def compile_ahead_for_validation(model: torch.nn.Module, evaluator, val_batch, tokenizer,
+                                 path: Path | None, max_examples: int,
+                                 decoding: Decoding) -> None:
+    """Start XLA's compiles of the programs a validation pass runs first: ``evaluator``'s (a
+    :func:`compiled_loss`) for ``val_batch``, and the decoder's for the first chunk of exact
+    match's prompts (``path``'s). Each is traced and lowered here, with the model in eval
+    mode as validation has it, and compiled on a thread of its own; the pass waits for them
+    where it needs them (``CompileCache.build_ahead``)."""
+    model.eval()
+    try:
+        if evaluator is not None and val_batch is not None:
+            evaluator.compile_ahead(val_batch)
+        if decoding.decoder is not None and path is not None and max_examples:
+            examples = _exact_match_examples(path, tokenizer, max_examples,
+                                             model.config.max_seq_len - decoding.max_new_tokens)
+            prompts = [p for p, _ in examples]
+            if prompts:
+                decoding.decoder.compile_ahead(prompts[:DECODE_BATCH], decoding.max_new_tokens,
+                                               eos_token_id=tokenizer.eos_id,
+                                               batch_size=min(DECODE_BATCH, len(prompts)))
+    finally:
+        model.train()
+
+
+@torch.no_grad()
 def exact_match_count(model: torch.nn.Module, tokenizer, path: Path, max_examples: int,
                       decoding: Decoding) -> tuple[float, int] | None:
     """(exact match, number of examples scored): greedy-decoded answers to the first

@@ -20,9 +20,10 @@ from . import builders
 from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import ConfigError, TrainingStopped
-from .evaluation import (Decoding, HostEvaluationModel, compiled_decoder, decodes_compiled,
-                         compiled_loss, compiled_validation_loss, describe_decoder,
-                         exact_match_count, runs_on_host_cpu, validation_loss)
+from .evaluation import (Decoding, HostEvaluationModel, compile_ahead_for_validation,
+                         compiled_decoder, decodes_compiled, compiled_loss,
+                         compiled_validation_loss, describe_decoder, exact_match_count,
+                         runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .layouts import Layout
 from .parallelism import peak_bytes_per_device
@@ -158,6 +159,30 @@ class _Validator:
         self.last = {"step": step, "values": values, "examples": scored[1] if scored else 0}
         if step == 0:
             self.first = self.last
+
+    def compile_ahead(self) -> None:
+        """Start XLA's compiles of the validation programs now, while other work goes on
+        (:func:`~tpu_train.trainer.evaluation.compile_ahead_for_validation`): with several
+        programs to compile (the train step's too), their compiles overlap. Errors are left
+        to the validation pass, which builds what failed again and raises them there."""
+        if not (self.job.cfg.trainer.val_every_n_steps and self.enabled()) \
+                or (self.evaluator is None and self.decoder is None):
+            return
+        cfg = self.job.cfg
+        try:
+            val_batch = None
+            # As __call__: where a host copy computes the loss, the evaluator is not used.
+            if self.evaluator is not None and self.data.has_val_loss and self.host is None:
+                loader = builders.build_val_loader(cfg, self.tokenizer, self.data.val_path,
+                                                   probe=False)
+                val_batch = next(iter(loader), None)
+            decoding = Decoding(self.job.device, self.job.precision,
+                                cfg.recipe.eval.max_new_tokens, self.decoder)
+            compile_ahead_for_validation(self.model, self.evaluator, val_batch, self.tokenizer,
+                                         self.data.exact_match_path,
+                                         cfg.recipe.eval.exact_match_examples, decoding)
+        except Exception:  # noqa: BLE001 - the validation pass builds it again and raises
+            pass
 
     def at_start(self, start_step: int) -> None:
         """Validate the starting model (step 0) when ``trainer.val_at_start``; a resumed run
@@ -296,6 +321,29 @@ class _Loop:
             "Lower optim.lr, "
             "check the data, or set trainer.on_nan=skip")
 
+    def compile_ahead(self) -> None:
+        """Start the compiled step's XLA compile now, for the first batch's shapes, so that it
+        runs while the starting model is validated instead of after it (on a chip, the first
+        validation's own compiles and XLA's compile of the step then overlap). Tracing and
+        lowering happen here, as the first step would do them; the program is the same. The
+        loader is rewound: the first step reads the same batch, and a checkpoint saved before
+        it the same data position. Reading or tracing errors are left to the first step,
+        which raises them where it always has (its OOM compile error too)."""
+        loader = self.data.train
+        if (self.step_fn.compiled is None or self.step >= self.every.max_steps
+                or not hasattr(loader, "state_dict")):
+            return
+        position = loader.state_dict()
+        try:
+            batches = iter(loader)
+            batch = join_micro_batches([next(batches)
+                                        for _ in range(self.every.grad_accum_steps)])
+            self.step_fn.compile_ahead(batch)
+        except Exception:  # noqa: BLE001 - the first step reads and traces again, and raises
+            pass
+        finally:
+            loader.load_state_dict(position)
+
     def _run_step(self, batch) -> dict:
         """One step; a step too large for the device's memory (found when XLA compiles it)
         is a one-line :class:`ConfigError` naming the settings that would fit."""
@@ -393,6 +441,10 @@ def fit(run: Run) -> Path:
         for line in start_summary(run, run.layout.bytes_per_device(run.model, run.optimizer)):
             logger.line(line)
         validate = _Validator(run)
+        # XLA compiles the validation programs and the train step side by side, on threads
+        # of their own, while the starting model is validated (in the order they are needed).
+        validate.compile_ahead()
+        loop.compile_ahead()
         validate.at_start(loop.start_step)
         stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
                                                                              logger))

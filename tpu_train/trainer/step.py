@@ -160,6 +160,15 @@ class TrainStep:
     def place(self) -> None:
         self.layout.place_step(self)
 
+    def compile_ahead(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Trace and lower the compiled step for batches of ``batch``'s shapes now and start
+        XLA's compile of it on a thread of its own
+        (:meth:`~tpu_train.compile.CompiledTrainStep.compile_ahead`); the first call waits for
+        it. False in eager mode, where there is nothing to compile."""
+        if self.compiled is None:
+            return False
+        return self.compiled.compile_ahead(self.layout.place_batch(batch, self.grad_accum_steps))
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict:
         return self._run(self.layout.place_batch(batch, self.grad_accum_steps))
 

@@ -116,13 +116,18 @@ def describe_compilation(record) -> str:
     load 0.1): first call`` when XLA's executable came from the persistent cache; with
     ``; 32 layers scanned`` when layer stacks run as ``lax.scan`` loops (``scan_layers``), and
     ``; PyTorch's backward traced (...)`` when the model's use of autograd kept JAX from
-    differentiating the forward (a slower trace; ``tpu_train.compile.loss_graph``)."""
+    differentiating the forward (a slower trace; ``tpu_train.compile.loss_graph``), and
+    ``; compiled ahead, the first step waited 0.4 s for it`` when XLA compiled it while the
+    loop did other work (``CompiledTrainStep.compile_ahead``)."""
     times = f"(trace {record.trace_s:.1f}, lower {record.lower_s:.1f}"
     scanned = getattr(record, "scanned_layers", 0)
     cause = record.cause + (f"; {scanned} layers scanned" if scanned else "")
     fallback = getattr(record, "autodiff_fallback", "")
     if fallback:
         cause += f"; PyTorch's backward traced ({fallback[:120]})"
+    waited = getattr(record, "waited_s", None)
+    if waited is not None:  # XLA compiled while the starting model was validated
+        cause += f"; compiled ahead, the first step waited {waited:.1f} s for it"
     if getattr(record, "from_cache", False):
         return (f"loaded the train step from the compilation cache in {record.total_s:.1f} s "
                 f"{times}, XLA load {record.compile_s:.1f}): {cause}")
