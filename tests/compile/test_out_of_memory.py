@@ -110,7 +110,8 @@ def test_the_trainer_names_settings_that_fit():
 def test_the_cli_reports_it_in_one_line(monkeypatch, tmp_path):
     from tpu_train.compile import CompiledTrainStep
 
-    from tests.trainer.cli_helpers import TINY_COMPILED, run_in_process
+    from tests.trainer.cli_helpers import (TINY_COMPILED, assert_one_line_out_of_memory,
+                                           run_in_process)
 
     def too_large(self, *args, **kwargs):
         raise ProgramOutOfMemoryError(int(20 * GiB), int(15.75 * GiB), "hbm", "RESOURCE_EXHAUSTED")
@@ -118,8 +119,4 @@ def test_the_cli_reports_it_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(CompiledTrainStep, "__call__", too_large)
     code, _, err = run_in_process(*TINY_COMPILED, "trainer.max_steps=2",
                                   f"run.dir={tmp_path / 'run'}")
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert lines[-1].startswith("tpu-train: error: the compiled train step needs 20.00 GiB of "
-                                "HBM per chip, which has 15.75 GiB; "), err
-    assert "Traceback" not in err
+    assert_one_line_out_of_memory(code, err)

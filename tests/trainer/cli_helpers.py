@@ -93,3 +93,13 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     """(size, mtime_ns) of every file under ``directory``: to prove nothing was written."""
     return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(directory.rglob("*"))}
+
+
+def assert_one_line_out_of_memory(code: int, err: str) -> None:
+    """A run whose train step did not fit (a ProgramOutOfMemoryError of 20 GiB against the
+    v5e's 15.75) ended with exit 2 and one line naming both, no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert lines[-1].startswith("tpu-train: error: the compiled train step needs 20.00 GiB of "
+                                "HBM per chip, which has 15.75 GiB; "), err
+    assert "Traceback" not in err
