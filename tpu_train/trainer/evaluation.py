@@ -73,6 +73,16 @@ class Decoding:
     decoder: CompiledDecoder | None = None
 
 
+@dataclasses.dataclass
+class ExactMatchSet:
+    """The examples exact match scores: the first ``max_examples`` of the instruction/chat file
+    at ``path``, tokenized by ``tokenizer``."""
+
+    tokenizer: object
+    path: Path | None
+    max_examples: int
+
+
 def describe_decoder(decoder: CompiledDecoder) -> str:
     """``decoding: compiled on tpu:0, 1 program (trace + lower + compile 2.31s)``."""
     records = decoder.compilations
@@ -183,20 +193,22 @@ def _decoded_answers(model, prompts: list[list[int]], eos_id: int,
 
 
 @torch.no_grad()
-def compile_ahead_for_validation(model: torch.nn.Module, evaluator, val_batch, tokenizer,
-                                 path: Path | None, max_examples: int,
-                                 decoding: Decoding) -> None:
+def compile_ahead_for_validation(model: torch.nn.Module, evaluator, val_batch,
+                                 exact_match: ExactMatchSet, decoding: Decoding) -> None:
     """Start XLA's compiles of the programs a validation pass runs first: ``evaluator``'s (a
     :func:`compiled_loss`) for ``val_batch``, and the decoder's for the first chunk of exact
-    match's prompts (``path``'s). Each is traced and lowered here, with the model in eval
-    mode as validation has it, and compiled on a thread of its own; the pass waits for them
-    where it needs them (``CompileCache.build_ahead``)."""
+    match's prompts. Each is traced and lowered here, with the model in eval mode as
+    validation has it, and compiled on a thread of its own; the pass waits for them where it
+    needs them (``CompileCache.build_ahead``)."""
     model.eval()
     try:
         if evaluator is not None and val_batch is not None:
             evaluator.compile_ahead(val_batch)
-        if decoding.decoder is not None and path is not None and max_examples:
-            examples = _exact_match_examples(path, tokenizer, max_examples,
+        tokenizer = exact_match.tokenizer
+        if decoding.decoder is not None and exact_match.path is not None \
+                and exact_match.max_examples:
+            examples = _exact_match_examples(exact_match.path, tokenizer,
+                                             exact_match.max_examples,
                                              model.config.max_seq_len - decoding.max_new_tokens)
             prompts = [p for p, _ in examples]
             if prompts:

@@ -20,9 +20,9 @@ from . import builders
 from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import ConfigError, TrainingStopped
-from .evaluation import (Decoding, HostEvaluationModel, compile_ahead_for_validation,
-                         compiled_decoder, decodes_compiled, compiled_loss,
-                         compiled_validation_loss, describe_decoder, exact_match_count,
+from .evaluation import (Decoding, ExactMatchSet, HostEvaluationModel,
+                         compile_ahead_for_validation, compiled_decoder, decodes_compiled,
+                         compiled_loss, compiled_validation_loss, describe_decoder, exact_match_count,
                          runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .layouts import Layout
@@ -178,9 +178,10 @@ class _Validator:
                 val_batch = next(iter(loader), None)
             decoding = Decoding(self.job.device, self.job.precision,
                                 cfg.recipe.eval.max_new_tokens, self.decoder)
-            compile_ahead_for_validation(self.model, self.evaluator, val_batch, self.tokenizer,
-                                         self.data.exact_match_path,
-                                         cfg.recipe.eval.exact_match_examples, decoding)
+            exact_match = ExactMatchSet(self.tokenizer, self.data.exact_match_path,
+                                        cfg.recipe.eval.exact_match_examples)
+            compile_ahead_for_validation(self.model, self.evaluator, val_batch, exact_match,
+                                         decoding)
         except Exception:  # noqa: BLE001 - the validation pass builds it again and raises
             pass
 
