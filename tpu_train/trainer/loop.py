@@ -22,8 +22,8 @@ from .config import OnNonFinite
 from .errors import ConfigError, TrainingStopped
 from .evaluation import (Decoding, ExactMatchSet, HostEvaluationModel,
                          compile_ahead_for_validation, compiled_decoder, decodes_compiled,
-                         compiled_loss, compiled_validation_loss, describe_decoder, exact_match_count,
-                         runs_on_host_cpu, validation_loss)
+                         compiled_loss, compiled_validation_loss, describe_decoder,
+                         exact_match_count, runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .layouts import Layout
 from .parallelism import peak_bytes_per_device
