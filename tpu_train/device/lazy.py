@@ -192,10 +192,11 @@ class Region:
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
                 _programs[key] = program
-            if scalars.on_one_device(inputs):  # each value transferred once per device
-                for position in range(len(inputs)):
-                    if type(inputs[position]) is float:
-                        inputs[position] = scalars.on_device(inputs[position], self.index)
+            # Each value transferred once per device. A region's program runs on its one
+            # device (its outputs are placed there), so every input is on that device too.
+            for position in range(len(inputs)):
+                if type(inputs[position]) is float:
+                    inputs[position] = scalars.on_device(inputs[position], self.index)
             try:
                 results = program(*inputs)
             except Exception as error:  # noqa: BLE001 - every pending result reports it
