@@ -56,6 +56,19 @@ from tests.platforms import PLATFORM  # noqa: E402  (reads the environment above
 MAX_WORKERS = 4
 
 
+def pytest_configure(config):
+    """``TPU_TRAIN_TEST_COMPILE_REPORT=<file>``: per-test XLA compile counts and seconds
+    written there at the end (tests/compile_report.py)."""
+    from tests import compile_report
+
+    path = os.environ.get(compile_report.ENV)
+    if path:
+        from pathlib import Path
+
+        config.pluginmanager.register(compile_report.CompileReport(Path(path)),
+                                      "tpu_train_compile_report")
+
+
 def pytest_xdist_auto_num_workers(config):
     """One worker per core, at most four. Most tests are one Python thread (op sweeps, tracing,
     XLA compiles), so two workers on a 2-core machine run the suite in about 23 minutes instead

@@ -1,0 +1,82 @@
+"""Where a test session's time goes in XLA compiles: a pytest plugin, on when
+``TPU_TRAIN_TEST_COMPILE_REPORT`` names a file (``tests/conftest.py`` loads it then).
+
+For each test it counts the backend compiles JAX reports (``jax.monitoring``'s
+``/jax/core/compile/backend_compile_duration``: XLA's own compile, not tracing or lowering) and
+their seconds, beside the test's wall time (setup, call and teardown). At the session's end it
+writes one JSON object to that file: the totals, the sums per test file, and the tests with the
+most compile seconds. What a chip's lane spends compiling, and in which files, is then a
+measurement rather than a guess (docs/testing.md)::
+
+    TPU_TRAIN_TEST_COMPILE_REPORT=/tmp/compiles.json .ci/tpu_lane.sh
+
+With pytest-xdist each worker writes ``<file>.<worker id>``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "TPU_TRAIN_TEST_COMPILE_REPORT"
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TOP_TESTS = 40
+
+
+class CompileReport:
+    """The pytest plugin: per-test compile counts and seconds, written at the session end."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.compiles = 0
+        self.compile_s = 0.0
+        self.tests: dict[str, dict] = {}
+        self._start: tuple[float, int, float] | None = None
+        from jax import monitoring
+
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == _COMPILE_EVENT:
+            self.compiles += 1
+            self.compile_s += duration
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._start = (time.perf_counter(), self.compiles, self.compile_s)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        if self._start is None:
+            return
+        started, compiles, compile_s = self._start
+        self.tests[nodeid] = {"wall_s": round(time.perf_counter() - started, 3),
+                              "compiles": self.compiles - compiles,
+                              "compile_s": round(self.compile_s - compile_s, 3)}
+        self._start = None
+
+    def pytest_sessionfinish(self, session):
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        path = self.path.with_name(f"{self.path.name}.{worker}") if worker else self.path
+        path.write_text(json.dumps(self.summary()))
+
+    def summary(self) -> dict:
+        files: dict[str, dict] = collections.defaultdict(
+            lambda: {"tests": 0, "wall_s": 0.0, "compiles": 0, "compile_s": 0.0})
+        for nodeid, figures in self.tests.items():
+            row = files[nodeid.split("::")[0]]
+            row["tests"] += 1
+            for key in ("wall_s", "compiles", "compile_s"):
+                row[key] += figures[key]
+        by_compile = sorted(self.tests.items(), key=lambda kv: -kv[1]["compile_s"])
+        return {
+            "tests": len(self.tests),
+            "wall_s": round(sum(f["wall_s"] for f in self.tests.values()), 1),
+            "compiles": self.compiles,
+            "compile_s": round(self.compile_s, 1),
+            "files": {name: {k: round(v, 1) if isinstance(v, float) else v
+                             for k, v in row.items()}
+                      for name, row in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])},
+            "top_tests_by_compile_s": dict(by_compile[:TOP_TESTS]),
+        }

@@ -1,0 +1,29 @@
+"""tests/compile_report.py counts the XLA compiles of each test and writes the sums."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tests.compile_report import CompileReport
+
+
+def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path):
+    report = CompileReport(tmp_path / "compiles.json")
+    x = jax.device_put(np.ones((7, 13), np.float32))
+    report.pytest_runtest_logstart("tests/a/test_x.py::test_one", None)
+    # Two programs never compiled before in this process (a shape of their own).
+    jax.jit(lambda x: x * 3 + 1)(x).block_until_ready()
+    jax.jit(lambda x: jnp.sin(x).sum())(x).block_until_ready()
+    report.pytest_runtest_logfinish("tests/a/test_x.py::test_one", None)
+    report.pytest_runtest_logstart("tests/a/test_x.py::test_two", None)
+    report.pytest_runtest_logfinish("tests/a/test_x.py::test_two", None)
+    report.pytest_sessionfinish(None)
+
+    written = json.loads((tmp_path / "compiles.json").read_text())
+    one = written["top_tests_by_compile_s"]["tests/a/test_x.py::test_one"]
+    assert one["compiles"] == 2 and one["compile_s"] > 0
+    assert written["top_tests_by_compile_s"]["tests/a/test_x.py::test_two"]["compiles"] == 0
+    assert written["files"]["tests/a/test_x.py"]["tests"] == 2
+    assert written["files"]["tests/a/test_x.py"]["compiles"] == 2
