@@ -43,3 +43,9 @@ def without_runtime_start_up(stderr: str) -> str:
         if not _RUNTIME_START_UP_LINE.match(line):
             kept.append(line)
     return "".join(kept)
+
+
+def python_path(*first) -> str:
+    """A PYTHONPATH for a child process: ``first`` (the repository root, ...) ahead of the
+    environment's own, which it keeps (a host may find torch or jax through it)."""
+    return os.pathsep.join(str(p) for p in (*first, os.environ.get("PYTHONPATH", "")) if p)

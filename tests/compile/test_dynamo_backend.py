@@ -12,6 +12,7 @@ from tpu_train.compile import dynamo_backend
 from tests.compile.helpers import (DEVICE, MLP_FUNCTIONS, TINY_LLAMA_FUNCTIONS, assert_losses_close,
                                    assert_params_within, lm_batches, lm_loss, mlp, param_bound,
                                    tiny_llama)
+from tests.platforms import python_path
 from tests.tolerances import assert_rel_close, loss_rtol, rtol_for
 
 # As a checkout used without `pip install` does; an installed tpu_train is also found through
@@ -143,7 +144,7 @@ def test_backend_works_right_after_import_tpu_train(tmp_path):
               "f = torch.compile(lambda x: x * 2 + 1, backend='tpu')\n"
               "print(f(torch.arange(3.0, device='tpu')).cpu().tolist())\n")
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(tmp_path)]))
+    env = dict(os.environ, PYTHONPATH=python_path(root, tmp_path))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import tpu_train  # noqa: F401
-from tpu_train.device import storage_of
+from tpu_train.device import runtime, storage_of
 from tpu_train.compile import MissingLoweringError, UnsupportedOptimizerError, compile_train_step
+from tpu_train.compile.program import natural_layout
 
 from tests.tolerances import CROSS_ENTROPY_FUNCTIONS, loss_rtol, param_atol, rtol_for
 
@@ -132,15 +133,26 @@ def test_parameters_that_are_views_into_one_buffer():
     assert_params_within(_Named(w=flat_weight), _Named(w=cpu_model[0].weight), bound)
 
 
+def _step_argument(parameter):
+    """The array a single-device step is given for ``parameter`` (which owns its storage): the
+    storage's flat buffer on the CPU client, the tensor-shaped one elsewhere (on a TPU: the
+    step's natural layout, program.natural_layout). Reading ``.buffer`` there would flatten it
+    into a copy the step never sees."""
+    storage = storage_of(parameter)
+    if natural_layout(runtime.platform()):
+        return storage.shaped(tuple(parameter.shape))
+    return storage.buffer
+
+
 def test_without_donation_old_arrays_stay_valid():
     model = mlp().to(DEVICE)
-    old = storage_of(model[0].weight).buffer
+    old = _step_argument(model[0].weight)
     step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), mlp_loss,
                               donate=False)
     step(to_device(mlp_batches(1)[0]))
     assert not old.is_deleted()
     model_donated = mlp().to(DEVICE)
-    old = storage_of(model_donated[0].weight).buffer
+    old = _step_argument(model_donated[0].weight)
     compile_train_step(model_donated, torch.optim.SGD(model_donated.parameters(), lr=0.1),
                        mlp_loss)(to_device(mlp_batches(1)[0]))
     assert old.is_deleted()

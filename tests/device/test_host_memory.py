@@ -48,10 +48,15 @@ def test_freed_buffers_are_reused_without_page_faults():
     default = _probe(**{host_memory.ENV: "default"})
     assert kept["applied"] and kept["platform"] == "cpu"
     assert not default["applied"]
-    # 64 MiB is 16,384 pages of 4 KiB: with glibc's defaults every call faults them in again
-    # (the block is mmap-ed and unmapped); kept, the freed block is reused.
-    assert default["faults_per_call"] > 8000, default
+    # Kept, the freed block is reused: whatever the host, no call faults its 64 MiB in again.
     assert kept["faults_per_call"] < 1000, kept
+    # 64 MiB is 16,384 pages of 4 KiB: with glibc's defaults every call faults them in again
+    # (the block is mmap-ed and unmapped). That is the premise of the settings, and it holds
+    # where malloc is glibc's with its default tunables (CPU hosts measured here); a host whose
+    # allocator already keeps freed blocks (measured on a TPU v5e host: 0 faults a call with
+    # the defaults) has nothing for the settings to save, which the assertion above covers.
+    if default["faults_per_call"] >= 1000:
+        assert default["faults_per_call"] > 8000, default
 
 
 def test_opt_out(monkeypatch):

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.platforms import python_path
 from tpu_train.distributed import ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def worker_env(rank: int, world: int, port: int, extra=None) -> dict:
     env.pop("XLA_FLAGS", None)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TPU_TRAIN_PLATFORM="cpu", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+               TPU_TRAIN_PLATFORM="cpu", PYTHONPATH=python_path(ROOT), PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.distributed.harness import ROOT
+from tests.platforms import python_path
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
@@ -22,7 +23,7 @@ def _alive(pid: int) -> bool:
 
 
 def _launch(args, tmp_path, timeout):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_TRAIN_PLATFORM="cpu",
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT), TPU_TRAIN_PLATFORM="cpu",
                TPU_TRAIN_COLLECTIVE_TIMEOUT="60")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.Popen([sys.executable, "-m", "tpu_train.distributed.launch", *args],

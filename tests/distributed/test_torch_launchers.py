@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import ROOT, free_port_pair
+from tests.platforms import python_path
 from tests.tolerances import rtol_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
@@ -29,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 def _run(args, piddir, port, timeout=150):
     """Run ``python args...`` in its own session; kill it and every rank it recorded after."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_TRAIN_PLATFORM="cpu",
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT), TPU_TRAIN_PLATFORM="cpu",
                TPU_TRAIN_COLLECTIVE_TIMEOUT="60", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
     for name in ("XLA_FLAGS", "RANK", "LOCAL_RANK", "WORLD_SIZE"):

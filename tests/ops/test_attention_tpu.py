@@ -134,8 +134,10 @@ def test_the_rule_takes_the_kernels_only_where_they_win():
 
 def test_xla_form_elsewhere_and_kernels_only_in_tpu_lowerings(kernel_calls):
     """Outside the interpreted mode, the same program lowered for the CPU runs the XLA form
-    (the kernels' branch is traced, not lowered) and gives the XLA form's numbers."""
-    q, k, v = (to_jax(t) for t in _inputs(CASES[0], torch.bfloat16))
+    (the kernels' branch is traced, not lowered) and gives the XLA form's numbers. The arrays
+    are on the CPU client whatever the test platform: a TPU host has it beside the chip."""
+    cpu = jax.devices("cpu")[0]
+    q, k, v = (jax.device_put(to_jax(t), cpu) for t in _inputs(CASES[0], torch.bfloat16))
     q, k, v = (jnp.tile(x, (1, 1, 4, 1)) for x in (q, k, v))  # 1024 tokens: the rule holds
     assert attention_tpu.supported(q, k, v, None, True)
     fused = jax.jit(lambda *a: attention.scaled_dot_product_fused_attention(

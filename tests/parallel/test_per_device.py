@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import ROOT, free_port_pair
+from tests.platforms import python_path
 from tests.tolerances import loss_rtol
 from tpu_train.models import Llama, LlamaConfig
 from tpu_train.parallel.mesh import MeshError
@@ -66,7 +67,7 @@ def test_fsdp_and_tensor_parallel_under_torchrun_match_one_process(tmp_path):
     """Both cases in one ``torch.distributed.run`` launch: the launcher check costs nothing
     extra (one 4-process run is ~2 minutes on 2 cores, nearly all of it the eager steps)."""
     port = free_port_pair()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TPU_TRAIN_PLATFORM="cpu",
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT), TPU_TRAIN_PLATFORM="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)

@@ -17,8 +17,9 @@ the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256 0.87 ag
 * self-attention lengths (``Sq == Sk``), a multiple of 128 (the kernel's lane tiles) and at
   least :data:`MIN_SEQUENCE` tokens;
 * head_dim a multiple of 64 (the measured sizes), the same for values;
-* bfloat16 inputs. Float32 stays on the XLA form, whose dots follow the project's float32
-  matmul precision (``torch.set_float32_matmul_precision``); the kernel's dots would not.
+* bfloat16 inputs (the measured ones). Float32 stays on the XLA form; under :func:`kernels`
+  it takes the kernels too, whose float32 dots then follow the project's float32 matmul
+  precision (``torch.set_float32_matmul_precision``) as the XLA form's do.
 
 Grouped-query heads use the kernel's multi-query form mapped over the batch and the kv heads
 (the query heads of one kv head share its keys and values): K and V are never repeated. The
@@ -47,6 +48,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy
+
+from tpu_train.ops import matmul
 
 # Below this many tokens the XLA form was as fast or faster on a v5e (module docstring).
 MIN_SEQUENCE = 1024
@@ -179,11 +182,15 @@ def _for_call(query, key, is_causal):
     return kv_heads, _kernel(s, h // kv_heads, bool(is_causal), is_interpreted())
 
 
-def _kernel_precision():
-    """The kernels' own dots (bf16 operands, float32 accumulation: exact in one pass) at the
-    default precision, whatever ``trainer.matmul_precision`` set for float32 dots: a dot
-    traced at ``highest`` becomes Mosaic's fp32 contract precision, which it cannot compile
-    for bf16 operands ("Bad lhs type")."""
+def _kernel_precision(dtype):
+    """The precision of the kernels' own dots. bf16 operands (float32 accumulation: exact in
+    one pass) at the default precision, whatever ``trainer.matmul_precision`` set for float32
+    dots: a dot traced at ``highest`` becomes Mosaic's fp32 contract precision, which it cannot
+    compile for bf16 operands ("Bad lhs type"). float32 operands (:func:`kernels` only) at the
+    project's float32 matmul precision, as the XLA form's dots: at the default precision a TPU
+    multiplies them in one bf16 pass (measured on a v5e: 1e-2 from PyTorch's float32 SDPA)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision(matmul.jax_precision_name())
     return jax.default_matmul_precision("default")
 
 
@@ -193,7 +200,7 @@ def forward(query, key, value, is_causal, scale):
     b, h, s, d = query.shape
     kv_heads, kernel = _for_call(query, key, is_causal)
     scaled = (query.astype(jnp.float32) * _scale(query, scale)).astype(query.dtype)
-    with _kernel_precision():
+    with _kernel_precision(query.dtype):
         out, (logsumexp,) = jax.vmap(jax.vmap(kernel))(_grouped(scaled, kv_heads), key, value)
     return out.reshape(b, h, s, d).astype(query.dtype), logsumexp.reshape(b, h, s)
 
@@ -221,7 +228,7 @@ def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
 
     scaled = (query.astype(jnp.float32) * scale_value).astype(query.dtype)
     lse = logsumexp.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, s)
-    with _kernel_precision():
+    with _kernel_precision(query.dtype):
         grad_scaled, grad_key, grad_value = jax.vmap(jax.vmap(one))(
             _grouped(scaled, kv_heads), key, value, _grouped(out.astype(query.dtype), kv_heads),
             lse, _grouped(grad_out.astype(query.dtype), kv_heads))

@@ -16,6 +16,8 @@ empty otherwise). Sums and means accumulate in float32 for 16-bit weights.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -74,6 +76,23 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
     return out, offset2bag, bag_size, max_indices
 
 
+def _row_norms(magnitude, norm_type):
+    """Each row's ``norm_type``-norm. The 1-, 2- and inf-norms as sums, a square root and a
+    maximum, as ATen's ``norm`` computes them: ``x ** p`` with a float ``p`` is exp(p log x),
+    whose error on a TPU (pow: 76 ulps from torch's; 4.4e-6 on the renormalised rows of
+    tests/ops/test_embedding_bag.py on a v5e) ``x * x`` and ``sqrt`` (2 ulps) do not have."""
+    if isinstance(norm_type, (int, float)):
+        if math.isinf(norm_type):
+            return jnp.max(magnitude, axis=1, initial=0)
+        if norm_type == 1:
+            return jnp.sum(magnitude, axis=1)
+        if norm_type == 2:
+            return jnp.sqrt(jnp.sum(magnitude * magnitude, axis=1))
+    p = jnp.where(jnp.isinf(norm_type), 1.0, norm_type)
+    return jnp.where(jnp.isinf(norm_type), jnp.max(magnitude, axis=1, initial=0),
+                     jnp.sum(magnitude ** p, axis=1) ** (1 / p))
+
+
 @lowers(aten.embedding_renorm.default)
 def embedding_renorm(self, indices, max_norm, norm_type):
     """Rows named in ``indices`` whose ``norm_type``-norm exceeds ``max_norm`` are scaled by
@@ -81,10 +100,7 @@ def embedding_renorm(self, indices, max_norm, norm_type):
     compute = opmath_dtype(self.dtype)
     rows = self.astype(compute)
     named = jnp.zeros((self.shape[0],), bool).at[indices.reshape(-1)].set(True)
-    magnitude = jnp.abs(rows)
-    p = jnp.where(jnp.isinf(norm_type), 1.0, norm_type)
-    norm = jnp.where(jnp.isinf(norm_type), jnp.max(magnitude, axis=1, initial=0),
-                     jnp.sum(magnitude ** p, axis=1) ** (1 / p))
+    norm = _row_norms(jnp.abs(rows), norm_type)
     scale = jnp.where(named & (norm > max_norm), max_norm / (norm + 1e-7), 1)
     return (rows * scale[:, None].astype(compute)).astype(self.dtype)
 

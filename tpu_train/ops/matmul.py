@@ -51,6 +51,11 @@ def get_matmul_precision() -> str:
     return _matmul_precision
 
 
+def jax_precision_name() -> str:
+    """The current matmul precision as a value of JAX's ``jax_default_matmul_precision``."""
+    return _JAX_CONFIG_NAMES[_matmul_precision]
+
+
 def lax_precision() -> lax.Precision:
     """The ``lax.Precision`` of the current matmul precision, for dots and convolutions elsewhere."""
     return _PRECISIONS[_matmul_precision]
