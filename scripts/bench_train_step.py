@@ -35,7 +35,10 @@ trainer.precision=...`` builds it (``scripts/train_step_modes.py``: the size's m
 AdamW on the trainer's parameter groups, clipping to 1.0, a constant lr; what ``tpu-train``
 reaches on that model option: ``scripts/bench_cli_sizes.py``) and ``jax``, the hand-written
 JAX reference at the same precision with the same optimizer settings, by default; ``eager``
-and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. Per mode: fastest / median step, tokens/s, MFU
+and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. Every mode's step is
+timed until its loss is read on the host (``train_step_modes.wait_for_loss``: one
+device-to-host read per step on each side, as in ``tpu-train``'s loop). Per mode: fastest /
+median step, tokens/s, MFU
 ((6 N_matmul + 12 layers seq dim) x tokens / step / the chip's peak bf16 FLOP/s; null where
 the chip's peak is unknown, e.g. on a CPU), trace / compile seconds, first / last loss; the
 device's memory (``memory_stats``: in use after each mode's set-up, and the process's peak);
@@ -386,7 +389,8 @@ def main(argv=None) -> dict:
 
 def run_interleaved(modes: dict, results: dict, batches: list) -> None:
     """One step of every mode per batch, the order rotating by one mode each step; each
-    step's seconds (until its loss is ready) and loss go to ``results[name]``."""
+    step's seconds (until the mode's ``block`` returns: its loss and update are done) and loss
+    go to ``results[name]``."""
     for i, batch in enumerate(batches):
         order = list(modes.items())
         for name, mode in order[i % len(order):] + order[:i % len(order)]:
