@@ -283,8 +283,9 @@ class CompiledTrainStep:
         for position, value in zip(entry.mutated_consts, new_consts):
             write_elements(st.consts[position], value)
         # Whoever reads one of these (the finiteness flag below, the loop's loss and gradient
-        # norm) reads them all: one transfer round trip instead of one per value.
-        for value in (loss, grad_norm, lr, *flag):
+        # norm) reads them all: one transfer round trip instead of one per value. The flag,
+        # which this call waits for, is asked for first, then the loss, which a loop reads next.
+        for value in (*flag, loss, grad_norm, lr):
             value.copy_to_host_async()
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
         # optimizer step before their own (and do not warn that the order is wrong).
