@@ -64,7 +64,20 @@ def hyper_from(cfg) -> "jax_llama.Hyper":
                            max_grad_norm=cfg.trainer.max_grad_norm)
 
 
-class TrainerMode:
+class _Timed:
+    """How a mode's timed step ends (``wait``): ``"loss"`` (default) reads the loss on the host
+    (:func:`wait_for_loss`); ``"ready"`` only waits for the step's outputs (``ready``)."""
+
+    wait = "loss"
+
+    def block(self, loss) -> None:
+        if self.wait == "ready":
+            self.ready(loss)
+        else:
+            wait_for_loss(loss)
+
+
+class TrainerMode(_Timed):
     """The step as ``tpu-train`` builds it for ``cfg`` (its ``trainer.mode``: compiled, eager or
     fused), on a copy of ``cpu_model``."""
 
@@ -103,11 +116,16 @@ class TrainerMode:
         return sum(v for k, v in self.stages.items() if k.endswith("_s"))
 
     @staticmethod
-    def block(loss) -> None:
-        wait_for_loss(loss)
+    def ready(loss) -> None:
+        import jax
+
+        from tpu_train.device.tensor import storage_of
+
+        # The loss's buffer: for the compiled step, one output of its one program.
+        jax.block_until_ready(storage_of(loss).buffer)
 
 
-class ReferenceMode:
+class ReferenceMode(_Timed):
     """:class:`jax_llama.Reference` on the device the compiled step uses."""
 
     def __init__(self, cpu_model, size, hyper, precision: str, remat: str | None = None):
@@ -127,9 +145,8 @@ class ReferenceMode:
     def compile_s(self) -> float:
         return self.reference.compile_s
 
-    @staticmethod
-    def block(loss) -> None:
-        wait_for_loss(loss)
+    def ready(self, loss) -> None:
+        self.reference.block(loss)
 
 
 def wait_for_loss(loss) -> None:
