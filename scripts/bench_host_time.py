@@ -30,7 +30,8 @@ reported on its own):
   outside the program's run adds to a step that the host waits for. The trainer's side is
   split into ``program_dispatch``, ``finite_wait`` (here: only the flag's transfer),
   ``loss_read`` and ``host`` (the rest); the reference's into ``call`` (two ``device_put``
-  and the jitted call) and ``loss_read``;
+  and the jitted call) and ``loss_read``. Its ``transfers`` part prices the transfers a
+  step makes (:func:`time_transfers`);
 * ``loop`` (``--loop-steps``, 0 to skip): ``tpu_train.trainer.loop.fit`` on the bundled data
   with the program stubbed as above after its first (compiling) step: ``per_step`` (start of
   one step call to the next), and of it ``step_call``, ``data`` (the loader's next batch) and
@@ -319,6 +320,7 @@ def time_noop(size, args) -> dict:
                 reference_parts["loss_read"].append(end - called)
             if i >= args.warmup:
                 steps[name].append(end - start)
+    transfers = time_transfers(ref, batches, args)
     calls = timings.calls
     host = [c - d - w for c, d, w in zip(calls["call"], calls["program_dispatch"],
                                          calls["finite_wait"])]
@@ -333,7 +335,69 @@ def time_noop(size, args) -> dict:
                               **{part: figures(v) for part, v in reference_parts.items()}},
             "compiled_over_jax": {
                 "min": round(min(steps["compiled_step"]) / min(steps["jax_reference"]), 3),
-                "median": round(ours_median / jax_median, 3)}}
+                "median": round(ours_median / jax_median, 3)},
+            "transfers": transfers}
+
+
+def time_transfers(ref, batches: list, args) -> dict:
+    """``transfers``: one no-op program over the reference's parameters and optimizer state
+    (donated) plus tokens, labels and a host-scalar array, returning a loss, a gradient norm,
+    an lr and a finiteness flag, called four ways, interleaved (per step, min / median ms):
+
+    * ``put_ready``: three ``device_put``, the call, ``block_until_ready`` of the loss;
+    * ``put_read``: the same, the loss read on the host instead (one transfer back);
+    * ``host_args_read``: the three host arrays passed to the call itself (as the trainer's
+      step passes them), the loss read;
+    * ``host_args_four_reads``: the same, the four results' transfers asked for at once
+      (flag first) and the flag then the loss read: the trainer's step's transfers.
+
+    The differences price one transfer back, host arrays in the call against ``device_put``,
+    and three more transfers back, on this platform."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def noop(params, state, tokens, labels, scalars):
+        seed = (jnp.sum(tokens) + jnp.sum(labels)).astype(jnp.float32) + scalars[0, 0]
+        one = jnp.full((1,), seed, jnp.float32)
+        return params, state, one, one + 1, scalars[0, :1], seed > 0
+
+    device = ref.device
+    host = [dict(tokens=np.asarray(b["tokens"], np.int32), labels=np.asarray(b["labels"], np.int32),
+                 scalars=np.full((2, 4), 0.5, np.float32)) for b in batches]
+    first = host[0]
+    program = jax.jit(noop, donate_argnums=(0, 1)).lower(
+        ref.params, ref.opt_state, first["tokens"], first["labels"], first["scalars"]).compile()
+    state = {"params": ref.params, "opt": ref.opt_state}
+
+    def run(arrays, put: bool, reads: str):
+        if put:
+            arrays = {k: jax.device_put(v, device) for k, v in arrays.items()}
+        state["params"], state["opt"], loss, norm, lr, flag = program(
+            state["params"], state["opt"], arrays["tokens"], arrays["labels"], arrays["scalars"])
+        if reads == "ready":
+            jax.block_until_ready(loss)
+        elif reads == "loss":
+            float(np.asarray(loss)[0])  # no indexing program
+        else:
+            for value in (flag, loss, norm, lr):
+                value.copy_to_host_async()
+            bool(flag)
+            float(np.asarray(loss)[0])  # no indexing program
+
+    ways = {"put_ready": (True, "ready"), "put_read": (True, "loss"),
+            "host_args_read": (False, "loss"), "host_args_four_reads": (False, "four")}
+    seconds = {name: [] for name in ways}
+    names = list(ways)
+    for i in range(args.warmup + args.calls):
+        rotated = names[i % len(names):] + names[:i % len(names)]
+        for name in rotated:
+            start = time.perf_counter()
+            run(host[i % len(host)], *ways[name])
+            if i >= args.warmup:
+                seconds[name].append(time.perf_counter() - start)
+    ref.params, ref.opt_state = state["params"], state["opt"]
+    return {name: figures(values) for name, values in seconds.items()}
 
 
 def _spec(x):
