@@ -18,6 +18,10 @@ one after the other in child processes (one process at a time can hold a TPU chi
   nothing, tokens/s and MFU at it, and the wall-clock rate after the first step, which
   includes the trainer's own work between steps: logging, metrics, the data).
 
+Both sides time a step the same way: from the step call until its loss has been read on the
+host (the benchmark: ``train_step_modes.wait_for_loss``; the loop: its ``float`` of the loss and
+gradient norm, which arrive in the same transfer), so the median steps compare like for like.
+
 Prints ONE JSON line: both sides' figures (the median over rounds of each round's median),
 ``cli_over_bench`` (tokens/s at the median step, and by the wall clock, over the benchmark's),
 ``within_5_percent`` (the median-step ratio is >= 0.95), and ``settings_differ``: the trainer,

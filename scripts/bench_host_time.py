@@ -21,6 +21,17 @@ reported on its own):
 * ``jax_reference_call``: one step of the hand-written JAX reference of the same model
   (``scripts/jax_llama.py``: two ``device_put`` and one jitted call with donated pytrees):
   what a JAX user's step costs the host, the floor to compare ``step_call`` with;
+* ``noop``: the trainer's step and the JAX reference's step, each with its compiled program
+  replaced by a no-op program of the same arguments and results (donations included), the
+  two interleaved, each step timed until its loss is read on the host
+  (``train_step_modes.wait_for_loss``, as ``bench_train_step.py --size`` times a step): what
+  one step costs the host around a device that has nothing to do, JAX's own jitted call of the
+  same pytree being the yardstick (``compiled_over_jax``). On a chip every microsecond of it
+  outside the program's run adds to a step that the host waits for. The trainer's side is
+  split into ``program_dispatch``, ``finite_wait`` (here: only the flag's transfer),
+  ``loss_read`` and ``host`` (the rest); the reference's into ``call`` (two ``device_put``
+  and the jitted call) and ``loss_read``. Its ``transfers`` part prices the transfers a
+  step makes (:func:`time_transfers`);
 * ``loop`` (``--loop-steps``, 0 to skip): ``tpu_train.trainer.loop.fit`` on the bundled data
   with the program stubbed as above after its first (compiling) step: ``per_step`` (start of
   one step call to the next), and of it ``step_call``, ``data`` (the loader's next batch) and
@@ -32,6 +43,7 @@ CPU; on a chip the defaults)::
 
     python scripts/bench_host_time.py [--layers 16] [--calls 400] [--loop-steps 200]
     python scripts/bench_host_time.py --dim 64 --heads 2 --kv-heads 1 --seq 32   # a CPU
+    python scripts/bench_host_time.py --layers 4 --noop-only   # W1: the step's host cost vs JAX's
 """
 
 from __future__ import annotations
@@ -240,6 +252,161 @@ def time_reference(size, args) -> dict:
     return figures(seconds)
 
 
+def time_noop(size, args) -> dict:
+    """``noop`` (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import train_step_modes as tsm
+
+    from bench_train_step import make_batches
+    from tpu_train.models import Llama
+
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    ours = tsm.TrainerMode(cpu_model, config(args))
+    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(config(args)), args.precision)
+    batches = make_batches(16, size.vocab_size, batch=size.batch, seq=size.seq)
+    ours.block(ours.step(batches[0]))  # compiles both real programs
+    reference.block(reference.step(batches[0]))
+    compiled, ref = ours.train_step.compiled, reference.reference
+    entry = compiled.cache._last_entry
+    program, seen = entry.executable, {}
+
+    def capture(*arguments):
+        seen["arguments"] = arguments
+        seen["outputs"] = program(*arguments)
+        return seen["outputs"]
+
+    entry.executable = capture
+    ours.block(ours.step(batches[1]))
+    arguments, outputs = seen["arguments"], seen["outputs"]
+    # Parameters and state pass through (donated, as in the step); the mutated constants and
+    # the metrics come from the batch, so that the program reads its inputs.
+    noop = jax.jit(
+        lambda params, states, consts, batch, scalars, *rest: (
+            params, states,
+            [c + jnp.zeros((), c.dtype) for c in [consts[p] for p in entry.mutated_consts]],
+            *[jnp.full(o.shape, sum(jnp.sum(b).astype(jnp.float32) for b in batch), o.dtype)
+              for o in outputs[3:]]),
+        donate_argnums=(0, 1))
+    timings = Timings()
+    entry.executable = TimedProgram(noop.lower(*jax.tree.map(_spec, arguments)).compile(),
+                                    timings, stub=False, returns_flag=compiled.skip_non_finite)
+    tokens = ref._put(batches[0]["tokens"])
+    ref.compiled = jax.jit(
+        lambda params, state, tokens, labels, cos, sin: (
+            params, state, *(jnp.sum(tokens).astype(jnp.float32),) * 2),
+        donate_argnums=(0, 1)).lower(ref.params, ref.opt_state, tokens, tokens, ref.cos,
+                                     ref.sin).compile()
+    steps = {"compiled_step": [], "jax_reference": []}
+    reference_parts = {"call": [], "loss_read": []}
+    for i in range(args.warmup + args.calls):
+        timings.recording = i >= args.warmup
+        batch = batches[i % len(batches)]
+        for name in (("compiled_step", "jax_reference") if i % 2 else
+                     ("jax_reference", "compiled_step")):
+            mode = ours if name == "compiled_step" else reference
+            start = time.perf_counter()
+            loss = mode.step(batch)
+            called = time.perf_counter()
+            mode.block(loss)
+            end = time.perf_counter()
+            if name == "compiled_step":
+                timings.current["call"] = called - start
+                timings.current["loss_read"] = end - called
+                timings.next_call(("call", "program_dispatch", "finite_wait", "loss_read"))
+            elif i >= args.warmup:
+                reference_parts["call"].append(called - start)
+                reference_parts["loss_read"].append(end - called)
+            if i >= args.warmup:
+                steps[name].append(end - start)
+    transfers = time_transfers(ref, batches, args)
+    calls = timings.calls
+    host = [c - d - w for c, d, w in zip(calls["call"], calls["program_dispatch"],
+                                         calls["finite_wait"])]
+    ours_median = statistics.median(steps["compiled_step"])
+    jax_median = statistics.median(steps["jax_reference"])
+    return {"compiled_step": {"step": figures(steps["compiled_step"]),
+                              "program_dispatch": figures(calls["program_dispatch"]),
+                              "finite_wait": figures(calls["finite_wait"]),
+                              "loss_read": figures(calls["loss_read"]),
+                              "host": figures(host)},
+            "jax_reference": {"step": figures(steps["jax_reference"]),
+                              **{part: figures(v) for part, v in reference_parts.items()}},
+            "compiled_over_jax": {
+                "min": round(min(steps["compiled_step"]) / min(steps["jax_reference"]), 3),
+                "median": round(ours_median / jax_median, 3)},
+            "transfers": transfers}
+
+
+def time_transfers(ref, batches: list, args) -> dict:
+    """``transfers``: one no-op program over the reference's parameters and optimizer state
+    (donated) plus tokens, labels and a host-scalar array, returning a loss, a gradient norm,
+    an lr and a finiteness flag, called four ways, interleaved (per step, min / median ms):
+
+    * ``put_ready``: three ``device_put``, the call, ``block_until_ready`` of the loss;
+    * ``put_read``: the same, the loss read on the host instead (one transfer back);
+    * ``host_args_read``: the three host arrays passed to the call itself (as the trainer's
+      step passes them), the loss read;
+    * ``host_args_four_reads``: the same, the four results' transfers asked for at once
+      (flag first) and the flag then the loss read: the trainer's step's transfers.
+
+    The differences price one transfer back, host arrays in the call against ``device_put``,
+    and three more transfers back, on this platform."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def noop(params, state, tokens, labels, scalars):
+        seed = (jnp.sum(tokens) + jnp.sum(labels)).astype(jnp.float32) + scalars[0, 0]
+        one = jnp.full((1,), seed, jnp.float32)
+        return params, state, one, one + 1, scalars[0, :1], seed > 0
+
+    device = ref.device
+    host = [dict(tokens=np.asarray(b["tokens"], np.int32), labels=np.asarray(b["labels"], np.int32),
+                 scalars=np.full((2, 4), 0.5, np.float32)) for b in batches]
+    first = host[0]
+    program = jax.jit(noop, donate_argnums=(0, 1)).lower(
+        ref.params, ref.opt_state, first["tokens"], first["labels"], first["scalars"]).compile()
+    state = {"params": ref.params, "opt": ref.opt_state}
+
+    def run(arrays, put: bool, reads: str):
+        if put:
+            arrays = {k: jax.device_put(v, device) for k, v in arrays.items()}
+        state["params"], state["opt"], loss, norm, lr, flag = program(
+            state["params"], state["opt"], arrays["tokens"], arrays["labels"], arrays["scalars"])
+        if reads == "ready":
+            jax.block_until_ready(loss)
+        elif reads == "loss":
+            float(np.asarray(loss)[0])  # no indexing program
+        else:
+            for value in (flag, loss, norm, lr):
+                value.copy_to_host_async()
+            bool(flag)
+            float(np.asarray(loss)[0])  # no indexing program
+
+    ways = {"put_ready": (True, "ready"), "put_read": (True, "loss"),
+            "host_args_read": (False, "loss"), "host_args_four_reads": (False, "four")}
+    seconds = {name: [] for name in ways}
+    names = list(ways)
+    for i in range(args.warmup + args.calls):
+        rotated = names[i % len(names):] + names[:i % len(names)]
+        for name in rotated:
+            start = time.perf_counter()
+            run(host[i % len(host)], *ways[name])
+            if i >= args.warmup:
+                seconds[name].append(time.perf_counter() - start)
+    ref.params, ref.opt_state = state["params"], state["opt"]
+    return {name: figures(values) for name, values in seconds.items()}
+
+
+def _spec(x):
+    import jax
+    import numpy as np
+
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+
 def time_loop(size, args, timings: Timings) -> dict:
     """``loop`` (module docstring): ``fit`` on the bundled data, the program stubbed after the
     first step."""
@@ -337,6 +504,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--loop-steps", type=int, default=200)
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--noop-only", action="store_true",
+                        help="only the no-op program comparison (noop)")
     args = parser.parse_args(argv)
     import train_step_modes as tsm
 
@@ -347,9 +516,14 @@ def main(argv=None) -> dict:
                         "kv_heads": size.n_kv_heads, "ffn": size.ffn_hidden_dim,
                         "vocab": size.vocab_size, "batch": size.batch, "seq": size.seq},
               "precision": args.precision, "calls": args.calls}
+    if args.noop_only:
+        report["noop"] = time_noop(size, args)
+        print(json.dumps(report))
+        return report
     report.update(time_step_calls(size, args, timings))
     if not args.no_reference:
         report["jax_reference_call"] = time_reference(size, args)
+        report["noop"] = time_noop(size, args)
     if args.loop_steps:
         report["loop"] = time_loop(size, args, Timings())
     print(json.dumps(report))

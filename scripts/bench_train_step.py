@@ -35,7 +35,11 @@ trainer.precision=...`` builds it (``scripts/train_step_modes.py``: the size's m
 AdamW on the trainer's parameter groups, clipping to 1.0, a constant lr; what ``tpu-train``
 reaches on that model option: ``scripts/bench_cli_sizes.py``) and ``jax``, the hand-written
 JAX reference at the same precision with the same optimizer settings, by default; ``eager``
-and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. Per mode: fastest / median step, tokens/s, MFU
+and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. Every mode's step is
+timed until its loss is read on the host (``train_step_modes.wait_for_loss``: one
+device-to-host read per step on each side, as in ``tpu-train``'s loop; ``--wait ready`` only
+waits until the outputs are ready instead). Per mode: fastest /
+median step, tokens/s, MFU
 ((6 N_matmul + 12 layers seq dim) x tokens / step / the chip's peak bf16 FLOP/s; null where
 the chip's peak is unknown, e.g. on a CPU), trace / compile seconds, first / last loss; the
 device's memory (``memory_stats``: in use after each mode's set-up, and the process's peak);
@@ -320,6 +324,10 @@ def main(argv=None) -> dict:
                         help="with --size: rematerialize each layer of the JAX reference")
     parser.add_argument("--layers", type=int, metavar="N",
                         help="with --size: N decoder layers instead of the size's own")
+    parser.add_argument("--wait", choices=("loss", "ready"), default="loss",
+                        help="with --size: end each timed step by reading its loss on the host "
+                             "(default, as tpu-train's loop does) or only by waiting until its "
+                             "outputs are ready (no read)")
     args = parser.parse_args(argv)
     if args.only:
         args.only = [name for item in args.only for name in item.split(",") if name]
@@ -386,7 +394,8 @@ def main(argv=None) -> dict:
 
 def run_interleaved(modes: dict, results: dict, batches: list) -> None:
     """One step of every mode per batch, the order rotating by one mode each step; each
-    step's seconds (until its loss is ready) and loss go to ``results[name]``."""
+    step's seconds (until the mode's ``block`` returns: its loss and update are done) and loss
+    go to ``results[name]``."""
     for i, batch in enumerate(batches):
         order = list(modes.items())
         for name, mode in order[i % len(order):] + order[:i % len(order)]:
@@ -442,11 +451,13 @@ def sized(parser, args) -> dict:
     modes, results, memory = {}, {}, {}
     for name in names:
         modes[name] = build[name]()
+        modes[name].wait = args.wait
         results[name] = {"times": [], "losses": []}
         memory[name] = tsm.device_memory()
     del cpu_model
     run_interleaved(modes, results, batches)
-    report = {"size": args.size, "layers": size.n_layers, "precision": args.precision, "remat_jax": args.remat,
+    report = {"size": args.size, "layers": size.n_layers, "precision": args.precision,
+              "remat_jax": args.remat, "wait": args.wait,
               "steps": args.steps, "batch": size.batch, "seq": size.seq,
               "params": sum(int(np.prod(s)) for s in jax_llama.param_shapes(size.config()).values()),
               "model_flops_per_step": tsm.step_flops(size), **facts,

@@ -3,15 +3,15 @@
 reference of the same model (``scripts/jax_llama.py``), on the device, from ``jax.profiler``.
 
 Both modes are built as ``scripts/bench_train_step.py --size`` builds them. Each first runs
-interleaved steps, blocked on the loss (the benchmark's step time); then a few steps of each
+interleaved steps, each until its loss is read on the host (the benchmark's step time); then a few steps of each
 are traced with ``jax.profiler`` and the trace is read back (``ProfileData``). For each mode
 the report gives:
 
-* ``step_ms``: fastest and median blocked step (host + device, as the benchmark measures);
+* ``step_ms``: fastest and median step (host + device, as the benchmark measures);
 * ``device_programs``: every XLA program the device ran, with milliseconds and calls per step
   (the train step should be the only one: any other is a host dispatch per step);
 * ``device_ms_per_step``: the device's busy time per step, and ``host_ms_per_step`` what the
-  blocked step spends beyond it (dispatch, transfers, Python);
+  timed step spends beyond it (dispatch, transfers, Python);
 * ``top_ops``: the costliest XLA ops (microseconds per step, the op's HLO head cut short).
 
 On a CPU host the device rows are empty (the CPU client writes no device lines): there, only

@@ -64,7 +64,20 @@ def hyper_from(cfg) -> "jax_llama.Hyper":
                            max_grad_norm=cfg.trainer.max_grad_norm)
 
 
-class TrainerMode:
+class _Timed:
+    """How a mode's timed step ends (``wait``): ``"loss"`` (default) reads the loss on the host
+    (:func:`wait_for_loss`); ``"ready"`` only waits for the step's outputs (``ready``)."""
+
+    wait = "loss"
+
+    def block(self, loss) -> None:
+        if self.wait == "ready":
+            self.ready(loss)
+        else:
+            wait_for_loss(loss)
+
+
+class TrainerMode(_Timed):
     """The step as ``tpu-train`` builds it for ``cfg`` (its ``trainer.mode``: compiled, eager or
     fused), on a copy of ``cpu_model``."""
 
@@ -78,34 +91,41 @@ class TrainerMode:
         scheduler = setup.build_scheduler(optimizer, cfg)
         self.train_step = parallel.build_step(job, model, optimizer, scheduler)
         self.train_step.place()
-        self.stages: dict = {}
 
     def step(self, batch: dict):
         import torch
 
         micro = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
                  for key, value in batch.items()}
-        loss = self.train_step(micro)["loss"]
+        return self.train_step(micro)["loss"]
+
+    @property
+    def stages(self) -> dict:
+        # Read when the report is made, not in each timed step (the reference keeps none per
+        # step either).
         records = getattr(self.train_step.compiled, "compilations", [])
-        if records:
-            self.stages = {"trace_s": round(sum(r.trace_s for r in records), 3),
-                           "lower_s": round(sum(r.lower_s for r in records), 3),
-                           "xla_compile_s": round(sum(r.compile_s for r in records), 3),
-                           "compilations": len(records)}
-        return loss
+        if not records:
+            return {}
+        return {"trace_s": round(sum(r.trace_s for r in records), 3),
+                "lower_s": round(sum(r.lower_s for r in records), 3),
+                "xla_compile_s": round(sum(r.compile_s for r in records), 3),
+                "compilations": len(records)}
 
     @property
     def compile_s(self) -> float:
         return sum(v for k, v in self.stages.items() if k.endswith("_s"))
 
     @staticmethod
-    def block(loss) -> None:
-        # All outputs of one program are ready together: waiting for the loss waits for the
-        # update too.
-        float(loss)
+    def ready(loss) -> None:
+        import jax
+
+        from tpu_train.device.tensor import storage_of
+
+        # The loss's buffer: for the compiled step, one output of its one program.
+        jax.block_until_ready(storage_of(loss).buffer)
 
 
-class ReferenceMode:
+class ReferenceMode(_Timed):
     """:class:`jax_llama.Reference` on the device the compiled step uses."""
 
     def __init__(self, cpu_model, size, hyper, precision: str, remat: str | None = None):
@@ -125,8 +145,24 @@ class ReferenceMode:
     def compile_s(self) -> float:
         return self.reference.compile_s
 
-    def block(self, loss) -> None:
+    def ready(self, loss) -> None:
         self.reference.block(loss)
+
+
+def wait_for_loss(loss) -> None:
+    """The end of one timed step, the same on both sides: the step's loss read on the host
+    (``float``: a torch tensor of the trainer's step, a ``jax.Array`` of the reference).
+
+    A training step is measured until its loss is on the host, as a training loop needs it
+    (to log it, to stop on a non-finite one): ``tpu-train``'s loop reads the loss and the
+    gradient norm of every step inside the step time it reports, which is what
+    ``scripts/bench_cli_sizes.py`` compares with this benchmark, and the trainer's step
+    itself reads its finiteness flag. Each side thus pays one device-to-host round trip per
+    step. All outputs of one program are ready together: the loss's arrival also means the
+    update is done. (Waiting with ``jax.block_until_ready`` instead would time the reference
+    without any read, the trainer's step with its own.)
+    """
+    float(loss)
 
 
 # ------------------------------------------------------------------------------ device facts

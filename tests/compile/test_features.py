@@ -340,6 +340,31 @@ def test_skip_non_finite_applies_finite_steps_and_passes_skipped_ones_through():
     assert _copied_entry_parameters(entry.executable.as_text()) == []
 
 
+@pytest.mark.parametrize("make_opt", [
+    OPTIMIZERS["adamw"],
+    # The first update overwrites the momentum buffer with the gradient (dampening unused):
+    # a skipped first step must leave the buffers fresh for the next one.
+    lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, dampening=0.5),
+    # A traced optimizer (its step() in the program) with its own step counters.
+    lambda params: torch.optim.Adamax(params, lr=2e-3),
+], ids=["adamw", "sgd_dampening", "adamax_traced"])
+def test_a_skipped_first_step_leaves_the_optimizer_as_before_it(make_opt):
+    """The step counts advance before the finiteness flag is read and go back on a skipped
+    step: a NaN first batch, then two finite ones, equals the two finite ones alone."""
+    batches = mlp_batches(3)
+    batches[0] = {"x": batches[0]["x"], "y": torch.full_like(batches[0]["y"], float("nan"))}
+    plain, plain_model, plain_opt, _ = run_compiled(mlp(), make_opt, mlp_loss, batches[1:],
+                                                    max_grad_norm=1.0)
+    metrics, model, opt, _ = run_compiled(mlp(), make_opt, mlp_loss, batches,
+                                          max_grad_norm=1.0, skip_non_finite=True)
+    assert [m["finite"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert [m["loss"] for m in metrics[1:]] == [m["loss"] for m in plain]
+    for (name, p), q in zip(model.named_parameters(), plain_model.parameters()):
+        assert torch.equal(p.cpu(), q.cpu()), name
+    assert [{k: float(v) for k, v in s.items() if k == "step"} for s in opt.state.values()] \
+        == [{k: float(v) for k, v in s.items() if k == "step"} for s in plain_opt.state.values()]
+
+
 def test_skip_non_finite_by_select_as_off_the_cpu_passes_skipped_steps_through(monkeypatch):
     """Off the CPU client a skipped update is undone by a select fused into the update
     (program.skips_by_select); the same program here must skip the same steps."""

@@ -133,6 +133,9 @@ class CallPlan:
     geometry_changes: int  # tensor_mod.geometry_changes() when storages and geometries matched
     written: list | None = None
     last: Any = None  # (batch specs, settings, signature) of the latest call
+    # The constants' storages, and (their buffers, the arrays made of them) of the latest call.
+    const_storages: list = dataclasses.field(default_factory=list)
+    const_cache: tuple | None = None
 
     @classmethod
     def collect(cls, step, inputs: StepInputs, device_index: int, whole: tuple,
@@ -154,7 +157,7 @@ class CallPlan:
         param_and_state = inputs.params + inputs.states
         storages = frozenset(id(t._storage) for t in param_and_state if isinstance(t, TpuTensor))
         state = optimizer.state
-        return cls(inputs, device_index, whole, tensor_specs, generation,
+        plan = cls(inputs, device_index, whole, tensor_specs, generation,
                    storage_mod.resize_count(), group_params, all_params,
                    tuple(map(_REQUIRES_GRAD, all_params)), state, list(state.keys()),
                    list(state.values()), holders, names, [t for t, _ in tables],
@@ -162,6 +165,8 @@ class CallPlan:
                    list(map(_KEY_PART, tensors)), storages,
                    list(map(_STORAGE, param_and_state)) if all(whole) else None,
                    tensor_mod.geometry_changes())
+        plan.const_storages = list(map(_STORAGE, inputs.consts))
+        return plan
 
     def holds(self, step, batch_leaves: list) -> bool:
         """Do the user's objects still hold exactly what this plan collected (and does the
@@ -216,6 +221,18 @@ class CallPlan:
                 or not _all_same(map(_BUFFER, storages), written):
             return None
         return written
+
+    def const_arrays(self) -> list:
+        """The constants' arrays: those of the latest call while every constant's storage
+        still holds the very buffer they were made of (a constant's geometry is the plan's,
+        :meth:`holds` checked it), else made again."""
+        storages, cache = self.const_storages, self.const_cache
+        if cache is not None and not any(map(_PENDING, storages)) \
+                and _all_same(map(_BUFFER, storages), cache[0]):
+            return cache[1]
+        arrays = [t.jax_value() for t in self.inputs.consts]  # resolves copies in flight
+        self.const_cache = (list(map(_BUFFER, storages)), arrays)
+        return arrays
 
     def write_whole(self, outputs: list) -> bool:
         """Make ``outputs`` (new params then new states) the storages' buffers when every one

@@ -338,6 +338,11 @@ class SGDAdapter(OptimizerAdapter):
         return 0 if (fresh and fresh[0]) else 1
 
     def set_step_count(self, group, step):
+        if step == 0:  # back before the first update (a skipped one): the buffers are fresh
+            state = self.optimizer.state
+            self._fresh.update(p for p in group["params"]
+                               if state.get(p, {}).get("momentum_buffer") is not None)
+            return
         for p in group["params"]:
             self._fresh.discard(p)
 

@@ -222,7 +222,7 @@ class CompiledTrainStep:
         device = runtime.jax_device(index)
         natural = self.mesh is None and natural_layout(device.platform)
         param_arrays, state_arrays = self._param_and_state_arrays(plan, natural)
-        const_arrays = [t.jax_value() for t in plan.inputs.consts]
+        const_arrays = plan.const_arrays()
         batch_arrays = self._batch_arrays(names, leaves)
         autocast_dtype = step_autocast_dtype(self.autocast_dtype)
         signature = plan.signature(self._specs(names, leaves, batch_arrays),
@@ -283,8 +283,9 @@ class CompiledTrainStep:
         for position, value in zip(entry.mutated_consts, new_consts):
             write_elements(st.consts[position], value)
         # Whoever reads one of these (the finiteness flag below, the loop's loss and gradient
-        # norm) reads them all: one transfer round trip instead of one per value.
-        for value in (loss, grad_norm, lr, *flag):
+        # norm) reads them all: one transfer round trip instead of one per value. The flag,
+        # which this call waits for, is asked for first, then the loss, which a loop reads next.
+        for value in (*flag, loss, grad_norm, lr):
             value.copy_to_host_async()
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
         # optimizer step before their own (and do not warn that the order is wrong).
@@ -296,12 +297,20 @@ class CompiledTrainStep:
         out = {"loss": _metric(loss, torch.float32, index),
                "grad_norm": _metric(grad_norm, entry.grad_norm_dtype, index),
                "lr": _metric(lr, torch.float32, index)}
-        applied = bool(flag[0]) if flag else True  # a host sync only when skipping
-        if applied:  # a skipped update leaves the step counts (and so bias corrections) as is
-            for group, step in zip(self.optimizer.param_groups, steps):
-                self.adapter.set_step_count(group, step)
-        if flag:
-            out["finite"] = torch.tensor(applied)
+        # The step counts advance before the finiteness flag is read and go back where the
+        # update was skipped (which leaves them, and so the bias corrections, as they were):
+        # on a chip the host does this while the program runs, and once the flag is here (the
+        # one wait of a call that skips) only a branch is left.
+        groups = self.optimizer.param_groups
+        for group, step in zip(groups, steps):
+            self.adapter.set_step_count(group, step)
+        if not flag:
+            return out
+        out["finite"] = torch.tensor(True)
+        if not bool(flag[0]):  # the host sync
+            for group, step in zip(groups, steps):
+                self.adapter.set_step_count(group, step - 1)
+            out["finite"] = torch.tensor(False)
         return out
 
     @staticmethod
