@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import operator
 from typing import Any
 
 import jax
@@ -36,13 +35,13 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from tpu_train.compile import (interpreter, layer_groups, layer_scan, loss_graph, memory_errors,
-                               shared_layers, tracing)
+from tpu_train.compile import interpreter, layer_scan, loss_graph, memory_errors, shared_layers
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
+from tpu_train.compile.step_trace import TracedStep, trace_step
 from tpu_train.device import runtime
-from tpu_train.ops import attention_tpu, registry
+from tpu_train.ops import attention_tpu
 from tpu_train.ops.dtypes import storage_dtype
 
 aten = torch.ops.aten
@@ -107,25 +106,6 @@ def compiled_analysis(compiled) -> dict[str, Any]:
     return out
 
 
-def _has_random_ops(gm: torch.fx.GraphModule) -> bool:
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
-            lowering = registry.get_lowering(node.target)
-            if lowering is not None and lowering.draws_random(node.args, node.kwargs):
-                return True
-    return False
-
-
-def _mutated_placeholders(gm: torch.fx.GraphModule) -> list[int]:
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    written = set()
-    for node in gm.graph.nodes:
-        for position in interpreter.written_arguments(node):
-            if node.args[position] in placeholders:
-                written.add(placeholders[node.args[position]])
-    return sorted(written)
-
-
 def _state_owners(st) -> list[int]:
     """For each optimizer-state tensor, the index of the parameter it belongs to."""
     owners = []
@@ -148,12 +128,6 @@ def _has_layer_scans(gm: torch.fx.GraphModule) -> bool:
 def _key_dtype():
     """The dtype of a typed PRNG key (the program's optional last argument)."""
     return jax.random.key(0).dtype
-
-
-def compute_dtype_for(dtype: torch.dtype, compute: torch.dtype | None) -> torch.dtype:
-    """The dtype a parameter of ``dtype`` has in the forward and backward under the step's
-    ``compute_dtype``: floating parameters are cast to it, others keep their dtype."""
-    return compute if compute is not None and dtype.is_floating_point else dtype
 
 
 def _cast_for_compute(params: list, compute, gathered: frozenset = frozenset()) -> list:
@@ -226,45 +200,6 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     return args
 
 
-@dataclasses.dataclass
-class _GradientTrace:
-    """What :func:`_trace_gradients` traced: the loss graph for JAX to differentiate (``note``
-    empty), or PyTorch's gradient graph and why (``note``; ``model_fallback``: the error by
-    which the model's own use of autograd ended the forward's trace, which the compile log
-    names)."""
-
-    gm: torch.fx.GraphModule
-    weighted: bool
-    note: str = ""
-    model_fallback: str = ""
-
-
-def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes,
-                     autodiff: str) -> _GradientTrace:
-    args = (step.model, step.loss_fn, st.param_names, st.const_names, st.batch_spec, fakes,
-            param_fakes, const_fakes, batch_fakes)
-    scan_layers = getattr(step, "scan_layers", None)
-    least = layer_groups.min_scanned_layers(scan_layers)
-    model_fallback = ""
-    if autodiff != "jax":
-        note = "autodiff='torch'"
-    elif least is not None and layer_groups.find_groups(step.model, least):
-        note = "scanned layers are differentiated by their own scan"
-    else:
-        try:
-            return _GradientTrace(*loss_graph.trace_loss_graph(*args))
-        except Exception as error:  # noqa: BLE001
-            # TorchAutogradNeeded, or what torch.func refuses in a forward-only trace: a
-            # forward that writes a buffer (BatchNorm's running statistics) writes a tensor
-            # the vjp captured. PyTorch's gradient graph handles both; an error in the user's
-            # code is raised by that trace as before.
-            model_fallback = f"{type(error).__name__}: {error}".splitlines()[0]
-            note = "the forward uses autograd itself: " + model_fallback
-    gm, weighted = layer_groups.traced_with_groups(
-        step.model, lambda: tracing.trace_grad_graph(*args), scan_layers)
-    return _GradientTrace(gm, weighted, note, model_fallback)
-
-
 def _gathered_tables(gm, n_params: int, at_use) -> frozenset:
     """The parameters :func:`_cast_for_compute` leaves to the graph's gathers; none with
     at-use gathers (SPMD), where a table is cast before its all-gather (half the bytes)."""
@@ -291,78 +226,6 @@ def _differentiated_loss_graph(loss_gm, params, consts, batch, key, *, constrain
 
 
 @dataclasses.dataclass
-class _TracedStep:
-    """The step's two traced graphs and what the program needs to know about them."""
-
-    grad_gm: torch.fx.GraphModule  # the loss graph (JAX differentiates it) or PyTorch's gradients
-    update_gm: torch.fx.GraphModule  # the optimizer update, on flat (or, SPMD, natural) shapes
-    weighted: bool  # the loss is a (sum, count) pair: micro-batches weigh by their count
-    autodiff_note: str  # empty: JAX differentiates; else why PyTorch's backward was traced
-    batch_fakes: list  # one micro-batch's fake leaves (activation sharding is planned on them)
-    mutated: tuple  # positions in the constants list whose values the step rewrites
-    random: bool
-    layer_indices: int  # the largest scanned stack: how many layer-index scalars to pass
-    grad_norm_dtype: torch.dtype
-
-    @property
-    def jax_autodiff(self) -> bool:
-        return not self.autodiff_note
-
-
-def _trace_step(step, st, scalars, stages, autodiff: str, natural: bool) -> _TracedStep:
-    """Trace the gradient (or loss) graph and the update graph on fake tpu tensors."""
-    fakes = tracing.FakeFactory()
-    k = step.grad_accum_steps
-    # Tracing happens on the tpu device whatever the tensors are (a planner's model lives on
-    # ``meta``); where the program runs comes from ``device`` or the mesh.
-    first = st.params[0].device
-    tpu_device = first if first.type == "tpu" else torch.device("tpu", 0)
-
-    def fake(t, shape=None, dtype=None):
-        return fakes.like(t.shape if shape is None else shape, dtype or t.dtype, tpu_device)
-
-    compute = getattr(step, "compute_dtype", None)
-    param_fakes = [fake(p, dtype=compute_dtype_for(p.dtype, compute)) for p in st.params]
-    const_fakes = [fake(c) for c in st.consts]
-    batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
-    with layer_groups.parameters_in(compute):
-        traced = stages.time("trace", _trace_gradients, step, st, fakes, param_fakes,
-                             const_fakes, batch_fakes, autodiff)
-    stages.autodiff_fallback = traced.model_fallback
-    settings = [dict(step.adapter.static_settings(g)) for g in step.optimizer.param_groups]
-
-    # The update is elementwise per tensor (plus the global norm, a full reduction), so it
-    # is traced on the shapes the program's parameters and state have: flat on the CPU
-    # client (:func:`natural_layout`), natural elsewhere and under SPMD (a flat buffer
-    # cannot carry the plan's 2-D tilings, and the update should read the gradients in the
-    # plan's layout).
-    def update_shape(t):
-        return tuple(t.shape) if natural else (t.numel(),)
-
-    flat_param_fakes = [fake(p, update_shape(p)) for p in st.params]
-    state_fakes = [fake(s, update_shape(s)) for s in st.states]
-    grad_fakes = [fake(p, update_shape(p)) for p in st.params]
-    scalars_fake = fakes.like(scalars.shape, torch.float32, tpu_device)
-    update_gm = stages.time("trace", tracing.trace_update_graph, step.adapter, settings,
-                            st.group_sizes, st.state_counts, step.max_grad_norm, fakes,
-                            flat_param_fakes, grad_fakes, state_fakes, scalars_fake)
-    grad_gm = traced.gm
-    interpreter.check_lowerings(grad_gm.graph)
-    interpreter.check_lowerings(update_gm.graph)
-    stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)
-    stages.scanned_layers = layer_scan.scanned_layer_count(grad_gm)
-    stages.shared_layer_calls = shared_layers.called_layers(grad_gm)
-
-    n_params, n_consts = len(st.params), len(st.consts)
-    mutated = tuple(i - n_params for i in _mutated_placeholders(grad_gm)
-                    if n_params <= i < n_params + n_consts)
-    grad_norm_node = [n for n in update_gm.graph.nodes if n.op == "output"][0].args[0][-1]
-    return _TracedStep(grad_gm, update_gm, traced.weighted, traced.note, batch_fakes, mutated,
-                       _has_random_ops(grad_gm), layer_scan.largest_stack(grad_gm),
-                       grad_norm_node.meta["val"].dtype)
-
-
-@dataclasses.dataclass
 class _SpmdLayout:
     """Where the SPMD program's values live (:func:`tpu_train.compile.spmd.step_shardings`)."""
 
@@ -373,7 +236,7 @@ class _SpmdLayout:
     at_use: dict | None  # parameter index -> pin to its compute layout where an op reads it
 
 
-def _spmd_layout(step, st, plan, mesh, traced: _TracedStep) -> _SpmdLayout:
+def _spmd_layout(step, st, plan, mesh, traced: TracedStep) -> _SpmdLayout:
     shardings = step_shardings(
         plan, mesh, param_names=st.param_names, param_shapes=[tuple(p.shape) for p in st.params],
         state_owners=_state_owners(st), state_shapes=[tuple(t.shape) for t in st.states],
@@ -411,7 +274,7 @@ class _StepFunction:
     """The step as a JAX function of flat buffers: gradients (one batch, or a scan over
     micro-batches), then the optimizer update; the program's body (module docstring)."""
 
-    def __init__(self, step, st, traced: _TracedStep, layout: _SpmdLayout | None,
+    def __init__(self, step, st, traced: TracedStep, layout: _SpmdLayout | None,
                  natural: bool, platform: str):
         self.traced, self.layout, self.natural = traced, layout, natural
         self.k = step.grad_accum_steps
@@ -537,7 +400,7 @@ class _StepFunction:
         return grads, loss, new_consts
 
 
-def _jitted_with_arguments(program, step, st, traced: _TracedStep, layout: _SpmdLayout | None,
+def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdLayout | None,
                            values, scalars, device, returns_finite: bool):
     """``(jitted program, its arguments to lower with, in_shardings)``."""
     donate = (0, 1) if step.donate else ()
@@ -587,7 +450,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     natural = mesh is not None or natural_layout(device.platform)
     platform = device.platform if mesh is None else mesh.devices.flat[0].platform
     with shared_layers.recomputation_fenced(platform == "cpu"):
-        traced = _trace_step(step, st, scalars, stages,
+        traced = trace_step(step, st, scalars, stages,
                              autodiff or getattr(step, "autodiff", "jax"), natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
     platform = (mesh.devices.flat[0] if mesh is not None else device).platform
