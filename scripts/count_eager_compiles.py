@@ -3,8 +3,8 @@
 
 Builds the step as ``scripts/bench_train_step.py --size w1 --only eager`` does (the trainer's
 step at ``trainer.mode=eager``, or ``--mode fused``), runs ``--steps`` steps and counts, per
-step, from JAX's monitoring events: the XLA compiles (``/jax/core/compile/backend_compile_duration``)
-and their seconds, the seconds spent tracing jaxprs and lowering them to MLIR, and the step's
+step, from JAX's monitoring events: the XLA compiles
+(``/jax/core/compile/backend_compile_duration``) and their seconds, the seconds spent tracing jaxprs and lowering them to MLIR, and the step's
 wall time, so that a slow first step can be split into compiling, JAX's tracing and lowering,
 and everything else. It also says how many of the compiled modules are textually distinct
 (names and source locations removed): executables shared between identical programs could only
@@ -53,8 +53,9 @@ class Counter:
         return self.compiles, dict(self.seconds)
 
 
-def _watch_modules(counter: Counter) -> None:
-    """Hash every module handed to XLA (names and locations removed)."""
+def watch_modules(counter: Counter):
+    """Hash every module handed to XLA (names and locations removed) into
+    ``counter.modules``; returns a function that stops watching."""
     from jax._src import compiler
     from jax._src.interpreters import pxla
 
@@ -66,7 +67,11 @@ def _watch_modules(counter: Counter) -> None:
         return original(backend, computation, *args, **kwargs)
 
     compiler.compile_or_get_cached = spy
-    pxla.compiler.compile_or_get_cached = spy
+
+    def stop():
+        compiler.compile_or_get_cached = original
+
+    return stop
 
 
 def main(argv=None) -> dict:
@@ -90,7 +95,7 @@ def main(argv=None) -> dict:
 
     counter = Counter()
     jax.monitoring.register_event_duration_secs_listener(counter.on_duration)
-    _watch_modules(counter)
+    watch_modules(counter)
     size = jax_llama.SIZES["w1"]
     cfg = tsm.trainer_config("fp32", model=tsm.model_option("w1"), mode=args.mode)
     cpu_model = Llama(size.config())
