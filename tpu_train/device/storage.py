@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpu_train.device import lazy, runtime, scalars
+from tpu_train.device import dispatch_thread, lazy, runtime, scalars
+from tpu_train.device.dispatch_thread import Issued
 from tpu_train.device.lazy import Pending
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -56,10 +57,10 @@ class Storage:
         self._buffer = buffer
         self._pending = None
         # True while the buffer may not be a flat jax.Array (a pending copy, a fused-mode
-        # Pending, a compiled step's natural shape): lazy_buffer then takes its slow path. An
+        # Pending, a dispatch thread's Issued, a compiled step's natural shape): lazy_buffer then takes its slow path. An
         # op reads every input through lazy_buffer, and asking a jax.Array its ndim is a
         # Python property call.
-        self._unusual = type(buffer) is Pending
+        self._unusual = type(buffer) in _DEFERRED
         self.dtype = dtype
         self.device_index = device_index
         # Every op output creates a Storage: accounting is two integer updates, and __del__
@@ -84,6 +85,8 @@ class Storage:
         buffer = self._buffer
         if type(buffer) is Pending:
             buffer = self._buffer = buffer.value()
+        elif type(buffer) is Issued:
+            buffer = self._buffer = dispatch_thread.value(buffer)
         return buffer
 
     @property
@@ -92,7 +95,7 @@ class Storage:
         and runs the fused-mode region that computes it (:mod:`tpu_train.device.lazy`). A
         buffer a compiled step left in its natural shape is flattened once here."""
         buffer = self._buffer
-        if self._pending is not None or type(buffer) is Pending:
+        if self._pending is not None or type(buffer) in _DEFERRED:
             buffer = self._resolved()
         if len(buffer.shape) != 1:
             buffer = self._buffer = buffer.reshape(-1)
@@ -127,10 +130,10 @@ class Storage:
             self._buffer = self._pending.result()
             self._pending = None
         buffer = self._buffer
-        if type(buffer) is Pending and buffer.array is not None:
+        if type(buffer) in _DEFERRED and buffer.array is not None:
             buffer = self._buffer = buffer.array
-        if type(buffer) is Pending:
-            return buffer
+        if type(buffer) in _DEFERRED:
+            return buffer  # an Issued one with a failure: its reader raises it
         if buffer.ndim != 1:
             buffer = self._buffer = buffer.reshape(-1)
         self._unusual = False
@@ -187,6 +190,8 @@ class Storage:
         return self.numel * _element_size(self.dtype)
 
 
+# Buffers still being computed: a fused region's result, a dispatch thread's call.
+_DEFERRED = (Pending, Issued)
 _ELEMENT_SIZES: dict = {}
 _resizes = 0
 
