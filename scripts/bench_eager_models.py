@@ -15,7 +15,9 @@ mode, and torch on CPU with one intra-op thread. Steps rotate over the sides (th
 too) after 2 warm-up steps each, so drift on a shared machine hits all of them. The losses after
 the same number of steps are printed as a sanity check, with the number of aten ops one tpu step
 dispatches and the machine's load average before and after. ``--fused-max-ops`` adds one more
-fused side per region bound (``TPU_TRAIN_FUSED_MAX_OPS`` during its steps), in the same rotation.
+fused side per region bound (``TPU_TRAIN_FUSED_MAX_OPS`` during its steps), in the same rotation;
+``--dispatch-thread`` one more strict side whose program calls run on a dispatch thread
+(``TPU_TRAIN_DISPATCH_THREAD``'s mode, on during its steps only).
 
 One JSON line on stdout, with the platform it ran on (``jax_platform``: the best one present,
 or ``TPU_TRAIN_PLATFORM``'s).
@@ -39,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tpu_train  # noqa: E402,F401  (registers the tpu device)
-from tpu_train.device import runtime, storage_of  # noqa: E402
+from tpu_train.device import dispatch_thread, runtime, storage_of  # noqa: E402
 
 CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -48,8 +50,8 @@ BATCH, SEQ = 4, 64
 
 class Step:
     def __init__(self, model: torch.nn.Module, device: torch.device, ids: torch.Tensor,
-                 mode: str = "strict", max_ops: int | None = None):
-        self.device, self.mode, self.max_ops = device, mode, max_ops
+                 mode: str = "strict", max_ops: int | None = None, thread: bool = False):
+        self.device, self.mode, self.max_ops, self.thread = device, mode, max_ops, thread
         self.model = model.to(device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
         self.ids = ids.to(device)
@@ -60,6 +62,8 @@ class Step:
             os.environ["TPU_TRAIN_FUSED_MAX_OPS"] = str(self.max_ops)
         else:
             os.environ.pop("TPU_TRAIN_FUSED_MAX_OPS", None)
+        dispatch_thread.drain()  # the previous side's calls are not this side's time
+        dispatch_thread.enabled = self.thread
         start = time.perf_counter()
         with tpu_train.eager_mode(self.mode):
             loss = self.model(input_ids=self.ids, labels=self.ids).loss
@@ -71,7 +75,10 @@ class Step:
                                       + [storage_of(p.detach()).buffer
                                          for p in self.model.parameters()])
         self.loss = loss.detach()
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        dispatch_thread.drain()
+        dispatch_thread.enabled = False
+        return elapsed
 
 
 class _OpCounter(TorchDispatchMode):
@@ -94,6 +101,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="2 steps per side, 1 warm-up")
     parser.add_argument("--fused-max-ops", default="",
                         help="comma-separated region bounds: one more fused side each")
+    parser.add_argument("--dispatch-thread", action="store_true",
+                        help="one more strict side, its program calls on a dispatch thread")
     args = parser.parse_args(argv)
     bounds = [int(n) for n in args.fused_max_ops.split(",") if n]
     import transformers
@@ -109,8 +118,10 @@ def main(argv=None) -> dict:
     fused = Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, mode="fused")
     bounded = [Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, mode="fused",
                     max_ops=n) for n in bounds]
+    threaded = [Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, thread=True)
+                ] if args.dispatch_thread else []
     cpu = Step(cpu_model, torch.device("cpu"), ids)
-    sides = [tpu, fused, cpu, *bounded]
+    sides = [tpu, fused, cpu, *bounded, *threaded]
     for _ in range(warm_up):  # the first steps compile every op and create the optimizer state
         for side in sides:
             side()
@@ -149,6 +160,14 @@ def main(argv=None) -> dict:
                                 "ratio_min": round(s["min"] / b["min"], 2),
                                 "ratio_median": round(s["median"] / b["median"], 2)}
             for side in bounded}
+    if threaded:
+        s = _summary(samples[id(threaded[0])])
+        result["tpu_eager_dispatch_thread_s"] = {
+            **s, "ratio_min": round(s["min"] / b["min"], 2),
+            "ratio_median": round(s["median"] / b["median"], 2),
+            "over_strict_min": round(s["min"] / a["min"], 3),
+            "over_strict_median": round(s["median"] / a["median"], 3),
+            "loss": float(threaded[0].loss.cpu())}
     print(json.dumps(result), flush=True)
     return result
 

@@ -12,7 +12,9 @@ each call taking the last one's output) as the step runs device programs, timed 
 dispatch cost JAX and the PJRT client add before any of this project's work; ``jax_call_us``,
 what one plain JAX call costs with a Python float, a float on the device, or 21 arrays in and
 out (the host's cost per buffer on this platform), and how much faster two threads make as
-many calls (near 2: the call's host work runs without the GIL). The autograd engine runs the
+many calls (near 2: the call's host work runs without the GIL), and ``dispatch_thread``: the
+same calls beside pure-Python work, on one thread and on two (would a dispatch thread beside
+the op path hide them). The autograd engine runs the
 backward on a thread of its own, which cProfile does not follow: its time shows as
 ``run_backward``'s own time.
 ``--out DIR`` also writes the line and the full cProfile listing there. On a CPU host the
@@ -135,7 +137,72 @@ def _jax_call_costs(repeats: int = 5, calls: int = 200) -> dict:
             best = min(best, time.perf_counter() - started)
         costs[name] = round(best / calls * 1e6, 1)
     costs["two_threads_speedup"] = _two_threads_speedup(jax.jit(lambda a: a + 1), x, calls)
+    costs["dispatch_thread"] = _dispatch_thread_overlap(jax.jit(lambda a: a + 1), x, calls)
     return costs
+
+
+def _python_work(microseconds: float) -> None:
+    """Busy pure-Python work for about ``microseconds`` (holds the GIL, like an op's dispatch)."""
+    deadline = time.perf_counter() + microseconds * 1e-6
+    while time.perf_counter() < deadline:
+        pass
+
+
+def _dispatch_thread_overlap(program, x, calls: int, python_us: float = 70.0,
+                             repeats: int = 5) -> dict:
+    """Would a dispatch thread hide the program calls' host time behind the op path's Python?
+
+    ``calls`` chained calls of ``program``, each beside ``python_us`` of pure-Python work (about
+    what a strict step's Python costs per program: a fused step's host time over a strict
+    step's programs): one after the other on one thread, then the calls on a second thread
+    while the first does the Python work, at Python's default GIL switch interval and at
+    100 us. ``threaded / sequential`` near ``max(python, calls) / (python + calls)`` means the
+    call's host work runs without the GIL; near 1 or above, a dispatch thread gains nothing."""
+    import sys
+    import threading
+
+    import jax
+
+    def sequential():
+        y = x
+        for _ in range(calls):
+            y = program(y)
+            _python_work(python_us)
+        jax.block_until_ready(y)
+
+    def threaded():
+        def chain():
+            y = x
+            for _ in range(calls):
+                y = program(y)
+            jax.block_until_ready(y)
+
+        worker = threading.Thread(target=chain)
+        worker.start()
+        for _ in range(calls):
+            _python_work(python_us)
+        worker.join()
+
+    def best(run) -> float:
+        fastest = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run()
+            fastest = min(fastest, time.perf_counter() - started)
+        return fastest
+
+    out = {"python_us_per_call": python_us, "calls": calls,
+           "python_alone_ms": round(best(lambda: [_python_work(python_us)
+                                                  for _ in range(calls)]) * 1e3, 2),
+           "sequential_ms": round(best(sequential) * 1e3, 2),
+           "threaded_ms": round(best(threaded) * 1e3, 2)}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        out["threaded_ms_switch_100us"] = round(best(threaded) * 1e3, 2)
+    finally:
+        sys.setswitchinterval(interval)
+    return out
 
 
 def _two_threads_speedup(program, x, calls: int, repeats: int = 5) -> float:

@@ -18,7 +18,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import lazy, mutation, op_cache, scalars
+from tpu_train.device import dispatch_thread, lazy, mutation, op_cache, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
@@ -51,6 +51,8 @@ class _Mutating:
         self.float_slots = None  # found on the first call (the inputs)
 
     def __call__(self, args, kwargs, inputs, tensors, donate=True):
+        if dispatch_thread.enabled:
+            dispatch_thread.resolve(inputs)
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
         if lazy.active or (self.multi_tensor and op_cache.batch):

@@ -34,7 +34,8 @@ import threading
 import jax
 import numpy
 
-from tpu_train.device import runtime, scalars
+from tpu_train.device import dispatch_thread, runtime, scalars
+from tpu_train.device.dispatch_thread import Issued
 
 MODE_ENV = "TPU_TRAIN_EAGER_MODE"
 MAX_OPS_ENV = "TPU_TRAIN_FUSED_MAX_OPS"
@@ -120,6 +121,8 @@ class Region:
         self.input_slots: dict = {}  # what an input is (see _wire) -> its position
 
     def _wire(self, value):
+        if type(value) is Issued:  # a dispatch thread's call (strict mode's multi-tensor ops)
+            value = dispatch_thread.value(value)
         if type(value) is Pending:
             if value.array is not None:
                 value = value.array

@@ -42,7 +42,7 @@ import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import generator, lazy, mutation, rng, scalars
+from tpu_train.device import dispatch_thread, generator, lazy, mutation, rng, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
@@ -439,11 +439,20 @@ class _Lowered:
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
         if lazy.active or (self.multi_tensor and batch):
+            if dispatch_thread.enabled:
+                dispatch_thread.resolve(inputs)
             flat = self._fused(inputs, first)
         else:
             if self.float_slots != ():
                 scalars.place_floats(inputs, self)
-            flat = self.fn(*inputs)
+            if dispatch_thread.enabled:
+                if self.out_avals is not None and not first and not _sync:
+                    flat = dispatch_thread.issue(self.fn, inputs, self.out_avals, self.func)
+                else:
+                    dispatch_thread.resolve(inputs)
+                    flat = self.fn(*inputs)
+            else:
+                flat = self.fn(*inputs)
             if _sync:
                 wait(flat, self.func)
         if self.single is not None:

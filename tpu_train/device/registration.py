@@ -36,11 +36,14 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+_PRIVATE_USE_1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _DeviceGuard(torch._C._acc.DeviceGuard):
     # Without a guard, torch cannot move tensors to the device and backward() aborts the
     # process; the default guard implementation is enough for a single-stream device.
     def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+        return _PRIVATE_USE_1  # asked by the autograd engine for every backward op
 
 
 def register() -> None:

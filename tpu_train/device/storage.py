@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpu_train.device import lazy, runtime, scalars
+from tpu_train.device import dispatch_thread, lazy, runtime, scalars
+from tpu_train.device.dispatch_thread import Issued
 from tpu_train.device.lazy import Pending
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -40,18 +41,26 @@ Geometry = tuple  # (size tuple, stride tuple, offset int)
 class Storage:
     """A flat device buffer holding ``numel`` elements of a torch dtype on one device."""
 
-    __slots__ = ("_buffer", "_pending", "dtype", "device_index", "_held", "__weakref__")
+    __slots__ = ("_buffer", "_pending", "_unusual", "_numel", "dtype", "device_index", "_held",
+                 "__weakref__")
 
     def __init__(self, buffer: jax.Array, dtype: torch.dtype, device_index: int,
                  nbytes: int | None = None):
         """``nbytes``: the size in bytes when the caller knows it (an op output whose shape is
         cached), saving the look-ups on the buffer."""
+        self._numel = None  # known once asked (views key by it), until the buffer is replaced
         if nbytes is None:
             shape = buffer.shape
             assert len(shape) == 1, shape
+            self._numel = shape[0]
             nbytes = shape[0] * _element_size(dtype)
         self._buffer = buffer
         self._pending = None
+        # True while the buffer may not be a flat jax.Array (a pending copy, a fused-mode
+        # Pending, a dispatch thread's Issued, a compiled step's natural shape): lazy_buffer then takes its slow path. An
+        # op reads every input through lazy_buffer, and asking a jax.Array its ndim is a
+        # Python property call.
+        self._unusual = type(buffer) in _DEFERRED
         self.dtype = dtype
         self.device_index = device_index
         # Every op output creates a Storage: accounting is two integer updates, and __del__
@@ -76,6 +85,8 @@ class Storage:
         buffer = self._buffer
         if type(buffer) is Pending:
             buffer = self._buffer = buffer.value()
+        elif type(buffer) is Issued:
+            buffer = self._buffer = dispatch_thread.value(buffer)
         return buffer
 
     @property
@@ -84,7 +95,7 @@ class Storage:
         and runs the fused-mode region that computes it (:mod:`tpu_train.device.lazy`). A
         buffer a compiled step left in its natural shape is flattened once here."""
         buffer = self._buffer
-        if self._pending is not None or type(buffer) is Pending:
+        if self._pending is not None or type(buffer) in _DEFERRED:
             buffer = self._resolved()
         if len(buffer.shape) != 1:
             buffer = self._buffer = buffer.reshape(-1)
@@ -98,6 +109,7 @@ class Storage:
         buffer = self._resolved()
         if buffer.shape != shape:
             buffer = self._buffer = buffer.reshape(shape)
+        self._unusual = True
         return buffer
 
     @property
@@ -109,14 +121,22 @@ class Storage:
     def lazy_buffer(self):
         """The flat buffer, or in fused mode the :class:`~tpu_train.device.lazy.Pending` value
         that will become it, without running anything: what an op being recorded takes."""
+        if self._unusual:
+            return self._unusual_lazy_buffer()
+        return self._buffer
+
+    def _unusual_lazy_buffer(self):
         if self._pending is not None:
             self._buffer = self._pending.result()
             self._pending = None
         buffer = self._buffer
-        if type(buffer) is Pending and buffer.array is not None:
+        if type(buffer) in _DEFERRED and buffer.array is not None:
             buffer = self._buffer = buffer.array
-        if type(buffer) is not Pending and buffer.ndim != 1:
+        if type(buffer) in _DEFERRED:
+            return buffer  # an Issued one with a failure: its reader raises it
+        if buffer.ndim != 1:
             buffer = self._buffer = buffer.reshape(-1)
+        self._unusual = False
         return buffer
 
     @buffer.setter
@@ -125,6 +145,8 @@ class Storage:
         compiled step on a TPU returns parameters in their natural shapes)."""
         self._pending = None  # a full overwrite: an unfinished copy's result is not wanted
         self._buffer = value
+        self._unusual = True  # the next lazy_buffer checks it (once)
+        self._numel = None
 
     def fill_later(self, future) -> None:
         """Take the whole buffer from ``future`` (a ``concurrent.futures.Future`` of a flat
@@ -148,6 +170,7 @@ class Storage:
         if kept:
             buffer = buffer.at[:kept].set(self.buffer[:kept])
         self.buffer = buffer
+        self._numel = numel
         global _resizes
         _resizes += 1
         delta = (numel - old) * _element_size(self.dtype)
@@ -157,13 +180,18 @@ class Storage:
     @property
     def numel(self) -> int:
         # A pending copy has the same size: no need to wait.
-        return math.prod(self._buffer.shape)
+        numel = self._numel
+        if numel is None:
+            numel = self._numel = math.prod(self._buffer.shape)
+        return numel
 
     @property
     def nbytes(self) -> int:
         return self.numel * _element_size(self.dtype)
 
 
+# Buffers still being computed: a fused region's result, a dispatch thread's call.
+_DEFERRED = (Pending, Issued)
 _ELEMENT_SIZES: dict = {}
 _resizes = 0
 
