@@ -63,3 +63,53 @@ def test_a_handler_registered_by_name_serves_its_op_from_the_first_call():
         special_ops.HANDLERS.pop(op, None)
         special_ops.HANDLERS_BY_NAME.pop("tpu_train_startup_test.echo.default", None)
     assert dispatch._HANDLERS is special_ops.HANDLERS
+
+
+def test_seeding_opens_no_backend_and_draws_as_seeding_after_it_did():
+    # torch.manual_seed seeds every tpu generator without counting devices, so the trainer
+    # can open the backend on a thread meanwhile; the draws are those of a seed set once the
+    # devices are known (the way seeding worked before).
+    out = _run(
+        "import torch, tpu_train\n"
+        "from tpu_train.device import runtime\n"
+        "torch.manual_seed(5)\n"
+        "print(runtime.devices_enumerated())\n"
+        "early = torch.rand(4, device='tpu').cpu()\n"
+        "torch.manual_seed(5)\n"
+        "late = torch.rand(4, device='tpu').cpu()\n"
+        "torch.manual_seed(6)\n"
+        "other = torch.rand(4, device='tpu').cpu()\n"
+        "print(torch.equal(early, late), torch.equal(early, other))\n")
+    assert out.splitlines() == ["False", "True False"]
+
+
+def test_the_backend_opened_on_a_thread_is_the_one_every_caller_gets():
+    out = _run(
+        "import threading, tpu_train\n"
+        "from tpu_train.device import runtime\n"
+        "runtime.open_in_background()\n"
+        "opener = runtime._opener\n"
+        "found = runtime.devices()\n"
+        "print(opener.name, opener.is_alive(), len(found) >= 1, runtime.platform())\n"
+        "runtime.open_in_background()\n"
+        "print(runtime._opener is opener)\n")
+    name, alive, some, platform = out.splitlines()[0].split()
+    assert (name, alive, some) == ("tpu-train-open-backend", "False", "True")
+    assert platform in ("cpu", "tpu", "cuda")
+    assert out.splitlines()[1] == "True"
+
+
+def test_an_error_of_the_backend_opened_on_a_thread_is_raised_by_its_first_user():
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import tpu_train\n"
+         "from tpu_train.device import runtime\n"
+         "runtime.open_in_background()\n"
+         "try:\n"
+         "    runtime.devices()\n"
+         "except runtime.PlatformError as error:\n"
+         "    print('raised:', error)\n"],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "TPU_TRAIN_PLATFORM": "abacus"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("raised: TPU_TRAIN_PLATFORM='abacus' is not a known platform")
