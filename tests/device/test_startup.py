@@ -1,9 +1,11 @@
 """What ``import tpu_train`` pays for: torch, JAX and the lowering table, not the parts of torch
 that only some programs use (dynamo, DTensor, FSDP2); those still work once imported."""
 
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tpu_train  # noqa: F401
@@ -99,17 +101,35 @@ def test_the_backend_opened_on_a_thread_is_the_one_every_caller_gets():
     assert out.splitlines()[1] == "True"
 
 
-def test_an_error_of_the_backend_opened_on_a_thread_is_raised_by_its_first_user():
-    result = subprocess.run(
+def _open_then_use(platform: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-c",
          "import tpu_train\n"
          "from tpu_train.device import runtime\n"
-         "runtime.open_in_background()\n"
          "try:\n"
-         "    runtime.devices()\n"
+         "    runtime.open_in_background()\n"
          "except runtime.PlatformError as error:\n"
-         "    print('raised:', error)\n"],
+         "    print('raised by the open:', error)\n"
+         "else:\n"
+         "    try:\n"
+         "        runtime.devices()\n"
+         "    except runtime.PlatformError as error:\n"
+         "        print('raised by the first use:', error)\n"],
         capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "TPU_TRAIN_PLATFORM": "abacus"})
+        env={**os.environ, "TPU_TRAIN_PLATFORM": platform})
+
+
+def test_a_bad_platform_setting_is_raised_before_the_backend_thread_starts():
+    result = _open_then_use("abacus")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("raised: TPU_TRAIN_PLATFORM='abacus' is not a known platform")
+    assert result.stdout.startswith(
+        "raised by the open: TPU_TRAIN_PLATFORM='abacus' is not a known platform")
+
+
+@pytest.mark.host_without_chips
+def test_a_backend_that_fails_to_open_on_its_thread_is_raised_by_its_first_user():
+    result = _open_then_use("tpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("raised by the first use: TPU_TRAIN_PLATFORM=tpu but JAX "
+                                    "finds no tpu devices")
+    assert result.stderr == ""  # libtpu's start-up pages held back, as without the thread

@@ -84,7 +84,8 @@ def open_in_background() -> None:
     that the host work before the first device use (a tokenizer, data files, a model read from
     disk) goes on meanwhile: opening a TPU chip takes seconds. The first :func:`platform` or
     :func:`devices` of any other thread waits for it; an error is left to that call, which
-    makes it again and raises it. Call it once the job's processes are joined
+    makes it again and raises it (errors of the environment's settings are raised here, by
+    :func:`_prepare`). Call it once the job's processes are joined
     (``jax.distributed`` must start before the backends do).
 
     While it runs, what this process writes to its stderr is held back with the native
@@ -92,6 +93,9 @@ def open_in_background() -> None:
     global _opener
     if _opener is not None or devices_enumerated():
         return
+    # Here, before the thread: an error of the environment is raised to the caller, and no
+    # JAX call of this thread can start a backend the settings would have ruled out.
+    _prepare()
     import atexit
 
     _opener = threading.Thread(target=_open_ignoring_errors, name="tpu-train-open-backend",
@@ -129,15 +133,7 @@ def _choose_once() -> str:
     The host malloc settings the CPU client needs (:mod:`tpu_train.device.host_memory`) are
     applied before JAX creates its backends and its threads, and undone when the platform
     chosen is another one."""
-    jax = _jax()
-    requested = requested_platform()
-    evidence = tpu_host.tpu_evidence() if requested is None else []
-    if _only_cpu_is_wanted(jax, requested, evidence):
-        # Keeps JAX from loading libtpu, which on a host without chips prints pages of
-        # start-up errors, and which must not touch chips the user chose not to use.
-        jax.config.update("jax_platforms", "cpu")
-    if requested in (None, "cpu"):
-        host_memory.keep_freed_memory()
+    jax, requested, evidence = _prepare()
     chosen = None
     try:
         with _native_start_up_output() as native_output:
@@ -150,6 +146,26 @@ def _choose_once() -> str:
         print(f"tpu_train: libtpu is installed but this host has no TPU chips: running on the "
               f"CPU ({PLATFORM_ENV}=cpu says so and silences this line)", file=sys.stderr)
     return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare() -> tuple:
+    """What must be settled before any backend starts, cheaply: the environment's errors
+    raised (a bad ``TPU_TRAIN_PLATFORM`` or cache setting), JAX configured, the backends it
+    may start narrowed to the CPU where only the CPU is wanted, the host malloc settings.
+    Returns (jax, the requested platform or None, the evidence of TPU chips)."""
+    if _environment_errors:
+        raise _environment_errors[0]
+    jax = _jax()
+    requested = requested_platform()
+    evidence = tpu_host.tpu_evidence() if requested is None else []
+    if _only_cpu_is_wanted(jax, requested, evidence):
+        # Keeps JAX from loading libtpu, which on a host without chips prints pages of
+        # start-up errors, and which must not touch chips the user chose not to use.
+        jax.config.update("jax_platforms", "cpu")
+    if requested in (None, "cpu"):
+        host_memory.keep_freed_memory()
+    return jax, requested, evidence
 
 
 class _CapturedText:
