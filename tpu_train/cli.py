@@ -217,43 +217,6 @@ def main() -> None:
         sys.argv = saved_argv
 
 
-def console() -> None:
-    """The ``tpu-train`` command (and ``python -m tpu_train.cli``): :func:`main`, then, once
-    it has returned, the end of the process without the interpreter's teardown.
-
-    Everything the run must finish is finished when ``main`` returns (checkpoints waited for,
-    logs and TensorBoard closed); what a normal exit would still do is the atexit handlers
-    (JAX's backend and distributed shutdown, logging's flush, this package's prefetcher and
-    stdout-filter closes) and then freeing every module and object one by one: the latter
-    took 1.4 s of 1.5 s after the last line of a default CPU run, and a process on a TPU chip
-    ends seconds later still. The handlers run here as at a normal exit; the freeing is left
-    to the operating system. ``main`` itself returns normally, for callers in-process."""
-    main()
-    _exit_without_teardown(0)
-
-
-def _exit_without_teardown(status: int) -> None:
-    import atexit
-    import threading
-
-    for thread in threading.enumerate():  # as a normal exit: non-daemon threads finish first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: nothing left to lose
-            pass
-    try:  # what native code (libtpu, XLA) left in C's stdio buffers
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):  # no C library to ask (not a POSIX host)
-        pass
-    os._exit(status)
-
-
 def _exit_for(exc: Exception) -> None:
     """Print a one-line report and exit for bad input or a stopped run; re-raise anything else."""
     if isinstance(exc, TrainingStopped):
@@ -267,4 +230,4 @@ def _exit_for(exc: Exception) -> None:
 
 
 if __name__ == "__main__":
-    console()
+    main()
