@@ -1,9 +1,11 @@
 """What ``import tpu_train`` pays for: torch, JAX and the lowering table, not the parts of torch
 that only some programs use (dynamo, DTensor, FSDP2); those still work once imported."""
 
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tpu_train  # noqa: F401
@@ -63,3 +65,71 @@ def test_a_handler_registered_by_name_serves_its_op_from_the_first_call():
         special_ops.HANDLERS.pop(op, None)
         special_ops.HANDLERS_BY_NAME.pop("tpu_train_startup_test.echo.default", None)
     assert dispatch._HANDLERS is special_ops.HANDLERS
+
+
+def test_seeding_opens_no_backend_and_draws_as_seeding_after_it_did():
+    # torch.manual_seed seeds every tpu generator without counting devices, so the trainer
+    # can open the backend on a thread meanwhile; the draws are those of a seed set once the
+    # devices are known (the way seeding worked before).
+    out = _run(
+        "import torch, tpu_train\n"
+        "from tpu_train.device import runtime\n"
+        "torch.manual_seed(5)\n"
+        "print(runtime.devices_enumerated())\n"
+        "early = torch.rand(4, device='tpu').cpu()\n"
+        "torch.manual_seed(5)\n"
+        "late = torch.rand(4, device='tpu').cpu()\n"
+        "torch.manual_seed(6)\n"
+        "other = torch.rand(4, device='tpu').cpu()\n"
+        "print(torch.equal(early, late), torch.equal(early, other))\n")
+    assert out.splitlines() == ["False", "True False"]
+
+
+def test_the_backend_opened_on_a_thread_is_the_one_every_caller_gets():
+    out = _run(
+        "import threading, tpu_train\n"
+        "from tpu_train.device import runtime\n"
+        "runtime.open_in_background()\n"
+        "opener = runtime._opener\n"
+        "found = runtime.devices()\n"
+        "print(opener.name, opener.is_alive(), len(found) >= 1, runtime.platform())\n"
+        "runtime.open_in_background()\n"
+        "print(runtime._opener is opener)\n")
+    name, alive, some, platform = out.splitlines()[0].split()
+    assert (name, alive, some) == ("tpu-train-open-backend", "False", "True")
+    assert platform in ("cpu", "tpu", "cuda")
+    assert out.splitlines()[1] == "True"
+
+
+def _open_then_use(platform: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c",
+         "import tpu_train\n"
+         "from tpu_train.device import runtime\n"
+         "try:\n"
+         "    runtime.open_in_background()\n"
+         "except runtime.PlatformError as error:\n"
+         "    print('raised by the open:', error)\n"
+         "else:\n"
+         "    try:\n"
+         "        runtime.devices()\n"
+         "    except runtime.PlatformError as error:\n"
+         "        print('raised by the first use:', error)\n"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TPU_TRAIN_PLATFORM": platform})
+
+
+def test_a_bad_platform_setting_is_raised_before_the_backend_thread_starts():
+    result = _open_then_use("abacus")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(
+        "raised by the open: TPU_TRAIN_PLATFORM='abacus' is not a known platform")
+
+
+@pytest.mark.host_without_chips
+def test_a_backend_that_fails_to_open_on_its_thread_is_raised_by_its_first_user():
+    result = _open_then_use("tpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("raised by the first use: TPU_TRAIN_PLATFORM=tpu but JAX "
+                                    "finds no tpu devices")
+    assert result.stderr == ""  # libtpu's start-up pages held back, as without the thread

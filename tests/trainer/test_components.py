@@ -82,6 +82,37 @@ def test_keep_last_and_async_save(tmp_path):
     assert torch.equal(model_state["w"], torch.full((2,), 3.0))
 
 
+def test_a_failed_run_waits_for_the_save_in_flight_and_logs_its_error(tmp_path, monkeypatch):
+    import threading
+    import types
+
+    from tpu_train.trainer.loop import _finish_pending_save
+
+    release, lines = threading.Event(), []
+    write = CheckpointManager._write
+
+    def slow_write(self, step, model_state, training_state):
+        release.wait(5)
+        if step == 2:
+            raise OSError("disk full")
+        write(self, step, model_state, training_state)
+
+    monkeypatch.setattr(CheckpointManager, "_write", slow_write)
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True)
+    run = types.SimpleNamespace(checkpointer=manager,
+                                logger=types.SimpleNamespace(line=lines.append))
+    manager.save(1, {"w": torch.ones(2)}, {"step": 1})
+    assert latest_checkpoint(tmp_path) is None  # still being written
+    release.set()
+    _finish_pending_save(run)
+    assert latest_checkpoint(tmp_path).name == "step_00000001" and lines == []
+    manager.save(2, {"w": torch.ones(2)}, {"step": 2})
+    _finish_pending_save(run)
+    assert lines == ["the checkpoint being written when the run failed was not saved: "
+                     "saving a checkpoint failed: disk full"]
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+
+
 def test_peak_table_is_explicit():
     assert peak_bf16_tflops("TPU v5 lite") == 197.0
     assert peak_bf16_tflops("TPU v4") == 275.0

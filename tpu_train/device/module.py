@@ -118,8 +118,7 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    for index in range(device_count()):
-        _rng.manual_seed(int(seed), index)
+    _rng.manual_seed_all(int(seed))
 
 
 def seed() -> None:

@@ -25,12 +25,14 @@ class _DeviceRng:
 
 _lock = threading.Lock()
 _states: dict[int, _DeviceRng] = {}
+# The seed of a device whose generator is first used after the last manual_seed_all.
+_seed_of_new = _DEFAULT_SEED
 
 
 def _state(index: int) -> _DeviceRng:
     with _lock:
         if index not in _states:
-            _states[index] = _DeviceRng(_DEFAULT_SEED)
+            _states[index] = _DeviceRng(_seed_of_new)
         return _states[index]
 
 
@@ -48,6 +50,17 @@ def manual_seed(seed: int, index: int) -> None:
     state = _state(index)
     with _lock:
         state.seed, state.offset = int(seed), 0
+
+
+def manual_seed_all(seed: int) -> None:
+    """Every device's generator starts from ``seed``, those not used yet included: seeding
+    needs no device count, so ``torch.manual_seed`` does not open the backend (which the
+    trainer opens on a thread of its own meanwhile)."""
+    global _seed_of_new
+    with _lock:
+        _seed_of_new = int(seed)
+        for state in _states.values():
+            state.seed, state.offset = int(seed), 0
 
 
 def initial_seed(index: int) -> int:

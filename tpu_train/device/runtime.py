@@ -18,6 +18,7 @@ import os
 import platform as _platform
 import sys
 import tempfile
+import threading
 
 from tpu_train.device import host_memory, tpu_host
 
@@ -74,22 +75,65 @@ def requested_platform() -> str | None:
     return requested
 
 
-@functools.lru_cache(maxsize=None)
+# The thread opening the backend ahead of its first use (open_in_background), if any.
+_opener: threading.Thread | None = None
+
+
+def open_in_background() -> None:
+    """Start the backend (the platform choice and JAX's devices) on a thread of its own, so
+    that the host work before the first device use (a tokenizer, data files, a model read from
+    disk) goes on meanwhile: opening a TPU chip takes seconds. The first :func:`platform` or
+    :func:`devices` of any other thread waits for it; an error is left to that call, which
+    makes it again and raises it (errors of the environment's settings are raised here, by
+    :func:`_prepare`). Call it once the job's processes are joined
+    (``jax.distributed`` must start before the backends do).
+
+    While it runs, what this process writes to its stderr is held back with the native
+    start-up output (:func:`_native_start_up_output`) and written when the backend is open."""
+    global _opener
+    if _opener is not None or devices_enumerated():
+        return
+    # Here, before the thread: an error of the environment is raised to the caller, and no
+    # JAX call of this thread can start a backend the settings would have ruled out.
+    _prepare()
+    import atexit
+
+    _opener = threading.Thread(target=_open_ignoring_errors, name="tpu-train-open-backend",
+                               daemon=True)
+    _opener.start()
+    # An early exit waits for the backend rather than tearing JAX down under the thread
+    # (handlers run last-registered first: before JAX's own clean-up).
+    atexit.register(_wait_for_opener)
+
+
+def _open_ignoring_errors() -> None:
+    try:
+        devices()
+    except Exception:  # noqa: BLE001 - the caller's own platform()/devices() raises it
+        pass
+
+
+def _wait_for_opener() -> None:
+    opener = _opener
+    if opener is not None and opener is not threading.current_thread():
+        opener.join()
+
+
 def platform() -> str:
+    """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"`` (chosen once,
+    by :func:`_choose_once`)."""
+    _wait_for_opener()
+    return _choose_once()
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_once() -> str:
     """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"``.
 
     The host malloc settings the CPU client needs (:mod:`tpu_train.device.host_memory`) are
     applied before JAX creates its backends and its threads, and undone when the platform
     chosen is another one."""
-    jax = _jax()
-    requested = requested_platform()
-    evidence = tpu_host.tpu_evidence() if requested is None else []
-    if _only_cpu_is_wanted(jax, requested, evidence):
-        # Keeps JAX from loading libtpu, which on a host without chips prints pages of
-        # start-up errors, and which must not touch chips the user chose not to use.
-        jax.config.update("jax_platforms", "cpu")
-    if requested in (None, "cpu"):
-        host_memory.keep_freed_memory()
+    jax, requested, evidence = _prepare()
     chosen = None
     try:
         with _native_start_up_output() as native_output:
@@ -102,6 +146,26 @@ def platform() -> str:
         print(f"tpu_train: libtpu is installed but this host has no TPU chips: running on the "
               f"CPU ({PLATFORM_ENV}=cpu says so and silences this line)", file=sys.stderr)
     return chosen
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare() -> tuple:
+    """What must be settled before any backend starts, cheaply: the environment's errors
+    raised (a bad ``TPU_TRAIN_PLATFORM`` or cache setting), JAX configured, the backends it
+    may start narrowed to the CPU where only the CPU is wanted, the host malloc settings.
+    Returns (jax, the requested platform or None, the evidence of TPU chips)."""
+    if _environment_errors:
+        raise _environment_errors[0]
+    jax = _jax()
+    requested = requested_platform()
+    evidence = tpu_host.tpu_evidence() if requested is None else []
+    if _only_cpu_is_wanted(jax, requested, evidence):
+        # Keeps JAX from loading libtpu, which on a host without chips prints pages of
+        # start-up errors, and which must not touch chips the user chose not to use.
+        jax.config.update("jax_platforms", "cpu")
+    if requested in (None, "cpu"):
+        host_memory.keep_freed_memory()
+    return jax, requested, evidence
 
 
 class _CapturedText:
@@ -244,9 +308,14 @@ def defer_environment_error(error: Exception) -> None:
     _environment_errors.append(error)
 
 
-@functools.lru_cache(maxsize=None)
 def devices() -> tuple:
     """The local JAX devices of the chosen platform; ``tpu:i`` is ``devices()[i]``."""
+    _wait_for_opener()
+    return _local_devices()
+
+
+@functools.lru_cache(maxsize=None)
+def _local_devices() -> tuple:
     if _environment_errors:
         raise _environment_errors[0]
     jax = _jax()
@@ -262,7 +331,7 @@ def devices() -> tuple:
 
 def devices_enumerated() -> bool:
     """Has this process asked for its devices yet (so JAX's backends exist)?"""
-    return devices.cache_info().currsize > 0
+    return _local_devices.cache_info().currsize > 0
 
 
 def device_count() -> int:

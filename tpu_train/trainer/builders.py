@@ -20,7 +20,12 @@ BUNDLED_TRAIN_FILES = {"prose": "pretrain.jsonl", "tasks": "tasks_train.jsonl"}
 
 
 def resolve_device(name: str) -> torch.device:
-    """``trainer.device`` as a torch device (``tpu`` needs the tpu_train device backend)."""
+    """``trainer.device`` as a torch device (``tpu`` needs the tpu_train device backend).
+
+    The ``tpu`` backend is opened on a thread of its own
+    (:func:`tpu_train.device.runtime.open_in_background`): the tokenizer, the data and the
+    model are read on the host meanwhile, and the first use of the device waits for it (an
+    unusable platform is reported there, before the run directory is written)."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "tpu":
@@ -32,7 +37,10 @@ def resolve_device(name: str) -> torch.device:
                 "trainer.device=tpu needs the tpu_train device backend (tpu_train.device), which "
                 "this installation does not provide; use trainer.device=cpu"
             )
-        return torch.device(factory(0))
+        from tpu_train.device import runtime
+
+        runtime.open_in_background()
+        return torch.device("tpu", 0)
     raise ConfigError(f"trainer.device={name!r} is not a device; valid devices: cpu, tpu")
 
 

@@ -193,7 +193,10 @@ class ParallelConfig:
 class CheckpointConfig:
     every_n_steps: int = 50
     keep_last: int = 2
-    async_save: bool = False  # copy to CPU, then write on a background thread
+    # Copy to the host on the training thread, then write (files, checksums, fsyncs, rename)
+    # on a background thread while training goes on; the next save, a stop and the end of
+    # the run wait for it and raise its error.
+    async_save: bool = True
     export_hf: bool = True  # write a Hugging Face directory at the end of training
     # Resume from this step's checkpoint instead of the newest; later ones are moved aside to
     # checkpoints/superseded/ (kept, never resumed from).

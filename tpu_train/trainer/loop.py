@@ -480,6 +480,7 @@ def _train_or_say_how_to_resume(run: _Loop, validate: _Validator,
     try:
         return run.train(validate, throughput)
     except Exception as exc:
+        _finish_pending_save(run)
         if latest_checkpoint(job.run_dir) is None:
             raise
         how = f"resume with: {resume_command(job.run_dir, job.world.size)}"
@@ -488,6 +489,16 @@ def _train_or_say_how_to_resume(run: _Loop, validate: _Validator,
         run.logger.line(f"the run failed at step {run.step} ({type(exc).__name__}); its newest "
                         f"checkpoint is kept; {how}")
         raise
+
+
+def _finish_pending_save(run: _Loop) -> None:
+    """Let a checkpoint still being written in the background complete before the failed run
+    names its newest checkpoint; a failure of that save is logged (the run's own error is
+    the one raised)."""
+    try:
+        run.checkpointer.wait()
+    except RuntimeError as error:
+        run.logger.line(f"the checkpoint being written when the run failed was not saved: {error}")
 
 
 def _log_memory(logger: RunLogger, parallel: Layout, model, optimizer, step: int) -> None:

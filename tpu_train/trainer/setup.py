@@ -80,13 +80,15 @@ def start(cfg: DictConfig) -> Job:
     seq_len_note = resolve_seq_len(cfg)
     world = start_processes()
     trainer = cfg.trainer
-    device = builders.resolve_device(trainer.device)
     if trainer.cpu_threads is not None:
         torch.set_num_threads(trainer.cpu_threads)
     # The tpu device's float32 dots only: PyTorch's own CPU matmuls keep their precision (on a
     # CPU with bfloat16 instructions, ``medium`` would change trainer.device=cpu runs).
     set_matmul_precision(MatmulPrecision(trainer.matmul_precision).value)
     seed_everything(trainer.seed)
+    # Last: the tpu backend opens on a thread from here on, while the caller reads the
+    # tokenizer, the data and the model.
+    device = builders.resolve_device(trainer.device)
     return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
                Precision(trainer.precision),
                notes=[note for note in (latest_note, seq_len_note) if note])
