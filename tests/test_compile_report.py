@@ -9,7 +9,9 @@ import numpy as np
 from tests.compile_report import CompileReport
 
 
-def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path):
+def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path, monkeypatch):
+    # Under pytest-xdist the report goes to "<file>.<worker id>"; this one is the plain file.
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     report = CompileReport(tmp_path / "compiles.json")
     x = jax.device_put(np.ones((7, 13), np.float32))
     report.pytest_runtest_logstart("tests/a/test_x.py::test_one", None)
