@@ -29,3 +29,9 @@ def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path, monkeypatch):
     assert written["top_tests_by_compile_s"]["tests/a/test_x.py::test_two"]["compiles"] == 0
     assert written["files"]["tests/a/test_x.py"]["tests"] == 2
     assert written["files"]["tests/a/test_x.py"]["compiles"] == 2
+
+
+def test_a_pytest_xdist_worker_writes_a_file_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    CompileReport(tmp_path / "compiles.json").pytest_sessionfinish(None)
+    assert [p.name for p in tmp_path.iterdir()] == ["compiles.json.gw3"]
