@@ -4,9 +4,9 @@
 Builds the step as ``scripts/bench_train_step.py --size w1 --only eager`` does (the trainer's
 step at ``trainer.mode=eager``, or ``--mode fused``), runs ``--steps`` steps and counts, per
 step, from JAX's monitoring events: the XLA compiles
-(``/jax/core/compile/backend_compile_duration``) and their seconds, the seconds spent tracing jaxprs and lowering them to MLIR, and the step's
-wall time, so that a slow first step can be split into compiling, JAX's tracing and lowering,
-and everything else. It also says how many of the compiled modules are textually distinct
+(``/jax/core/compile/backend_compile_duration``) and their seconds, the seconds spent
+tracing jaxprs and lowering them to MLIR, and the step's wall time, so that a slow first
+step can be split into compiling, JAX's tracing and lowering, and everything else. It also says how many of the compiled modules are textually distinct
 (names and source locations removed): executables shared between identical programs could only
 save the difference. One JSON line on stdout. Usage::
 

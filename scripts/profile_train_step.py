@@ -3,9 +3,9 @@
 reference of the same model (``scripts/jax_llama.py``), on the device, from ``jax.profiler``.
 
 Both modes are built as ``scripts/bench_train_step.py --size`` builds them. Each first runs
-interleaved steps, each until its loss is read on the host (the benchmark's step time); then a few steps of each
-are traced with ``jax.profiler`` and the trace is read back (``ProfileData``). For each mode
-the report gives:
+interleaved steps, each until its loss is read on the host (the benchmark's step time);
+then a few steps of each are traced with ``jax.profiler`` and the trace is read back
+(``ProfileData``). For each mode the report gives:
 
 * ``step_ms``: fastest and median step (host + device, as the benchmark measures);
 * ``device_programs``: every XLA program the device ran, with milliseconds and calls per step

@@ -128,7 +128,8 @@ def platform() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _choose_once() -> str:
-    """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"``.
+    """:func:`platform`'s choice, made once (a backend opened in the background makes it on
+    its thread).
 
     The host malloc settings the CPU client needs (:mod:`tpu_train.device.host_memory`) are
     applied before JAX creates its backends and its threads, and undone when the platform

@@ -57,9 +57,9 @@ class Storage:
         self._buffer = buffer
         self._pending = None
         # True while the buffer may not be a flat jax.Array (a pending copy, a fused-mode
-        # Pending, a dispatch thread's Issued, a compiled step's natural shape): lazy_buffer then takes its slow path. An
-        # op reads every input through lazy_buffer, and asking a jax.Array its ndim is a
-        # Python property call.
+        # Pending, a dispatch thread's Issued, a compiled step's natural shape): lazy_buffer
+        # then takes its slow path. An op reads every input through lazy_buffer, and asking a
+        # jax.Array its ndim is a Python property call.
         self._unusual = type(buffer) in _DEFERRED
         self.dtype = dtype
         self.device_index = device_index
