@@ -63,3 +63,44 @@ def test_validation_on_the_device_is_one_program_and_matches_the_host_copy(tmp_p
     # parameters (the training step is the same program in both runs).
     assert_base_model_losses_close(on_device, on_host, rows=2 * 2, what="validation loss",
                                    trained=False)
+
+
+class _Batches(list):
+    """A validation loader's batches, and its rows per batch."""
+
+    batch_size = 4
+
+
+def test_a_short_last_batch_runs_the_full_batches_program():
+    """The pass pads its short last batch with ignored rows: one program for the pass, and the
+    loss of the unpadded rows (against PyTorch on the CPU, the rows as they are)."""
+    import copy
+
+    import torch
+
+    from tests.compile.helpers import lm_functions
+    from tests.tolerances import loss_rtol
+    from tpu_train.models import Llama, LlamaConfig
+    from tpu_train.trainer.config import Precision
+    from tpu_train.trainer.evaluation import (compiled_loss, compiled_validation_loss,
+                                              validation_loss)
+
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                      ffn_hidden_dim=64, max_seq_len=16)
+    cpu = Llama(cfg)
+    cpu.init_weights(seed=0, device="cpu")
+    model = copy.deepcopy(cpu).to("tpu")
+    g = torch.Generator().manual_seed(0)
+    batches = _Batches()
+    for rows in (4, 4, 3):
+        tokens = torch.randint(0, 64, (rows, 16), generator=g)
+        labels = tokens.clone()
+        labels[:, :3] = -100
+        batches.append({"tokens": tokens, "labels": labels})
+    evaluator = compiled_loss(model, Precision.fp32)
+    got = compiled_validation_loss(evaluator, batches, max_batches=3)
+    want = validation_loss(cpu, batches, torch.device("cpu"), 3, Precision.fp32)
+    assert len(evaluator.compilations) == 1
+    rtol = loss_rtol(torch.float32, 1, 11 * 13, depth=2, functions=lm_functions(2))
+    assert abs(got["loss"] - want["loss"]) <= rtol * want["loss"], (got, want)
+    assert model.training and cpu.training  # both passes put the model back in train mode

@@ -23,7 +23,7 @@ from .errors import ConfigError, TrainingStopped
 from .evaluation import (Decoding, ExactMatchSet, HostEvaluationModel,
                          compile_ahead_for_validation, compiled_decoder, decodes_compiled,
                          compiled_loss, compiled_validation_loss, describe_decoder,
-                         exact_match_count, runs_on_host_cpu, validation_loss)
+                         exact_match_count, padded_rows, runs_on_host_cpu, validation_loss)
 from .metrics import RunLogger, detect_device_kind, format_log_line, peak_bf16_tflops
 from .layouts import Layout
 from .parallelism import peak_bytes_per_device
@@ -176,6 +176,8 @@ class _Validator:
                 loader = builders.build_val_loader(cfg, self.tokenizer, self.data.val_path,
                                                    probe=False)
                 val_batch = next(iter(loader), None)
+                if val_batch is not None:  # as the pass calls the program: full rows
+                    val_batch = padded_rows(val_batch, loader.batch_size)
             decoding = Decoding(self.job.device, self.job.precision,
                                 cfg.recipe.eval.max_new_tokens, self.decoder)
             exact_match = ExactMatchSet(self.tokenizer, self.data.exact_match_path,
