@@ -12,7 +12,9 @@ tokenizer, data, model), to the step-0 validation line (the first validation, it
 the "compiled the train step" line (printed after the first step), to the closing summary, and
 to the end of the process (its exit); with the compile line, the exact match, the
 summary's wall time and the process's host CPU time (user and system seconds, and their sum
-over the wall time). The targets for the default job on a v5e chip: ``end`` <= 60 s, the
+over the wall time), split by thread name (``threads``: CPU seconds per name with its digits
+dropped, read from /proc every half second, so a thread that lived less than that may be
+missed). The targets for the default job on a v5e chip: ``end`` <= 60 s, the
 train step's compile <= 15 s, exact match >= 90 %, host CPU time <= 2x the wall time.
 """
 
@@ -26,12 +28,49 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKS = (("first_log_line", "run dir: "), ("validated_step_0", "| validation |"),
          ("train_step_compiled", "the train step in"), ("summary", "finished step"))
+
+
+class ThreadCpu:
+    """CPU seconds of each thread of process ``pid`` (Linux /proc), sampled on a thread of its
+    own until :meth:`stop`; grouped by thread name with digits dropped."""
+
+    def __init__(self, pid: int, every_s: float = 0.5):
+        self.pid, self.every_s, self.seen = pid, every_s, {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self._done.wait(self.every_s):
+            try:
+                tasks = os.listdir(f"/proc/{self.pid}/task")
+            except OSError:
+                return
+            for tid in tasks:
+                try:
+                    stat = Path(f"/proc/{self.pid}/task/{tid}/stat").read_text()
+                except OSError:
+                    continue
+                name = stat[stat.index("(") + 1:stat.rindex(")")]
+                fields = stat[stat.rindex(")") + 2:].split()
+                self.seen[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+
+    def stop(self) -> dict[str, float]:
+        self._done.set()
+        self._thread.join()
+        groups: dict[str, float] = {}
+        for name, seconds in self.seen.values():
+            key = re.sub(r"\d+", "#", name)
+            groups[key] = groups.get(key, 0.0) + seconds
+        return {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1]) if v}
 
 
 def one_run(tree: Path, overrides: list[str]) -> dict:
@@ -43,6 +82,7 @@ def one_run(tree: Path, overrides: list[str]) -> dict:
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
+        threads = ThreadCpu(process.pid)
         seconds: dict[str, float] = {}
         lines = []
         for line in process.stdout:
@@ -52,6 +92,7 @@ def one_run(tree: Path, overrides: list[str]) -> dict:
                     seconds[key] = round(time.perf_counter() - started, 2)
         code = process.wait()
         seconds["end"] = round(time.perf_counter() - started, 2)
+        thread_cpu = threads.stop()
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = {"user_s": round(after.ru_utime - before.ru_utime, 1),
            "sys_s": round(after.ru_stime - before.ru_stime, 1)}
@@ -62,7 +103,7 @@ def one_run(tree: Path, overrides: list[str]) -> dict:
                                ("exact_match", "exact match "), ("summary_wall", "wall time:"))}
     if code != 0:
         found["output_tail"] = lines[-20:]
-    return {"exit_status": code, "seconds": seconds, "cpu": cpu, **found}
+    return {"exit_status": code, "seconds": seconds, "cpu": cpu, "threads": thread_cpu, **found}
 
 
 def main() -> None:
