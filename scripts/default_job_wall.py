@@ -5,12 +5,13 @@ directory, or ``--tree``)::
 
     python scripts/default_job_wall.py [--tree CHECKOUT] [--rounds 1] [-- OVERRIDES...]
 
-Each round runs ``python -m tpu_train.cli run.dir=<fresh temporary> OVERRIDES`` in a fresh
-process with ``TPU_TRAIN_CACHE_DIR=off`` (every program compiled cold) and reads its console as
+Each round runs ``tpu-train run.dir=<fresh temporary> OVERRIDES`` (``tpu_train.cli.main``) in
+a fresh process with ``TPU_TRAIN_CACHE_DIR=off`` (every program compiled cold) and reads its console as
 it comes: seconds from the process's start to its first log line (imports, opening the device,
 tokenizer, data, model), to the step-0 validation line (the first validation, its compiles), to
 the "compiled the train step" line (printed after the first step), to the closing summary, and
-to the end of the process (its exit); with the compile line, the exact match, the
+to the end of the process (its exit, split in ``exit``: Python's exit handlers, then the
+native teardown); with the compile line, the exact match, the
 summary's wall time and the process's host CPU time (user and system seconds, and their sum
 over the wall time), split by thread name (``threads``: CPU seconds per name with its digits
 dropped, read from /proc every half second, so a thread that lived less than that may be
@@ -73,11 +74,42 @@ class ThreadCpu:
         return {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1]) if v}
 
 
+# ``tpu-train`` in the child, with the moments of its exit marked on stdout: when main returned,
+# when the first exit handler ran (registered last) and the last (registered before JAX and
+# torch were imported, so it runs after their clean-up); the native teardown comes after.
+CHILD = """
+import atexit, sys, time
+mark = lambda name: print(f"@exit {name} {time.monotonic():.3f}", flush=True)
+atexit.register(mark, "handlers_done")
+from tpu_train import cli
+sys.argv = ["tpu-train", *sys.argv[1:]]
+try:
+    cli.main()
+finally:
+    mark("main_returned")
+    atexit.register(mark, "handlers_started")
+"""
+EXIT_MARKS = ("main_returned", "handlers_started", "handlers_done")
+
+
+def exit_seconds(lines: list[str], ended: float) -> dict[str, float]:
+    """Seconds of the exit's parts: ``handlers`` (Python's exit handlers: JAX's and torch's
+    clean-up among them) and ``teardown`` (from the last handler to the process's end)."""
+    at = {}
+    for line in lines:
+        if line.startswith("@exit "):
+            _, name, stamp = line.split()
+            at[name] = float(stamp)
+    if not all(name in at for name in EXIT_MARKS):
+        return {}
+    return {"handlers": round(at["handlers_done"] - at["handlers_started"], 2),
+            "teardown": round(ended - at["handlers_done"], 2)}
+
+
 def one_run(tree: Path, overrides: list[str]) -> dict:
     env = dict(os.environ, TPU_TRAIN_CACHE_DIR="off", PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory() as directory:
-        command = [sys.executable, "-m", "tpu_train.cli", f"run.dir={directory}/run",
-                   *overrides]
+        command = [sys.executable, "-c", CHILD, f"run.dir={directory}/run", *overrides]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
@@ -91,6 +123,7 @@ def one_run(tree: Path, overrides: list[str]) -> dict:
                 if key not in seconds and text in line:
                     seconds[key] = round(time.perf_counter() - started, 2)
         code = process.wait()
+        ended = time.monotonic()
         seconds["end"] = round(time.perf_counter() - started, 2)
         thread_cpu = threads.stop()
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -103,7 +136,8 @@ def one_run(tree: Path, overrides: list[str]) -> dict:
                                ("exact_match", "exact match "), ("summary_wall", "wall time:"))}
     if code != 0:
         found["output_tail"] = lines[-20:]
-    return {"exit_status": code, "seconds": seconds, "cpu": cpu, "threads": thread_cpu, **found}
+    return {"exit_status": code, "seconds": seconds, "exit": exit_seconds(lines, ended),
+            "cpu": cpu, "threads": thread_cpu, **found}
 
 
 def main() -> None:
