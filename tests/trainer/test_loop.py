@@ -35,8 +35,11 @@ def _wait_for_checkpoints(process, run_dir, count, timeout=240.0):
     raise AssertionError(f"{count} checkpoints not written in {timeout} s")
 
 
-@pytest.mark.device_in_child
-@pytest.mark.parametrize("mode", [TINY, TINY_COMPILED], ids=["eager_cpu", "compiled_tpu"])
+# The eager run's child is on the host CPU, which needs no chip (start_subprocess); the
+# compiled one's is on the tpu device, and its parent compares with its own run there.
+@pytest.mark.parametrize("mode", [
+    pytest.param(TINY, id="eager_cpu"),
+    pytest.param(TINY_COMPILED, id="compiled_tpu", marks=pytest.mark.device_in_child)])
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
     """SIGKILL mid-run, then the newest checkpoint damaged as well (half its model file gone):
     the resume falls back to the one before, with a warning, and replays every step exactly."""
@@ -68,7 +71,6 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
         assert resumed[step]["train/grad_norm"] == reference[step]["train/grad_norm"], step
 
 
-@pytest.mark.device_in_child
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     process = start_subprocess(*TINY, "trainer.max_steps=500", "checkpoint.every_n_steps=1000",
