@@ -160,3 +160,42 @@ def test_compiled_run_validates_the_trained_weights(tmp_path):
     # XLA program) and by PyTorch on the CPU.
     assert_base_model_losses_close([logged[1]["val/loss"]], [expected], rows=8,
                                    what="validation loss", trained=False)
+
+
+def _system_rows(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if any(key.startswith("system/") for key in row)]
+
+
+def test_a_run_on_the_host_cpu_asks_no_device_backend_for_its_peak_memory(tmp_path,
+                                                                          monkeypatch):
+    """trainer.device=cpu holds nothing on a device: asking JAX's backend for a peak would open
+    it (on a TPU host, the chip, which another process may hold)."""
+    from tpu_train.trainer import loop
+
+    monkeypatch.setattr(loop, "peak_bytes_per_device",
+                        lambda: pytest.fail("a run on the host CPU asked a device for its peak"))
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(*TINY, "trainer.max_steps=1", f"run.dir={run_dir}")
+    assert code == 0, err
+    [row] = _system_rows(run_dir)
+    assert row["system/param_bytes_per_device"] > 0 and "system/peak_bytes_per_device" not in row
+
+
+def test_the_peak_memory_is_read_from_the_chosen_platforms_devices(monkeypatch):
+    """The devices of tpu_train's platform (TPU_TRAIN_PLATFORM), not JAX's default backend."""
+    from tpu_train.device import runtime
+    from tpu_train.trainer.parallelism import peak_bytes_per_device
+
+    class Reporting:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(runtime, "devices", lambda: (
+        Reporting({"peak_bytes_in_use": 5}), Reporting(None), Reporting({"peak_bytes_in_use": 7})))
+    assert peak_bytes_per_device() == 7
+    monkeypatch.setattr(runtime, "devices", lambda: (Reporting({}),))
+    assert peak_bytes_per_device() is None
