@@ -49,3 +49,16 @@ def python_path(*first) -> str:
     """A PYTHONPATH for a child process: ``first`` (the repository root, ...) ahead of the
     environment's own, which it keeps (a host may find torch or jax through it)."""
     return os.pathsep.join(str(p) for p in (*first, os.environ.get("PYTHONPATH", "")) if p)
+
+
+def cpu_child_env(*path_first, **variables: str) -> dict[str, str]:
+    """The environment for a child process that does not need the test platform's device: this
+    process's, on the cpu platform. One process at a time can hold a TPU chip, and on a TPU host
+    the test process holds it, so a child that inherited ``TPU_TRAIN_PLATFORM=tpu`` would fail
+    to open it ("JAX finds no tpu devices"); ``TPU_TRAIN_PLATFORM=cpu`` keeps JAX's backends to
+    the CPU (tpu_train.device.runtime). ``path_first``: ahead of PYTHONPATH (:func:`python_path`)
+    where given; ``variables``: set as well. On the cpu platform the child runs as before."""
+    env = dict(os.environ, TPU_TRAIN_PLATFORM="cpu", **variables)
+    if path_first:
+        env["PYTHONPATH"] = python_path(*path_first)
+    return env

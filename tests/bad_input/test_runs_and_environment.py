@@ -3,13 +3,13 @@ nothing written."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.bad_input.conftest import assert_one_line_error, run_against
+from tests.platforms import cpu_child_env
 from tests.trainer.cli_helpers import TINY, run_in_process, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,7 +135,8 @@ def test_bad_process_environment(name, tmp_path):
     blocker, runs = tmp_path / "blocker", tmp_path / "runs"
     blocker.write_text("not a directory")
     runs.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # On the cpu platform unless the case names one: on a TPU host this process holds the chip.
+    env = cpu_child_env(OMP_NUM_THREADS="1")
     # TMP: a cache directory of its own (creating an empty one is not writing a run).
     env.update({key: value.replace("BLOCKER", str(blocker)).replace("TMP", str(tmp_path))
                 for key, value in variables.items()})

@@ -13,7 +13,7 @@ import torch
 
 from tests.compile.helpers import (DEVICE, MLP_FUNCTIONS, mlp, mlp_batches, mlp_loss,
                                    relative_error, run_compiled, run_reference)
-from tests.tolerances import loss_rtol
+from tests.tolerances import loss_rtol, update_rtol
 from tpu_train.compile import compile_train_step
 from tpu_train.compile.functional_optim import (AdamAdapter, SGDAdapter,
                                                 UnsupportedOptimizerError, adapter_for)
@@ -25,6 +25,11 @@ STEPS = 10
 # its GELU's erf, its tanh and the optimizers' square roots, as measured on the test platform.
 MLP_N = 40
 RTOL = loss_rtol(torch.float32, STEPS, MLP_N, functions=MLP_FUNCTIONS + ("sqrt",))
+# The optimizer state (normwise) after the same steps: running sums or averages of the
+# gradients (exp_avg, momentum_buffer, grad_avg, ax), linear in them, so within the accumulated
+# error of an optimizer linear in the gradient (update_rtol), or of their squares (exp_avg_sq,
+# square_avg, sum, acc_delta), where the square doubles the relative error.
+STATE_RTOL = 2 * update_rtol(torch.float32, STEPS, MLP_N, functions=MLP_FUNCTIONS + ("sqrt",))
 
 
 class SignMomentum(torch.optim.Optimizer):
@@ -133,7 +138,7 @@ def test_optimizer_matches_eager_cpu(case):
             if key == "step":
                 assert float(state[key].cpu()) == float(value) == STEPS
             else:
-                assert relative_error(state[key], value) <= 1e-4, key
+                assert relative_error(state[key], value) <= STATE_RTOL, key
 
 
 def test_adapter_choice():

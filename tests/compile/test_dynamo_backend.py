@@ -12,7 +12,7 @@ from tpu_train.compile import dynamo_backend
 from tests.compile.helpers import (DEVICE, MLP_FUNCTIONS, TINY_LLAMA_FUNCTIONS, assert_losses_close,
                                    assert_params_within, lm_batches, lm_loss, mlp, param_bound,
                                    tiny_llama)
-from tests.platforms import python_path
+from tests.platforms import cpu_child_env
 from tests.tolerances import assert_rel_close, loss_rtol, rtol_for
 
 # As a checkout used without `pip install` does; an installed tpu_train is also found through
@@ -125,8 +125,9 @@ def test_backend_works_right_after_import_tpu_train(tmp_path):
     """A fresh process that imports only torch and tpu_train compiles with backend="tpu": torch
     finds it through the entry point pyproject.toml declares. The entry point is installed here
     as a distribution's metadata on PYTHONPATH, exactly as ``pip install`` writes it, so the
-    test holds whether or not the environment's install predates the declaration."""
-    import os
+    test holds whether or not the environment's install predates the declaration. What it tests
+    is the registration, not a platform: the child runs on the cpu platform (on a TPU host this
+    process holds the chip)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -144,7 +145,7 @@ def test_backend_works_right_after_import_tpu_train(tmp_path):
               "f = torch.compile(lambda x: x * 2 + 1, backend='tpu')\n"
               "print(f(torch.arange(3.0, device='tpu')).cpu().tolist())\n")
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=python_path(root, tmp_path))
+    env = cpu_child_env(root, tmp_path)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.platforms import without_runtime_start_up
+from tests.platforms import cpu_child_env, without_runtime_start_up
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -175,5 +175,6 @@ def test_an_open_parquet_stream_exits_cleanly(tmp_path):
         f"loader = PackedLoader({str(path)!r}, load_tokenizer(), 16, 2, column_map={{'prompt': 'question', 'response': 'answer'}})\n"
         "next(loader)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=cpu_child_env())  # no device: no chip either
     assert done.returncode == 0 and without_runtime_start_up(done.stderr) == "", done.stderr

@@ -9,14 +9,18 @@ import pytest
 import torch
 
 import tpu_train  # noqa: F401
+from tests.platforms import cpu_child_env
 from tpu_train.device import dispatch, special_ops
 
 _HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp")
 
 
 def _run(code: str) -> str:
+    """``code``'s stdout in a fresh process, on the cpu platform: what these tests check (what
+    an import pays for, seeding, the backend's opening thread) is the same on every platform,
+    and on a TPU host this process holds the chip."""
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env=cpu_child_env())
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout.strip()
 

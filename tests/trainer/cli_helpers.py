@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.platforms import cpu_child_env, python_path
 from tpu_train import cli
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A debug_tiny Llama on 2 x 32-token batches, eager on the CPU: a step takes well under a
 # second on one core and there is no compilation (several seconds per run).
@@ -60,10 +63,18 @@ def run_in_process(*overrides: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def start_subprocess(*overrides: str) -> subprocess.Popen:
-    """``tpu-train`` in a child process (for signals), output captured."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *overrides],
+def start_subprocess(*overrides: str, cwd: Path | None = None) -> subprocess.Popen:
+    """``tpu-train`` in a child process (for signals) working in ``cwd``, output captured. A run
+    on the host CPU (``trainer.device=cpu``) needs no chip, and on a TPU host this process holds
+    it: that child runs on the cpu platform. A child on the tpu device runs on the test
+    platform, as its parent's in-process runs do (a test that starts one on a chip is marked
+    ``device_in_child``)."""
+    variables = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if "trainer.device=cpu" in overrides:
+        env = cpu_child_env(ROOT, **variables)
+    else:
+        env = dict(os.environ, PYTHONPATH=python_path(ROOT), **variables)
+    return subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *overrides], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.cli_helpers import one_thread, read_metrics, run_in_process  # noqa: F401
-from tpu_train.models import CONFIGS, get_config
+from tpu_train.models import CONFIGS, flops_per_token, get_config
+from tpu_train.trainer.metrics import PEAK_BF16_TFLOPS, chip_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = ("w1", "350m", "1b")
@@ -88,7 +89,22 @@ def test_w1_of_one_layer_trains_on_synthetic_tokens(monkeypatch, tmp_path):
     assert figures["first_step_s"] == rows[1]["train/step_time_s"]
     assert 0 < figures["wall_tokens_per_s"] <= figures["tokens_per_s"] * 1.01
     assert "over 2 steps (the first, which compiled, not counted)" in out
-    assert f"{figures['tokens_per_s']:,.0f} tokens/s at the median step, MFU unknown" in out
+    # Training FLOPs per token, 6 x the weights in matmuls (the layer's 2,949,120 above and the
+    # head's 8192 x 512) + 12 x layers x dim x seq_len for the attention products (PaLM, app. B).
+    flops = 6 * (2_949_120 + 8192 * 512) + 12 * 1 * 512 * 256
+    assert flops_per_token(CONFIGS["llama_w1"], 256) == flops
+    # MFU against the chip's published peak where it has one (a TPU), none on the CPU client.
+    from tpu_train.device import runtime
+
+    chip = chip_name(runtime.jax_device(0).device_kind)
+    if chip is None:
+        assert figures["mfu"] is None
+        mfu = "MFU unknown"
+    else:
+        expected = figures["tokens_per_s"] * flops / (PEAK_BF16_TFLOPS[chip] * 1e12)
+        assert figures["mfu"] == pytest.approx(expected, rel=1e-12)
+        mfu = f"MFU {expected:.1%}"
+    assert f"{figures['tokens_per_s']:,.0f} tokens/s at the median step, {mfu}" in out
 
 
 @pytest.mark.usefixtures("one_thread")

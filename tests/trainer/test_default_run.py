@@ -106,6 +106,7 @@ TARGET_EXACT_MATCH = 0.9
 
 
 @pytest.mark.slow
+@pytest.mark.device_in_child
 def test_full_default_run_reaches_the_target(tmp_path):
     """``tpu-train`` with no overrides (about 5 minutes on 2 cores): >= 90 % held-out exact match
     on at least 200 examples, greedy answers of the final model (measured: 90.5 %,

@@ -35,8 +35,11 @@ def _wait_for_checkpoints(process, run_dir, count, timeout=240.0):
     raise AssertionError(f"{count} checkpoints not written in {timeout} s")
 
 
-@pytest.mark.device_in_child
-@pytest.mark.parametrize("mode", [TINY, TINY_COMPILED], ids=["eager_cpu", "compiled_tpu"])
+# The eager run's child is on the host CPU, which needs no chip (start_subprocess); the
+# compiled one's is on the tpu device, and its parent compares with its own run there.
+@pytest.mark.parametrize("mode", [
+    pytest.param(TINY, id="eager_cpu"),
+    pytest.param(TINY_COMPILED, id="compiled_tpu", marks=pytest.mark.device_in_child)])
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
     """SIGKILL mid-run, then the newest checkpoint damaged as well (half its model file gone):
     the resume falls back to the one before, with a warning, and replays every step exactly."""
@@ -68,7 +71,6 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, mode):
         assert resumed[step]["train/grad_norm"] == reference[step]["train/grad_norm"], step
 
 
-@pytest.mark.device_in_child
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     process = start_subprocess(*TINY, "trainer.max_steps=500", "checkpoint.every_n_steps=1000",
@@ -158,3 +160,42 @@ def test_compiled_run_validates_the_trained_weights(tmp_path):
     # XLA program) and by PyTorch on the CPU.
     assert_base_model_losses_close([logged[1]["val/loss"]], [expected], rows=8,
                                    what="validation loss", trained=False)
+
+
+def _system_rows(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if any(key.startswith("system/") for key in row)]
+
+
+def test_a_run_on_the_host_cpu_asks_no_device_backend_for_its_peak_memory(tmp_path,
+                                                                          monkeypatch):
+    """trainer.device=cpu holds nothing on a device: asking JAX's backend for a peak would open
+    it (on a TPU host, the chip, which another process may hold)."""
+    from tpu_train.trainer import loop
+
+    monkeypatch.setattr(loop, "peak_bytes_per_device",
+                        lambda: pytest.fail("a run on the host CPU asked a device for its peak"))
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process(*TINY, "trainer.max_steps=1", f"run.dir={run_dir}")
+    assert code == 0, err
+    [row] = _system_rows(run_dir)
+    assert row["system/param_bytes_per_device"] > 0 and "system/peak_bytes_per_device" not in row
+
+
+def test_the_peak_memory_is_read_from_the_chosen_platforms_devices(monkeypatch):
+    """The devices of tpu_train's platform (TPU_TRAIN_PLATFORM), not JAX's default backend."""
+    from tpu_train.device import runtime
+    from tpu_train.trainer.parallelism import peak_bytes_per_device
+
+    class Reporting:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(runtime, "devices", lambda: (
+        Reporting({"peak_bytes_in_use": 5}), Reporting(None), Reporting({"peak_bytes_in_use": 7})))
+    assert peak_bytes_per_device() == 7
+    monkeypatch.setattr(runtime, "devices", lambda: (Reporting({}),))
+    assert peak_bytes_per_device() is None

@@ -8,7 +8,6 @@ device, run in a child process whose JAX sees a single CPU device (this session 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.platforms import cpu_child_env
 from tests.tolerances import loss_rtol
 from tests.trainer.cli_helpers import read_metrics, run_in_process
 
@@ -45,8 +45,10 @@ LAYOUTS = {
 
 
 def _env(devices_per_process: int) -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    """Children on ``devices_per_process`` virtual devices of the CPU client (the cpu platform,
+    also on a TPU host)."""
+    return cpu_child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
 
 
 def _losses(run_dir: Path, steps: int = STEPS) -> list[float]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer.cli_helpers import TINY, one_thread, read_metrics, run_in_process, snapshot  # noqa: F401
+from tests.trainer.cli_helpers import (TINY, one_thread, read_metrics, run_in_process,  # noqa: F401
+                                      snapshot, start_subprocess)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -156,18 +157,10 @@ def test_null_seq_len_is_capped_for_models_with_long_positions():
 def _stop_after_first_step(tmp_path, *overrides: str) -> tuple[str, str]:
     """``tpu-train overrides...`` in a child process working in ``tmp_path`` (so the default
     run.dir lands there), stopped by SIGINT (Ctrl-C) once a step is logged; (stdout, stderr)."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *overrides], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    process = start_subprocess(*overrides, cwd=tmp_path)
     deadline = time.monotonic() + 240
     while not any(read_metrics(d) for d in tmp_path.glob("runs/*/*")):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()

@@ -508,7 +508,8 @@ def _log_memory(logger: RunLogger, parallel: Layout, model, optimizer, step: int
     and the backend's peak, where it reports one; after the first step, when the optimizer
     state exists in every mode."""
     values = {"param_bytes_per_device": float(parallel.bytes_per_device(model, optimizer))}
-    peak = peak_bytes_per_device()
+    # A run on the host CPU holds nothing on a device: no backend is opened to ask.
+    peak = None if parallel.device.type == "cpu" else peak_bytes_per_device()
     if peak is not None:
         values["peak_bytes_per_device"] = float(peak)
     logger.scalars("system", values, step)

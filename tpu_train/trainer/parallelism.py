@@ -121,11 +121,13 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
 
 
 def peak_bytes_per_device() -> int | None:
-    """The backend's peak bytes in use on this process's busiest device, where it reports it."""
-    import jax
+    """The backend's peak bytes in use on this process's busiest tpu device, where it reports
+    it. The devices of the platform tpu_train chose (``TPU_TRAIN_PLATFORM``), not JAX's default
+    backend: on a TPU host that would be the chip also where the cpu platform was asked for."""
+    from tpu_train.device import runtime
 
     peaks = []
-    for d in jax.local_devices():
+    for d in runtime.devices():
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
         if stats and "peak_bytes_in_use" in stats:
             peaks.append(int(stats["peak_bytes_in_use"]))
