@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "compile": 2,
     "distributed": 3,
     "__init__": 3,  # the package itself (see the module docstring)
+    "startup": 3,  # what the package starts for the command line, before torch is imported
     "parallel": 4,
     "models": 5,
     "data": 5,
