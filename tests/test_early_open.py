@@ -70,13 +70,19 @@ _IMPORT_AS_THE_COMMAND = (
     "print(startup.opened_early(), runtime.opening() or runtime.devices_enumerated())\n")
 
 
-def test_importing_tpu_train_as_the_training_command_opens_the_backend_unless_launched():
-    done = _python(_IMPORT_AS_THE_COMMAND)
+@pytest.mark.parametrize("args, world_size, opens", [
+    ([], None, True), (["trainer.max_steps=3"], "1", True),
+    ([], "2", False),  # a launcher's process: jax.distributed first
+    (["plan", "model=llama3_1_8b"], None, False),
+    (["=3"], None, False),  # an error of the command line itself
+])
+def test_importing_tpu_train_as_the_command_opens_the_backend_only_for_a_training_run(
+        args, world_size, opens):
+    done = _python(_IMPORT_AS_THE_COMMAND.replace("*sys.argv[1:]", ", ".join(map(repr, args))),
+                   **({"WORLD_SIZE": world_size} if world_size else {}))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "True"]
-    launched = _python(_IMPORT_AS_THE_COMMAND, WORLD_SIZE="2")
-    assert launched.returncode == 0, launched.stderr[-2000:]
-    assert launched.stdout.split() == ["False", "False"]  # no backend at all yet
+    # Not opened early: no backend at all yet (the trainer opens it, after the processes join).
+    assert done.stdout.split() == [str(opens), str(opens)]
 
 
 def test_a_config_error_ends_the_command_without_waiting_for_the_backend(tmp_path):

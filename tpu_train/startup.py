@@ -6,8 +6,9 @@ modules) about as long before the command's own code runs. A training command th
 the backend on a thread (:func:`tpu_train.device.runtime.open_in_background`, the same choice
 of platform as at first device use) from the first line of ``import tpu_train``; the imports,
 the config's composition, the tokenizer and the data go on meanwhile, and the first use of
-the device waits for the thread. libtpu creates its client with Python's lock released, so
-the imports do run meanwhile.
+the device waits for the thread. JAX creates the PJRT client with Python's lock released, so
+the imports do run meanwhile (libtpu's load before it holds the lock well under 0.1 s at a
+time: docs/benchmarks.md, "Opening the backend while importing").
 
 Only where that is safe and of use (:func:`opens_a_device_early`):
 
