@@ -88,10 +88,12 @@ def test_importing_tpu_train_as_the_command_opens_the_backend_only_for_a_trainin
 def test_a_config_error_ends_the_command_without_waiting_for_the_backend(tmp_path):
     # An open that never ends (a chip that hangs): the error must still come, as one line,
     # with exit status 2, and nothing written. A wait for the open would hang until the timeout.
-    code = ("import sys, threading\n"
+    # What the native start-up printed meanwhile is dropped, as for an open that fails.
+    code = ("import os, sys, threading\n"
             "import jax\n"
             "def never_opens(*args, **kwargs):\n"
             "    print('opening', flush=True)\n"
+            "    os.write(2, b'native start-up noise\\n')\n"
             "    threading.Event().wait()\n"
             "jax.devices = never_opens\n"
             f"sys.argv = ['tpu-train', 'trainer.max_steps=many', 'run.dir={tmp_path / 'run'}']\n"

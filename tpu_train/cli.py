@@ -221,13 +221,11 @@ def _exit_for(exc: Exception) -> None:
     """Print a one-line report and exit for bad input or a stopped run; re-raise anything else.
     The exit does not wait for a backend still opening (:func:`tpu_train.startup.exit_promptly`)."""
     if isinstance(exc, TrainingStopped):
-        print(f"tpu-train: stopped: {exc}", file=sys.stderr)
-        exit_promptly(EXIT_STOPPED)
+        exit_promptly(EXIT_STOPPED, f"tpu-train: stopped: {exc}")
     if not _is_bad_input(exc):
         raise exc
     message = str(exc) if isinstance(exc, ConfigError) else describe_composition_error(exc)
-    print(f"tpu-train: error: {' '.join(message.split())}", file=sys.stderr)
-    exit_promptly(EXIT_BAD_INPUT)
+    exit_promptly(EXIT_BAD_INPUT, f"tpu-train: error: {' '.join(message.split())}")
 
 
 if __name__ == "__main__":

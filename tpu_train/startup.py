@@ -98,12 +98,14 @@ def opened_early() -> bool:
     return _opened_early
 
 
-def exit_promptly(status: int) -> NoReturn:
-    """``sys.exit(status)``; in the command's own process while the backend it opened early
-    is still opening, an immediate exit instead (:func:`runtime.exit_without_waiting`)."""
+def exit_promptly(status: int, last_line: str) -> NoReturn:
+    """Print ``last_line`` to stderr and ``sys.exit(status)``; in the command's own process
+    while the backend it opened early is still opening, an immediate exit instead
+    (:func:`runtime.exit_without_waiting`)."""
     if _opened_early:
         from tpu_train.device import runtime
 
         if runtime.opening():
-            runtime.exit_without_waiting(status)
+            runtime.exit_without_waiting(status, last_line)
+    print(last_line, file=sys.stderr)
     sys.exit(status)

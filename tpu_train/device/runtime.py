@@ -92,7 +92,7 @@ def open_in_background() -> None:
 
     While it runs, what this process writes to its stderr is held back with the native
     start-up output (:func:`_native_start_up_output`) and written when the backend is open
-    (or by :func:`exit_without_waiting`)."""
+    (dropped by :func:`exit_without_waiting`)."""
     global _opener
     if _opener is not None or devices_enumerated():
         return
@@ -134,17 +134,18 @@ def opening() -> bool:
     return _opener is not None and _opener.is_alive()
 
 
-def exit_without_waiting(status: int) -> NoReturn:
-    """End the process now with exit ``status``, not waiting for a backend still opening on
-    its thread (a process whose own code found an error needs no device, and a TPU takes
-    seconds to open). The operating system releases a chip being opened, as at any exit.
-    What the process wrote to its stderr meanwhile is written out first. ``os._exit``: no
+def exit_without_waiting(status: int, last_line: str) -> NoReturn:
+    """Write ``last_line`` to stderr and end the process now with exit ``status``, not waiting
+    for a backend still opening on its thread (a process whose own code found an error needs
+    no device, and a TPU takes seconds to open); the operating system releases a chip being
+    opened, as at any exit. What was held back of stderr meanwhile (the native start-up output
+    of the open given up) is dropped, as for a backend that fails to open. ``os._exit``: no
     ``atexit`` handlers, so only for a process that is the command line itself."""
     held = _held_stderr
-    text = held.give_back() if held is not None else ""
+    if held is not None:
+        held.give_back()
     with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        print(last_line, file=sys.stderr, flush=True)
         sys.stdout.flush()
     logging.shutdown()
     os._exit(status)
@@ -155,7 +156,9 @@ def platform() -> str:
     by :func:`_choose_once`)."""
     _wait_for_opener()
     _raise_deferred_error()
-    return _choose_once()
+    chosen = _choose_once()
+    _print_notes()
+    return chosen
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,9 +179,26 @@ def _choose_once() -> str:
         if chosen != "cpu":
             host_memory.restore_defaults()
     if chosen == "cpu" and requested is None and tpu_host.libtpu_installed():
-        print(f"tpu_train: libtpu is installed but this host has no TPU chips: running on the "
-              f"CPU ({PLATFORM_ENV}=cpu says so and silences this line)", file=sys.stderr)
+        _notes.append(f"tpu_train: libtpu is installed but this host has no TPU chips: running "
+                      f"on the CPU ({PLATFORM_ENV}=cpu says so and silences this line)")
     return chosen
+
+
+# Lines for the user from the platform choice, printed by the first device use of a thread
+# other than the opener's: a command that stops on a configuration error while its backend
+# opens early says the error alone.
+_notes: list[str] = []
+
+
+def _print_notes() -> None:
+    if threading.current_thread() is _opener:
+        return
+    while True:
+        try:
+            note = _notes.pop(0)
+        except IndexError:  # none left (or another thread printed the last one)
+            return
+        print(note, file=sys.stderr)
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,7 +392,9 @@ def devices() -> tuple:
     """The local JAX devices of the chosen platform; ``tpu:i`` is ``devices()[i]``."""
     _wait_for_opener()
     _raise_deferred_error()
-    return _local_devices()
+    found = _local_devices()
+    _print_notes()
+    return found
 
 
 @functools.lru_cache(maxsize=None)
