@@ -105,3 +105,31 @@ def test_a_config_error_ends_the_command_without_waiting_for_the_backend(tmp_pat
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("tpu-train: error: ") and "max_steps" in lines[0]
     assert not any(tmp_path.iterdir())
+
+
+def test_a_recipe_that_runs_on_the_host_cpu_after_an_early_open_runs(tmp_path):
+    # The command line cannot tell: the recipe itself moves the run to torch's CPU device,
+    # after the backend started opening. The run goes on, on the CPU, and ends normally.
+    from importlib import resources
+
+    from tests.trainer.cli_helpers import TINY
+
+    from tpu_train import cli
+
+    source = resources.files(cli.RECIPES_PACKAGE) / "llama_finetune.py"
+    mine = tmp_path / "cpu_recipe.py"
+    mine.write_text(source.read_text().replace(
+        "    job = trainer.start(cfg)",
+        "    from tpu_train import startup\n"
+        "    print('opened early:', startup.opened_early())\n"
+        "    cfg.trainer.device = 'cpu'\n"
+        "    job = trainer.start(cfg)"))
+    overrides = [o for o in TINY if not o.startswith("trainer.device=")]
+    done = subprocess.run(
+        [sys.executable, "-m", "tpu_train.cli", f"recipe={mine}", *overrides,
+         "trainer.max_steps=1", f"run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "opened early: True" in done.stdout
+    assert "device: cpu |" in done.stdout and "finished step 1/1" in done.stdout
