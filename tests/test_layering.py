@@ -15,6 +15,8 @@ Entry shims:
   layers every ``import tpu_train`` needs (ops, device, and distributed for the ``tpu``
   ProcessGroup). Its layer is ``distributed``, so ``import tpu_train`` (the bare package,
   e.g. for ``tpu_train.device(0)``) is allowed from ``distributed`` up and flagged below it.
+* ``tpu_train/startup.py`` is what ``tpu_train/__init__.py`` starts for the command line
+  before torch is imported (the backend's early open); it sits beside it, in its layer.
 * ``tpu_train/launch.py`` (``python -m tpu_train.launch``) only forwards to the distributed
   launcher; it is an entry point like ``cli.py``, so it sits at the top (only the other
   entry points could import it).
@@ -45,6 +47,7 @@ LAYERS: dict[str, int] = {
     "compile": 2,
     "distributed": 3,
     "__init__": 3,  # the package itself (see the module docstring)
+    "startup": 3,  # what the package starts for the command line, before torch is imported
     "parallel": 4,
     "models": 5,
     "data": 5,

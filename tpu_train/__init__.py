@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import os as _os
-import sys as _sys
+
+from tpu_train import startup as _startup
 
 
 def _quiet_xla_for_the_command_line() -> None:
@@ -19,14 +20,14 @@ def _quiet_xla_for_the_command_line() -> None:
     warnings off the console unless ``logging.verbose=true`` is on its command line: jaxlib reads
     ``TF_CPP_MIN_LOG_LEVEL`` once, when it is imported, which is here, before the command's own
     code runs (``tpu_train.trainer.log_noise`` does the rest). A value already set wins."""
-    argv = list(getattr(_sys, "orig_argv", _sys.argv))
-    command = _os.path.basename(_sys.argv[0]) == "tpu-train" or any(
-        flag == "-m" and module == "tpu_train.cli" for flag, module in zip(argv, argv[1:]))
-    if command and "logging.verbose=true" not in (arg.lower() for arg in argv):
+    args = _startup.command_arguments()
+    if args is not None and "logging.verbose=true" not in (arg.lower() for arg in args):
         _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 _quiet_xla_for_the_command_line()
+# Before torch: a training command's backend opens while the rest is imported.
+_startup.open_backend_early()
 
 import torch  # noqa: E402
 

@@ -63,6 +63,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from tpu_train.startup import PLAN_COMMAND, exit_promptly
 from tpu_train.trainer.config import register_schema
 from tpu_train.trainer.config_errors import describe_composition_error
 from tpu_train.trainer.errors import ConfigError, TrainingStopped
@@ -85,7 +86,6 @@ CONFIG_DIR = str(resources.files(CONFIG_PACKAGE))
 DEFAULT_RECIPE_CONFIG = "llama_finetune"
 
 EXIT_BAD_INPUT = 2
-PLAN_COMMAND = "plan"
 EXIT_STOPPED = 1
 _SCRIPT_OVERRIDE = "recipe.script"
 
@@ -218,15 +218,14 @@ def main() -> None:
 
 
 def _exit_for(exc: Exception) -> None:
-    """Print a one-line report and exit for bad input or a stopped run; re-raise anything else."""
+    """Print a one-line report and exit for bad input or a stopped run; re-raise anything else.
+    The exit does not wait for a backend still opening (:func:`tpu_train.startup.exit_promptly`)."""
     if isinstance(exc, TrainingStopped):
-        print(f"tpu-train: stopped: {exc}", file=sys.stderr)
-        sys.exit(EXIT_STOPPED)
+        exit_promptly(EXIT_STOPPED, f"tpu-train: stopped: {exc}")
     if not _is_bad_input(exc):
         raise exc
     message = str(exc) if isinstance(exc, ConfigError) else describe_composition_error(exc)
-    print(f"tpu-train: error: {' '.join(message.split())}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    exit_promptly(EXIT_BAD_INPUT, f"tpu-train: error: {' '.join(message.split())}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import platform as _platform
 import sys
 import tempfile
 import threading
+from typing import NoReturn
 
 from tpu_train.device import host_memory, tpu_host
 
@@ -85,11 +86,13 @@ def open_in_background() -> None:
     disk) goes on meanwhile: opening a TPU chip takes seconds. The first :func:`platform` or
     :func:`devices` of any other thread waits for it; an error is left to that call, which
     makes it again and raises it (errors of the environment's settings are raised here, by
-    :func:`_prepare`). Call it once the job's processes are joined
-    (``jax.distributed`` must start before the backends do).
+    :func:`_prepare`). Call it once the job's processes are joined, or where there is one
+    (``jax.distributed`` must start before the backends do); ``tpu-train`` calls it while
+    ``import tpu_train`` runs (:mod:`tpu_train.startup`).
 
     While it runs, what this process writes to its stderr is held back with the native
-    start-up output (:func:`_native_start_up_output`) and written when the backend is open."""
+    start-up output (:func:`_native_start_up_output`) and written when the backend is open
+    (dropped by :func:`exit_without_waiting`)."""
     global _opener
     if _opener is not None or devices_enumerated():
         return
@@ -119,11 +122,43 @@ def _wait_for_opener() -> None:
         opener.join()
 
 
+def _raise_deferred_error() -> None:
+    # One deferred by ``import tpu_train`` after a backend had started opening early (which
+    # found none) is still the first device use's to raise.
+    if _environment_errors:
+        raise _environment_errors[0]
+
+
+def opening() -> bool:
+    """Is the backend being opened on its thread (:func:`open_in_background`) right now?"""
+    return _opener is not None and _opener.is_alive()
+
+
+def exit_without_waiting(status: int, last_line: str) -> NoReturn:
+    """Write ``last_line`` to stderr and end the process now with exit ``status``, not waiting
+    for a backend still opening on its thread (a process whose own code found an error needs
+    no device, and a TPU takes seconds to open); the operating system releases a chip being
+    opened, as at any exit. What was held back of stderr meanwhile (the native start-up output
+    of the open given up) is dropped, as for a backend that fails to open. ``os._exit``: no
+    ``atexit`` handlers, so only for a process that is the command line itself."""
+    held = _held_stderr
+    if held is not None:
+        held.give_back()
+    with contextlib.suppress(OSError, ValueError):
+        print(last_line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
 def platform() -> str:
     """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"`` (chosen once,
     by :func:`_choose_once`)."""
     _wait_for_opener()
-    return _choose_once()
+    _raise_deferred_error()
+    chosen = _choose_once()
+    _print_notes()
+    return chosen
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,9 +179,26 @@ def _choose_once() -> str:
         if chosen != "cpu":
             host_memory.restore_defaults()
     if chosen == "cpu" and requested is None and tpu_host.libtpu_installed():
-        print(f"tpu_train: libtpu is installed but this host has no TPU chips: running on the "
-              f"CPU ({PLATFORM_ENV}=cpu says so and silences this line)", file=sys.stderr)
+        _notes.append(f"tpu_train: libtpu is installed but this host has no TPU chips: running "
+                      f"on the CPU ({PLATFORM_ENV}=cpu says so and silences this line)")
     return chosen
+
+
+# Lines for the user from the platform choice, printed by the first device use of a thread
+# other than the opener's: a command that stops on a configuration error while its backend
+# opens early says the error alone.
+_notes: list[str] = []
+
+
+def _print_notes() -> None:
+    if threading.current_thread() is _opener:
+        return
+    while True:
+        try:
+            note = _notes.pop(0)
+        except IndexError:  # none left (or another thread printed the last one)
+            return
+        print(note, file=sys.stderr)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,12 +225,40 @@ class _CapturedText:
     text = ""
 
 
+class _HeldStderr:
+    """File descriptor 2 pointed at a temporary file while a backend starts, given back once:
+    by the start-up when it ends, or sooner by :func:`exit_without_waiting` (another thread)."""
+
+    def __init__(self, saved: int, sink) -> None:
+        self._lock = threading.Lock()
+        self._saved, self._sink = saved, sink
+
+    def give_back(self) -> str:
+        """Point fd 2 at the process's stderr again; what was written meanwhile ("" after the
+        first call)."""
+        with self._lock:
+            if self._saved is None:
+                return ""
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._saved = None
+            self._sink.seek(0)
+            return self._sink.read().decode(errors="replace")
+
+
+# The stderr held back while a backend starts (_native_start_up_output), if any.
+_held_stderr: _HeldStderr | None = None
+
+
 @contextlib.contextmanager
 def _native_start_up_output():
     """Holds back what native code (libtpu, a GPU plugin) writes to the process's stderr while
     JAX starts its backends. A backend that fails to start prints pages of start-up errors
     there before JAX raises; the platform error then says the cause in one line, and the
     pages are dropped. When start-up succeeds the caller passes ``.text`` on unchanged."""
+    global _held_stderr
     captured = _CapturedText()
     try:
         sys.stderr.flush()
@@ -188,13 +268,12 @@ def _native_start_up_output():
         return
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 2)
+        held = _held_stderr = _HeldStderr(saved, sink)
         try:
             yield captured
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            captured.text = sink.read().decode(errors="replace")
+            captured.text = held.give_back()
+            _held_stderr = None
 
 
 # What ``import jax`` itself puts into an unset ``jax_platforms`` on a host with TPU chips and
@@ -312,13 +391,15 @@ def defer_environment_error(error: Exception) -> None:
 def devices() -> tuple:
     """The local JAX devices of the chosen platform; ``tpu:i`` is ``devices()[i]``."""
     _wait_for_opener()
-    return _local_devices()
+    _raise_deferred_error()
+    found = _local_devices()
+    _print_notes()
+    return found
 
 
 @functools.lru_cache(maxsize=None)
 def _local_devices() -> tuple:
-    if _environment_errors:
-        raise _environment_errors[0]
+    _raise_deferred_error()
     jax = _jax()
     for alias in _JAX_ALIASES[platform()]:
         try:

@@ -25,7 +25,8 @@ def resolve_device(name: str) -> torch.device:
     The ``tpu`` backend is opened on a thread of its own
     (:func:`tpu_train.device.runtime.open_in_background`): the tokenizer, the data and the
     model are read on the host meanwhile, and the first use of the device waits for it (an
-    unusable platform is reported there, before the run directory is written)."""
+    unusable platform is reported there, before the run directory is written). ``tpu-train``
+    started it already, while it imported (:mod:`tpu_train.startup`)."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "tpu":

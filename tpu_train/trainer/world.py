@@ -13,10 +13,10 @@ import dataclasses
 import os
 
 from tpu_train.distributed.init import TIMEOUT_ENV
+from tpu_train.startup import WORLD_SIZE_ENV
 
 from .errors import ConfigError
 
-WORLD_SIZE_ENV = "WORLD_SIZE"
 _LAUNCHERS = "torchrun or python -m tpu_train.launch"
 
 
