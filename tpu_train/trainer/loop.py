@@ -7,6 +7,7 @@ end exports the model in Hugging Face format.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -266,6 +267,7 @@ class _Loop:
         self.every = _Every.of(cfg)
         self.checkpointer = run.checkpointer
         self.checkpointer.remove_stale_temporaries()
+        self.batches = _training_batches(run.data.train, int(cfg.data.prefetch))
         self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
                                              cfg.trainer.max_steps, start_step)
         # metrics.jsonl ends at the resumed step (rows after it are replayed, not duplicated);
@@ -295,9 +297,16 @@ class _Loop:
 
     def save(self) -> None:
         """A checkpoint of this step in the layout's format (every process calls this)."""
-        state = {"scheduler": self.scheduler.state_dict(), "data": self.data.train.state_dict(),
+        state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
+
+    def close(self) -> None:
+        """Stop the prefetch thread, if any (idempotent); the data position saved after this is
+        still that of the last batch a step consumed."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
 
     def _log_compilations(self) -> int:
         """Log the train step's compilations since the last call; returns how many."""
@@ -330,7 +339,7 @@ class _Loop:
         loader is rewound: the first step reads the same batch, and a checkpoint saved before
         it the same data position. Reading or tracing errors are left to the first step,
         which raises them where it always has (its OOM compile error too)."""
-        loader = self.data.train
+        loader = self.batches
         if (self.step_fn.compiled is None or self.step >= self.every.max_steps
                 or not hasattr(loader, "state_dict")):
             return
@@ -364,11 +373,12 @@ class _Loop:
         """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
         ``trainer.max_minutes``), if anything."""
         cfg, every, logger = self.job.cfg, self.every, self.logger
-        batches = iter(self.data.train)
+        batches = iter(self.batches)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
         if self.step_fn.compiled is not None and self.step < every.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest(cfg.trainer.max_minutes) as stop, profiler:
+        # The prefetch thread stops with the loop, however it ends.
+        with _StopRequest(cfg.trainer.max_minutes) as stop, profiler, contextlib.closing(self):
             while self.step < every.max_steps and stop.signal_name is None:
                 # The loader yields micro-batches; the step takes the global batch they make up.
                 batch = join_micro_batches([next(batches)
@@ -412,6 +422,17 @@ class _Loop:
             validate(step)
         if step % every.checkpoint == 0 or step == every.max_steps:
             self.save()
+
+
+def _training_batches(loader, prefetch: int):
+    """``loader``, or with ``data.prefetch`` > 0 a :class:`~tpu_train.data.prefetch.Prefetcher`
+    that builds that many batches ahead on a thread, while the step runs: read, tokenized and
+    packed between steps, a batch of the default job took longer than its step on a TPU."""
+    if prefetch == 0:
+        return loader
+    from tpu_train.data.prefetch import Prefetcher
+
+    return Prefetcher(loader, depth=prefetch)
 
 
 def fit(run: Run) -> Path:
@@ -468,6 +489,7 @@ def fit(run: Run) -> Path:
         logger.line(final_summary(run, export_dir, validate.last, validate.first,
                                   loop.steady.describe(steady)))
     finally:
+        loop.close()
         logger.close()
     return job.run_dir
 
