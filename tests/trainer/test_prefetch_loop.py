@@ -3,14 +3,14 @@ saves or reports: resumes are exact, data errors read as before, no thread outli
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 
 from tests.trainer.cli_helpers import TINY, read_metrics, run_in_process
-from tpu_train.data.errors import DataError
-from tpu_train.data.packing import PackedLoader
 from tpu_train.trainer import loop as loop_module
 
 # A constant schedule: a run continued to a later max_steps then trains exactly as one that
@@ -26,6 +26,20 @@ def _losses(run_dir) -> dict[int, tuple[float, float]]:
 
 def _prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()]
+
+
+def _worker_processes() -> list[str]:
+    """Command lines of this process's live children that serve batches."""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    found = []
+    for pid in children.read_text().split() if children.exists() else []:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # ended meanwhile
+        if b"tpu_train.data.worker" in command:
+            found.append(command.decode(errors="replace"))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +59,13 @@ def test_prefetched_run_and_its_resume_match_an_unprefetched_run(reference, tmp_
     code, _, err = run_in_process(*COMMON, "data.prefetch=3", "trainer.max_steps=3",
                                   f"run.dir={run_dir}")
     assert code == 0, err
-    assert not _prefetch_threads()
+    assert not _prefetch_threads() and not _worker_processes()
     code, out, err = run_in_process(*COMMON, "data.prefetch=3", f"trainer.max_steps={STEPS}",
                                     f"run.dir={run_dir}")
     assert code == 0, err
     assert "resumed from step_00000003" in out
     assert _losses(run_dir) == reference
-    assert not _prefetch_threads()
+    assert not _prefetch_threads() and not _worker_processes()
 
 
 def test_a_stopped_run_saves_the_position_of_the_last_consumed_batch(reference, tmp_path,
@@ -71,7 +85,7 @@ def test_a_stopped_run_saves_the_position_of_the_last_consumed_batch(reference, 
                                     "checkpoint.every_n_steps=100", f"run.dir={run_dir}")
     assert code == 0, err
     assert "stopped by SIGTERM at step 2" in out
-    assert not _prefetch_threads()
+    assert not _prefetch_threads() and not _worker_processes()
     monkeypatch.setattr(loop_module._Loop, "_after_step", after_step)
     code, out, err = run_in_process(*COMMON, "data.prefetch=2", f"trainer.max_steps={STEPS}",
                                     f"run.dir={run_dir}")
@@ -80,27 +94,22 @@ def test_a_stopped_run_saves_the_position_of_the_last_consumed_batch(reference, 
     assert _losses(run_dir) == reference
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_data_error_while_training_is_the_same_one_line_error(prefetch, tmp_path,
-                                                               monkeypatch):
-    """The training loader's 4th batch fails (as a bad record deep in a file would): built
-    on the thread or between steps, the CLI says the same one line and exits 2 at step 3."""
-    calls: dict[int, int] = {}
-    original = PackedLoader.__next__
-
-    def fail_on_4th(self):
-        calls[id(self)] = calls.get(id(self), 0) + 1
-        if calls[id(self)] == 4:
-            raise DataError("not valid JSON (Expecting value); fix or remove the line",
-                            "train.jsonl", 300)
-        return original(self)
-
-    monkeypatch.setattr(PackedLoader, "__next__", fail_on_4th)
-    run_dir = tmp_path / "run"
-    code, out, err = run_in_process(*COMMON, f"data.prefetch={prefetch}",
-                                    f"trainer.max_steps={STEPS}", f"run.dir={run_dir}")
-    assert code == 2, err
-    assert err.strip() == ("tpu-train: error: train.jsonl:300: not valid JSON (Expecting "
-                           "value); fix or remove the line")
-    assert sorted(read_metrics(run_dir)) == [1, 2, 3]
-    assert not _prefetch_threads()
+def test_a_data_error_while_training_is_the_same_one_line_error(tmp_path):
+    """A bad record deep in the file (line 257: past the first read-ahead chunk, which the
+    start-up probe reads) fails the 3rd or 4th batch: built in the worker or between steps,
+    the run stops after the same steps and the CLI says the same one line, exit 2."""
+    data = tmp_path / "train.jsonl"
+    # 3-token samples: 256 of them fill 3 batches of 8 rows of 32 tokens.
+    data.write_text("".join('{"text": "a"}\n' for _ in range(256)) + "{not json\n")
+    outcomes = []
+    for prefetch in (0, 2):
+        run_dir = tmp_path / f"run{prefetch}"
+        code, _, err = run_in_process(*COMMON, "data=jsonl", f"data.path={data}",
+                                      "data.batch_size=8", f"data.prefetch={prefetch}",
+                                      f"trainer.max_steps={STEPS}", f"run.dir={run_dir}")
+        outcomes.append((code, err.strip(), sorted(read_metrics(run_dir))))
+        assert not _prefetch_threads() and not _worker_processes()
+    assert outcomes[0] == outcomes[1]
+    code, err, steps = outcomes[0]
+    assert code == 2 and err.startswith(f"tpu-train: error: {data}:257: ") and "\n" not in err
+    assert steps in ([1, 2], [1, 2, 3])

@@ -301,9 +301,15 @@ class _Loop:
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
 
+    def start_batches(self) -> None:
+        """Start building batches ahead (``data.prefetch``) now, while the starting model is
+        validated: the worker takes a second or two to start."""
+        if self.step < self.every.max_steps and hasattr(self.batches, "start"):
+            self.batches.start()
+
     def close(self) -> None:
-        """Stop the prefetch thread, if any (idempotent); the data position saved after this is
-        still that of the last batch a step consumed."""
+        """Stop the prefetch worker, if any (idempotent); the data position saved after this
+        is still that of the last batch a step consumed."""
         close = getattr(self.batches, "close", None)
         if close is not None:
             close()
@@ -339,7 +345,8 @@ class _Loop:
         loader is rewound: the first step reads the same batch, and a checkpoint saved before
         it the same data position. Reading or tracing errors are left to the first step,
         which raises them where it always has (its OOM compile error too)."""
-        loader = self.batches
+        # The loader itself, read before the prefetcher starts (see start_batches).
+        loader = self.data.train
         if (self.step_fn.compiled is None or self.step >= self.every.max_steps
                 or not hasattr(loader, "state_dict")):
             return
@@ -377,7 +384,7 @@ class _Loop:
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
         if self.step_fn.compiled is not None and self.step < every.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        # The prefetch thread stops with the loop, however it ends.
+        # The prefetch worker stops with the loop, however it ends.
         with _StopRequest(cfg.trainer.max_minutes) as stop, profiler, contextlib.closing(self):
             while self.step < every.max_steps and stop.signal_name is None:
                 # The loader yields micro-batches; the step takes the global batch they make up.
@@ -425,11 +432,19 @@ class _Loop:
 
 
 def _training_batches(loader, prefetch: int):
-    """``loader``, or with ``data.prefetch`` > 0 a :class:`~tpu_train.data.prefetch.Prefetcher`
-    that builds that many batches ahead on a thread, while the step runs: read, tokenized and
-    packed between steps, a batch of the default job took longer than its step on a TPU."""
+    """``loader``, or with ``data.prefetch`` > 0 a prefetcher that builds that many batches
+    ahead while the step runs (read, tokenized and packed between steps, a batch of the
+    default job took longer than its step on a TPU): a worker process for files
+    (:class:`~tpu_train.data.worker.WorkerPrefetcher`), a thread for other loaders (random
+    tokens cost next to nothing to make)."""
     if prefetch == 0:
         return loader
+    from tpu_train.data.packing import PackedLoader
+
+    if isinstance(loader, PackedLoader):
+        from tpu_train.data.worker import WorkerPrefetcher
+
+        return WorkerPrefetcher(loader, depth=prefetch)
     from tpu_train.data.prefetch import Prefetcher
 
     return Prefetcher(loader, depth=prefetch)
@@ -467,6 +482,7 @@ def fit(run: Run) -> Path:
         # of their own, while the starting model is validated (in the order they are needed).
         validate.compile_ahead()
         loop.compile_ahead()
+        loop.start_batches()
         validate.at_start(loop.start_step)
         stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
                                                                              logger))
