@@ -1,15 +1,13 @@
-"""Batches built ahead of the training loop on a background thread, and moved to a device.
+"""Batches built ahead of the consumer on a background thread, and moved to a device.
 
 :class:`Prefetcher` pulls batches from any iterator on a daemon thread and keeps up to
-``depth`` ready, so that reading, tokenizing and packing batch ``n + 1`` overlaps the step on
-batch ``n`` (the trainer's ``data.prefetch``). :class:`DevicePrefetcher` also moves each
-batch's tensors to a device (``.to(device, non_blocking=True)`` by default), so that the
-transfer overlaps the step too.
-
-A thread, not a worker process: the tokenizer releases the GIL while it encodes, and
-``scripts/bench_data_pipeline.py`` measured the thread within noise of a spawned worker
-process that has no GIL in common with the loop (docs/architecture.md, "Data loading"),
-without a second interpreter's start-up, memory and pickled batches.
+``depth`` ready, so that building batch ``n + 1`` overlaps the work on batch ``n``.
+:class:`DevicePrefetcher` also moves each batch's tensors to a device
+(``.to(device, non_blocking=True)`` by default), so that the transfer overlaps the step too.
+The trainer builds files' batches in a worker process instead
+(:class:`~tpu_train.data.worker.WorkerPrefetcher`): a thread that parses and packs shares the
+GIL with the training loop and delays it (docs/architecture.md, "Data loading"); it keeps a
+thread for loaders that cost next to nothing (random tokens).
 
 Resumability: after pulling each batch the thread also snapshots the source's
 ``state_dict()``. ``state_dict()`` returns the snapshot that belongs to the last batch the
