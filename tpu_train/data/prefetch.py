@@ -52,6 +52,13 @@ def move_batch(batch: Any, device: torch.device | str, non_blocking: bool = True
     return batch
 
 
+def check_depth(depth: Any) -> int:
+    """``depth`` (batches built ahead), or ``ValueError`` unless it is an int >= 1."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"prefetch depth must be >= 1, got {depth!r}")
+    return depth
+
+
 class _Failure:
     """Carries an exception raised in the worker thread to the consumer."""
 
@@ -126,10 +133,8 @@ class Prefetcher:
 
     def __init__(self, source: Iterable, depth: int = 2,
                  transform: Callable[[Any], Any] | None = None):
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"prefetch depth must be >= 1, got {depth!r}")
         self.source = source
-        self.depth = depth
+        self.depth = check_depth(depth)
         self.transform = transform or (lambda batch: batch)
         self.resumable = hasattr(source, "state_dict") and hasattr(source, "load_state_dict")
         self._worker: _Worker | None = None

@@ -40,6 +40,8 @@ from typing import Any, BinaryIO
 import numpy
 import torch
 
+from tpu_train.data.prefetch import check_depth
+
 _CREDIT = b"+"
 # Runs in the worker: a namespace stands in for the tpu_train package so that importing
 # tpu_train.data does not run tpu_train/__init__.py (torch backend, JAX, ops: seconds of CPU).
@@ -121,9 +123,7 @@ class WorkerPrefetcher:
     """
 
     def __init__(self, loader: Any, depth: int = 2):
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"prefetch depth must be >= 1, got {depth!r}")
-        self.loader, self.depth = loader, depth
+        self.loader, self.depth = loader, check_depth(depth)
         self._process: subprocess.Popen | None = None
         self._consumed_state = loader.state_dict()
         self._closed = self._done = False
