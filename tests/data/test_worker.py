@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +110,47 @@ def test_close_ends_the_worker_and_forbids_more(loader):
 def test_depth_must_be_a_positive_integer(loader, depth):
     with pytest.raises(ValueError, match="prefetch depth must be >= 1"):
         WorkerPrefetcher(loader(), depth=depth)
+
+
+_ABANDON = """
+import sys
+from tpu_train.data import PackedLoader, load_tokenizer
+from tpu_train.data.worker import WorkerPrefetcher
+prefetcher = WorkerPrefetcher(PackedLoader(sys.argv[1], load_tokenizer(), 8, 2), depth=2)
+next(prefetcher)
+print(prefetcher._process.pid, flush=True)
+if sys.argv[2] == "hang":
+    sys.stdin.read()
+"""
+
+
+def _ended(pid: int, within: float) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        status = Path(f"/proc/{pid}/stat")
+        if status.exists() and status.read_text().split(")")[-1].split()[0] == "Z":
+            return True  # ended, not yet reaped by its (killed) parent's reaper
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("how", ["exit", "killed"])
+def test_the_worker_ends_with_the_training_process(write_jsonl, how):
+    """An unclosed prefetcher does not hold up the interpreter's exit, and a training process
+    killed outright (SIGKILL: no atexit) leaves no worker behind."""
+    path = write_jsonl([{"text": "one two three four"}] * 50)
+    child = subprocess.Popen([sys.executable, "-c", _ABANDON, str(path),
+                              "hang" if how == "killed" else "exit"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    worker_pid = int(child.stdout.readline())
+    if how == "killed":
+        child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=60) == (-signal.SIGKILL if how == "killed" else 0)
+    assert _ended(worker_pid, within=10)
