@@ -2,7 +2,7 @@
 
 Exact command (from the repository root)::
 
-    python scripts/bench_data_pipeline.py      # --steps 150 --rounds 5 --wait-ms 3.3 --dispatch-ms 1
+    python scripts/bench_data_pipeline.py    # --steps 150 --rounds 5 --wait-ms 3.3 --dispatch-ms 1
 
 A simulated training loop is fed by the default job's loader (``PackedLoader`` over the bundled
 ``tasks_train.jsonl``, the bundled tokenizer, 16 rows of 128 tokens). Each step is the shape

@@ -8,11 +8,11 @@ import pickle
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import process_gone
 from tpu_train.data.errors import DataError
 from tpu_train.data.packing import PackedLoader
 from tpu_train.data.worker import WorkerPrefetcher
@@ -124,23 +124,6 @@ if sys.argv[2] == "hang":
 """
 
 
-def _ended(pid: int, within: float) -> bool:
-    import os
-    import time
-
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        status = Path(f"/proc/{pid}/stat")
-        if status.exists() and status.read_text().split(")")[-1].split()[0] == "Z":
-            return True  # ended, not yet reaped by its (killed) parent's reaper
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("how", ["exit", "killed"])
 def test_the_worker_ends_with_the_training_process(write_jsonl, how):
     """An unclosed prefetcher does not hold up the interpreter's exit, and a training process
@@ -153,4 +136,4 @@ def test_the_worker_ends_with_the_training_process(write_jsonl, how):
     if how == "killed":
         child.send_signal(signal.SIGKILL)
     assert child.wait(timeout=60) == (-signal.SIGKILL if how == "killed" else 0)
-    assert _ended(worker_pid, within=10)
+    assert process_gone(worker_pid, within=10)

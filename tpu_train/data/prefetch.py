@@ -145,7 +145,8 @@ class Prefetcher:
     def start(self) -> None:
         """Begin building batches now instead of at the first ``next()``."""
         if self._closed:
-            raise RuntimeError(f"{type(self).__name__} is closed; create a new one to keep iterating")
+            raise RuntimeError(f"{type(self).__name__} is closed; create a new one to keep "
+                               "iterating")
         if self._worker is None:
             self._worker = _Worker(self)
             _LIVE_PREFETCHERS.add(self)
