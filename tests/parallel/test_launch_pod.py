@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import process_gone
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "launch_pod.sh"
 FAKE_GCLOUD = Path(__file__).with_name("fake_gcloud.py")
@@ -201,17 +203,6 @@ FAIL_ON_2 = ('if [ "$RANK" = 2 ]; then '
              'echo $$ > ../pid; touch ../started; exec sleep 300')
 
 
-def _gone(pid: int, within: float = 20.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_failing_worker_stops_the_job_on_every_worker(fake_slice, checkout, tmp_path):
     env, root = fake_slice
     logs = tmp_path / "logs"
@@ -223,7 +214,7 @@ def test_a_failing_worker_stops_the_job_on_every_worker(fake_slice, checkout, tm
     assert "boom on worker 2" in proc.stderr  # the end of its log
     for worker in (0, 1, 3):
         pid = int((root / f"worker-{worker}" / "pid").read_text())
-        assert _gone(pid), f"worker {worker}'s command (pid {pid}) still runs"
+        assert process_gone(pid), f"worker {worker}'s command (pid {pid}) still runs"
         assert "stopped process group" in (logs / f"worker-{worker}.log").read_text()
     assert sorted(p.name for p in logs.iterdir()) == [f"worker-{i}.log" for i in range(4)]
 
@@ -245,4 +236,4 @@ def test_ctrl_c_stops_the_job_on_every_worker(fake_slice, checkout, tmp_path):
     assert "got signal 2 during launch; stopping the job on every worker" in err
     for worker in range(2):
         pid = int((root / f"worker-{worker}" / "pid").read_text())
-        assert _gone(pid), f"worker {worker}'s command (pid {pid}) still runs"
+        assert process_gone(pid), f"worker {worker}'s command (pid {pid}) still runs"

@@ -29,9 +29,12 @@ Evaluation batches
     ``PaddedInstructionLoader(path, tokenizer, batch_size)`` yields whole, padded
     instruction/chat samples with ``prompt_tokens`` (left-padded), ``prompts`` and ``references``.
 
-Device prefetching
-    ``DevicePrefetcher(batches, device, depth=2)`` moves the next batches to the device on a
-    background thread; resumable through the source's state, closable, a context manager.
+Prefetching
+    ``WorkerPrefetcher(loader, depth=2)`` builds a ``PackedLoader``'s next batches in a worker
+    process (the trainer's ``data.prefetch``); ``Prefetcher(batches, depth=2)`` on a thread;
+    ``DevicePrefetcher(batches, device, depth=2)`` also moves them to the device. All are
+    resumable through the source's state (that of the last batch consumed), closable, context
+    managers.
 
 Synthetic task and bundled corpus
     ``generate_examples(n, split, seed)``, ``write_jsonl``, ``extract_response``,
@@ -49,7 +52,7 @@ from tpu_train.data.datasets import Example, Sample, encode_examples, read_recor
 from tpu_train.data.errors import DataError
 from tpu_train.data.packing import IGNORE_INDEX, PackedLoader
 from tpu_train.data.padded import PaddedInstructionLoader
-from tpu_train.data.prefetch import DevicePrefetcher, move_batch
+from tpu_train.data.prefetch import DevicePrefetcher, Prefetcher, move_batch
 from tpu_train.data.random_tokens import RandomTokenLoader
 from tpu_train.data.synthetic import exact_match, extract_response, generate_examples, iter_examples, write_jsonl
 from tpu_train.data.tokenizer import (
@@ -59,6 +62,7 @@ from tpu_train.data.tokenizer import (
     default_tokenizer_path,
     load_tokenizer,
 )
+from tpu_train.data.worker import WorkerPrefetcher
 
 __all__ = [
     "DataError",
@@ -68,11 +72,13 @@ __all__ = [
     "HFTokenizer",
     "IGNORE_INDEX",
     "PackedLoader",
+    "Prefetcher",
     "PaddedInstructionLoader",
     "RandomTokenLoader",
     "Sample",
     "SentencePieceTokenizer",
     "Tokenizer",
+    "WorkerPrefetcher",
     "default_corpus_dir",
     "default_tokenizer_path",
     "encode_examples",

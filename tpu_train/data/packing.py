@@ -131,6 +131,21 @@ class PackedLoader:
         self._shuffle: list[Sample] = []
         self._rng = random.Random(seed)
         self._exhausted = False
+        self._settings = dict(format=format, mask_prompt=mask_prompt, shuffle_buffer=shuffle_buffer,
+                              seed=seed, num_epochs=num_epochs, drop_last=drop_last,
+                              read_chunk=read_chunk, weights=weights)
+
+    # A loader travels (to a worker process, see tpu_train.data.worker) as its settings and its
+    # state: open readers do not pickle, and the state is all its future depends on.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"files": self.files, "tokenizer": self.tokenizer, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "settings": self._settings,
+                "state": self.state_dict()}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self.__init__(pickled["files"], pickled["tokenizer"], pickled["seq_len"],
+                      pickled["batch_size"], **pickled["settings"])
+        self.load_state_dict(pickled["state"])
 
     def _next_sample(self) -> Sample | None:
         if self.shuffle_size <= 1:

@@ -138,6 +138,10 @@ class DataConfig:
     batch_size: int = 8
     shuffle_buffer: int = 0  # 0: file order
     mask_prompt: bool = True  # no loss on prompt tokens of instruction/chat records
+    # Training batches built ahead (read, tokenized, packed) in a worker process while the
+    # step runs; 0 builds each between steps. Resuming is exact either way (docs/architecture.md,
+    # "Data loading").
+    prefetch: int = 2
 
 
 # The longest sequence ``data.seq_len: null`` picks where the model allows more: longer

@@ -7,6 +7,7 @@ end exports the model in Hugging Face format.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -268,6 +269,7 @@ class _Loop:
         self.every = _Every.of(cfg)
         self.checkpointer = run.checkpointer
         self.checkpointer.remove_stale_temporaries()
+        self.batches = _training_batches(run.data.train, int(cfg.data.prefetch))
         self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
                                              cfg.trainer.max_steps, start_step)
         # metrics.jsonl ends at the resumed step (rows after it are replayed, not duplicated);
@@ -297,9 +299,22 @@ class _Loop:
 
     def save(self) -> None:
         """A checkpoint of this step in the layout's format (every process calls this)."""
-        state = {"scheduler": self.scheduler.state_dict(), "data": self.data.train.state_dict(),
+        state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
+
+    def start_batches(self) -> None:
+        """Start building batches ahead (``data.prefetch``) now, while the starting model is
+        validated: the worker takes a second or two to start."""
+        if self.step < self.every.max_steps and hasattr(self.batches, "start"):
+            self.batches.start()
+
+    def close(self) -> None:
+        """Stop the prefetch worker, if any (idempotent); the data position saved after this
+        is still that of the last batch a step consumed."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
 
     def _log_compilations(self) -> int:
         """Log the train step's compilations since the last call; returns how many."""
@@ -332,6 +347,7 @@ class _Loop:
         loader is rewound: the first step reads the same batch, and a checkpoint saved before
         it the same data position. Reading or tracing errors are left to the first step,
         which raises them where it always has (its OOM compile error too)."""
+        # The loader itself, read before the prefetcher starts (see start_batches).
         loader = self.data.train
         if (self.step_fn.compiled is None or self.step >= self.every.max_steps
                 or not hasattr(loader, "state_dict")):
@@ -366,11 +382,12 @@ class _Loop:
         """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
         ``trainer.max_minutes``), if anything."""
         cfg, every, logger = self.job.cfg, self.every, self.logger
-        batches = iter(self.data.train)
+        batches = iter(self.batches)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
         if self.step_fn.compiled is not None and self.step < every.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
-        with _StopRequest(cfg.trainer.max_minutes) as stop, profiler:
+        # The prefetch worker stops with the loop, however it ends.
+        with _StopRequest(cfg.trainer.max_minutes) as stop, profiler, contextlib.closing(self):
             while self.step < every.max_steps and stop.signal_name is None:
                 # The loader yields micro-batches; the step takes the global batch they make up.
                 batch = join_micro_batches([next(batches)
@@ -416,6 +433,25 @@ class _Loop:
             self.save()
 
 
+def _training_batches(loader, prefetch: int):
+    """``loader``, or with ``data.prefetch`` > 0 a prefetcher that builds that many batches
+    ahead while the step runs (read, tokenized and packed between steps, a batch of the
+    default job took longer than its step on a TPU): a worker process for files
+    (:class:`~tpu_train.data.worker.WorkerPrefetcher`), a thread for other loaders (random
+    tokens cost next to nothing to make)."""
+    if prefetch == 0:
+        return loader
+    from tpu_train.data.packing import PackedLoader
+
+    if isinstance(loader, PackedLoader):
+        from tpu_train.data.worker import WorkerPrefetcher
+
+        return WorkerPrefetcher(loader, depth=prefetch)
+    from tpu_train.data.prefetch import Prefetcher
+
+    return Prefetcher(loader, depth=prefetch)
+
+
 def fit(run: Run) -> Path:
     """Train ``run`` from ``run.step`` to ``trainer.max_steps``; returns the run directory.
 
@@ -448,6 +484,7 @@ def fit(run: Run) -> Path:
         # of their own, while the starting model is validated (in the order they are needed).
         validate.compile_ahead()
         loop.compile_ahead()
+        loop.start_batches()
         validate.at_start(loop.start_step)
         stopped_by = _train_or_say_how_to_resume(loop, validate, _Throughput(job, run.model,
                                                                              logger))
@@ -470,6 +507,7 @@ def fit(run: Run) -> Path:
         logger.line(final_summary(run, export_dir, validate.last, validate.first,
                                   loop.steady.describe(steady)))
     finally:
+        loop.close()
         logger.close()
     return job.run_dir
 

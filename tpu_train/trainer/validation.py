@@ -299,6 +299,9 @@ def _validate_model_and_data(cfg) -> None:
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
              "lower it, or set data.seq_len=null for the model's maximum")
     _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
+    _require(data.prefetch >= 0,
+             f"data.prefetch must be >= 0 (0: build each batch between steps; N: keep N batches "
+             f"built ahead in a worker process), got {data.prefetch}")
     _require(data.tokenizer is None or Path(data.tokenizer).exists(),
              f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
              "the bundled one")
