@@ -150,15 +150,22 @@ def enable_compile_log(environ) -> str:
     return log_dir
 
 
-def read_compile_log(log_dir: str) -> dict | None:
-    """:func:`tpu_compile_log.summarize` of libtpu's INFO log in ``log_dir`` (None: no log)."""
+def read_compile_log(log_dir: str, wait_s: float = 10.0) -> dict | None:
+    """:func:`tpu_compile_log.summarize` of libtpu's INFO log in ``log_dir`` (None: no log),
+    once the compile's last line is there (at most ``wait_s`` seconds later)."""
     import tpu_compile_log
 
     path = os.path.join(log_dir, "tpu_driver.INFO")
     if not os.path.exists(path):
         return None
-    with open(path, errors="replace") as log:
-        return tpu_compile_log.summarize(log.read())
+    # libtpu may still be writing the compile's last lines when the compile returns.
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(path, errors="replace") as log:
+            text = log.read()
+        if tpu_compile_log.FINAL_LINE in text or time.monotonic() > deadline:
+            return tpu_compile_log.summarize(text)
+        time.sleep(0.2)
 
 
 def _parameter_counts(program, text: str) -> dict:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+# The last line libtpu writes about a compile.
+FINAL_LINE = "END_TO_END stage duration"
 # What libtpu needs in LIBTPU_INIT_ARGS to name the kernels (read when libtpu starts).
 LIBTPU_ARGS = "--vmodule=deepsea_compiler_backend=2"
 

@@ -88,3 +88,20 @@ def test_compile_log_points_libtpu_at_a_new_directory_and_keeps_its_arguments():
     assert tpu_compile.read_compile_log(log_dir)["bundles"] == 522453
     Path(log_dir, "tpu_driver.INFO").unlink()
     Path(log_dir).rmdir()
+
+
+def test_the_log_is_read_once_the_compile_has_ended(tmp_path, monkeypatch):
+    """libtpu writes its last lines after the compile returns: the reader waits for them."""
+    head, tail = LOG.split("I1205 02:15:12.932069", 1)
+    log = tmp_path / "tpu_driver.INFO"
+    log.write_text(head)
+    sleeps = []
+
+    def finish_writing(seconds):
+        sleeps.append(seconds)
+        log.write_text(head + "I1205 02:15:12.932069" + tail)
+
+    monkeypatch.setattr(tpu_compile.time, "sleep", finish_writing)
+    summary = tpu_compile.read_compile_log(str(tmp_path))
+    assert len(sleeps) == 1 and summary["stages_s"]["end_to_end"] == 81.91
+    assert summary["executable_fingerprint"].startswith("853cc074")
