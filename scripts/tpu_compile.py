@@ -156,15 +156,18 @@ def read_compile_log(log_dir: str, wait_s: float = 10.0) -> dict | None:
     import tpu_compile_log
 
     path = os.path.join(log_dir, "tpu_driver.INFO")
-    if not os.path.exists(path):
-        return None
-    # libtpu may still be writing the compile's last lines when the compile returns.
+    # libtpu may still be writing the compile's last lines (or opening its log) when the
+    # compile returns.
     deadline = time.monotonic() + wait_s
     while True:
-        with open(path, errors="replace") as log:
-            text = log.read()
-        if tpu_compile_log.FINAL_LINE in text or time.monotonic() > deadline:
+        text = None
+        if os.path.exists(path):
+            with open(path, errors="replace") as log:
+                text = log.read()
+        if text is not None and tpu_compile_log.FINAL_LINE in text:
             return tpu_compile_log.summarize(text)
+        if time.monotonic() > deadline:
+            return None if text is None else tpu_compile_log.summarize(text)
         time.sleep(0.2)
 
 
