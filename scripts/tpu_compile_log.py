@@ -17,8 +17,9 @@ import re
 
 # The last line libtpu writes about a compile.
 FINAL_LINE = "END_TO_END stage duration"
-# What libtpu needs in LIBTPU_INIT_ARGS to name the kernels (read when libtpu starts).
-LIBTPU_ARGS = "--vmodule=deepsea_compiler_backend=2"
+# What libtpu needs in LIBTPU_INIT_ARGS (read when libtpu starts): name the kernels, and write
+# INFO lines at once (its log buffers them for up to 30 s otherwise, past a short compile).
+LIBTPU_ARGS = "--vmodule=deepsea_compiler_backend=2 --logbuflevel=-1"
 
 _LINE = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d(?:\.\d+)?)\s+(\d+) \S+\] (.*)$")
 _STAGE = re.compile(r"^([A-Z_]+) stage duration: (.+)$")

@@ -82,7 +82,7 @@ def test_compile_log_points_libtpu_at_a_new_directory_and_keeps_its_arguments():
     log_dir = tpu_compile.enable_compile_log(environ)
     assert Path(log_dir).is_dir() and environ["TPU_LOG_DIR"] == log_dir
     assert environ["LIBTPU_INIT_ARGS"] == \
-        "--xla_jf_lsra_log_timings=true --vmodule=deepsea_compiler_backend=2"
+        "--xla_jf_lsra_log_timings=true --vmodule=deepsea_compiler_backend=2 --logbuflevel=-1"
     assert tpu_compile.read_compile_log(log_dir, wait_s=0.3) is None  # nothing compiled yet
     (Path(log_dir) / "tpu_driver.INFO").write_text(LOG)
     assert tpu_compile.read_compile_log(log_dir)["bundles"] == 522453
