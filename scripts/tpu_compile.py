@@ -17,7 +17,11 @@ entry parameters against the arguments the step passes (they must be equal). Usa
                                   [--matmul-precision highest|high|medium] [--target v5e]
                                   [--seq N] [--batch N] [--layers N]
                                   [--remat none|full|save_dots|save_qkv_proj]
-                                  [--scan-layers auto|true|false]
+                                  [--scan-layers auto|true|false] [--compile-log]
+
+``--compile-log`` adds ``compile_log``: the TPU compiler's own account of the compile (its
+stages' seconds, bundle count, executable fingerprint and slowest kernels, from libtpu's log;
+``scripts/tpu_compile_log.py``). Equal fingerprints mean the same device program.
 """
 
 from __future__ import annotations
@@ -79,7 +83,10 @@ def main(argv=None) -> dict:
                                              "(trainer.remat)")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="trainer.scan_layers (auto: stacks of 20 layers or more)")
+    parser.add_argument("--compile-log", action="store_true",
+                        help="report the TPU compiler's stages and slowest kernels")
     args = parser.parse_args(argv)
+    log_dir = enable_compile_log(os.environ) if args.compile_log else None
     for name in ("seq", "batch", "layers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
@@ -122,8 +129,46 @@ def main(argv=None) -> dict:
               "dots": text.count(" convolution(") + text.count(" dot("),
               "pallas_kernels": text.count('custom_call_target="tpu_custom_call"'),
               **_parameter_counts(program, text)}
+    if log_dir is not None:
+        report["compile_log"] = read_compile_log(log_dir)
     print(json.dumps(report))
     return report
+
+
+def enable_compile_log(environ) -> str:
+    """Make libtpu (not started yet) log its compile into a new directory, naming the kernels
+    it compiles; returns the directory."""
+    import tempfile
+
+    import tpu_compile_log
+
+    log_dir = tempfile.mkdtemp(prefix="tpu_compile_log.")
+    environ["TPU_LOG_DIR"] = log_dir
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # libtpu's INFO lines hold the stage durations
+    environ["LIBTPU_INIT_ARGS"] = " ".join(
+        filter(None, (environ.get("LIBTPU_INIT_ARGS", ""), tpu_compile_log.LIBTPU_ARGS)))
+    return log_dir
+
+
+def read_compile_log(log_dir: str, wait_s: float = 10.0) -> dict | None:
+    """:func:`tpu_compile_log.summarize` of libtpu's INFO log in ``log_dir`` (None: no log),
+    once the compile's last line is there (at most ``wait_s`` seconds later)."""
+    import tpu_compile_log
+
+    path = os.path.join(log_dir, "tpu_driver.INFO")
+    # libtpu may still be writing the compile's last lines (or opening its log) when the
+    # compile returns.
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = None
+        if os.path.exists(path):
+            with open(path, errors="replace") as log:
+                text = log.read()
+        if text is not None and tpu_compile_log.FINAL_LINE in text:
+            return tpu_compile_log.summarize(text)
+        if time.monotonic() > deadline:
+            return None if text is None else tpu_compile_log.summarize(text)
+        time.sleep(0.2)
 
 
 def _parameter_counts(program, text: str) -> dict:
