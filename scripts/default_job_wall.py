@@ -77,12 +77,14 @@ class ThreadCpu:
 # ``tpu-train`` in the child, with the moments of its exit marked on stdout: when main returned,
 # when the first exit handler ran (registered last) and the last (registered before JAX and
 # torch were imported, so it runs after their clean-up); the native teardown comes after.
+# ``sys.argv`` is the console script's before ``import tpu_train``: the import reads it to
+# decide whether to open the device early (tpu_train/startup.py), as it does for a user.
 CHILD = """
 import atexit, sys, time
 mark = lambda name: print(f"@exit {name} {time.monotonic():.3f}", flush=True)
 atexit.register(mark, "handlers_done")
-from tpu_train import cli
 sys.argv = ["tpu-train", *sys.argv[1:]]
+from tpu_train import cli
 try:
     cli.main()
 finally:
