@@ -16,11 +16,13 @@ The device multiplies the pairs of the exponent's set bits (selecting the recipr
 negative exponents: no division on the device), each product a float-float multiplication
 built on Dekker's exact product, and finally scales by 2**N.
 
-Error: each float-float product is within ~2**-45 of the exact one, 25 of them within ~2**-40,
+Error: each float-float product is within ~5 * 2**-48 of the exact one (Dekker's product is
+exact; the cross terms and the tables' lo parts are rounded), at most 24 of them within 2**-41,
 so the float32 result ``hi`` (= round(hi + lo)) is the correctly rounded power unless the exact
-one lies within 2**-40 (relative) of a midpoint between two float32 numbers: at most 0.5 ulp +
-2**-16 ulp. Subnormal results are rounded twice (the scaling rounds ``hi``): at most one unit of
-the subnormal spacing (and a TPU flushes them to zero).
+one lies within 2**-41 (relative) of a midpoint between two float32 numbers: at most 0.5 ulp +
+2**-17 ulp. Measured against float64 over exponents 1..2000 and beyond, on the CPU client and
+on a TPU v5e alike: no result off by more than half an ulp (XLA's pow on the v5e: 40-130 ulps).
+Subnormal results are flushed to zero, as XLA's float arithmetic does on the CPU and the TPU.
 
 The base is taken at its double value, as Python arithmetic on a Python step count (eager
 torch.optim) has it: PyTorch's own pow rounds the base to float32 first, which for 0.999 moves
@@ -44,13 +46,6 @@ _HOST_BITS = 128  # precision of the host's powers: 25 squarings lose 25 bits of
 # the sum of 25 of them stays within int32.
 _MAX_TABLE_SHIFT = 1000
 _MAX_SHIFT = 200  # |N| of a result past which hi * 2**N (hi in [1, 2**25]) is 0 or inf
-
-
-def split_float32(value: float) -> tuple[float, float]:
-    """``value`` (a double) as float32 hi + lo: hi its float32 rounding, lo the float32 rounding
-    of the rest."""
-    hi = float(np.float32(value))
-    return hi, float(np.float32(value - hi))
 
 
 def is_host_base(base) -> bool:
