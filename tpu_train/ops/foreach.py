@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpu_train.ops import scalar_power
 from tpu_train.ops.conversion import opmath_dtype
 from tpu_train.ops.registry import aten, get_lowering, is_mutating, lowers
 
@@ -147,9 +148,13 @@ def foreach_overloads() -> list[torch._ops.OpOverload]:
 # sum(|x|^p): both are left to their decompositions.
 _NOT_PER_TENSOR = {"_foreach_mm", "_foreach_powsum"}
 
+# Foreach ops whose per-tensor lowering reads its float scalar as a Python value
+# (registered with static_floats): pow.Scalar's base.
+_STATIC_FLOATS = {aten._foreach_pow.ScalarAndTensor}
+
 for _op in foreach_overloads():
     if _op._schema.name.split("::")[1] not in _NOT_PER_TENSOR:
-        lowers(_op)(_make_foreach_lowering(_op))
+        lowers(_op, static_floats=_op in _STATIC_FLOATS)(_make_foreach_lowering(_op))
 
 
 # ----------------------------------------------------------------------------- fused optimizers
@@ -170,41 +175,36 @@ def _skip_if_found_inf(found_inf, updated, original):
     return [[jnp.where(skip, o, u) for u, o in zip(new, old)] for new, old in zip(updated, original)]
 
 
-# Bits of the step count that _one_minus_power reads: a float32 count stops growing at 2**24
-# (2**24 + 1 rounds back to it).
-_STEP_BITS = 25
-
-
 def _one_minus_power(beta, steps):
-    """Adam's bias correction 1 - beta**step for whole-number float32 ``steps`` (a vector), to a
-    few float32 roundings, as PyTorch's CPU kernel gets it in double precision.
+    """Adam's bias correction 1 - beta**step for whole-number float32 ``steps`` (a vector), as
+    PyTorch's CPU kernel gets it in double precision, to about one float32 rounding.
 
     ``1 - jnp.power(beta, step)`` in float32 cancels: 1 - 0.999**1 = 0.001 keeps only the last
     three digits of the power, so each unit of the power's error becomes a thousand of the
     result's, and on a TPU, whose float32 pow is some 80 units off, that is a 1e-3 relative
-    error in the first steps' updates. Instead, with beta = hi + lo (hi its float32 value) and
-    hi**t built by multiplication over the bits of t (no transcendental function),
-    1 - beta**t = 1 - hi**t - t * hi**(t-1) * lo + O(lo**2), and while hi**t > 1/2 (where that
-    subtraction would cancel) 1 - hi**t is taken as (1 - hi) * (1 + hi + ... + hi**(t-1)): 1 - hi
-    is exact and the geometric sum, built alongside by doubling, has only positive terms."""
-    if isinstance(beta, (int, float)):
-        hi = float(np.float32(beta))  # numpy: jnp would trace, and these are constants
-        lo = float(np.float32(beta - hi))
-    else:  # a traced hyperparameter: its float32 value is all there is
-        hi, lo = jnp.asarray(beta, jnp.float32), 0.0
+    error in the first steps' updates. A Python-number beta's power is a float-float pair
+    (hi + lo, :mod:`scalar_power`), and 1 - hi is exact while hi >= 1/2 (Sterbenz), so the
+    one rounding is the final subtraction's (two below 1/2, where the result is over 1/2)."""
+    if scalar_power.is_host_base(beta):
+        hi, lo, shift = scalar_power.power_parts(beta, steps)
+        return (1 - scalar_power.scale(hi, shift)) - scalar_power.scale(lo, shift)
+    return _one_minus_traced_power(jnp.asarray(beta, jnp.float32), steps)
+
+
+def _one_minus_traced_power(beta, steps):
+    """1 - beta**step for a traced (or zero) float32 beta, with no transcendental function:
+    beta**m built by multiplication over the bits of the step, and while it is over 1/2 (where
+    1 - beta**m would cancel) 1 - beta**t taken as (1 - beta) * (1 + beta + ... + beta**(t-1)):
+    1 - beta is exact and the geometric sum, built alongside by doubling, has positive terms."""
     count = steps.astype(jnp.int32)
-    total = jnp.zeros_like(steps)  # 1 + hi + ... + hi**(m-1) for m the bits of t read so far
-    power = jnp.ones_like(steps)  # hi**m
-    for bit in range(_STEP_BITS - 1, -1, -1):
+    total = jnp.zeros_like(steps)  # 1 + beta + ... + beta**(m-1) for m the bits of t read so far
+    power = jnp.ones_like(steps)  # beta**m
+    for bit in range(scalar_power.EXPONENT_BITS - 1, -1, -1):
         total, power = total * (1 + power), power * power  # m -> 2m
         take = ((count >> bit) & 1) == 1  # m -> m + 1
-        total = jnp.where(take, 1 + hi * total, total)
-        power = jnp.where(take, power * hi, power)
-    result = jnp.where(power > 0.5, (1 - jnp.asarray(hi, jnp.float32)) * total, 1 - power)
-    if lo == 0.0:  # beta is a float32 number (or traced)
-        return result
-    previous_power = jnp.where(count > 0, power / jnp.float32(hi), 0)  # hi**(t-1)
-    return result - steps * previous_power * jnp.float32(lo)
+        total = jnp.where(take, 1 + beta * total, total)
+        power = jnp.where(take, power * beta, power)
+    return jnp.where(power > 0.5, (1 - beta) * total, 1 - power)
 
 
 def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special
 
+from tpu_train.ops import scalar_power
 from tpu_train.ops.conversion import (cast_scalar, float_result_dtype, is_floating, is_integral,
                                       opmath_dtype, promote, result_dtype)
 from tpu_train.ops.registry import aten, lowers
@@ -421,8 +422,15 @@ def pow_tensor_scalar(self, exponent):
     return _binary(self, exponent, _pow, scalar_other=True)
 
 
-@lowers(aten.pow.Scalar)
+# static_floats: the base arrives as a Python number (in eager mode too, as in a compiled
+# step), its double value known when the program is built; an eager call compiles once per base.
+@lowers(aten.pow.Scalar, static_floats=True)
 def pow_scalar(self, exponent):
+    dtype, compute, (e,), _ = promote(exponent, scalars=[self])
+    if compute == jnp.float32 and scalar_power.is_host_base(self):
+        # Whole exponents (a step count) by float-float multiplication: XLA's pow is
+        # exp(e * log(b)), 10-80 ulps off on a TPU, and optimizers subtract beta**step from 1.
+        return scalar_power.power(self, e).astype(dtype)
     return _binary(exponent, self, lambda e, b: _pow(b, e), scalar_other=True)
 
 
