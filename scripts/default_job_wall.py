@@ -90,6 +90,8 @@ try:
 finally:
     mark("main_returned")
     atexit.register(mark, "handlers_started")
+from tpu_train.device import runtime
+runtime.end_process(0)  # what cli.console_main does after main
 """
 EXIT_MARKS = ("main_returned", "handlers_started", "handlers_done")
 
@@ -108,10 +110,16 @@ def exit_seconds(lines: list[str], ended: float) -> dict[str, float]:
             "teardown": round(ended - at["handlers_done"], 2)}
 
 
-def one_run(tree: Path, overrides: list[str]) -> dict:
-    env = dict(os.environ, TPU_TRAIN_CACHE_DIR="off", PYTHONUNBUFFERED="1")
+def one_run(tree: Path, overrides: list[str], cache: str = "off", entry: str = "console") -> dict:
     with tempfile.TemporaryDirectory() as directory:
-        command = [sys.executable, "-c", CHILD, f"run.dir={directory}/run", *overrides]
+        # "fresh": a persistent cache directory of its own, empty: as cold as "off" for the
+        # first compile of each program, with the cache's own work (keys, writes) included.
+        cache_dir = "off" if cache == "off" else f"{directory}/xla_cache"
+        env = dict(os.environ, TPU_TRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+        if entry == "module":  # python -m tpu_train.cli: no exit marks
+            command = [sys.executable, "-m", "tpu_train.cli", f"run.dir={directory}/run", *overrides]
+        else:
+            command = [sys.executable, "-c", CHILD, f"run.dir={directory}/run", *overrides]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
@@ -147,9 +155,14 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, default=ROOT,
                         help="the checkout whose tpu_train runs (default: this one)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--cache", choices=("off", "fresh"), default="off",
+                        help="TPU_TRAIN_CACHE_DIR=off (default) or an empty directory per run")
+    parser.add_argument("--entry", choices=("console", "module"), default="console",
+                        help="the console script's code (default) or python -m tpu_train.cli")
     parser.add_argument("overrides", nargs="*", help="tpu-train overrides (after --)")
     args = parser.parse_args()
-    runs = [one_run(args.tree.resolve(), args.overrides) for _ in range(args.rounds)]
+    runs = [one_run(args.tree.resolve(), args.overrides, args.cache, args.entry)
+            for _ in range(args.rounds)]
     ends = [run["seconds"]["end"] for run in runs]
     compile_s = [float(m.group(1)) for run in runs if run["compile_line"]
                  for m in [re.search(r"the train step in ([0-9.]+) s", run["compile_line"])] if m]

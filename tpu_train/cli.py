@@ -228,5 +228,16 @@ def _exit_for(exc: Exception) -> None:
     exit_promptly(EXIT_BAD_INPUT, f"tpu-train: error: {' '.join(message.split())}")
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """``tpu-train`` and ``python -m tpu_train.cli``: :func:`main`, then the process ends
+    without the native teardown (:func:`tpu_train.device.runtime.end_process`: on a TPU host
+    closing the chip's runtime takes seconds after the run has printed its summary). Errors
+    end the process as :func:`main` does (a one-line report and its exit status)."""
     main()
+    from tpu_train.device import runtime
+
+    runtime.end_process(0)
+
+
+if __name__ == "__main__":
+    console_main()
