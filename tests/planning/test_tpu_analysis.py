@@ -135,3 +135,36 @@ def test_plan_fast_reads_the_buffer_assignment_as_a_lower_bound():
     assert "memory: read before code generation" in out and "a lower bound" in out
     # A lower bound under the chip's memory says nothing about fitting.
     assert result["fits_xla"] is None and "whether it fits needs the executable's" in out
+
+
+# libtpu's account of a compile (v5e, the default job's step), as its INFO log has it.
+_LOG = """I1205 14:10:03.593793 7546 deepsea_compiler_backend.cc:2127] XLA::TPU program HBM usage: 41.68M / 15.75G
+I1205 14:10:03.593825 7546 deepsea_compiler_backend.cc:2171] Total hbm usage >= 338.79M:
+    reserved        258.00M
+    program          41.68M
+    arguments        39.10M
+
+Output size 39.03M; shares 39.03M with arguments.
+
+Total host usage >= 0B:
+    reserved             0B
+"""
+
+
+def test_the_compilers_total_is_read_from_its_log(tmp_path):
+    from tpu_train.planning import compiler_log
+
+    MiB = 2**20
+    assert compiler_log.parse_total_hbm(_LOG) == {"total": int(338.79 * MiB),
+                                                  "reserved": int(258.00 * MiB)}
+    # The last compile's block where a log holds several; none where it has no such line.
+    later = _LOG.replace("338.79M", "20.15G").replace("258.00M", "263.06M")
+    assert compiler_log.parse_total_hbm(_LOG + later) == {"total": int(20.15 * 2**30),
+                                                          "reserved": int(263.06 * MiB)}
+    assert compiler_log.parse_total_hbm("I1205 nothing here") is None
+    assert compiler_log.total_hbm_bytes(str(tmp_path)) is None  # no log written
+    (tmp_path / compiler_log.LOG_NAME).write_text(_LOG)
+    assert compiler_log.total_hbm_bytes(str(tmp_path))["total"] == int(338.79 * MiB)
+    env = compiler_log.log_env(str(tmp_path), {"LIBTPU_INIT_ARGS": "--xla_foo=1"})
+    assert env["TPU_LOG_DIR"] == str(tmp_path) and env["TPU_MIN_LOG_LEVEL"] == "0"
+    assert env["LIBTPU_INIT_ARGS"] == "--xla_foo=1 --logbuflevel=-1"

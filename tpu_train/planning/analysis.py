@@ -46,7 +46,7 @@ from tpu_train.parallel.activation_checkpointing import apply_activation_checkpo
 from tpu_train.parallel.llama_plan import llama_plan
 from tpu_train.parallel.mesh import build_mesh
 
-from . import tpu_dump
+from . import compiler_log, tpu_dump
 from .estimate import planned_model
 from .loop_flops import loop_flops
 
@@ -206,18 +206,25 @@ def analyse_in_child(args: dict[str, Any], *, num_devices: int,
     the child's error output for other failures."""
     on_tpu = args.get("target") is not None
     env = _tpu_compiler_env() if on_tpu else virtual_devices_env(num_devices)
-    with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as dump:
-        early = on_tpu and until_buffer_assignment
-        child_args = {**args, "dump_to": dump} if early else args
+    early = on_tpu and until_buffer_assignment
+    with tempfile.TemporaryDirectory(prefix="tpu-train-plan-") as work:
+        child_args = {**args, "dump_to": work} if early else args
+        if on_tpu and not early:  # the compiler's own total comes at the end of its log
+            env = compiler_log.log_env(work, env)
         cmd = [sys.executable, "-c", _CHILD_MAIN, "--child",
                json.dumps(child_args, default=_dtype_name)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        total = compiler_log.total_hbm_bytes(work) if on_tpu and not early else None
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode == _EXIT_BAD_TARGET:  # libtpu rejected the topology: bad input
         raise TargetError(proc.stderr.strip().splitlines()[-1])
     if proc.returncode or not lines:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    figures = json.loads(lines[-1])
+    if total is not None:
+        figures["compiler_total_hbm_bytes"] = total["total"]
+        figures["compiler_reserved_hbm_bytes"] = total["reserved"]
+    return figures
 
 
 def _dtype_name(value: Any) -> str:

@@ -66,7 +66,12 @@ def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dic
 def _compare(result: dict[str, Any], chip: str | None) -> None:
     """XLA's figures relative to the analytic ones: the planner's calibration check."""
     x = result["xla"]
+    # The TPU compiler's own total where its log gave it, less the runtime's reserved memory
+    # (which the chip's headroom stands for): memory_analysis() counts the temporaries'
+    # fragmentation twice (tpu_train.planning.compiler_log).
     peak = x.get("bytes_peak_estimate")
+    if x.get("compiler_total_hbm_bytes"):
+        peak = x["compiler_total_hbm_bytes"] - x.get("compiler_reserved_hbm_bytes", 0)
     if peak is None:
         return
     result["xla_vs_analytic"] = peak / result["bytes_total"] - 1

@@ -56,6 +56,13 @@ def _xla_lines(result: dict[str, Any]) -> list[str]:
     if early:
         lines.append("  memory: read before code generation; memory_analysis() of the "
                      "executable reported 7 % (8B) and 68 % (70B) more temporaries: a lower bound")
+    if x.get("compiler_total_hbm_bytes"):
+        reserved = x.get("compiler_reserved_hbm_bytes", 0)
+        lines.append(f"  memory: {(x['compiler_total_hbm_bytes'] - reserved) / GiB:.2f} GiB per "
+                     f"chip by the compiler's own total (its log: "
+                     f"{x['compiler_total_hbm_bytes'] / GiB:.2f} GiB with the runtime's "
+                     f"{reserved / GiB:.2f} reserved), compared below; memory_analysis() above "
+                     "counts the temporaries' fragmentation twice")
     if x.get("flops_note"):
         lines.append(f"  FLOPs: {x['flops_note']}")
     gap = f"XLA vs analytic per chip: memory {100 * result['xla_vs_analytic']:+.1f} %"
