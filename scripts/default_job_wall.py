@@ -3,7 +3,8 @@
 Exact command (from the repository root; the tree whose ``tpu_train`` is timed is the current
 directory, or ``--tree``)::
 
-    python scripts/default_job_wall.py [--tree CHECKOUT] [--rounds 1] [-- OVERRIDES...]
+    python scripts/default_job_wall.py [--tree CHECKOUT] [--rounds 1] [--cache off|fresh]
+                                       [--entry console|module] [--compiles] [-- OVERRIDES...]
 
 Each round runs ``tpu-train run.dir=<fresh temporary> OVERRIDES`` (``tpu_train.cli.main``) in
 a fresh process with ``TPU_TRAIN_CACHE_DIR=off`` (every program compiled cold) and reads its console as
@@ -17,6 +18,13 @@ over the wall time), split by thread name (``threads``: CPU seconds per name wit
 dropped, read from /proc every half second, so a thread that lived less than that may be
 missed). The targets for the default job on a v5e chip: ``end`` <= 60 s, the
 train step's compile <= 15 s, exact match >= 90 %, host CPU time <= 2x the wall time.
+
+``--cache fresh`` gives each run an empty persistent cache directory instead of none;
+``--entry module`` starts ``python -m tpu_train.cli`` instead of the console script's code
+(then ``exit`` is not split); ``--compiles`` adds ``compiles``: every XLA compile of the run
+(count and seconds per thread, and those of 0.5 s or more: when they ended, their seconds, the
+thread), from JAX's compile-duration event. Environment variables reach the run as they are
+(``LIBTPU_INIT_ARGS`` to try libtpu's flags, ``JAX_EXEC_TIME_OPTIMIZATION_EFFORT``).
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKS = (("first_log_line", "run dir: "), ("validated_step_0", "| validation |"),
+MARKS = (("first_log_line", "run dir: "), ("data_line", "data: "),
+         ("decoding_compiled", "validation decoding:"), ("validated_step_0", "| validation |"),
          ("train_step_compiled", "the train step in"), ("summary", "finished step"))
 
 
@@ -80,9 +89,20 @@ class ThreadCpu:
 # ``sys.argv`` is the console script's before ``import tpu_train``: the import reads it to
 # decide whether to open the device early (tpu_train/startup.py), as it does for a user.
 CHILD = """
-import atexit, sys, time
+import atexit, json, os, sys, threading, time
 mark = lambda name: print(f"@exit {name} {time.monotonic():.3f}", flush=True)
 atexit.register(mark, "handlers_done")
+if os.environ.get("DEFAULT_JOB_WALL_COMPILES"):
+    # Every XLA compile: when it ended (seconds since the child started), its seconds, the
+    # thread it ran on (JAX's public duration event; printed once main has returned).
+    import jax
+    started, compiles = time.monotonic(), []
+    def on_duration(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append((round(time.monotonic() - started, 2), round(seconds, 3),
+                             threading.current_thread().name))
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    atexit.register(lambda: print("@compiles " + json.dumps(compiles), flush=True))
 sys.argv = ["tpu-train", *sys.argv[1:]]
 from tpu_train import cli
 try:
@@ -110,12 +130,15 @@ def exit_seconds(lines: list[str], ended: float) -> dict[str, float]:
             "teardown": round(ended - at["handlers_done"], 2)}
 
 
-def one_run(tree: Path, overrides: list[str], cache: str = "off", entry: str = "console") -> dict:
+def one_run(tree: Path, overrides: list[str], cache: str = "off", entry: str = "console",
+            compiles: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         # "fresh": a persistent cache directory of its own, empty: as cold as "off" for the
         # first compile of each program, with the cache's own work (keys, writes) included.
         cache_dir = "off" if cache == "off" else f"{directory}/xla_cache"
         env = dict(os.environ, TPU_TRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+        if compiles:
+            env["DEFAULT_JOB_WALL_COMPILES"] = "1"
         if entry == "module":  # python -m tpu_train.cli: no exit marks
             command = [sys.executable, "-m", "tpu_train.cli", f"run.dir={directory}/run", *overrides]
         else:
@@ -146,8 +169,25 @@ def one_run(tree: Path, overrides: list[str], cache: str = "off", entry: str = "
                                ("exact_match", "exact match "), ("summary_wall", "wall time:"))}
     if code != 0:
         found["output_tail"] = lines[-20:]
+    listed = next((json.loads(line[len("@compiles "):]) for line in lines
+                   if line.startswith("@compiles ")), None)
+    if listed is not None:
+        found["compiles"] = compile_summary(listed)
     return {"exit_status": code, "seconds": seconds, "exit": exit_seconds(lines, ended),
             "cpu": cpu, "threads": thread_cpu, **found}
+
+
+def compile_summary(listed: list) -> dict:
+    """``--compiles``: their count and seconds per thread, and each compile of 0.5 s or more
+    (end, seconds, thread), in the order they ended."""
+    per_thread: dict[str, list] = {}
+    for _, seconds, thread in listed:
+        entry = per_thread.setdefault(re.sub(r"\d+", "#", thread), [0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + seconds, 2)
+    return {"count": len(listed), "seconds": round(sum(c[1] for c in listed), 2),
+            "per_thread": {k: {"count": n, "seconds": t} for k, (n, t) in per_thread.items()},
+            "long": [c for c in listed if c[1] >= 0.5]}
 
 
 def main() -> None:
@@ -159,9 +199,11 @@ def main() -> None:
                         help="TPU_TRAIN_CACHE_DIR=off (default) or an empty directory per run")
     parser.add_argument("--entry", choices=("console", "module"), default="console",
                         help="the console script's code (default) or python -m tpu_train.cli")
+    parser.add_argument("--compiles", action="store_true",
+                        help="list the child's XLA compiles (count, seconds per thread, long ones)")
     parser.add_argument("overrides", nargs="*", help="tpu-train overrides (after --)")
     args = parser.parse_args()
-    runs = [one_run(args.tree.resolve(), args.overrides, args.cache, args.entry)
+    runs = [one_run(args.tree.resolve(), args.overrides, args.cache, args.entry, args.compiles)
             for _ in range(args.rounds)]
     ends = [run["seconds"]["end"] for run in runs]
     compile_s = [float(m.group(1)) for run in runs if run["compile_line"]

@@ -195,3 +195,41 @@ def test_step_counters_written_between_calls_are_read():
     assert {s["step"].item() for s in opt.state.values()} == {41.0}
     for p, q in zip(model.parameters(), reference_model.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def _train_then_evaluate(natural: bool, monkeypatch) -> tuple:
+    """Two steps of a tiny Llama, then compiled validation (loss and greedy decoding) and a
+    third step, in the flat or the natural (a TPU's) layout; the last step's loss, the
+    validation's figures, and whether a parameter's buffer came through validation as the
+    step left it."""
+    from tpu_train.compile.decoding import CompiledDecoder
+    from tpu_train.compile.evaluation import CompiledLoss
+    from tpu_train.models.generation import StaticCacheDecoding
+
+    torch.manual_seed(0)
+    model = tiny_llama().to(DEVICE)
+    if natural:
+        monkeypatch.setattr(runtime, "natural_buffers", lambda platform: True)
+    step = compile_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lm_loss)
+    batches = lm_batches(3)
+    _losses(step, [to_device(b) for b in batches[:2]])
+    weight = model.layers[0].feed_forward.w1.weight
+    before = storage_of(weight).shaped(tuple(weight.shape))
+    loss = CompiledLoss(model, lm_loss)(batches[2])
+    tokens = CompiledDecoder(model, StaticCacheDecoding()).generate(
+        [[1, 2, 3], [4, 5, 6, 7, 8]], 6)
+    kept = storage_of(weight).shaped(tuple(weight.shape)) is before
+    return _losses(step, [to_device(batches[2])]), loss, tokens, kept
+
+
+def test_validation_reads_the_natural_layout_as_the_step_left_it(monkeypatch):
+    """Compiled validation (loss, decoding) takes each parameter as the train step keeps it:
+    in its own shape on a TPU (forced here on the CPU client), so that a buffer is not
+    flattened for validation and reshaped again by the next step (on a TPU, a copy and a
+    program per shape each way). Same figures as the flat layout."""
+    flat = _train_then_evaluate(False, monkeypatch)
+    natural = _train_then_evaluate(True, monkeypatch)
+    assert natural[3], "validation replaced the step's natural-shape buffer"
+    assert natural[2].tolist() == flat[2].tolist()
+    np.testing.assert_allclose(natural[1], flat[1], rtol=1e-5)
+    np.testing.assert_allclose(natural[0], flat[0], rtol=1e-5)

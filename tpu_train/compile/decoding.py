@@ -125,16 +125,26 @@ def model_tensors(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]
     return [n for n, _ in named], [t for _, t in named]
 
 
-def flat_on_device(tensor: torch.Tensor, device, name: str):
-    """``tensor``'s elements, flat, on the JAX ``device``: its storage's own buffer when it is
-    the whole storage (no work per call: a reshape per tensor cost 1.5 ms of dispatch, 60 ms
-    per call for debug_tiny), and one replica of a buffer replicated over several devices
-    (the data-parallel layout)."""
+def model_array(tensor: torch.Tensor, device, name: str):
+    """``tensor``'s elements on the JAX ``device`` as the platform keeps whole buffers
+    (:func:`tpu_train.device.runtime.natural_buffers`): flat on the CPU client, in the tensor's
+    shape on a TPU. A tensor that is its whole storage passes its storage's own buffer (no
+    work per call: a reshape per tensor cost 1.5 ms of dispatch, 60 ms per call for
+    debug_tiny), and a storage a compiled train step keeps in its natural shape is not
+    flattened for validation only to be reshaped by the next step (on a TPU each is a copy,
+    and a program per shape to compile). A buffer replicated over several devices (the
+    data-parallel layout) passes one replica. The programs reshape what they get to the
+    tensors' shapes (nothing to do for a shaped one)."""
     if not isinstance(tensor, TpuTensor):
         raise TypeError(f'"{name}" is on {tensor.device}: compiled decoding needs the model on '
                         "the tpu device")
-    value = (storage_of(tensor).buffer if owns_whole_storage(tensor)
-             else tensor.jax_value().reshape(-1))
+    natural = runtime.natural_buffers(device.platform)
+    if owns_whole_storage(tensor):
+        storage = storage_of(tensor)
+        value = storage.shaped(tuple(tensor.shape)) if natural else storage.buffer
+    else:
+        value = tensor.jax_value()
+        value = value if natural else value.reshape(-1)
     if value.devices() == {device}:
         return value
     if value.sharding.is_fully_replicated:
@@ -235,7 +245,7 @@ class CompiledDecoder:
         names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
-        arrays = [flat_on_device(t, device, n) for n, t in zip(names, tensors)]
+        arrays = [model_array(t, device, n) for n, t in zip(names, tensors)]
         settings = (float(temperature), float(top_p), len(eos))
         signature = self._signature(names, tensors, buckets, settings)
 
@@ -290,7 +300,7 @@ def _left_padded(rows: list[list[int]], buckets: Buckets):
 
 def _decode_program(prefill, step, tensor_shapes, buckets: Buckets, cache_shapes,
                     has_eos: bool, early_stop: bool):
-    """``program(flat model tensors, prompt, pad, finished, max_new, eos, key) -> (tokens
+    """``program(model arrays, prompt, pad, finished, max_new, eos, key) -> (tokens
     [B, new], count)``: only ``tokens[:, :count]`` were generated."""
 
     def run(gm, arrays, tokens, slot, pad, caches, key):

@@ -12,18 +12,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tpu_train.device import storage_of
+
 
 def host_tensor(value: torch.Tensor) -> torch.Tensor:
     """A CPU copy of ``value``; tpu tensors spread over several processes are gathered."""
     value = value.detach()
     if value.device.type != "tpu":
         return value.to("cpu", copy=True)
-    array = value.jax_value()
-    if getattr(array, "is_fully_addressable", True):
+    # Asked of the storage's buffer as it is: reading the tensor's value first would reshape
+    # a flat buffer to the tensor's shape on the device (a program to compile, and a copy).
+    if getattr(storage_of(value).sharding, "is_fully_addressable", True):
         return value.to("cpu", copy=True)
     from jax.experimental import multihost_utils
 
-    host = np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    host = np.asarray(multihost_utils.process_allgather(value.jax_value(), tiled=True))
     if value.dtype == torch.bfloat16:  # numpy has no bfloat16: through the bits
         return torch.from_numpy(host.view(np.uint16).copy()).view(torch.bfloat16)
     return torch.from_numpy(host.copy()).to(value.dtype)
