@@ -110,8 +110,6 @@ try:
 finally:
     mark("main_returned")
     atexit.register(mark, "handlers_started")
-from tpu_train.device import runtime
-runtime.end_process(0)  # what cli.console_main does after main
 """
 EXIT_MARKS = ("main_returned", "handlers_started", "handlers_done")
 

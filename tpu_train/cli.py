@@ -228,12 +228,5 @@ def _exit_for(exc: Exception) -> None:
     exit_promptly(EXIT_BAD_INPUT, f"tpu-train: error: {' '.join(message.split())}")
 
 
-def console_main() -> None:
-    """``tpu-train`` and ``python -m tpu_train.cli``: :func:`main`. (Ending the process with
-    :func:`tpu_train.device.runtime.end_process` after it, to skip the native teardown, hung
-    the torchrun runs of tests/trainer/test_parallel_cli.py: not used until that is found.)"""
-    main()
-
-
 if __name__ == "__main__":
-    console_main()
+    main()
