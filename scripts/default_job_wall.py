@@ -93,14 +93,15 @@ import atexit, json, os, sys, threading, time
 mark = lambda name: print(f"@exit {name} {time.monotonic():.3f}", flush=True)
 atexit.register(mark, "handlers_done")
 if os.environ.get("DEFAULT_JOB_WALL_COMPILES"):
-    # Every XLA compile: when it ended (seconds since the child started), its seconds, the
-    # thread it ran on (JAX's public duration event; printed once main has returned).
+    # Every XLA compile: when it ended (the host's monotonic clock, which the harness shares),
+    # its seconds, the thread it ran on, the function compiled (JAX's public duration event;
+    # printed once main has returned).
     import jax
-    started, compiles = time.monotonic(), []
-    def on_duration(event, seconds, **_):
+    compiles = []
+    def on_duration(event, seconds, fun_name="", **_):
         if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append((round(time.monotonic() - started, 2), round(seconds, 3),
-                             threading.current_thread().name))
+            compiles.append((time.monotonic(), round(seconds, 3),
+                             threading.current_thread().name, fun_name))
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     atexit.register(lambda: print("@compiles " + json.dumps(compiles), flush=True))
 sys.argv = ["tpu-train", *sys.argv[1:]]
@@ -142,14 +143,17 @@ def one_run(tree: Path, overrides: list[str], cache: str = "off", entry: str = "
         else:
             command = [sys.executable, "-c", CHILD, f"run.dir={directory}/run", *overrides]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.perf_counter()
+        started, started_monotonic = time.perf_counter(), time.monotonic()
         process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         threads = ThreadCpu(process.pid)
         seconds: dict[str, float] = {}
         lines = []
+        timeline = []
         for line in process.stdout:
             lines.append(line.rstrip())
+            if compiles and not line.startswith("@"):
+                timeline.append((round(time.perf_counter() - started, 2), line.strip()[:120]))
             for key, text in MARKS:
                 if key not in seconds and text in line:
                     seconds[key] = round(time.perf_counter() - started, 2)
@@ -170,16 +174,18 @@ def one_run(tree: Path, overrides: list[str], cache: str = "off", entry: str = "
     listed = next((json.loads(line[len("@compiles "):]) for line in lines
                    if line.startswith("@compiles ")), None)
     if listed is not None:
-        found["compiles"] = compile_summary(listed)
+        found["compiles"] = compile_summary(
+            [(round(end - started_monotonic, 2), *rest) for end, *rest in listed])
+        found["timeline"] = timeline
     return {"exit_status": code, "seconds": seconds, "exit": exit_seconds(lines, ended),
             "cpu": cpu, "threads": thread_cpu, **found}
 
 
 def compile_summary(listed: list) -> dict:
     """``--compiles``: their count and seconds per thread, and each compile of 0.5 s or more
-    (end, seconds, thread), in the order they ended."""
+    (end, seconds, thread, function; seconds since the child started), in the order they ended."""
     per_thread: dict[str, list] = {}
-    for _, seconds, thread in listed:
+    for _, seconds, thread, _ in listed:
         entry = per_thread.setdefault(re.sub(r"\d+", "#", thread), [0, 0.0])
         entry[0] += 1
         entry[1] = round(entry[1] + seconds, 2)

@@ -137,30 +137,3 @@ def test_a_backend_that_fails_to_open_on_its_thread_is_raised_by_its_first_user(
     assert result.stdout.startswith("raised by the first use: TPU_TRAIN_PLATFORM=tpu but JAX "
                                     "finds no tpu devices")
     assert result.stderr == ""  # libtpu's start-up pages held back, as without the thread
-
-
-def test_end_process_joins_threads_and_runs_exit_handlers_then_exits_with_the_status(tmp_path):
-    """What ``tpu-train`` ends with (``cli.console_main``): Python's exit without the
-    interpreter's teardown: a non-daemon thread's last write and every ``atexit`` handler
-    (registered last runs first) happen, and the status is the one asked for."""
-    code = (
-        "import atexit, pathlib, threading, time, sys\n"
-        "import tpu_train, torch\n"
-        "from tpu_train.device import runtime\n"
-        f"out = pathlib.Path({str(tmp_path)!r})\n"
-        "x = (torch.ones(3, device='tpu') * 2).sum()\n"
-        "atexit.register(lambda: (out / 'order').write_text((out / 'order').read_text() + 'b'))\n"
-        "atexit.register(lambda: (out / 'order').write_text('a'))\n"
-        "def late():\n"
-        "    time.sleep(0.5)\n"
-        "    (out / 'thread').write_text(str(float(x)))\n"
-        "threading.Thread(target=late).start()\n"
-        "print('buffered', end='')\n"
-        "runtime.end_process(3)\n"
-        "print('not reached')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, env=cpu_child_env())
-    assert result.returncode == 3, result.stderr[-2000:]
-    assert result.stdout == "buffered"
-    assert (tmp_path / "thread").read_text() == "6.0"
-    assert (tmp_path / "order").read_text() == "ab"

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from typing import NoReturn
 
-from tpu_train.device import host_memory, tpu_host
+from tpu_train.device import host_memory, libtpu_settings, tpu_host
 
 PLATFORM_ENV = "TPU_TRAIN_PLATFORM"
 _PREFERENCE = ("tpu", "cuda", "cpu")
@@ -151,32 +151,6 @@ def exit_without_waiting(status: int, last_line: str) -> NoReturn:
     os._exit(status)
 
 
-def end_process(status: int = 0) -> NoReturn:
-    """End a command-line process that has finished its work with exit ``status``, skipping
-    only the interpreter's and the native libraries' teardown.
-
-    What Python's own exit does first still happens, in its order: the threads that are not
-    daemons are joined (an asynchronous checkpoint's writer among them), then every ``atexit``
-    handler runs (data workers stopped, JAX's clean-up, stdout filters flushed, logging shut
-    down). What is left out is the finalization after them: freeing every object, then the
-    native libraries' destructors, which on a TPU host close the chip's runtime (seconds);
-    the operating system releases the chip and the memory as at any exit. Only for a process
-    that is the command line itself (``tpu-train``): an embedding program keeps its teardown."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon and thread.is_alive():
-            thread.join()
-    import atexit
-
-    # The handlers Python's exit would run, run now; CPython exposes no public way to run
-    # them without finalizing the interpreter.
-    atexit._run_exitfuncs()
-    with contextlib.suppress(OSError, ValueError):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(status)
-
-
 def platform() -> str:
     """The PJRT platform this process uses: ``"tpu"``, ``"cuda"`` or ``"cpu"`` (chosen once,
     by :func:`_choose_once`)."""
@@ -231,10 +205,12 @@ def _print_notes() -> None:
 def _prepare() -> tuple:
     """What must be settled before any backend starts, cheaply: the environment's errors
     raised (a bad ``TPU_TRAIN_PLATFORM`` or cache setting), JAX configured, the backends it
-    may start narrowed to the CPU where only the CPU is wanted, the host malloc settings.
+    may start narrowed to the CPU where only the CPU is wanted, libtpu's settings, the host
+    malloc settings.
     Returns (jax, the requested platform or None, the evidence of TPU chips)."""
     if _environment_errors:
         raise _environment_errors[0]
+    libtpu_settings.apply_defaults()
     jax = _jax()
     requested = requested_platform()
     evidence = tpu_host.tpu_evidence() if requested is None else []

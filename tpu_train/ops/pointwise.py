@@ -403,6 +403,9 @@ def _int_pow(base, exponent):
 def _pow(a, b):
     if is_integral(a.dtype, include_bool=True):
         return _int_pow(a, b)
+    dtype = jnp.result_type(a, b)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return scalar_power.ieee_pow(jnp.asarray(a, dtype), jnp.asarray(b, dtype))
     return jnp.power(a, b)
 
 

@@ -167,12 +167,35 @@ def power_parts(base: float, exponent):
     return lax.fori_loop(0, EXPONENT_BITS, multiply_bit, start)
 
 
+def is_subnormal(x):
+    """Which elements of a floating array are subnormal, read from their bits: XLA's float
+    comparisons flush subnormals to zero (a TPU's arithmetic too), so ``x != 0`` cannot tell."""
+    info = jnp.finfo(x.dtype)
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{info.bits}"))
+    mantissa_bits = info.nmant
+    exponent_field = (bits >> mantissa_bits) & ((1 << (info.bits - 1 - mantissa_bits)) - 1)
+    return (exponent_field == 0) & ((bits & ((1 << mantissa_bits) - 1)) != 0)
+
+
+def ieee_pow(base, exponent):
+    """``jnp.power`` with IEEE pow's special cases where a platform's pow (exp(e * log(b)))
+    misses them: ``x ** 0`` and ``1 ** y`` are 1 for every x and y, nan included (a TPU gives
+    inf ** 0 = nan), and a subnormal exponent, which a TPU's arithmetic flushes to zero, acts
+    as the smallest normal number of its sign, which gives IEEE's result for every base
+    (0 ** 1e-45 = 0, (-2) ** 1e-45 = nan, inf ** -1e-45 = 0; 1 for other positive bases)."""
+    tiny = jnp.asarray(jnp.finfo(exponent.dtype).tiny, exponent.dtype)
+    negative = lax.bitcast_convert_type(
+        exponent, jnp.dtype(f"int{jnp.finfo(exponent.dtype).bits}")) < 0
+    exponent = jnp.where(is_subnormal(exponent), jnp.where(negative, -tiny, tiny), exponent)
+    result = jnp.power(base, exponent)
+    return jnp.where((exponent == 0) | (base == 1), jnp.ones_like(result), result)
+
+
 def is_whole(exponent):
     """The elements :func:`power` computes by float-float multiplication. A subnormal exponent
     is not whole, though XLA's comparisons flush it to zero: IEEE pow's (-7)**1e-45 is nan."""
-    bits = lax.bitcast_convert_type(exponent, jnp.int32)
-    subnormal = (((bits >> 23) & 0xFF) == 0) & ((bits & 0x7FFFFF) != 0)
-    return (jnp.floor(exponent) == exponent) & (jnp.abs(exponent) <= MAX_EXPONENT) & ~subnormal
+    return ((jnp.floor(exponent) == exponent) & (jnp.abs(exponent) <= MAX_EXPONENT)
+            & ~is_subnormal(exponent))
 
 
 def power(base: float, exponent):
@@ -185,4 +208,4 @@ def power(base: float, exponent):
     if base < 0:
         odd = (jnp.abs(whole_exponent).astype(jnp.int32) & 1) == 1
         result = jnp.where(odd, -result, result)
-    return jnp.where(whole, result, jnp.power(jnp.float32(base), exponent))
+    return jnp.where(whole, result, ieee_pow(jnp.float32(base), exponent))
