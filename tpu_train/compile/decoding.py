@@ -41,6 +41,7 @@ from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import interpreter, tracing
 from tpu_train.compile.lowering import autocast_region
 from tpu_train.device import runtime
+from tpu_train.device.storage import shape_whole
 from tpu_train.device.tensor import TpuTensor, owns_whole_storage, storage_of
 from tpu_train.ops import matmul as matmul_mod
 from tpu_train.ops.dtypes import storage_dtype
@@ -245,6 +246,9 @@ class CompiledDecoder:
         names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
+        if runtime.natural_buffers(device.platform):  # one program for every reshape
+            whole = [t for t in tensors if isinstance(t, TpuTensor) and owns_whole_storage(t)]
+            shape_whole([storage_of(t) for t in whole], [tuple(t.shape) for t in whole])
         arrays = [model_array(t, device, n) for n, t in zip(names, tensors)]
         settings = (float(temperature), float(top_p), len(eos))
         signature = self._signature(names, tensors, buckets, settings)

@@ -14,6 +14,7 @@ laptop (what ``tpu-train plan`` does).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import program as program_mod
 from tpu_train.compile.functional_optim import OptimizerAdapter, adapter_for
 from tpu_train.compile.loss_graph import AUTODIFF_CHOICES
-from tpu_train.device import autocast, runtime
+from tpu_train.device import autocast, lazy, runtime
 
 __all__ = ["StepDefinition", "StepInputs", "autocast_region", "batch_structure",
            "check_compute_dtype", "check_step_settings", "collect_step_inputs", "flatten_batch",
@@ -138,10 +139,27 @@ def batch_structure(batch, names, spec) -> tuple:
     return structure, names, spec
 
 
+def create_missing_state(optimizer, adapter: OptimizerAdapter) -> None:
+    """Create the optimizer state the first step needs (``adapter.ensure_state``), recorded in
+    fused mode and run as one program: strict mode would compile a program per parameter
+    shape for its zeros (~0.1 s each on a TPU, all before the first step can start)."""
+    missing = any(p.requires_grad and not optimizer.state.get(p)
+                  for group in optimizer.param_groups for p in group["params"])
+    if not missing:
+        return
+    recording = lazy.mode() == lazy.STRICT
+    with lazy.eager_mode(lazy.FUSED) if recording else contextlib.nullcontext():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    adapter.ensure_state(p, group)
+
+
 def collect_step_inputs(model, optimizer, adapter: OptimizerAdapter, batch,
                         name_of: Callable[[torch.Tensor], str]) -> StepInputs:
     """Read the step's tensors from the user's objects (creating missing optimizer state, as
     the optimizer's first step would)."""
+    create_missing_state(optimizer, adapter)
     params, names, sizes, states, state_names, counts = [], [], [], [], [], []
     in_optimizer = set()
     for group in optimizer.param_groups:

@@ -33,7 +33,7 @@ from tpu_train.compile.lowering import (StepInputs, batch_structure, check_compu
                                         host_scalars, lower_collected, step_autocast_dtype)
 from tpu_train.compile.program import compile_program, natural_layout
 from tpu_train.device import rng, runtime
-from tpu_train.device.storage import Storage
+from tpu_train.device.storage import Storage, shape_whole
 from tpu_train.device.tensor import (TpuTensor, host_array, new_contiguous_tensor, storage_of,
                                      wrap, write_elements)
 from tpu_train.ops import matmul as matmul_mod
@@ -198,6 +198,9 @@ class CompiledTrainStep:
         if arrays is not None:
             return arrays[:n_params], arrays[n_params:]
         whole = plan.whole
+        if natural:  # every reshape to the natural shapes in one program, not one per shape
+            tensors = [t for t, w in zip(st.params + st.states, whole) if w]
+            shape_whole([storage_of(t) for t in tensors], [tuple(t.shape) for t in tensors])
         return (_step_arrays(st.params, whole[:n_params], natural),
                 _step_arrays(st.states, whole[n_params:], natural))
 

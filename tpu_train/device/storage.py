@@ -192,6 +192,52 @@ class Storage:
 
 # Buffers still being computed: a fused region's result, a dispatch thread's call.
 _DEFERRED = (Pending, Issued)
+# At most this many bytes reshaped by one program of shape_whole: the old flat buffers and the
+# new shaped ones both live until it has run.
+_SHAPE_WHOLE_BYTES = 1 << 30
+
+
+def shape_whole(storages: list, shapes: list) -> None:
+    """Give each storage its whole buffer in the matching shape (as :meth:`Storage.shaped`
+    does one by one), reshaping every buffer that needs it with one program per device and
+    at most ~1 GiB: on a TPU each reshape is a copy and, one by one, a program to compile per
+    shape (~0.1-1.5 s each on a v5e), which a compiled step's first call and the first
+    validation pay for every parameter and optimizer-state shape. The caller's reads of
+    ``shaped`` are then free."""
+    groups: dict = {}
+    for storage, shape in zip(storages, shapes):
+        buffer = storage._resolved()
+        if type(buffer) in _DEFERRED or buffer.shape == tuple(shape):
+            continue
+        sharding = buffer.sharding
+        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            continue  # spread over devices: shaped() one by one, as before
+        groups.setdefault(sharding, []).append((storage, buffer, tuple(shape)))
+    for sharding, members in groups.items():
+        chunk, size = [], 0
+        for member in members:
+            chunk.append(member)
+            size += member[1].nbytes
+            if size >= _SHAPE_WHOLE_BYTES:
+                _reshape_together(chunk, sharding)
+                chunk, size = [], 0
+        if chunk:
+            _reshape_together(chunk, sharding)
+
+
+def _reshape_together(members: list, sharding) -> None:
+    if len(members) == 1:
+        return  # shaped() reshapes it: the same one program
+    shapes = tuple(shape for _, _, shape in members)
+    values = _reshaper(shapes, sharding)(*[buffer for _, buffer, _ in members])
+    for (storage, _, _), value in zip(members, values):
+        storage.buffer = value
+
+
+@functools.lru_cache(maxsize=256)
+def _reshaper(shapes: tuple, sharding):
+    return jax.jit(lambda *buffers: [b.reshape(s) for b, s in zip(buffers, shapes)],
+                   out_shardings=[sharding] * len(shapes))
 _ELEMENT_SIZES: dict = {}
 _resizes = 0
 
@@ -421,8 +467,27 @@ def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):
         if lazy.active:
             aval = ((numel,), np.dtype(dtype))
             return lazy.region(device_index).record(_fill_body(numel, dtype), [fill], [aval])[0]
+        key = (numel, dtype, device)
+        if key not in _filled_before:
+            _filled_before.add(key)
+            if _host_fill_pays(numel * np.dtype(dtype).itemsize, device):
+                return jax.device_put(np.full((numel,), fill, dtype), device)
         return _filler(numel, dtype, device)(scalars.on_device(fill, device_index))[0]
     return jnp.full((numel,), fill, dtype=storage_dtype(dtype), device=device)
+
+
+# (numel, dtype, device) of every fill so far. The first fill of a size is a copy from the host
+# where that is cheaper than compiling the fill's program: on a TPU a fill compiles for ~0.1 s
+# (the first of a process ~0.8 s), and placing a model (``module.to("tpu")`` allocates every
+# parameter before copying into it) or a one-off buffer would compile one per shape. A size
+# filled again gets its program: from then on, a call costs no transfer.
+_filled_before: set = set()
+HOST_FILL_BYTES = 16 << 20  # past this, a transfer from the host costs more than a compile
+
+
+def _host_fill_pays(nbytes: int, device) -> bool:
+    """The CPU client compiles a fill in milliseconds and its arrays are host memory anyway."""
+    return nbytes <= HOST_FILL_BYTES and runtime.natural_buffers(device.platform)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,96 @@
+"""What a compiled step's first call, a validation's first decoding and placing a model compile
+before any training: on a TPU every small program costs ~0.1-1.5 s to compile, on the main
+thread, before the first step can start. Counted here with JAX's own compile event."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import tpu_train
+from tpu_train.compile.functional_optim import adapter_for
+from tpu_train.compile.lowering import create_missing_state
+from tpu_train.device import lazy, runtime, storage
+from tpu_train.device.tensor import storage_of
+
+DEVICE = tpu_train.device(0)
+_compiles = itertools.count()
+
+
+def _on_event(event: str, _seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        next(_compiles)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compiles_so_far() -> int:
+    return next(_compiles)  # itself counted: callers compare differences of two calls
+
+
+# Shapes nothing else in the suite uses, so that no program for them is cached yet.
+SHAPES = [(37, 11), (11, 37), (5, 7, 3), (41,), (13, 29)]
+
+
+def fresh_tensors(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=generator) for s in SHAPES]
+
+
+def test_shape_whole_reshapes_every_storage_with_one_program():
+    host = fresh_tensors(0)
+    tensors = [t.to(DEVICE) for t in host]
+    stores = [storage_of(t) for t in tensors]
+    before = compiles_so_far()
+    storage.shape_whole(stores, [tuple(t.shape) for t in tensors])
+    after = compiles_so_far()
+    assert after - before == 2  # one program for the five shapes (and the counter's own call)
+    shaped = [s.shaped(tuple(t.shape)) for s, t in zip(stores, tensors)]
+    assert compiles_so_far() - after == 1  # already shaped: nothing compiled
+    for value, expected in zip(shaped, host):
+        np.testing.assert_array_equal(np.asarray(value), expected.numpy())
+    for tensor, expected in zip(tensors, host):  # and the tensors read as before
+        torch.testing.assert_close(tensor.cpu(), expected, rtol=0, atol=0)
+
+
+def test_missing_optimizer_state_is_created_by_one_program():
+    model = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in [(19, 23), (23, 31), (31, 3)])
+    model.to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    adapter = adapter_for(optimizer)
+    before = compiles_so_far()
+    create_missing_state(optimizer, adapter)
+    compiled = compiles_so_far() - before - 1
+    assert lazy.mode() == lazy.STRICT  # the mode the caller had
+    assert 1 <= compiled <= 2, compiled  # the recorded zeros' program (and a scalar's)
+    for p in model.parameters():
+        state = optimizer.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].shape == p.shape and state[key].device == p.device
+            torch.testing.assert_close(state[key].cpu(), torch.zeros(p.shape), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_first_fill_of_a_size_is_a_copy_from_the_host_where_buffers_are_natural(
+        monkeypatch, dtype):
+    """Where a platform keeps natural buffers (a TPU), the first fill of a size is a host copy
+    (no program to compile); the second compiles the fill's program. On the CPU client every
+    fill is its program (compiling it costs milliseconds)."""
+    natural = runtime.platform() != "cpu"
+    if not natural:
+        monkeypatch.setattr(runtime, "natural_buffers", lambda platform_name: True)
+    numel = {torch.float32: 1237, torch.bfloat16: 1239, torch.int32: 1241}[dtype]
+    before = compiles_so_far()
+    first = torch.full((numel,), 3, dtype=dtype, device=DEVICE)
+    middle = compiles_so_far()
+    second = torch.full((numel,), 5, dtype=dtype, device=DEVICE)
+    after = compiles_so_far()
+    assert middle - before == 1  # nothing compiled for the first
+    assert after - middle == 2  # the fill's program for the second
+    torch.testing.assert_close(first.cpu(), torch.full((numel,), 3, dtype=dtype))
+    torch.testing.assert_close(second.cpu(), torch.full((numel,), 5, dtype=dtype))
