@@ -156,6 +156,16 @@ def model_array(tensor: torch.Tensor, device, name: str):
                      "needs every parameter whole on one device (or replicated)")
 
 
+def model_arrays(names: list[str], tensors: list[torch.Tensor], device) -> list:
+    """:func:`model_array` of each tensor, where the platform keeps natural shapes every
+    reshape done by one program (:func:`tpu_train.device.storage.shape_whole`), not one per
+    shape: on a TPU each is a program to compile before the first validation."""
+    if runtime.natural_buffers(device.platform):
+        whole = [t for t in tensors if isinstance(t, TpuTensor) and owns_whole_storage(t)]
+        shape_whole([storage_of(t) for t in whole], [tuple(t.shape) for t in whole])
+    return [model_array(t, device, n) for n, t in zip(names, tensors)]
+
+
 class CompiledDecoder:
     """Greedy or sampled continuations of a model on its ``tpu`` device (module docstring).
 
@@ -246,10 +256,7 @@ class CompiledDecoder:
         names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
-        if runtime.natural_buffers(device.platform):  # one program for every reshape
-            whole = [t for t in tensors if isinstance(t, TpuTensor) and owns_whole_storage(t)]
-            shape_whole([storage_of(t) for t in whole], [tuple(t.shape) for t in whole])
-        arrays = [model_array(t, device, n) for n, t in zip(names, tensors)]
+        arrays = model_arrays(names, tensors, device)
         settings = (float(temperature), float(top_p), len(eos))
         signature = self._signature(names, tensors, buckets, settings)
 

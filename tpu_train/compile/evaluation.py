@@ -18,7 +18,7 @@ import torch
 
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import interpreter, tracing
-from tpu_train.compile.decoding import model_array, model_tensors
+from tpu_train.compile.decoding import model_arrays, model_tensors
 from tpu_train.compile.lowering import autocast_region
 from tpu_train.device import runtime
 from tpu_train.device.tensor import host_array
@@ -62,7 +62,7 @@ class CompiledLoss:
         names, tensors = model_tensors(self.model)
         index = tensors[0].device.index or 0
         device = runtime.jax_device(index)
-        arrays = [model_array(t, device, n) for n, t in zip(names, tensors)]
+        arrays = model_arrays(names, tensors, device)
         keys = sorted(batch)
         leaves = [batch[k] for k in keys]
         signature = cache_mod.Signature(
