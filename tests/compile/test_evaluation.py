@@ -53,3 +53,25 @@ def test_compiled_loss_matches_cpu_and_compiles_once_per_shape():
     rtol = loss_rtol(torch.float32, 1, 4 * 13, depth=2, functions=FUNCTIONS)
     assert abs(got - expected) <= rtol * abs(expected)
     assert len(loss.compilations) == 2
+
+
+def test_summed_loss_over_pieces_of_rows_matches_cpu():
+    """``rows_per_piece``: the program sums the loss over pieces of that many rows in a loop
+    (the validation of ``tpu-train`` with ``trainer.micro_batch_size``): the same sum as
+    PyTorch's over the whole batch; a batch the piece size does not divide runs whole."""
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                      ffn_hidden_dim=64, max_seq_len=16)
+    cpu = Llama(cfg)
+    cpu.init_weights(seed=1, device="cpu")
+    cpu.eval()
+    model = copy.deepcopy(cpu).to("tpu").eval()
+    loss = CompiledLoss(model, causal_lm_loss_sum, rows_per_piece=2)
+    for seed, rows, pieces in ((0, 8, 4), (1, 3, 1)):
+        batch = _batch(seed, rows)
+        assert loss.pieces(list(batch.values())) == pieces
+        with torch.no_grad():
+            expected = float(causal_lm_loss_sum(cpu, batch))
+        got = loss(batch)
+        rtol = loss_rtol(torch.float32, 1, rows * 13, depth=2, functions=FUNCTIONS)
+        assert abs(got - expected) <= rtol * abs(expected), (rows, got, expected)
+    assert len(loss.compilations) == 2

@@ -14,7 +14,9 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import torch
+from jax import lax
 
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import interpreter, tracing
@@ -48,14 +50,32 @@ class CompiledLoss:
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, *,
-                 autocast_dtype: torch.dtype | None = None, name: str | None = None):
+                 autocast_dtype: torch.dtype | None = None, name: str | None = None,
+                 rows_per_piece: int | None = None):
+        """``rows_per_piece``: ``loss_fn`` is a sum over the batch's rows (a summed loss, no
+        mean): the program computes it over consecutive pieces of this many rows in a loop
+        and adds the pieces' sums (a batch whose first dimension it does not divide runs
+        whole). XLA's TPU compiler emits code per row of a small array, so a forward over 16
+        rows compiles for several times longer than a loop over 2 at a time (the train
+        step's ``trainer.micro_batch_size`` for the same reason)."""
         self.model, self.loss_fn, self.autocast_dtype = model, loss_fn, autocast_dtype
+        self.rows_per_piece = rows_per_piece
         self.cache = cache_mod.CompileCache(name or f"evaluation of {type(model).__name__}")
 
     @property
     def compilations(self) -> list[cache_mod.CompileRecord]:
         """One record per compiled program (cause, trace / lower / compile seconds)."""
         return list(self.cache.records)
+
+    def pieces(self, leaves: list[torch.Tensor]) -> int:
+        """How many pieces of ``rows_per_piece`` rows a batch of these tensors is summed over
+        (1: whole): every batch tensor must have the same number of rows, a multiple of it."""
+        per = self.rows_per_piece
+        rows = {t.shape[0] if t.dim() else None for t in leaves}
+        if not per or len(rows) != 1 or None in rows:
+            return 1
+        (count,) = rows
+        return count // per if count > per and count % per == 0 else 1
 
     def _prepared(self, batch: dict[str, torch.Tensor]) -> tuple:
         """(signature, build(stages, compile=True), device arrays, batch leaves) for ``batch``."""
@@ -69,7 +89,8 @@ class CompiledLoss:
             tuple(cache_mod.InputSpec(f'"{n}"', tuple(t.shape), t.dtype)
                   for n, t in zip(names + keys, tensors + leaves)),
             (("model.training", self.model.training), ("autocast", str(self.autocast_dtype)),
-             ("matmul precision", matmul_mod.get_matmul_precision())))
+             ("matmul precision", matmul_mod.get_matmul_precision()),
+             ("rows per piece", self.rows_per_piece)))
 
         def build(stages, compile: bool = True):
             return self._build(stages, names, tensors, keys, leaves, torch.device("tpu", index),
@@ -98,7 +119,11 @@ class CompiledLoss:
         module_keys = ["model." + n for n in names]
         n = len(module_keys)
         wrapper = _LossModule(self.model, self.loss_fn, keys)
-        inputs = [fakes.like(t.shape, t.dtype, torch_device) for t in tensors + leaves]
+        pieces = self.pieces(leaves)
+        piece_shapes = [(t.shape[0] // pieces, *t.shape[1:]) for t in leaves]
+        inputs = ([fakes.like(t.shape, t.dtype, torch_device) for t in tensors]
+                  + [fakes.like(shape, t.dtype, torch_device)
+                     for shape, t in zip(piece_shapes, leaves)])
 
         def loss(*flat):
             return torch.func.functional_call(wrapper, dict(zip(module_keys, flat[:n])),
@@ -114,9 +139,16 @@ class CompiledLoss:
         shapes = [tuple(t.shape) for t in tensors]
 
         def program(flat, batch_values):
-            values = [a.reshape(shape) for a, shape in zip(flat, shapes)] + list(batch_values)
-            loss, _ = interpreter.run_graph(gm, values)  # the graph's one output: the loss
-            return loss
+            params = [a.reshape(shape) for a, shape in zip(flat, shapes)]
+
+            def piece_loss(piece):
+                loss, _ = interpreter.run_graph(gm, params + list(piece))  # its one output
+                return loss
+
+            if pieces == 1:
+                return piece_loss(batch_values)
+            split = [b.reshape((pieces, *shape)) for b, shape in zip(batch_values, piece_shapes)]
+            return jnp.sum(lax.map(piece_loss, split))
 
         args = [arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype)
                          for a in map(host_array, leaves)]]

@@ -122,14 +122,16 @@ def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_ba
     return _mean_loss(model, loader, max_batches, loss_sum)
 
 
-def compiled_loss(model: torch.nn.Module, precision: Precision):
+def compiled_loss(model: torch.nn.Module, precision: Precision,
+                  rows_per_piece: int | None = None):
     """The summed next-token loss of our Llama on its ``tpu`` device as one compiled program
-    per batch shape, computing in ``precision`` (as :func:`compiled_decoder`); keep it to
-    reuse its programs."""
+    per batch shape, computing in ``precision`` (as :func:`compiled_decoder`), over pieces of
+    ``rows_per_piece`` rows at a time (``trainer.micro_batch_size``: the same reason, compile
+    time on a TPU); keep it to reuse its programs."""
     from tpu_train.compile.evaluation import CompiledLoss
 
     return CompiledLoss(model, causal_lm_loss_sum, autocast_dtype=precision.compute_dtype,
-                        name="validation loss")
+                        name="validation loss", rows_per_piece=rows_per_piece)
 
 
 def compiled_validation_loss(evaluator, loader, max_batches: int) -> dict[str, float]:

@@ -117,7 +117,9 @@ class _Validator:
         on_device = decodes_compiled(job.device) and self.parallel.decodes_on_device()
         self.decoder = compiled_decoder(self.model, job.precision) if on_device else None
         # Op by op, a validation pass on a TPU compiles each new op on first use.
-        self.evaluator = compiled_loss(self.model, job.precision) if on_device else None
+        self.evaluator = (compiled_loss(self.model, job.precision,
+                                        job.cfg.trainer.micro_batch_size)
+                          if on_device else None)
         self.last: dict = {}
         self.first: dict = {}  # the starting model's figures (step 0)
 
