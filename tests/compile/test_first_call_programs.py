@@ -85,6 +85,8 @@ def test_first_fill_of_a_size_is_a_copy_from_the_host_where_buffers_are_natural(
     if not natural:
         monkeypatch.setattr(runtime, "natural_buffers", lambda platform_name: True)
     numel = {torch.float32: 1237, torch.bfloat16: 1239, torch.int32: 1241}[dtype]
+    for _ in range(2):  # another size's fill, twice: the fill value's placement compiled
+        torch.full((numel + 1000,), 7, dtype=dtype, device=DEVICE)
     before = compiles_so_far()
     first = torch.full((numel,), 3, dtype=dtype, device=DEVICE)
     middle = compiles_so_far()
