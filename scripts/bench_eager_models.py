@@ -17,7 +17,9 @@ the same number of steps are printed as a sanity check, with the number of aten 
 dispatches and the machine's load average before and after. ``--fused-max-ops`` adds one more
 fused side per region bound (``TPU_TRAIN_FUSED_MAX_OPS`` during its steps), in the same rotation;
 ``--dispatch-thread`` one more strict side whose program calls run on a dispatch thread
-(``TPU_TRAIN_DISPATCH_THREAD``'s mode, on during its steps only).
+(``TPU_TRAIN_DISPATCH_THREAD``'s mode, on during its steps only); ``--backward-op-by-op`` one
+more strict side whose backward ops run one program each (``lazy.batch_backward`` off during
+its steps: strict mode as it was before it recorded a backward pass as one program).
 
 One JSON line on stdout, with the platform it ran on (``jax_platform``: the best one present,
 or ``TPU_TRAIN_PLATFORM``'s).
@@ -41,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tpu_train  # noqa: E402,F401  (registers the tpu device)
-from tpu_train.device import dispatch_thread, runtime, storage_of  # noqa: E402
+from tpu_train.device import dispatch_thread, lazy, runtime, storage_of  # noqa: E402
 
 CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -50,8 +52,10 @@ BATCH, SEQ = 4, 64
 
 class Step:
     def __init__(self, model: torch.nn.Module, device: torch.device, ids: torch.Tensor,
-                 mode: str = "strict", max_ops: int | None = None, thread: bool = False):
+                 mode: str = "strict", max_ops: int | None = None, thread: bool = False,
+                 backward_op_by_op: bool = False):
         self.device, self.mode, self.max_ops, self.thread = device, mode, max_ops, thread
+        self.backward_op_by_op = backward_op_by_op
         self.model = model.to(device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
         self.ids = ids.to(device)
@@ -66,6 +70,8 @@ class Step:
         dispatch_thread.enabled = self.thread
         start = time.perf_counter()
         with tpu_train.eager_mode(self.mode):
+            if self.backward_op_by_op:  # the mode's own setting comes back with the mode
+                lazy.batch_backward = False
             loss = self.model(input_ids=self.ids, labels=self.ids).loss
             loss.backward()
             self.opt.step()
@@ -103,6 +109,8 @@ def main(argv=None) -> dict:
                         help="comma-separated region bounds: one more fused side each")
     parser.add_argument("--dispatch-thread", action="store_true",
                         help="one more strict side, its program calls on a dispatch thread")
+    parser.add_argument("--backward-op-by-op", action="store_true",
+                        help="one more strict side, its backward ops one program each")
     args = parser.parse_args(argv)
     bounds = [int(n) for n in args.fused_max_ops.split(",") if n]
     import transformers
@@ -120,8 +128,10 @@ def main(argv=None) -> dict:
                     max_ops=n) for n in bounds]
     threaded = [Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids, thread=True)
                 ] if args.dispatch_thread else []
+    op_by_op = [Step(copy.deepcopy(cpu_model), torch.device("tpu", 0), ids,
+                     backward_op_by_op=True)] if args.backward_op_by_op else []
     cpu = Step(cpu_model, torch.device("cpu"), ids)
-    sides = [tpu, fused, cpu, *bounded, *threaded]
+    sides = [tpu, fused, cpu, *bounded, *threaded, *op_by_op]
     for _ in range(warm_up):  # the first steps compile every op and create the optimizer state
         for side in sides:
             side()
@@ -160,14 +170,15 @@ def main(argv=None) -> dict:
                                 "ratio_min": round(s["min"] / b["min"], 2),
                                 "ratio_median": round(s["median"] / b["median"], 2)}
             for side in bounded}
-    if threaded:
-        s = _summary(samples[id(threaded[0])])
-        result["tpu_eager_dispatch_thread_s"] = {
-            **s, "ratio_min": round(s["min"] / b["min"], 2),
-            "ratio_median": round(s["median"] / b["median"], 2),
-            "over_strict_min": round(s["min"] / a["min"], 3),
-            "over_strict_median": round(s["median"] / a["median"], 3),
-            "loss": float(threaded[0].loss.cpu())}
+    for key, extra in (("tpu_eager_dispatch_thread_s", threaded),
+                       ("tpu_eager_backward_op_by_op_s", op_by_op)):
+        if extra:  # each against torch's CPU step and against strict mode
+            s = _summary(samples[id(extra[0])])
+            result[key] = {**s, "ratio_min": round(s["min"] / b["min"], 2),
+                           "ratio_median": round(s["median"] / b["median"], 2),
+                           "over_strict_min": round(s["min"] / a["min"], 3),
+                           "over_strict_median": round(s["median"] / a["median"], 3),
+                           "loss": float(extra[0].loss.cpu())}
     print(json.dumps(result), flush=True)
     return result
 

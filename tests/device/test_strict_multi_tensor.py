@@ -1,5 +1,6 @@
-"""Strict mode runs a run of multi-tensor (``_foreach_*``) ops, an optimizer's step, as one
-program before the next other op (lazy.batch_multi_tensor); debug mode runs each op alone.
+"""Strict mode runs a backward pass and a run of multi-tensor (``_foreach_*``) ops, an
+optimizer's step, as one program before the next other op (lazy.batch_backward,
+lazy.batch_multi_tensor); debug mode runs each op alone.
 
 Oracle: the same steps in PyTorch on CPU, within the tolerances tests/tolerances.py derives
 for the platform (a ReLU model: its functions are AdamW's sqrt and div).
@@ -28,8 +29,9 @@ def _model():
 
 
 def _train(model, device, steps=3, clip=False, zero_grad_to_none=True, counts=None):
-    """Losses and final parameters; ``counts`` gets lazy.stats() after the first step (which
-    compiles each op, running it alone) and after the last."""
+    """Losses and final parameters; ``counts`` gets lazy.stats() after the second step (an
+    op's first call runs alone; step 2 is the first to add into zeroed gradients) and after
+    the last."""
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     x = torch.linspace(-1, 1, 24).reshape(4, 6).to(device)
@@ -42,7 +44,7 @@ def _train(model, device, steps=3, clip=False, zero_grad_to_none=True, counts=No
         opt.step()
         opt.zero_grad(set_to_none=zero_grad_to_none)
         losses.append(loss.detach())
-        if counts is not None and len(losses) in (1, steps):
+        if counts is not None and len(losses) in (2, steps):
             counts.append(lazy.stats())
     return [float(v) for v in losses], [p.detach().cpu() for p in model.parameters()]
 
@@ -57,12 +59,14 @@ def test_an_optimizer_step_is_one_region_and_matches_cpu(clip, zero_grad_to_none
                             zero_grad_to_none=zero_grad_to_none, counts=counts)
     ran = counts[1]["regions_run"] - counts[0]["regions_run"]
     recorded = counts[1]["ops_recorded"] - counts[0]["ops_recorded"]
-    # Steps 2-4 record AdamW's 8 multi-tensor ops (weight decay, lerp, mul, addcmul, sqrt,
-    # div, add, addcdiv), clipping two more (norms, scaling). They run as one region a step
-    # (clipping: two, its norms' ordinary ops run the first), each when the next op comes
-    # (the next forward's, or zero_grad's per-tensor zero_): step 1's, and steps 2-3's.
-    assert recorded == 3 * (8 + (2 if clip else 0))
-    assert ran == (1 + 3 + 2 if clip else 3)
+    # Steps 3-4 record their backward pass (10 lowered ops; 14 where the gradients were
+    # zeroed rather than set to None: AccumulateGrad adds into each), AdamW's 8 multi-tensor
+    # ops (weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv) and clipping's two
+    # (norms, scaling). Backward and update run as one region a step when the next op comes
+    # (the next forward's); clipping's ordinary ops run the backward's region first, so two.
+    backward = 10 if zero_grad_to_none else 14
+    assert recorded == 2 * (backward + 8 + (2 if clip else 0))
+    assert ran == 2 * (2 if clip else 1)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), atol=0,
                                rtol=loss_rtol(torch.float32, STEPS, REDUCTION))
     for a, b in zip(params, cpu_params):

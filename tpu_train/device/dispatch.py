@@ -20,8 +20,9 @@ Views, mutating and functional ops go through the per-call cache of
 and one XLA dispatch. What kind an op is gets worked out once per op (``op_cache.op_info``).
 
 Dispatch is asynchronous (JAX's own): nothing waits for the device unless a value is read.
-Strict mode records a run of multi-tensor ops (an optimizer's step) and runs it as one program
-before the next other op (``lazy.batch_multi_tensor``).
+Strict mode records a backward pass's ops and a run of multi-tensor ops (an optimizer's step)
+and runs them as one program before the next other op (``lazy.batch_backward``,
+``lazy.batch_multi_tensor``).
 ``TPU_TRAIN_SYNC=1`` waits after every op so that an error points at the op that caused it.
 """
 
@@ -76,5 +77,5 @@ def _run_deferred_before(func) -> None:
     """Strict mode: run the recorded multi-tensor ops (``lazy.batch_multi_tensor``) before any
     other op."""
     info = _INFO.get(func)
-    if info is None or not info.multi_tensor or not op_cache.batch:
+    if info is None or not op_cache.batch or not (info.multi_tensor or lazy.records_backward()):
         lazy.flush_all()

@@ -55,7 +55,7 @@ class _Mutating:
             dispatch_thread.resolve(inputs)
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        if lazy.active or (self.multi_tensor and op_cache.batch):
+        if lazy.active or (op_cache.batch and (self.multi_tensor or lazy.records_backward())):
             flat = self._record(inputs, first=not donate)
         else:
             if self.float_slots != ():

@@ -1,6 +1,9 @@
 """Eager modes, and the recording behind the fused one.
 
-``strict`` (the default) runs every op as its own XLA executable as soon as it is called.
+``strict`` (the default) runs every op of the calling code as its own XLA executable as soon
+as it is called; a backward pass's ops and runs of multi-tensor ops (an optimizer's step) are
+recorded and run as one program before the next other op (``batch_backward``,
+``batch_multi_tensor``).
 ``fused`` records ops instead of running them: each op's output buffer is a :class:`Pending`
 value, the op's cached executable and its inputs are appended to its device's region, and the
 region runs as one XLA program when a value is needed. ``debug`` is strict and waits after
@@ -33,6 +36,7 @@ import threading
 
 import jax
 import numpy
+import torch
 
 from tpu_train.device import dispatch_thread, runtime, scalars
 from tpu_train.device.dispatch_thread import Issued
@@ -49,6 +53,11 @@ active = False  # fused mode is on: read on every op call
 # old parameter and state buffers donated, before the next other op (the dispatcher calls
 # flush_all while ``deferred``) or when something reads a result. Debug mode does not.
 batch_multi_tensor = True
+# Strict mode records the ops of a backward pass too (the autograd engine's thread, while it
+# runs a graph task): on a TPU each program call costs ~0.2 ms of host time, and a backward
+# pass is most of a step's ops. They run as one program, with the optimizer's multi-tensor ops
+# that follow, before the next other op. Debug mode runs each alone.
+batch_backward = True
 deferred = False  # outside fused mode, a region may hold ops not yet run
 _mode = STRICT
 _mode_listeners: list = []
@@ -60,6 +69,13 @@ _counts = {"ops_recorded": 0, "regions_run": 0, "programs_compiled": 0, "inputs_
 _ARRAY_TYPE = None  # jax.Array's concrete class: known once a region exists (creating an
 # array at import would start JAX's backends before a multi-process runtime can be joined)
 _getrefcount = sys.getrefcount
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def records_backward() -> bool:
+    """Does strict mode record this op because it belongs to a backward pass (``batch_backward``
+    and the autograd engine running a graph task on this thread)?"""
+    return batch_backward and _graph_task_id() != -1
 
 
 class EagerModeError(ValueError):
@@ -300,7 +316,7 @@ def mode() -> str:
 
 def set_mode(name: str) -> None:
     """Switch the process's eager mode; leaving ``fused`` runs what was recorded."""
-    global active, batch_multi_tensor, _mode, _max_region_ops
+    global active, batch_multi_tensor, batch_backward, _mode, _max_region_ops
     if name not in MODES:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
@@ -311,7 +327,7 @@ def set_mode(name: str) -> None:
         flush_all()
     _mode = name
     active = name == FUSED
-    batch_multi_tensor = name == STRICT
+    batch_multi_tensor = batch_backward = name == STRICT
     for listener in _mode_listeners:
         listener(name)
 

@@ -438,7 +438,7 @@ class _Lowered:
     def __call__(self, args, kwargs, inputs, tensors, first=False):
         if self.random:
             inputs.append(random_key(args, kwargs, self.index))
-        if lazy.active or (self.multi_tensor and batch):
+        if lazy.active or (batch and (self.multi_tensor or lazy.records_backward())):
             if dispatch_thread.enabled:
                 dispatch_thread.resolve(inputs)
             flat = self._fused(inputs, first)
