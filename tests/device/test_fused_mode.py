@@ -231,7 +231,7 @@ def test_equal_scalars_share_an_input_and_distinct_ones_stay_apart():
 
 
 def test_a_failing_region_fails_every_read_of_its_results(monkeypatch):
-    def failing_program(ops, live, donate, device):
+    def failing_program(ops, live, donate, device, rounded_per_op):
         def run(*inputs):
             raise ValueError("out of device memory")
         return run

@@ -140,3 +140,23 @@ def test_a_parameter_copied_before_the_step_keeps_its_old_value():
     for p, q in zip(model.parameters(), kept.parameters()):
         assert not torch.equal(p.detach().cpu(), q.detach().cpu())
     torch.testing.assert_close(kept[0].weight.detach().cpu(), _model()[0].weight.detach())
+
+
+def _bf16_gradient():
+    torch.manual_seed(1)
+    w = torch.randn(64, dtype=torch.bfloat16).to(TPU).requires_grad_()
+    x = torch.linspace(-2, 2, 64, dtype=torch.bfloat16).to(TPU)
+    # A chain of bf16 elementwise ops: XLA may compute it in float32 and round once.
+    loss = ((w * x).tanh() * 3 + w.sigmoid() * x).exp().float().sum()
+    loss.backward()
+    return w.grad.cpu()
+
+
+def test_a_recorded_backward_rounds_each_op_like_running_it_alone():
+    _bf16_gradient()  # an op's first call runs alone
+    before = lazy.stats()
+    recorded = _bf16_gradient()
+    assert lazy.stats()["ops_recorded"] > before["ops_recorded"]  # the backward was recorded
+    with tpu_train.eager_mode("debug"):
+        alone = _bf16_gradient()
+    assert torch.equal(recorded, alone)

@@ -25,6 +25,8 @@ def master_port(monkeypatch):
 
 def _listening(port):
     sock = socket.socket()
+    # As gRPC binds: a drawn port whose earlier connection is still in TIME_WAIT is free.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen()
     return sock

@@ -135,6 +135,7 @@ class Region:
         self.outputs: list = []  # per op: its Pending results
         self.inputs: list = []
         self.input_slots: dict = {}  # what an input is (see _wire) -> its position
+        self.rounded_per_op = False  # holds strict mode's ops (see _ROUNDED_PER_OP)
 
     def _wire(self, value):
         if type(value) is Issued:  # a dispatch thread's call (strict mode's multi-tensor ops)
@@ -172,6 +173,7 @@ class Region:
         with _lock:
             if not active:
                 deferred = True  # strict mode's multi-tensor ops (batch_multi_tensor)
+                self.rounded_per_op = True
             if len(self.ops) >= _max_region_ops:
                 self.flush()
             wiring = tuple([self._wire(v) for v in inputs])
@@ -192,6 +194,7 @@ class Region:
             if not self.ops:
                 return
             ops, outputs, inputs = self.ops, self.outputs, self.inputs
+            rounded_per_op = self.rounded_per_op
             self._reset()
             live, pendings = [], []
             for results in outputs:
@@ -203,10 +206,11 @@ class Region:
                         live.append(pending.address)
                         pendings.append(pending)
             donate = _donatable(inputs, pendings)
-            key = (self.index, tuple(ops), tuple(live), donate)
+            key = (self.index, tuple(ops), tuple(live), donate, rounded_per_op)
             program = _programs.get(key)
             if program is None:
-                program = _program(ops, live, donate, runtime.jax_device(self.index))
+                program = _program(ops, live, donate, runtime.jax_device(self.index),
+                                   rounded_per_op)
                 _counts["programs_compiled"] += 1
                 if len(_programs) >= _MAX_PROGRAMS:
                     _programs.clear()
@@ -253,9 +257,17 @@ def _donatable(inputs, pendings) -> tuple:
     return tuple(donate)
 
 
-def _program(ops, live, donate, device):
+# XLA may compute a chain of bf16 ops in float32 and round once at the end ("excess
+# precision"): fused mode's programs do. Strict mode's recorded regions (a backward pass, an
+# optimizer step) must give what running each op alone gives, so every op's result is rounded
+# to its dtype there.
+_ROUNDED_PER_OP = {"xla_allow_excess_precision": False}
+
+
+def _program(ops, live, donate, device, rounded_per_op):
     """One jitted function replaying ``ops`` (each the Python function an op's executable jits),
-    its results on ``device`` (a region of fills only has no array input to place it by).
+    its results on ``device`` (a region of fills only has no array input to place it by);
+    ``rounded_per_op``: each op's results rounded to their dtypes, as when run alone.
     """
 
     def replay(*inputs):
@@ -267,7 +279,8 @@ def _program(ops, live, donate, device):
         return [values[address] for address in live]
 
     return jax.jit(replay, donate_argnums=donate,
-                   out_shardings=jax.sharding.SingleDeviceSharding(device))
+                   out_shardings=jax.sharding.SingleDeviceSharding(device),
+                   compiler_options=_ROUNDED_PER_OP if rounded_per_op else None)
 
 
 def region(index: int) -> Region:
@@ -322,7 +335,8 @@ def set_mode(name: str) -> None:
                          f"(e.g. {MODE_ENV}=fused)")
     if name == FUSED:
         _max_region_ops = region_size_from_environment()
-    if (_mode == FUSED and name != FUSED) or (deferred and name == DEBUG):
+    # Strict mode's deferred ops run as strict mode's (rounded per op) before another mode's.
+    if (_mode == FUSED and name != FUSED) or (deferred and name != STRICT):
         active = False
         flush_all()
     _mode = name
