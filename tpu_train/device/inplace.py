@@ -18,7 +18,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import dispatch_thread, lazy, mutation, op_cache, scalars
+from tpu_train.device import dispatch_thread, lazy, mutation, op_cache, runtime, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs
 from tpu_train.device.op_cache import (NEEDS_VALUES, Decoder, OpInfo, Ref, call_key, cast_leaves,
@@ -45,7 +45,7 @@ class _Mutating:
                  multi_tensor=False):
         self.func, self.run, self.index, self.random = func, run, index, random
         self.multi_tensor = multi_tensor
-        self.fn = jax.jit(run)
+        self.fn = jax.jit(run, compiler_options=runtime.op_program_options())
         self.donating, self.donate_slots = None, donate_slots
         self.written, self.fresh, self.returns = written, fresh, returns
         self.float_slots = None  # found on the first call (the inputs)
@@ -82,7 +82,8 @@ class _Mutating:
         return lazy.region(self.index).record(self.run, inputs, avals)
 
     def _donating(self):
-        self.donating = jax.jit(self.run, donate_argnums=self.donate_slots)
+        self.donating = jax.jit(self.run, donate_argnums=self.donate_slots,
+                                compiler_options=runtime.op_program_options())
         return self.donating
 
 

@@ -42,7 +42,7 @@ import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.device import dispatch_thread, generator, lazy, mutation, rng, scalars
+from tpu_train.device import dispatch_thread, generator, lazy, mutation, rng, runtime, scalars
 from tpu_train.device import storage as storage_mod
 from tpu_train.device.meta import device_index_of, meta_outputs, to_meta
 from tpu_train.device.storage import Storage, contiguous_strides
@@ -332,7 +332,7 @@ def _lowered_program(info: OpInfo, func, key, specs):
 
     if info.concrete:
         return run, run, structure
-    return jax.jit(run), run, structure
+    return jax.jit(run, compiler_options=runtime.op_program_options()), run, structure
 
 
 # ---------------------------------------------------------------------------------------------

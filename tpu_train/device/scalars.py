@@ -27,7 +27,8 @@ def _placer(index: int):
     placer = _placers.get(index)
     if placer is None:
         device = jax.sharding.SingleDeviceSharding(runtime.jax_device(index))
-        placer = _placers[index] = jax.jit(lambda value: value, out_shardings=device)
+        placer = _placers[index] = jax.jit(lambda value: value, out_shardings=device,
+                                           compiler_options=runtime.op_program_options())
     return placer
 
 

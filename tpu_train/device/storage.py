@@ -237,7 +237,8 @@ def _reshape_together(members: list, sharding) -> None:
 @functools.lru_cache(maxsize=256)
 def _reshaper(shapes: tuple, sharding):
     return jax.jit(lambda *buffers: [b.reshape(s) for b, s in zip(buffers, shapes)],
-                   out_shardings=[sharding] * len(shapes))
+                   out_shardings=[sharding] * len(shapes),
+                   compiler_options=runtime.op_program_options())
 _ELEMENT_SIZES: dict = {}
 _resizes = 0
 
@@ -400,12 +401,14 @@ def write_in_trace(buffer, value, size, stride, offset):
 
 @functools.lru_cache(maxsize=8192)
 def _reader(size: tuple, stride: tuple, offset: int):
-    return jax.jit(functools.partial(_read_impl, size=size, stride=stride, offset=offset))
+    return jax.jit(functools.partial(_read_impl, size=size, stride=stride, offset=offset),
+                   compiler_options=runtime.op_program_options())
 
 
 @functools.lru_cache(maxsize=8192)
 def _writer(size: tuple, stride: tuple, offset: int):
-    return jax.jit(functools.partial(_write_impl, size=size, stride=stride, offset=offset))
+    return jax.jit(functools.partial(_write_impl, size=size, stride=stride, offset=offset),
+                   compiler_options=runtime.op_program_options())
 
 
 def read(storage: Storage, size: tuple, stride: tuple, offset: int) -> jax.Array:
@@ -500,4 +503,5 @@ def _fill_body(numel: int, dtype):
 @functools.lru_cache(maxsize=4096)
 def _filler(numel: int, dtype, device):
     return jax.jit(_fill_body(numel, dtype),
-                   out_shardings=jax.sharding.SingleDeviceSharding(device))
+                   out_shardings=jax.sharding.SingleDeviceSharding(device),
+                   compiler_options=runtime.op_program_options())
