@@ -11,8 +11,7 @@ JSON line: the programs, the seconds at each effort (sum, median per program), t
 the slowest programs at effort 0, and the cost analysis' bytes accessed at each effort (what
 the least effort gives up, as far as XLA's own estimate says). Usage::
 
-    TPU_SKIP_MDS_QUERY=1 TPU_WORKER_HOSTNAMES=localhost python scripts/op_compile_effort.py \\
-        [--target v5e:1x1] [--max-programs N]
+    python scripts/op_compile_effort.py [--target v5e:1x1] [--max-programs N]
 """
 
 from __future__ import annotations
@@ -102,11 +101,11 @@ def main(argv=None) -> dict:
         parser.error(f"{runtime.EFFORT_ENV} is set: one-op programs then use it, unset it")
     recorded = record_one_op_programs(options)
     import jax
-    from jax.experimental import topologies
 
     import bench_train_step as bench
     import jax_llama
     import train_step_modes as tsm
+    from tpu_train.compile.targets import TargetError, resolve_target
     from tpu_train.models import Llama
 
     size = jax_llama.SIZES["w1"]
@@ -115,13 +114,12 @@ def main(argv=None) -> dict:
     cpu_model.init_weights(seed=0, device="cpu")
     batch = bench.make_batches(1, size.vocab_size, batch=size.batch, seq=size.seq)[0]
     step = tsm.TrainerMode(cpu_model, cfg)
+    try:  # before the step: a bad target is said at once
+        device = resolve_target(args.target).devices[0]
+    except TargetError as error:
+        parser.error(str(error))
     step.block(step.step(batch))
     programs = recorded[:args.max_programs] if args.max_programs else recorded
-    kind, _, shape = args.target.partition(":")
-    topology = topologies.get_topology_desc(args.target, "tpu", chips_per_host_bounds=(1, 1, 1),
-                                            num_slices=1) if shape == "1x1" else \
-        topologies.get_topology_desc(args.target, "tpu")
-    device = topology.devices[0]
     warm_up = jax.jit(lambda x: x + 1).lower(
         jax.ShapeDtypeStruct((8,), "float32", sharding=jax.sharding.SingleDeviceSharding(device)))
     warm_up.compile()  # the compiler's own start, not any program's
