@@ -6,7 +6,9 @@ step at ``trainer.mode=eager``, or ``--mode fused``), runs ``--steps`` steps and
 step, from JAX's monitoring events: the XLA compiles
 (``/jax/core/compile/backend_compile_duration``) and their seconds, the seconds spent
 tracing jaxprs and lowering them to MLIR, and the step's wall time, so that a slow first
-step can be split into compiling, JAX's tracing and lowering, and everything else. It also says how many of the compiled modules are textually distinct
+step can be split into compiling, JAX's tracing and lowering, and everything else, and lists
+each step's slowest compiles (module name, MLIR lines, seconds). It also says how many of the
+compiled modules are textually distinct
 (names and source locations removed): executables shared between identical programs could only
 save the difference. One JSON line on stdout. Usage::
 
@@ -42,6 +44,7 @@ class Counter:
         self.seconds = collections.Counter()
         self.compiles = 0
         self.modules = collections.Counter()
+        self.programs: list = []  # (module name, MLIR lines, seconds) per compile, in order
 
     def on_duration(self, event: str, duration: float, **_kwargs) -> None:
         name = _EVENTS.get(event)
@@ -62,9 +65,16 @@ def watch_modules(counter: Counter):
     original = compiler.compile_or_get_cached
 
     def spy(backend, computation, *args, **kwargs):
-        text = re.sub(r"loc\(.*?\)|module @\S+", "", str(computation))
+        full = str(computation)
+        text = re.sub(r"loc\(.*?\)|module @\S+", "", full)
         counter.modules[hashlib.sha1(text.encode()).hexdigest()] += 1
-        return original(backend, computation, *args, **kwargs)
+        name = re.search(r"module @(\S+)", full)
+        started = time.perf_counter()
+        try:
+            return original(backend, computation, *args, **kwargs)
+        finally:
+            counter.programs.append((name.group(1) if name else "?", text.count("\n"),
+                                     time.perf_counter() - started))
 
     compiler.compile_or_get_cached = spy
 
@@ -78,6 +88,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("eager", "fused"), default="eager")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--slowest", type=int, default=6,
+                        help="list this many of each step's slowest compiles")
     parser.add_argument("--cache-all", metavar="DIR",
                         help="keep every compiled program in this persistent cache directory")
     args = parser.parse_args(argv)
@@ -111,13 +123,22 @@ def main(argv=None) -> dict:
               "setup": _delta((0, {}), counter.snapshot(), time.perf_counter() - started)}
     for number, batch in enumerate(batches, 1):
         before, started = counter.snapshot(), time.perf_counter()
+        first_program = len(counter.programs)
         step.block(step.step(batch))
         report[f"step{number}"] = _delta(before, counter.snapshot(),
                                          time.perf_counter() - started)
+        report[f"step{number}"]["slowest"] = _slowest(counter.programs[first_program:],
+                                                      args.slowest)
     report["programs_compiled"] = counter.compiles
     report["distinct_modules"] = len(counter.modules)
     print(json.dumps(report))
     return report
+
+
+def _slowest(programs: list, count: int) -> list:
+    """The ``count`` slowest of ``programs``: [module name, MLIR lines, seconds]."""
+    ranked = sorted(programs, key=lambda p: -p[2])[:count]
+    return [[name, lines, round(seconds, 2)] for name, lines, seconds in ranked]
 
 
 def _delta(before: tuple, after: tuple, wall: float) -> dict:

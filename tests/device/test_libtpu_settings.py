@@ -58,4 +58,6 @@ def test_libtpu_starts_with_the_settings(users):
     proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_V5E], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == [users or f"--{FLAG}=2", "1"]
+    *flags, devices = proc.stdout.split()
+    # On a TPU host JAX adds flags of its own; this one is there once, with the user's value.
+    assert [f for f in flags if FLAG in f] == [users or f"--{FLAG}=2"] and devices == "1"

@@ -126,7 +126,8 @@ class Region:
     def __init__(self, index: int):
         global _ARRAY_TYPE
         if _ARRAY_TYPE is None:
-            _ARRAY_TYPE = type(jax.numpy.zeros((), device=runtime.jax_device(index)))
+            # A transfer, not jnp.zeros: that would compile a program just to learn the type.
+            _ARRAY_TYPE = type(jax.device_put(numpy.float32(0), runtime.jax_device(index)))
         self.index = index
         self._reset()
 
@@ -264,6 +265,13 @@ def _donatable(inputs, pendings) -> tuple:
 _ROUNDED_PER_OP = {"xla_allow_excess_precision": False}
 
 
+def _strict_region_options() -> dict:
+    """XLA options of a strict-mode region: rounded per op, and compiled with the effort of
+    the one-op programs it stands for (strict mode's step is host time; its regions' device
+    time is small next to it, their compile is paid in the user's first steps)."""
+    return {**_ROUNDED_PER_OP, **(runtime.op_program_options() or {})}
+
+
 def _program(ops, live, donate, device, rounded_per_op):
     """One jitted function replaying ``ops`` (each the Python function an op's executable jits),
     its results on ``device`` (a region of fills only has no array input to place it by);
@@ -280,7 +288,7 @@ def _program(ops, live, donate, device, rounded_per_op):
 
     return jax.jit(replay, donate_argnums=donate,
                    out_shardings=jax.sharding.SingleDeviceSharding(device),
-                   compiler_options=_ROUNDED_PER_OP if rounded_per_op else None)
+                   compiler_options=_strict_region_options() if rounded_per_op else None)
 
 
 def region(index: int) -> Region:

@@ -191,6 +191,19 @@ def _randint_like(func, args, kwargs):
     return torch.empty(args[0].shape, **_like_options(args[0], kwargs)).random_(low, high)
 
 
+def _filled_like(fill):
+    """``zeros_like`` / ``ones_like`` / ``empty_like`` (zeros, for determinism) /
+    ``full_like`` (``fill`` None: the op's own value) from the source's shape and dtype alone,
+    as a new contiguous tensor filled in place. As an op of its own the source would be an
+    input: on a TPU, whose whole buffers keep their tensors' shapes, reading it flattens the
+    buffer first (a copy, and a program to compile per shape), for a value never used."""
+    def handler(func, args, kwargs):
+        value = args[1] if fill is None else fill
+        return torch.empty(args[0].shape, **_like_options(args[0], kwargs)).fill_(value)
+
+    return handler
+
+
 def _new_empty_strided(func, args, kwargs):
     return torch.empty_strided(args[1], args[2], **_like_options(args[0], kwargs))
 
@@ -238,6 +251,10 @@ HANDLERS = {
     aten.randint_like.default: _randint_like,
     aten.randint_like.low_dtype: _randint_like,
     aten.new_empty_strided.default: _new_empty_strided,
+    aten.zeros_like.default: _filled_like(0),
+    aten.ones_like.default: _filled_like(1),
+    aten.empty_like.default: _filled_like(0),
+    aten.full_like.default: _filled_like(None),
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,
