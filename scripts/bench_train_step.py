@@ -49,7 +49,7 @@ fit one 16 GB chip together: run ``--only compiled`` and ``--only jax`` separate
 Every script runs on the best platform present (a TPU, else a GPU, else the CPU; set
 ``TPU_TRAIN_PLATFORM`` to choose) and reports the platform, the chip and its peak.
 
-``--isolated R`` measures what one process cannot separate: each mode runs alone in a fresh
+``--isolated R`` (with or without ``--size``) measures what one process cannot separate: each mode runs alone in a fresh
 subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled
 with a warm persistent cache, compiled, ...), and the report gives per mode the min and median
 over rounds of the process's peak RSS and of trace + compile seconds, the compiled/jax ratios
@@ -331,7 +331,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.only:
         args.only = [name for item in args.only for name in item.split(",") if name]
-    if args.size:
+    if args.size and not args.isolated:
         return sized(parser, args)
     if args.only:
         unknown = sorted(set(args.only) - set(MODES))
@@ -364,7 +364,9 @@ def main(argv=None) -> dict:
     del cpu_model
     run_interleaved(modes, results, batches)
     tokens = BATCH * SEQ
-    report = {"workload": "W1", "dtype": args.dtype, "steps": args.steps,
+    report = {"workload": args.size or "W1",
+              **({"precision": args.precision} if args.size else {"dtype": args.dtype}),
+              "steps": args.steps,
               "device": _device_description(), **_device_facts(),
               "peak_rss_mb": round(peak_rss_mb(), 1), "modes": {}}
     for name, r in results.items():
@@ -458,6 +460,7 @@ def sized(parser, args) -> dict:
     run_interleaved(modes, results, batches)
     report = {"size": args.size, "layers": size.n_layers, "precision": args.precision,
               "remat_jax": args.remat, "wait": args.wait,
+              "peak_rss_mb": round(peak_rss_mb(), 1),
               "steps": args.steps, "batch": size.batch, "seq": size.seq,
               "params": sum(int(np.prod(s)) for s in jax_llama.param_shapes(size.config()).values()),
               "model_flops_per_step": tsm.step_flops(size), **facts,
@@ -506,10 +509,14 @@ def isolated(args) -> dict:
     names = args.only or ["compiled", "jax"]
     runs = [(name, name) for name in names]
     cache_dir = tempfile.mkdtemp(prefix="bench_train_step_cache_")
+    workload = ["--dtype", args.dtype]
+    if args.size:  # the size's modes (``sized``), each child one of them
+        workload = ["--size", args.size, "--precision", args.precision]
+        workload += ["--layers", str(args.layers)] if args.layers is not None else []
 
     def run(mode: str, cache: str) -> dict:
         out = subprocess.run([sys.executable, __file__, "--only", mode, "--steps",
-                              str(args.steps), "--dtype", args.dtype],
+                              str(args.steps), *workload],
                              check=True, capture_output=True, text=True,
                              env=dict(os.environ, TPU_TRAIN_CACHE_DIR=cache)).stdout
         child = json.loads(out.strip().splitlines()[-1])
@@ -529,7 +536,9 @@ def isolated(args) -> dict:
                     samples[label][key].append(child[key])
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    report = {"workload": "W1", "dtype": args.dtype, "steps": args.steps,
+    report = {"workload": args.size or "W1",
+              **({"precision": args.precision} if args.size else {"dtype": args.dtype}),
+              "steps": args.steps,
               "rounds": args.isolated, "date": time.strftime("%Y-%m-%d"),
               "load_after": [round(x, 2) for x in os.getloadavg()], "modes": {}}
     for name, figures in samples.items():
