@@ -49,8 +49,8 @@ fit one 16 GB chip together: run ``--only compiled`` and ``--only jax`` separate
 Every script runs on the best platform present (a TPU, else a GPU, else the CPU; set
 ``TPU_TRAIN_PLATFORM`` to choose) and reports the platform, the chip and its peak.
 
-``--isolated R`` (with or without ``--size``) measures what one process cannot separate: each mode runs alone in a fresh
-subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled
+``--isolated R`` (with or without ``--size``) measures what one process cannot separate: each
+mode runs alone in a fresh subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled
 with a warm persistent cache, compiled, ...), and the report gives per mode the min and median
 over rounds of the process's peak RSS and of trace + compile seconds, the compiled/jax ratios
 of both (cold: no persistent cache) and the warm/cold ratio of the compiled step.
