@@ -520,7 +520,11 @@ def isolated(args) -> dict:
                              check=True, capture_output=True, text=True,
                              env=dict(os.environ, TPU_TRAIN_CACHE_DIR=cache)).stdout
         child = json.loads(out.strip().splitlines()[-1])
-        return dict(child["modes"][mode], peak_rss_mb=child["peak_rss_mb"])
+        figures = dict(child["modes"][mode], peak_rss_mb=child["peak_rss_mb"])
+        print(json.dumps({"mode": mode, "cache": cache if cache == "off" else "warm",
+                          "trace_compile_s": figures["trace_compile_s"]}),
+              file=sys.stderr, flush=True)  # a run cut short still leaves its rounds
+        return figures
 
     if "compiled" in names:
         runs.append(("compiled_warm", "compiled"))
