@@ -16,7 +16,8 @@ from tests.trainer.cli_helpers import run_in_process
 from tpu_train.compile.targets import libtpu_available
 from tests.trainer.hf_checkpoint import custom_llama  # noqa: F401 (a fixture)
 
-PLAN = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32", "plan.chip=v5e"]
+PLAN = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32", "plan.chip=v5e",
+        "plan.fast=false"]  # the executable's figures
 
 
 @pytest.mark.timeout(240)

@@ -7,7 +7,7 @@ the ``meta`` device: nothing the size of the model is allocated), lowers it over
 
 * **TPU** (``target="v5e:16x16"``): XLA's TPU compiler from libtpu, for the pod's real
   topology (:mod:`tpu_train.compile.targets`; no chip needed, any x86-64 host). Its buffer
-  assignment and FLOPs are the TPU's. With ``plan.fast=true`` the plan command's child
+  assignment and FLOPs are the TPU's. With ``plan.fast`` (the default) the plan command's child
   reads them from the compiler's dump as soon as its HLO passes end and exits without
   waiting for code generation, most of the compile, which adds to the temporaries
   (:mod:`tpu_train.planning.tpu_dump`).

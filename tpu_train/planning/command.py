@@ -8,9 +8,9 @@ what XLA says about the *real* compiled PyTorch step for the target mesh
 
 * ``plan.chip`` names a TPU generation XLA's TPU compiler knows (v4, v5e, v5p, v6e) and
   libtpu is installed: the TPU compiler, for the pod's topology (256 v5e chips: ``v5e:16x16``;
-  ``plan.chip=v5p:4x4x8`` names one): the executable's figures (``plan.fast=true``: read at
-  its buffer assignment, before code generation, seconds instead of minutes, the memory a
-  lower bound);
+  ``plan.chip=v5p:4x4x8`` names one): its buffer assignment, read before code generation
+  (``plan.fast``, the default: tens of seconds instead of minutes, the memory a lower bound),
+  or with ``plan.fast=false`` the finished executable's figures;
 * otherwise the CPU compiler on as many virtual CPU devices as the mesh has chips, with a
   one-line note saying why and the report labelling the figures as the CPU compiler's.
 """
@@ -80,7 +80,8 @@ def _compare(result: dict[str, Any], chip: str | None) -> None:
                                            / result["hardware_flops_per_chip"] - 1)
     if chip is not None:
         usable = estimate_mod.get_chip(chip).hbm_bytes * (1 - estimate_mod.HEADROOM)
-        # A lower bound (plan.fast) can show that a step does not fit, not that it does.
+        # A lower bound (plan.fast, the default) can show that a step does not fit, not that
+        # it does.
         lower_bound = "compile_until_buffer_assignment" in x.get("seconds", {})
         result["fits_xla"] = None if lower_bound and peak <= usable else peak <= usable
 
@@ -104,7 +105,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     try:
         result["xla"] = analyse_in_child(
             _analysis_args(cfg, degrees, target), num_devices=result["num_devices"],
-            timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.get("fast", False)))
+            timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.get("fast", True)))
     except TargetError:  # libtpu rejected the topology: bad input, one line
         raise
     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:
