@@ -50,8 +50,9 @@ Every script runs on the best platform present (a TPU, else a GPU, else the CPU;
 ``TPU_TRAIN_PLATFORM`` to choose) and reports the platform, the chip and its peak.
 
 ``--isolated R`` (with or without ``--size``) measures what one process cannot separate: each
-mode runs alone in a fresh subprocess (``--only MODE``), R rounds with the modes interleaved (compiled, jax, compiled
-with a warm persistent cache, compiled, ...), and the report gives per mode the min and median
+mode runs alone in a fresh subprocess (``--only MODE``), R rounds with the modes interleaved
+(compiled, jax, compiled with a warm persistent cache, compiled, ...; each child's compile
+seconds go to stderr as it ends), and the report gives per mode the min and median
 over rounds of the process's peak RSS and of trace + compile seconds, the compiled/jax ratios
 of both (cold: no persistent cache) and the warm/cold ratio of the compiled step.
 """

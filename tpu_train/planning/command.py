@@ -105,7 +105,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     try:
         result["xla"] = analyse_in_child(
             _analysis_args(cfg, degrees, target), num_devices=result["num_devices"],
-            timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.get("fast", True)))
+            timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.fast))
     except TargetError:  # libtpu rejected the topology: bad input, one line
         raise
     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:
