@@ -109,18 +109,18 @@ class Timings:
         return lambda: setattr(obj, name, function) if had_own else delattr(obj, name)
 
 
-class _TimedFlag:
-    """The step's finiteness flag (a jax.Array), timing the host's read of it."""
+def time_finite_reads(timings: Timings) -> None:
+    """Time the step's read of its finiteness flag (``finite_wait``): the call's host sync."""
+    from tpu_train.compile import train_step
 
-    def __init__(self, array, timings: Timings):
-        self.array, self.timings = array, timings
+    read = getattr(train_step.read_finite, "untimed", train_step.read_finite)
 
-    def copy_to_host_async(self):
-        self.array.copy_to_host_async()
+    def timed(metrics) -> bool:
+        with timings("finite_wait"):
+            return read(metrics)
 
-    def __bool__(self) -> bool:
-        with self.timings("finite_wait"):
-            return bool(self.array)
+    timed.untimed = read
+    train_step.read_finite = timed
 
 
 class TimedProgram:
@@ -131,17 +131,15 @@ class TimedProgram:
         import jax.numpy as jnp
 
         self.program, self.timings, self.stub = program, timings, stub
-        one = jnp.ones((1,), jnp.float32)
-        self.metrics = (one, one, one) + ((jnp.ones((1,), bool),) if returns_flag else ())
+        # loss, gradient norm, lr (and the finiteness flag): tpu_train.compile.program.METRICS
+        self.metrics = jnp.ones((4 if returns_flag else 3,), jnp.float32)
+        time_finite_reads(timings)
 
     def __call__(self, params, states, consts, batch, scalars, layer_indices, *key):
         if self.stub:
-            return (params, states, []) + self.metrics
+            return params, states, [], self.metrics
         with self.timings("program_dispatch"):
-            outputs = self.program(params, states, consts, batch, scalars, layer_indices, *key)
-        if len(outputs) > 6:
-            outputs = (*outputs[:6], _TimedFlag(outputs[6], self.timings))
-        return outputs
+            return self.program(params, states, consts, batch, scalars, layer_indices, *key)
 
 
 def install_program(compiled, timings: Timings, stub: bool) -> None:

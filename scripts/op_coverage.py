@@ -145,7 +145,8 @@ class IsolatedSweep:
         from tests.ops import opinfo_harness as harness
 
         child = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, cwd=ROOT)
+                                 text=True, cwd=ROOT,
+                                 env={**os.environ, "TPU_TRAIN_PLATFORM": PLATFORM})
         child.stdin.write("".join(k + "\n" for k in shard))
         child.stdin.close()
         lines: queue.Queue = queue.Queue()
@@ -449,6 +450,11 @@ def main(argv=None) -> int:
         return worker(args.dtype, args.samples, args.grad)
     if args.merge:
         return merge(args)
+    if not args.in_process:
+        # This process computes only the CPU side, and importing OpInfo asks torch whether
+        # the tpu device is available, which opens the backend: on a chip that would hold it
+        # and lock the workers out (one process at a time can open a TPU).
+        os.environ["TPU_TRAIN_PLATFORM"] = "cpu"
 
     import torch
 

@@ -12,7 +12,10 @@ then a few steps of each are traced with ``jax.profiler`` and the trace is read 
   (the train step should be the only one: any other is a host dispatch per step);
 * ``device_ms_per_step``: the device's busy time per step, and ``host_ms_per_step`` what the
   timed step spends beyond it (dispatch, transfers, Python);
-* ``top_ops``: the costliest XLA ops (microseconds per step, the op's HLO head cut short).
+* ``top_ops``: the costliest XLA ops (microseconds per step, the op's HLO head cut short);
+* ``device_idle_us``: the device's idle windows between two programs (one a step where the
+  step is the only program), and ``host_in_idle_us``: the host events (thread: name) inside
+  those windows, microseconds per window: what the device waits for between steps.
 
 On a CPU host the device rows are empty (the CPU client writes no device lines): there, only
 ``step_ms`` means anything. Prints ONE JSON line; ``--out DIR`` also writes it, with 40 top ops,
@@ -38,20 +41,51 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TOP_OPS = 40
 
 
+def idle_windows(program_spans: list) -> list:
+    """The device's idle windows between consecutive programs, ``(start_ns, end_ns)``."""
+    spans = sorted(program_spans)
+    return [(end, start) for (_, end), (start, _) in zip(spans, spans[1:]) if start > end]
+
+
+def host_in_windows(data, windows: list) -> dict:
+    """How long each host event (``thread: name``) overlaps the device's idle windows,
+    microseconds per window, the 25 largest. Events nest (a call and its parts), so the
+    figures of one thread do not add up: read them as where the idle time is spent."""
+    overlap = collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            thread = line.name.split("/")[0]
+            for event in line.events:
+                start, end = event.start_ns, event.start_ns + event.duration_ns
+                for w_start, w_end in windows:
+                    shared = min(end, w_end) - max(start, w_start)
+                    if shared > 0:
+                        overlap[f"{thread}: {event.name[:120]}"] += shared
+    count = max(len(windows), 1)
+    return {name: round(ns / count / 1e3, 1) for name, ns in overlap.most_common(25)}
+
+
 def device_profile(mode, batches: list) -> dict:
-    """Per-step device programs, busy time and top ops of ``mode`` over ``batches``."""
+    """Per-step device programs, busy time and top ops of ``mode`` over ``batches``, the
+    device's idle time between programs and the host events inside it (traced without
+    Python's own function events, which would slow the host)."""
     import jax
     from jax._src.lib import _profile_data  # ProfileData: jax.profiler's own trace reader
 
     steps = len(batches)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
     with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
+        with jax.profiler.trace(trace_dir, profiler_options=options):
             for batch in batches:
                 mode.block(mode.step(batch))
         trace = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
         data = _profile_data.ProfileData.from_file(trace)
         programs, calls = collections.Counter(), collections.Counter()
         ops, op_calls = collections.Counter(), collections.Counter()
+        spans = []
         for plane in data.planes:
             if not plane.name.startswith("/device:") or plane.name.startswith("/device:CPU"):
                 continue
@@ -63,7 +97,14 @@ def device_profile(mode, batches: list) -> dict:
                 for event in line.events:
                     table[event.name] += event.duration_ns
                     counts[event.name] += 1
+                    if line.name == "XLA Modules":
+                        spans.append((event.start_ns, event.start_ns + event.duration_ns))
+    windows = idle_windows(spans)
+    idle = [(end - start) / 1e3 for start, end in windows]
     return {
+        "device_idle_us": ({"windows": len(idle), "min": round(min(idle), 1),
+                            "median": round(statistics.median(idle), 1)} if idle else None),
+        "host_in_idle_us": host_in_windows(data, windows),
         "device_programs": {name: {"ms_per_step": round(ns / steps / 1e6, 3),
                                    "calls_per_step": calls[name] / steps}
                             for name, ns in programs.most_common()},

@@ -14,8 +14,8 @@ from tpu_train.compile.program import natural_layout
 from tests.tolerances import CROSS_ENTROPY_FUNCTIONS, loss_rtol, param_atol, rtol_for
 
 from .helpers import (DEVICE, MLP_FUNCTIONS, OPTIMIZERS, assert_params_within, mlp, mlp_batches,
-                      mlp_loss, param_bound, relative_error, run_compiled, run_reference,
-                      to_device)
+                      mlp_loss, optimizer_lr, param_bound, relative_error, run_compiled,
+                      run_reference, to_device)
 
 # Tolerances from the float32 arithmetic (tests/tolerances.py). Longest reductions in an MLP
 # step: the mean-squared error over batch x 5 outputs (8 x 5 = 40; 16 x 5 = 80), the matmuls'
@@ -374,3 +374,24 @@ def test_skip_non_finite_by_select_as_off_the_cpu_passes_skipped_steps_through(m
     step = _skipping_run_passes_the_nan_step_through()
     (entry,) = step.cache.entries.values()
     assert " conditional(" not in entry.executable.as_text()
+
+
+def test_a_bfloat16_models_metrics_keep_torchs_dtypes():
+    """The program returns loss, gradient norm and lr as one float32 vector (one transfer a
+    step); a bfloat16 model's gradient norm still comes back in bfloat16, as torch's
+    ``clip_grad_norm_`` returns it, and equal to CPU torch's."""
+    model = mlp().to(torch.bfloat16)
+    batch = {k: v.to(torch.bfloat16) for k, v in mlp_batches(1)[0].items()}
+    reference = copy.deepcopy(model)
+    loss = mlp_loss(reference, batch)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    (metrics,), _, _, step = run_compiled(model, OPTIMIZERS["adamw"], mlp_loss, [batch],
+                                          max_grad_norm=1.0)
+    out = step(to_device(batch))
+    assert {k: v.dtype for k, v in out.items()} == {
+        "loss": torch.float32, "grad_norm": torch.bfloat16, "lr": torch.float32}
+    # Each side reduces in float32 and rounds to bfloat16 once: two bfloat16 ulps apart at most.
+    assert metrics["grad_norm"] == pytest.approx(float(norm), rel=2 ** -7)
+    assert metrics["loss"] == pytest.approx(loss.detach().item(), rel=2 ** -7)
+    assert metrics["lr"] == pytest.approx(optimizer_lr(OPTIMIZERS["adamw"]))

@@ -94,3 +94,15 @@ def test_a_tensor_sharded_over_devices_takes_python_numbers():
     got = [t * 0.7, t + 0.25, t.clone().mul_(0.7)]
     for a, b in zip(got, expected):
         assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bool, torch.bfloat16])
+def test_item_of_an_element_of_a_small_storage_matches_cpu(dtype):
+    """``.item()`` reads the elements of a small storage (a compiled step's metrics vector) from
+    the buffer's host copy: each view's own element, in the view's dtype, as on CPU."""
+    cpu = torch.tensor([1.5, -2.25, 0.0, 7.0, 3.0]).to(dtype)
+    tpu = cpu.to(TPU)
+    for i in range(cpu.numel()):
+        value = tpu[i].item()
+        assert type(value) is type(cpu[i].item()) and value == cpu[i].item(), i
+    assert tpu[1:4][2].item() == cpu[3].item()  # a view of a view: the offset is the storage's

@@ -4,10 +4,11 @@
 and optimizer state as flat buffers (exactly the ``tpu`` storages' buffers, so donation lets
 XLA update them in place) and ``layer_indices`` (int32 scalars ``0 .. N-1`` for a model whose
 layers run under ``lax.scan``: :func:`tpu_train.compile.layer_scan.layer_indices`), and returns
-the new flat buffers, the new values of mutated buffers, and the loss, gradient norm and
-learning rate. With ``skip_non_finite`` (a field of the step) it also
-returns a ``finite`` flag (loss and gradient norm both finite), and when the flag is false the
-"new" parameters, optimizer state and mutated buffers are the old ones (``jnp.where`` in the
+the new flat buffers, the new values of mutated buffers, and the step's metrics as one float32
+vector, ``[loss, gradient norm, learning rate]`` (:data:`METRICS`; a gradient norm of another
+dtype also leaves on its own). With ``skip_non_finite`` (a field of the step) the vector ends
+with a ``finite`` flag (1.0 where loss and gradient norm are both finite), and where it is 0.0
+the "new" parameters, optimizer state and mutated buffers are the old ones (``jnp.where`` in the
 same program: a non-finite update never leaves it). Gradient accumulation runs the gradient graph under
 ``lax.scan`` over micro-batches: program size and compile time do not grow with the number of
 micro-batches.
@@ -45,6 +46,13 @@ from tpu_train.ops import attention_tpu
 from tpu_train.ops.dtypes import storage_dtype
 
 aten = torch.ops.aten
+
+
+# The positions in the program's metrics vector; FINITE only with skip_non_finite. One vector
+# is one device-to-host transfer a step, which the step waits for: on a TPU each transfer is a
+# DMA and a delinearization of its own (docs/benchmarks.md, "a twelfth pass").
+METRICS = {"loss": 0, "grad_norm": 1, "lr": 2}
+FINITE = 3
 
 
 @dataclasses.dataclass
@@ -279,6 +287,7 @@ class _StepFunction:
         self.traced, self.layout, self.natural = traced, layout, natural
         self.k = step.grad_accum_steps
         self.skip = bool(getattr(step, "skip_non_finite", False))
+        self.own_norm = traced.grad_norm_dtype != torch.float32
         self.skip_by_select = skips_by_select(platform)
         self.n_params, self.n_consts = len(st.params), len(st.consts)
         self.param_shapes = [tuple(p.shape) for p in st.params]
@@ -336,11 +345,10 @@ class _StepFunction:
         if layout is not None:  # back to the flat storage layout (the out_shardings split it)
             new_params = [o.reshape(-1) for o in new_params]
             new_states = [o.reshape(-1) for o in new_states]
-        # The metrics leave as one-element vectors: the flat buffers the tensors the step
-        # returns are made of, without a reshape executable each on the host.
-        result = (new_params, new_states, changed, loss.reshape(1), grad_norm.reshape(1),
-                  scalars_in[0, :1])
-        return result + (finite,) if self.skip else result
+        metrics = [loss, grad_norm, scalars_in[0, 0]] + ([finite] if self.skip else [])
+        result = (new_params, new_states, changed,
+                  jnp.stack([m.astype(jnp.float32) for m in metrics]))
+        return result + (grad_norm.reshape(1),) if self.own_norm else result
 
     def gradients(self, params, consts, batch, key):
         """``(grads, loss, weight, new consts)`` of one (micro-)batch."""
@@ -401,7 +409,7 @@ class _StepFunction:
 
 
 def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdLayout | None,
-                           values, scalars, device, returns_finite: bool):
+                           values, scalars, device, own_norm: bool):
     """``(jitted program, its arguments to lower with, in_shardings)``."""
     donate = (0, 1) if step.donate else ()
     n_indices, random = traced.layer_indices, traced.random
@@ -422,8 +430,8 @@ def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdL
     shardings, rep = layout.shardings, layout.shardings.replicated
     in_shardings = [layout.flat_params, layout.flat_states, list(shardings.consts),
                     list(shardings.batch), rep, [rep] * n_indices] + ([rep] if random else [])
-    out_shardings = (layout.flat_params, layout.flat_states, [rep] * len(traced.mutated), rep,
-                     rep, rep) + ((rep,) if returns_finite else ())
+    out_shardings = (layout.flat_params, layout.flat_states, [rep] * len(traced.mutated),
+                     rep) + ((rep,) if own_norm else ())
     jitted = jax.jit(program, in_shardings=tuple(in_shardings), out_shardings=out_shardings,
                      donate_argnums=donate)
     args = _abstract_inputs(st, scalars, random, layout.flat_params, layout.flat_states,
@@ -462,7 +470,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
 
     jitted, args, in_shardings = _jitted_with_arguments(program, step, st, traced, layout,
                                                         values, scalars, device,
-                                                        returns_finite=step_function.skip)
+                                                        own_norm=step_function.own_norm)
     try:
         # A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does
         # not split a Pallas kernel (tpu_train.ops.attention_tpu).

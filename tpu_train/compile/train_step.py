@@ -31,13 +31,12 @@ from tpu_train.compile.functional_optim import adapter_for
 from tpu_train.compile.lowering import (StepInputs, batch_structure, check_compute_dtype,
                                         check_step_settings, collect_step_inputs, flatten_batch,
                                         host_scalars, lower_collected, step_autocast_dtype)
-from tpu_train.compile.program import compile_program, natural_layout
+from tpu_train.compile.program import FINITE, METRICS, compile_program, natural_layout
 from tpu_train.device import rng, runtime
 from tpu_train.device.storage import Storage, shape_whole
-from tpu_train.device.tensor import (TpuTensor, host_array, new_contiguous_tensor, storage_of,
+from tpu_train.device.tensor import (TpuTensor, host_array, new_tensor, storage_of,
                                      wrap, write_elements)
 from tpu_train.ops import matmul as matmul_mod
-from tpu_train.ops.dtypes import storage_dtype
 
 __all__ = ["compile_train_step", "CompiledTrainStep"]
 
@@ -67,12 +66,20 @@ def _step_arrays(tensors, whole_flags, natural: bool) -> list:
             for t, w in zip(tensors, whole_flags)]
 
 
-def _metric(value, dtype: torch.dtype, index: int) -> TpuTensor:
-    """A 0-dim tensor over one of the program's one-element metric outputs: :func:`wrap`
-    without its conversions where the program returned the storage dtype (~4 us, not ~10)."""
-    if value.dtype != storage_dtype(dtype):
-        return wrap(value, dtype, index, shape=())
-    return new_contiguous_tensor(Storage(value, dtype, index, value.dtype.itemsize), (), ())
+def _metric_tensors(metrics, own_norm: list, grad_norm_dtype: torch.dtype,
+                    index: int) -> dict[str, TpuTensor]:
+    """The step's loss, gradient norm and lr as 0-dim tensors over the program's metrics
+    vector (:data:`tpu_train.compile.program.METRICS`): one storage, one transfer to read."""
+    storage = Storage(metrics, torch.float32, index, metrics.nbytes)
+    out = {name: new_tensor(storage, (), (), position) for name, position in METRICS.items()}
+    if own_norm:  # a gradient norm in another dtype than float32, as the program returned it
+        out["grad_norm"] = wrap(own_norm[0], grad_norm_dtype, index, shape=())
+    return out
+
+
+def read_finite(metrics) -> bool:
+    """The finiteness flag of a step's metrics vector (the call's one wait for the device)."""
+    return bool(np.asarray(metrics)[FINITE])
 
 
 class CompiledTrainStep:
@@ -277,7 +284,7 @@ class CompiledTrainStep:
         the scheduler's step, the result. Whatever does not need the step's values runs
         before the one host sync (the finiteness flag, only when skipping), so that on a chip
         it overlaps the program."""
-        new_params, new_states, new_consts, loss, grad_norm, lr, *flag = outputs
+        new_params, new_states, new_consts, metrics, *own_norm = outputs
         st, index = plan.inputs, plan.device_index
         if not plan.write_whole(new_params + new_states):
             n_params = len(st.params)
@@ -285,11 +292,8 @@ class CompiledTrainStep:
             self._write_back(st.states, plan.whole[n_params:], new_states)
         for position, value in zip(entry.mutated_consts, new_consts):
             write_elements(st.consts[position], value)
-        # Whoever reads one of these (the finiteness flag below, the loop's loss and gradient
-        # norm) reads them all: one transfer round trip instead of one per value. The flag,
-        # which this call waits for, is asked for first, then the loss, which a loop reads next.
-        for value in (*flag, loss, grad_norm, lr):
-            value.copy_to_host_async()
+        # Whoever reads one metric (the finiteness flag below, the loop's loss) reads them all.
+        metrics.copy_to_host_async()
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
         # optimizer step before their own (and do not warn that the order is wrong).
         self.optimizer._opt_called = True
@@ -297,9 +301,7 @@ class CompiledTrainStep:
             self.scheduler.step()
         # The gradient norm is always measured (it is almost free next to the update), also
         # without clipping, so the metrics have the same keys in every configuration.
-        out = {"loss": _metric(loss, torch.float32, index),
-               "grad_norm": _metric(grad_norm, entry.grad_norm_dtype, index),
-               "lr": _metric(lr, torch.float32, index)}
+        out = _metric_tensors(metrics, own_norm, entry.grad_norm_dtype, index)
         # The step counts advance before the finiteness flag is read and go back where the
         # update was skipped (which leaves them, and so the bias corrections, as they were):
         # on a chip the host does this while the program runs, and once the flag is here (the
@@ -307,10 +309,10 @@ class CompiledTrainStep:
         groups = self.optimizer.param_groups
         for group, step in zip(groups, steps):
             self.adapter.set_step_count(group, step)
-        if not flag:
+        if metrics.shape[0] <= FINITE:
             return out
         out["finite"] = torch.tensor(True)
-        if not bool(flag[0]):  # the host sync
+        if not read_finite(metrics):  # the host sync
             for group, step in zip(groups, steps):
                 self.adapter.set_step_count(group, step - 1)
             out["finite"] = torch.tensor(False)

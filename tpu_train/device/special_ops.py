@@ -63,15 +63,19 @@ def _copy_(func, args, kwargs):
     return destination
 
 
+# Storages of at most this many elements are read whole by .item() (one host copy, reused).
+_SMALL_STORAGE = 8
+
+
 def _local_scalar_dense(func, args, kwargs):
     tensor = args[0]
     storage = tensor._storage
-    if storage.numel != 1:
+    if storage.numel > _SMALL_STORAGE or tensor.dtype != storage.dtype:
         return to_host(tensor).item()
-    # A storage of one element (a compiled step's loss, gradient norm, lr): its buffer's host
-    # copy as it is (fetched once, cached by the array), without a CPU tensor in between: the
-    # loop reads a few of these per step, ~10 us each this way instead of ~50.
-    value = numpy.asarray(storage._resolved()).item()
+    # An element of a small storage (a compiled step's metrics vector: loss, gradient norm,
+    # lr): read from its buffer's host copy (fetched once, cached by the array), without a CPU
+    # tensor in between: a loop reads a few of these a step, ~10 us each this way, not ~50.
+    value = numpy.asarray(storage._resolved()).reshape(-1)[tensor.storage_offset()].item()
     dtype = tensor.dtype
     if dtype == torch.bool:
         return bool(value)
