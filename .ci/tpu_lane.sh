@@ -22,5 +22,12 @@ fi
 if [[ $# -eq 0 ]]; then
     set -- tests/device tests/ops tests/compile tests/models tests/trainer
 fi
-exec "${PYTHON:-python}" -m pytest -o addopts="" -n 0 -p no:cacheprovider -m "not slow and not multiprocess" \
-    -rfEs "$@"
+# pytest runs in a process group of its own, and a TERM or INT to this script (a `timeout` that
+# cuts the lane short) ends the whole group: a child process a test started must not live on
+# holding the chip, or the next process to open it finds it taken.
+set -m
+"${PYTHON:-python}" -m pytest -o addopts="" -n 0 -p no:cacheprovider -m "not slow and not multiprocess" \
+    -rfEs "$@" &
+lane=$!
+trap 'kill -TERM -- "-$lane" 2>/dev/null; wait "$lane"; exit 143' TERM INT
+wait "$lane"
