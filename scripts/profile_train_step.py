@@ -21,7 +21,7 @@ On a CPU host the device rows are empty (the CPU client writes no device lines):
 ``step_ms`` means anything. Prints ONE JSON line; ``--out DIR`` also writes it, with 40 top ops,
 to ``DIR/profile_<size>.json``. Usage::
 
-    python scripts/profile_train_step.py --size w1|350m|1b [--steps N] [--out DIR]
+    python scripts/profile_train_step.py --size w1|350m|1b [--steps N] [--out DIR] [--python]
 """
 
 from __future__ import annotations
@@ -67,16 +67,16 @@ def host_in_windows(data, windows: list) -> dict:
     return {name: round(ns / count / 1e3, 1) for name, ns in overlap.most_common(25)}
 
 
-def device_profile(mode, batches: list) -> dict:
+def device_profile(mode, batches: list, python: bool = False) -> dict:
     """Per-step device programs, busy time and top ops of ``mode`` over ``batches``, the
-    device's idle time between programs and the host events inside it (traced without
-    Python's own function events, which would slow the host)."""
+    device's idle time between programs and the host events inside it; ``python``: Python's
+    function calls among them too (which slows the host: for where, not how long)."""
     import jax
     from jax._src.lib import _profile_data  # ProfileData: jax.profiler's own trace reader
 
     steps = len(batches)
     options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
+    options.python_tracer_level = 1 if python else 0
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, profiler_options=options):
             for batch in batches:
@@ -122,6 +122,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=20, help="blocked steps per mode")
     parser.add_argument("--profiled", type=int, default=5, help="traced steps per mode")
     parser.add_argument("--out", metavar="DIR", help="also write the report here")
+    parser.add_argument("--python", action="store_true",
+                        help="trace Python's function calls too (host_in_idle_us names them)")
     args = parser.parse_args(argv)
 
     import jax_llama
@@ -145,7 +147,7 @@ def main(argv=None) -> dict:
     for name, mode in modes.items():
         timed = results[name]["times"][1:]  # the first step compiles
         median = statistics.median(timed)
-        profile = device_profile(mode, batches[:args.profiled])
+        profile = device_profile(mode, batches[:args.profiled], python=args.python)
         report["modes"][name] = {
             "step_ms": {"fastest": round(min(timed) * 1e3, 3), "median": round(median * 1e3, 3)},
             "host_ms_per_step": (round(median * 1e3 - profile["device_ms_per_step"], 3)
