@@ -10,7 +10,9 @@ measurement rather than a guess (docs/testing.md)::
 
     TPU_TRAIN_TEST_COMPILE_REPORT=/tmp/compiles.json .ci/tpu_lane.sh
 
-With pytest-xdist each worker writes ``<file>.<worker id>``.
+With pytest-xdist each worker writes ``<file>.<worker id>``. The file is also written every
+:data:`WRITE_EVERY_S` seconds as tests finish, so that a session cut short (a host's limit on
+one command) leaves what it had measured.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 ENV = "TPU_TRAIN_TEST_COMPILE_REPORT"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TOP_TESTS = 40
+WRITE_EVERY_S = 10.0
 
 
 class CompileReport:
@@ -35,6 +38,7 @@ class CompileReport:
         self.compile_s = 0.0
         self.tests: dict[str, dict] = {}
         self._start: tuple[float, int, float] | None = None
+        self._written = time.perf_counter()
         from jax import monitoring
 
         monitoring.register_event_duration_secs_listener(self._on_event)
@@ -55,11 +59,19 @@ class CompileReport:
                               "compiles": self.compiles - compiles,
                               "compile_s": round(self.compile_s - compile_s, 3)}
         self._start = None
+        if time.perf_counter() - self._written >= WRITE_EVERY_S:
+            self._write()
 
     def pytest_sessionfinish(self, session):
+        self._write()
+
+    def _write(self) -> None:
         worker = os.environ.get("PYTEST_XDIST_WORKER")
         path = self.path.with_name(f"{self.path.name}.{worker}") if worker else self.path
-        path.write_text(json.dumps(self.summary()))
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(self.summary()))
+        partial.replace(path)  # whole or not at all, for a reader while the session runs
+        self._written = time.perf_counter()
 
     def summary(self) -> dict:
         files: dict[str, dict] = collections.defaultdict(

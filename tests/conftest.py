@@ -25,6 +25,7 @@ host, one process: ``-n 0``). Markers say what a test needs beyond one device, a
 """
 
 import os
+import sys
 
 import pytest
 
@@ -88,6 +89,15 @@ def pytest_collection_modifyitems(config, items):
     test count."""
     heavy = {item.path for item in items if item.get_closest_marker("multiprocess")}
     items.sort(key=lambda item: item.path not in heavy)  # stable: order within files is kept
+
+
+def pytest_runtest_logreport(report):
+    """Off the CPU platform (a chip's lane, which a host may cut short at its limit on one
+    command), each failure is written to stderr as it happens: the summary at the end may
+    never come."""
+    if PLATFORM != "cpu" and report.failed:
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}):\n"
+                         f"{report.longreprtext[-3000:]}\n")
 
 
 def _device_count() -> int:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests import compile_report
 from tests.compile_report import CompileReport
 
 
@@ -35,3 +36,15 @@ def test_a_pytest_xdist_worker_writes_a_file_of_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
     CompileReport(tmp_path / "compiles.json").pytest_sessionfinish(None)
     assert [p.name for p in tmp_path.iterdir()] == ["compiles.json.gw3"]
+
+
+def test_a_session_cut_short_leaves_what_it_measured(tmp_path, monkeypatch):
+    """Written as tests finish, every WRITE_EVERY_S seconds, not only at the session's end."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(compile_report, "WRITE_EVERY_S", 0.0)
+    report = CompileReport(tmp_path / "compiles.json")
+    report.pytest_runtest_logstart("tests/a/test_x.py::test_one", None)
+    report.pytest_runtest_logfinish("tests/a/test_x.py::test_one", None)
+    written = json.loads((tmp_path / "compiles.json").read_text())  # no sessionfinish
+    assert list(written["top_tests_by_compile_s"]) == ["tests/a/test_x.py::test_one"]
+    assert [p.name for p in tmp_path.iterdir()] == ["compiles.json"]

@@ -34,3 +34,25 @@ def test_jaxs_hugepages_warning_is_dropped_and_no_other_warning(monkeypatch):
 def test_nothing_is_filtered_on_cpu(monkeypatch):
     monkeypatch.setattr(platforms, "PLATFORM", "cpu")
     assert platforms.without_runtime_start_up(START_UP + OWN) == START_UP + OWN
+
+
+def test_off_the_cpu_a_failure_is_written_as_it_happens(monkeypatch, capsys):
+    """A chip's lane may be cut short before pytest's summary: tests/conftest.py writes each
+    failure to stderr when it is reported (on the cpu platform the summary is enough)."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    failed = SimpleNamespace(failed=True, nodeid="tests/x/test_y.py::test_z", when="call",
+                             longreprtext="AssertionError: 2 != 1")
+    passed = SimpleNamespace(failed=False, nodeid="tests/x/test_y.py::test_w", when="call",
+                             longreprtext="")
+    monkeypatch.setattr(conftest, "PLATFORM", "tpu")
+    conftest.pytest_runtest_logreport(failed)
+    conftest.pytest_runtest_logreport(passed)
+    written = capsys.readouterr().err
+    assert "FAILED tests/x/test_y.py::test_z (call):\nAssertionError: 2 != 1" in written
+    assert "test_w" not in written
+    monkeypatch.setattr(conftest, "PLATFORM", "cpu")
+    conftest.pytest_runtest_logreport(failed)
+    assert capsys.readouterr().err == ""
