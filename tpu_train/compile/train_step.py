@@ -66,14 +66,16 @@ def _step_arrays(tensors, whole_flags, natural: bool) -> list:
             for t, w in zip(tensors, whole_flags)]
 
 
-def _metric_tensors(metrics, own_norm: list, grad_norm_dtype: torch.dtype,
+def _metric_tensors(metrics, own_norm, grad_norm_dtype: torch.dtype,
                     index: int) -> dict[str, TpuTensor]:
     """The step's loss, gradient norm and lr as 0-dim tensors over the program's metrics
-    vector (:data:`tpu_train.compile.program.METRICS`): one storage, one transfer to read."""
+    vector (:data:`tpu_train.compile.program.METRICS`): one storage, one transfer to read.
+    ``own_norm``: the gradient norm the program also returned in its own dtype (not float32),
+    or None."""
     storage = Storage(metrics, torch.float32, index, metrics.nbytes)
     out = {name: new_tensor(storage, (), (), position) for name, position in METRICS.items()}
-    if own_norm:  # a gradient norm in another dtype than float32, as the program returned it
-        out["grad_norm"] = wrap(own_norm[0], grad_norm_dtype, index, shape=())
+    if own_norm is not None:
+        out["grad_norm"] = wrap(own_norm, grad_norm_dtype, index, shape=())
     return out
 
 
@@ -301,7 +303,8 @@ class CompiledTrainStep:
             self.scheduler.step()
         # The gradient norm is always measured (it is almost free next to the update), also
         # without clipping, so the metrics have the same keys in every configuration.
-        out = _metric_tensors(metrics, own_norm, entry.grad_norm_dtype, index)
+        out = _metric_tensors(metrics, own_norm[0] if own_norm else None,
+                              entry.grad_norm_dtype, index)
         # The step counts advance before the finiteness flag is read and go back where the
         # update was skipped (which leaves them, and so the bias corrections, as they were):
         # on a chip the host does this while the program runs, and once the flag is here (the
@@ -309,7 +312,7 @@ class CompiledTrainStep:
         groups = self.optimizer.param_groups
         for group, step in zip(groups, steps):
             self.adapter.set_step_count(group, step)
-        if metrics.shape[0] <= FINITE:
+        if not self.skip_non_finite:
             return out
         out["finite"] = torch.tensor(True)
         if not read_finite(metrics):  # the host sync
