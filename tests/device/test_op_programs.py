@@ -1,6 +1,7 @@
-"""One-op programs (eager op executables, in-place ops, fills, storage reads and writes) are
-compiled with ``runtime.op_program_options()``: XLA's least optimization effort, unless the
-user chose an effort for every program through JAX."""
+"""One-op programs (eager op executables, in-place ops, fills, storage reads and writes) and
+eager mode's recorded regions (strict and fused) are compiled with
+``runtime.op_program_options()``: XLA's least optimization effort, unless the user chose an
+effort for every program through JAX."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ def test_a_strict_backward_region_compiles_with_them(monkeypatch):
     with pytest.raises(Exception, match=UNKNOWN):
         loss.backward()
         weight.grad.cpu()
+
+
+def test_a_fused_region_compiles_with_them(monkeypatch):
+    """A fused-mode region is compiled in the user's first steps, like the one-op programs it
+    replaces, and gets their options (the least effort: its compile is what a fused step's
+    first use waits for, and the step is host-bound after)."""
+    import tpu_train
+
+    source = torch.full((61, 67), 0.25).to(TPU)
+    monkeypatch.setattr(runtime, "op_program_options", lambda: {UNKNOWN: True})
+    with pytest.raises(Exception, match=UNKNOWN):
+        with tpu_train.eager_mode("fused"):  # leaving the mode runs the region
+            result = (source * 5 + 1).exp().sum(0)
+        result.cpu()

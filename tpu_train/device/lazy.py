@@ -265,11 +265,16 @@ def _donatable(inputs, pendings) -> tuple:
 _ROUNDED_PER_OP = {"xla_allow_excess_precision": False}
 
 
-def _strict_region_options() -> dict:
-    """XLA options of a strict-mode region: rounded per op, and compiled with the effort of
-    the one-op programs it stands for (strict mode's step is host time; its regions' device
-    time is small next to it, their compile is paid in the user's first steps)."""
-    return {**_ROUNDED_PER_OP, **(runtime.op_program_options() or {})}
+def _region_options(rounded_per_op: bool) -> dict | None:
+    """XLA options of a recorded region: compiled at the effort of eager mode's one-op
+    programs (:func:`tpu_train.device.runtime.op_program_options`) and, in strict mode, rounded
+    per op. A region is compiled in the user's first steps, and eager and fused steps are
+    host-bound: on a v5e the least effort made W1's first fused step 13.5 s instead of 45 s for
+    a 6 % slower fused step after (docs/compile.md, "XLA's optimization effort")."""
+    effort = runtime.op_program_options() or {}
+    if rounded_per_op:
+        return {**_ROUNDED_PER_OP, **effort}
+    return effort or None
 
 
 def _program(ops, live, donate, device, rounded_per_op):
@@ -288,7 +293,7 @@ def _program(ops, live, donate, device, rounded_per_op):
 
     return jax.jit(replay, donate_argnums=donate,
                    out_shardings=jax.sharding.SingleDeviceSharding(device),
-                   compiler_options=_strict_region_options() if rounded_per_op else None)
+                   compiler_options=_region_options(rounded_per_op))
 
 
 def region(index: int) -> Region:

@@ -475,8 +475,8 @@ def compiler_options(platform_name: str) -> dict:
 # microseconds on a TPU next to ~0.2 ms of host time per call, and is compiled on its first
 # use, in the user's loop. XLA's least optimization effort compiles such programs ~5x faster
 # for a v5e (W1's first eager step's 68: docs/compile.md, "XLA's optimization effort"); what
-# it gives up is what a whole training step's fusions need, not one op's. Programs that run every
-# step as a whole (fused regions, compiled steps) keep XLA's default.
+# it gives up is what a whole training step's fusions need, not one op's. Eager mode's recorded
+# regions get it too (device/lazy.py); compiled steps, validation and decoding keep XLA's default.
 _LEAST_EFFORT = {"exec_time_optimization_effort": -1.0}
 EFFORT_ENV = "JAX_EXEC_TIME_OPTIMIZATION_EFFORT"
 
