@@ -77,6 +77,25 @@ def test_eig():
     assert_lowering_matches(aten.linalg_eig.default, rand(4, 4, seed=9), **TOL)
 
 
+@pytest.mark.parametrize("shape", [(4, 4), (3, 5, 5)])
+def test_eig_on_the_host_matches_cpu_torch(shape):
+    """Where XLA has no eig (a TPU), the lowering computes it on the host inside the program;
+    here that path runs on the CPU client, jitted and under vmap, against CPU PyTorch."""
+    import jax
+    import numpy as np
+
+    from tpu_train.ops.linalg_factor import eig_on_host
+
+    a = rand(*shape, seed=11)
+    want_values, want_vectors = torch.linalg.eig(a)
+    values, vectors = jax.jit(eig_on_host)(a.numpy())
+    torch.testing.assert_close(torch.from_numpy(np.array(values)), want_values, **TOL)
+    torch.testing.assert_close(torch.from_numpy(np.array(vectors)), want_vectors, **TOL)
+    if len(shape) == 3:
+        values, vectors = jax.jit(jax.vmap(eig_on_host))(a.numpy())
+        torch.testing.assert_close(torch.from_numpy(np.array(vectors)), want_vectors, **TOL)
+
+
 @pytest.mark.parametrize("hermitian", [False, True])
 def test_pinv(hermitian):
     a = spd(4, 4, seed=10) if hermitian else rand(5, 3, seed=10)

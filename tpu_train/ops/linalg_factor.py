@@ -2,8 +2,9 @@
 
 LU (``linalg_lu_factor_ex``, ``linalg_lu``, ``lu_unpack``, ``linalg_lu_solve``), the LU-based
 ``_linalg_solve_ex``, ``_linalg_det`` and ``_linalg_slogdet``; triangular and Cholesky solves;
-``linalg_eig``; pseudo-inverse, least squares and the matrix exponential; Householder QR pieces
-(``geqrf``, ``linalg_householder_product``, ``ormqr``).
+``linalg_eig`` (on the host where XLA has no ``eig``: :func:`eig_on_host`); pseudo-inverse,
+least squares and the matrix exponential; Householder QR pieces (``geqrf``,
+``linalg_householder_product``, ``ormqr``).
 
 They follow the LAPACK conventions PyTorch exposes: LU pivots are 1-based int32 row swaps
 (``getrf``), ``A = P L U`` with a unit lower ``L``. On the CPU client JAX calls the same LAPACK
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import torch
 from jax import lax
 
 from tpu_train.ops.matmul import _info, _mT
@@ -205,10 +208,28 @@ def cholesky_inverse(self, upper=False):
 # Eigenvalues, pseudo-inverse, least squares, matrix exponential
 
 
+def _eig_with_cpu_torch(a):
+    """CPU PyTorch's own ``linalg.eig`` (LAPACK's ``geev``): its eigenvectors' phases too."""
+    values, vectors = torch.linalg.eig(torch.from_numpy(np.array(a)))
+    return values.numpy(), vectors.numpy()
+
+
+def eig_on_host(a):
+    """The eigendecomposition of ``a`` computed on the host by CPU PyTorch, inside the program
+    (a callback): XLA has a general (non-symmetric) ``eig`` on its CPU backend only."""
+    complex_dtype = jnp.result_type(a.dtype, jnp.complex64)
+    shapes = (jax.ShapeDtypeStruct(a.shape[:-1], complex_dtype),
+              jax.ShapeDtypeStruct(a.shape, complex_dtype))
+    return jax.pure_callback(_eig_with_cpu_torch, shapes, a, vmap_method="expand_dims")
+
+
 @lowers(aten.linalg_eig.default)
 def linalg_eig(self):
-    values, vectors = lax.linalg.eig(self, compute_left_eigenvectors=False)
-    return values, vectors
+    def with_xla(a):
+        values, vectors = lax.linalg.eig(a, compute_left_eigenvectors=False)
+        return values, vectors
+
+    return lax.platform_dependent(self, cpu=with_xla, default=eig_on_host)
 
 
 def _pinv_tolerance(values, largest, atol, rtol, shape, dtype):
