@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.ops.lowering_check import assert_lowering_matches
+from tests.tolerances import rtol_for
 
 aten = torch.ops.aten
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -51,7 +52,11 @@ def test_solve(b_shape, left):
 def test_det_slogdet():
     a = rand(3, 4, 4, seed=4)
     assert_lowering_matches(aten._linalg_det.default, a, **TOL)
-    assert_lowering_matches(aten._linalg_slogdet.default, a, **TOL)
+    # log|det| sums the logs of U's diagonal: an LU of 4 chained eliminations (reductions of
+    # up to 4 terms), then one log each, whose accuracy is the platform's (a TPU's float32 log
+    # measures ~1,400 u).
+    rtol = rtol_for(torch.float32, reduction=4, depth=4, functions=("log",))
+    assert_lowering_matches(aten._linalg_slogdet.default, a, atol=0.0, rtol=rtol)
 
 
 @pytest.mark.parametrize("upper,left,unit", [(True, True, False), (False, False, True)])
