@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""What reading a step's result on the host costs after the step: two interleaved experiments.
+
+* ``jax_read``: a donated step of 40 float32 arrays (two bf16 dots each, ~2.7 ms on a v5e) in
+  plain JAX, its result read on the host four ways, one step each in turn: a scalar or a
+  4-vector, read at once (``float`` / ``np.asarray``) or after ``copy_to_host_async()`` right
+  after the launch (as the compiled step's metrics are);
+* ``w1``: the trainer's W1 step (``scripts/train_step_modes.py``, as ``bench_train_step.py
+  --size w1`` runs it), the same with ``jax.Array.copy_to_host_async`` made a no-op (the step
+  then reads its finiteness flag without the early copy), and the JAX reference, interleaved.
+
+Each step is timed until its value is on the host; min and median in ms (the first 5 steps of
+each left out) and, for ``w1``, each median over JAX's. Prints ONE JSON line. Usage::
+
+    python scripts/bench_step_read.py [--dim 1024] [--steps 160] [--w1-steps 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+WARMUP = 5
+
+
+def figures(seconds: list) -> dict:
+    timed = seconds[WARMUP:]
+    return {"min_ms": round(min(timed) * 1e3, 3),
+            "median_ms": round(statistics.median(timed) * 1e3, 3)}
+
+
+def interleaved(variants: dict, steps: int, run_one) -> dict:
+    """``steps`` rounds, one step of every variant per round, the order rotating."""
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for i in range(steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            run_one(name, i)
+            times[name].append(time.perf_counter() - start)
+    return {name: figures(t) for name, t in times.items()}
+
+
+def jax_read(dim: int, steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    state = {"params": [jax.device_put(np.full((dim, dim), 1e-3 * (i + 1), np.float32), device)
+                        for i in range(40)]}
+
+    def step(params, x):
+        new, total = [], jnp.float32(0)
+        for p in params:
+            half = p.astype(jnp.bfloat16)
+            h = jnp.dot(half, half, preferred_element_type=jnp.float32)
+            h = jnp.dot(h.astype(jnp.bfloat16), half, preferred_element_type=jnp.float32)
+            total = total + jnp.mean(h)
+            new.append(p - 1e-6 * h)
+        loss = total + x
+        return new, loss, jnp.stack([loss, 2 * total, x, jnp.isfinite(loss).astype(jnp.float32)])
+
+    x = jax.device_put(np.float32(1), device)
+    program = jax.jit(step, donate_argnums=0).lower(state["params"], x).compile()
+    reads = {
+        "scalar": lambda out: float(out[1]),
+        "scalar_early_copy": lambda out: (out[1].copy_to_host_async(), float(out[1])),
+        "vector": lambda out: bool(np.asarray(out[2])[3]),
+        "vector_early_copy": lambda out: (out[2].copy_to_host_async(),
+                                          bool(np.asarray(out[2])[3])),
+    }
+
+    def run_one(name, _):
+        out = program(state["params"], x)
+        state["params"] = out[0]
+        reads[name](out)
+
+    return interleaved(reads, steps, run_one)
+
+
+def w1(steps: int) -> dict:
+    from jax._src import array as jax_array
+
+    import bench_train_step
+    import jax_llama
+    import train_step_modes as tsm
+    from tpu_train.models import Llama
+
+    size = jax_llama.SIZES["w1"]
+    cfg = tsm.trainer_config("bf16", model=tsm.model_option("w1"), mode="compiled")
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    batches = bench_train_step.make_batches(steps, size.vocab_size, batch=size.batch,
+                                            seq=size.seq)
+    ours = tsm.TrainerMode(cpu_model, cfg)
+    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")
+    early_copy = jax_array.ArrayImpl.copy_to_host_async
+    modes = {"compiled": (ours, early_copy),
+             "compiled_no_early_copy": (ours, lambda self: None),
+             "jax": (reference, early_copy)}
+
+    def run_one(name, i):
+        mode, copy = modes[name]
+        jax_array.ArrayImpl.copy_to_host_async = copy
+        try:
+            mode.block(mode.step(batches[i]))
+        finally:
+            jax_array.ArrayImpl.copy_to_host_async = early_copy
+
+    result = interleaved(modes, steps, run_one)
+    jax_median = result["jax"]["median_ms"]
+    return {**result, "median_over_jax": {name: round(r["median_ms"] / jax_median, 3)
+                                          for name, r in result.items()}}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=1024, help="the plain-JAX step's array side")
+    parser.add_argument("--steps", type=int, default=160, help="plain-JAX rounds")
+    parser.add_argument("--w1-steps", type=int, default=90, help="W1 rounds (0: skip)")
+    args = parser.parse_args(argv)
+    import train_step_modes as tsm
+
+    import tpu_train  # noqa: F401  (the platform TPU_TRAIN_PLATFORM names)
+
+    report = {**tsm.device_facts(), "date": time.strftime("%Y-%m-%d"),
+              "jax_read": jax_read(args.dim, args.steps)}
+    if args.w1_steps:
+        report["w1"] = w1(args.w1_steps)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
