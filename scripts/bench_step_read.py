@@ -6,8 +6,12 @@
   4-vector, read at once (``float`` / ``np.asarray``) or after ``copy_to_host_async()`` right
   after the launch (as the compiled step's metrics are);
 * ``w1``: the trainer's W1 step (``scripts/train_step_modes.py``, as ``bench_train_step.py
-  --size w1`` runs it), the same with ``jax.Array.copy_to_host_async`` made a no-op (the step
-  then reads its finiteness flag without the early copy), and the JAX reference, interleaved.
+  --size w1`` runs it) and the JAX reference, interleaved, with variants of the trainer's step
+  that each change one thing around the same program: ``no_early_copy``
+  (``jax.Array.copy_to_host_async`` a no-op: the flag is read without the copy started at the
+  launch), ``batch_on_device`` (the batch moved to the device before the call, as the reference
+  puts its batch before its call, instead of the program's own transfer of host arrays) and
+  ``gc_off`` (Python's cyclic garbage collector off during the step).
 
 Each step is timed until its value is on the host; min and median in ms (the first 5 steps of
 each left out) and, for ``w1``, each median over JAX's. Prints ONE JSON line. Usage::
@@ -18,6 +22,7 @@ each left out) and, for ``w1``, each median over JAX's. Prints ONE JSON line. Us
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -87,6 +92,7 @@ def jax_read(dim: int, steps: int) -> dict:
 
 
 def w1(steps: int) -> dict:
+    import torch
     from jax._src import array as jax_array
 
     import bench_train_step
@@ -103,17 +109,32 @@ def w1(steps: int) -> dict:
     ours = tsm.TrainerMode(cpu_model, cfg)
     reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")
     early_copy = jax_array.ArrayImpl.copy_to_host_async
-    modes = {"compiled": (ours, early_copy),
-             "compiled_no_early_copy": (ours, lambda self: None),
-             "jax": (reference, early_copy)}
+    device = torch.device("tpu", 0)
+
+    def on_device(batch):
+        return {k: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(device)
+                for k, v in batch.items()}
+
+    # name: (mode, copy_to_host_async during the step, how the batch is given, gc off)
+    modes = {"compiled": (ours, early_copy, None, False),
+             "compiled_no_early_copy": (ours, lambda self: None, None, False),
+             "compiled_batch_on_device": (ours, early_copy, on_device, False),
+             "compiled_gc_off": (ours, early_copy, None, True),
+             "jax": (reference, early_copy, None, False)}
 
     def run_one(name, i):
-        mode, copy = modes[name]
+        mode, copy, place, gc_off = modes[name]
         jax_array.ArrayImpl.copy_to_host_async = copy
+        if gc_off:
+            gc.disable()
         try:
-            mode.block(mode.step(batches[i]))
+            if place is None:
+                mode.block(mode.step(batches[i]))
+            else:  # the trainer's step takes device tensors as they are
+                mode.block(mode.train_step(place(batches[i]))["loss"])
         finally:
             jax_array.ArrayImpl.copy_to_host_async = early_copy
+            gc.enable()
 
     result = interleaved(modes, steps, run_one)
     jax_median = result["jax"]["median_ms"]
