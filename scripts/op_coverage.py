@@ -451,9 +451,9 @@ def main(argv=None) -> int:
     if args.merge:
         return merge(args)
     if not args.in_process:
-        # This process computes only the CPU side, and importing OpInfo asks torch whether
-        # the tpu device is available, which opens the backend: on a chip that would hold it
-        # and lock the workers out (one process at a time can open a TPU).
+        # This process computes only the CPU side and must never open the chip its workers
+        # use (one process at a time can open a TPU), whatever the libraries it imports ask
+        # of the tpu device (OpInfo's import asks whether it is available).
         os.environ["TPU_TRAIN_PLATFORM"] = "cpu"
 
     import torch

@@ -89,6 +89,39 @@ def test_seeding_opens_no_backend_and_draws_as_seeding_after_it_did():
     assert out.splitlines() == ["False", "True False"]
 
 
+def test_asking_whether_the_device_is_available_opens_no_backend():
+    # On a TPU host the first backend to open holds the chip: a launcher that asks must leave
+    # it to the processes it starts (as torch.cuda.is_available creates no CUDA context).
+    out = _run(
+        "import torch, tpu_train\n"
+        "from tpu_train.device import runtime\n"
+        "print(torch.tpu.is_available(), runtime.devices_enumerated())\n"
+        "torch.ones(2, device='tpu').cpu()\n"
+        "print(torch.tpu.is_available(), runtime.devices_enumerated())\n")
+    assert out.splitlines() == ["True False", "True True"]
+
+
+@pytest.mark.parametrize("requested, evidence, libtpu, gpu, expected", [
+    ("", [], False, False, True),  # the CPU client is always there
+    ("cpu", ["/dev/accel0"], True, False, True),
+    ("tpu", ["/dev/accel0"], True, False, True),
+    ("tpu", [], True, False, False),  # no chips
+    ("tpu", ["/dev/accel0"], False, False, False),  # no libtpu to open them with
+    ("cuda", [], False, True, True),
+    ("cuda", [], False, False, False),
+    ("tpuu", [], False, False, False),  # not a platform
+])
+def test_whether_a_platform_is_present_is_judged_from_the_host(monkeypatch, requested, evidence,
+                                                                libtpu, gpu, expected):
+    from tpu_train.device import runtime, tpu_host
+
+    monkeypatch.setenv(runtime.PLATFORM_ENV, requested)
+    monkeypatch.setattr(tpu_host, "tpu_evidence", lambda: evidence)
+    monkeypatch.setattr(tpu_host, "libtpu_installed", lambda: libtpu)
+    monkeypatch.setattr(tpu_host, "gpu_visible", lambda: gpu)
+    assert runtime.platform_present() is expected
+
+
 def test_the_backend_opened_on_a_thread_is_the_one_every_caller_gets():
     out = _run(
         "import threading, tpu_train\n"

@@ -27,6 +27,12 @@ _local = threading.local()
 
 
 def is_available() -> bool:
+    """Is there a device for ``tpu`` tensors? Until this process first uses its devices the
+    answer opens no backend (:func:`runtime.platform_present`), as ``torch.cuda.is_available``
+    creates no CUDA context: asking must not take a TPU chip from the processes that will
+    use it."""
+    if not runtime.devices_enumerated():
+        return runtime.platform_present()
     try:
         return runtime.device_count() > 0
     except runtime.PlatformError:

@@ -422,6 +422,24 @@ def device_count() -> int:
     return len(devices())
 
 
+def platform_present() -> bool:
+    """Would this process find a platform for the tpu device? Judged without starting a
+    backend, which on a TPU host opens the chip and holds it against every other process (a
+    launcher that asked would lock its own workers out): the CPU client is always there; a
+    requested ``tpu`` needs the host's evidence of chips and libtpu, a requested ``cuda`` a
+    GPU's device file; an invalid ``TPU_TRAIN_PLATFORM`` says no. A backend that then fails
+    to open is reported by the first device use."""
+    try:
+        requested = requested_platform()
+    except PlatformError:
+        return False
+    if requested == "tpu":
+        return bool(tpu_host.tpu_evidence()) and tpu_host.libtpu_installed()
+    if requested == "cuda":
+        return tpu_host.gpu_visible()
+    return True
+
+
 def jax_device(index: int | None):
     """The JAX device behind ``tpu:index``; a clear error when the index is out of range."""
     found = devices()
