@@ -281,3 +281,25 @@ def test_a_transformers_llama_trains_and_evaluates_in_fused_mode_like_cpu():
     # differ by float32 rounding of those updates; the logits show it at ~2e-5.
     torch.testing.assert_close(losses["tpu_eval_logits"], losses["cpu_eval_logits"],
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.devices(2)
+def test_an_op_on_a_tensor_sharded_over_devices_runs_alone():
+    """A region is one program on one device: an op reading a tensor sharded over a mesh (data
+    parallelism in one process) is not recorded but runs alone, its Python numbers placed by
+    JAX."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array([runtime.jax_device(i) for i in range(2)])
+    sharding = NamedSharding(Mesh(devices, ("x",)), PartitionSpec("x"))
+    x = torch.linspace(-2, 2, 8)
+    sharded = x.to("tpu")
+    storage_of(sharded).buffer = jax.device_put(storage_of(sharded).buffer, sharding)
+    with tpu_train.eager_mode("fused"):
+        before = _counts()
+        got = [sharded * 0.7, sharded.clone().mul_(0.7), sharded * 2 - 1]
+        assert _counts()["ops_recorded"] == before["ops_recorded"]
+    for a, b in zip(got, [x * 0.7, x * 0.7, x * 2 - 1]):
+        torch.testing.assert_close(a.cpu(), b, atol=0, rtol=0)

@@ -67,6 +67,12 @@ def test_an_optimizer_step_is_one_region_and_matches_cpu(clip, zero_grad_to_none
     backward = 10 if zero_grad_to_none else 14
     assert recorded == 2 * (backward + 8 + (2 if clip else 0))
     assert ran == 2 * (2 if clip else 1)
+    assert_matches_cpu((losses, params), (cpu_losses, cpu_params))
+
+
+def assert_matches_cpu(run, cpu_run):
+    """:func:`_train`'s losses and parameters against CPU torch's, within the derived bounds."""
+    (losses, params), (cpu_losses, cpu_params) = run, cpu_run
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), atol=0,
                                rtol=loss_rtol(torch.float32, STEPS, REDUCTION))
     for a, b in zip(params, cpu_params):

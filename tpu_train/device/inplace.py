@@ -79,7 +79,8 @@ class _Mutating:
             jax.eval_shape(self.fn, *[lazy.aval_of(v) for v in inputs])
         avals = [(inputs[slot].shape, inputs[slot].dtype) for slot in self.donate_slots]
         avals += [op_cache.flat_aval(shape, dtype) for dtype, shape, _ in self.fresh]
-        return lazy.region(self.index).record(self.run, inputs, avals)
+        recorded = lazy.region(self.index).record(self.run, inputs, avals)
+        return self.fn(*lazy.concrete(inputs)) if recorded is None else recorded
 
     def _donating(self):
         self.donating = jax.jit(self.run, donate_argnums=self.donate_slots,

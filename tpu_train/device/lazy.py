@@ -42,6 +42,8 @@ from tpu_train.device import dispatch_thread, runtime, scalars
 from tpu_train.device.dispatch_thread import Issued
 
 MODE_ENV = "TPU_TRAIN_EAGER_MODE"
+STRICT_RECORD_ENV = "TPU_TRAIN_STRICT_RECORD"
+STRICT_RECORDS = ("backward", "all")
 MAX_OPS_ENV = "TPU_TRAIN_FUSED_MAX_OPS"
 STRICT, FUSED, DEBUG = "strict", "fused", "debug"
 MODES = (STRICT, FUSED, DEBUG)
@@ -58,6 +60,11 @@ batch_multi_tensor = True
 # pass is most of a step's ops. They run as one program, with the optimizer's multi-tensor ops
 # that follow, before the next other op. Debug mode runs each alone.
 batch_backward = True
+# Strict mode records every op it can (not only a backward pass and multi-tensor runs) and
+# runs a region, rounded per op, when a value is needed, as fused mode does
+# (``TPU_TRAIN_STRICT_RECORD=all``; ``backward``, the default, records as described above).
+# One program call per region instead of per op: on a TPU each call costs ~0.1 ms of host time.
+records_everything = False
 deferred = False  # outside fused mode, a region may hold ops not yet run
 _mode = STRICT
 _mode_listeners: list = []
@@ -167,13 +174,18 @@ class Region:
             self.inputs.append(value)
         return slot
 
-    def record(self, body, inputs, out_avals) -> list:
+    def record(self, body, inputs, out_avals) -> list | None:
         """Append ``body(*inputs)`` (an op executable's traceable function); its results as
-        :class:`Pending` buffers."""
+        :class:`Pending` buffers. None, recording nothing, where an input array spans several
+        devices (a tensor sharded over a mesh): a region runs on one device, so the caller
+        runs such an op alone."""
         global deferred
+        if _spans_devices(inputs):
+            return None
         with _lock:
             if not active:
                 deferred = True  # strict mode's multi-tensor ops (batch_multi_tensor)
+            if _mode == STRICT:
                 self.rounded_per_op = True
             if len(self.ops) >= _max_region_ops:
                 self.flush()
@@ -236,6 +248,18 @@ class Region:
             for pending, value in zip(pendings, results):
                 pending.array = value
                 pending.region = None
+
+
+_SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
+
+
+def _spans_devices(inputs) -> bool:
+    for value in inputs:
+        if type(value) is _ARRAY_TYPE:
+            sharding = value.sharding
+            if type(sharding) is not _SINGLE_DEVICE and len(sharding.device_set) > 1:
+                return True
+    return False
 
 
 def _donatable(inputs, pendings) -> tuple:
@@ -346,14 +370,15 @@ def set_mode(name: str) -> None:
     if name not in MODES:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
-    if name == FUSED:
+    recording = name == FUSED or (name == STRICT and records_everything)
+    if recording:
         _max_region_ops = region_size_from_environment()
-    # Strict mode's deferred ops run as strict mode's (rounded per op) before another mode's.
-    if (_mode == FUSED and name != FUSED) or (deferred and name != STRICT):
+    # What one mode recorded runs as that mode's (strict's rounded per op) before another's.
+    if (active or deferred) and name != _mode:
         active = False
         flush_all()
     _mode = name
-    active = name == FUSED
+    active = recording
     batch_multi_tensor = batch_backward = name == STRICT
     for listener in _mode_listeners:
         listener(name)
@@ -374,6 +399,16 @@ def eager_mode(name: str):
         yield
     finally:
         set_mode(previous)
+
+
+def strict_record_from_environment() -> bool:
+    """``TPU_TRAIN_STRICT_RECORD``: ``all`` (strict mode records every op it can) or
+    ``backward`` (the default)."""
+    value = os.environ.get(STRICT_RECORD_ENV, "").strip().lower()
+    if value and value not in STRICT_RECORDS:
+        raise EagerModeError(f"{STRICT_RECORD_ENV}={value!r} is not a recording; use one of "
+                             f"{', '.join(STRICT_RECORDS)} or unset it")
+    return value == "all"
 
 
 def mode_from_environment() -> str:

@@ -468,7 +468,8 @@ class _Lowered:
             return self.fn(*lazy.concrete(inputs))
         if first:  # a lowering that needs values fails here, not when the region runs
             jax.eval_shape(self.fn, *[lazy.aval_of(v) for v in inputs])
-        return lazy.region(self.index).record(self.body, inputs, self.out_avals)
+        recorded = lazy.region(self.index).record(self.body, inputs, self.out_avals)
+        return self.fn(*lazy.concrete(inputs)) if recorded is None else recorded
 
 
 def flat_aval(shape, dtype) -> tuple:

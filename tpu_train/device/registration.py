@@ -66,6 +66,7 @@ def register() -> None:
     from tpu_train.device import accelerator, factories, generator, lazy, module, pinned, tying
 
     try:
+        lazy.records_everything = lazy.strict_record_from_environment()
         lazy.set_mode(lazy.mode_from_environment())
     except lazy.EagerModeError as error:  # reported at first device use (see runtime)
         from tpu_train.device import runtime

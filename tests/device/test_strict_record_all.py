@@ -1,0 +1,72 @@
+"""Strict mode recording every op it can (``TPU_TRAIN_STRICT_RECORD=all``, lazy.records_everything):
+the forward too runs as one region when a value is needed, each op rounded as when run alone.
+
+Oracles: debug mode (each op alone) for the rounding, PyTorch on CPU for a training run within
+the tolerances tests/tolerances.py derives for the platform.
+"""
+
+import pytest
+import torch
+
+import tpu_train
+from tpu_train.device import lazy
+from tests.device.test_strict_multi_tensor import STEPS, _model, _train, assert_matches_cpu
+
+TPU = torch.device("tpu", 0)
+
+
+@pytest.fixture
+def records_everything():
+    """Strict mode with every op recorded for the test; as before after it."""
+    assert lazy.mode() == lazy.STRICT
+    lazy.records_everything = True
+    lazy.set_mode(lazy.STRICT)
+    try:
+        yield
+    finally:
+        lazy.records_everything = False
+        lazy.set_mode(lazy.DEBUG)  # runs what is still recorded
+        lazy.set_mode(lazy.STRICT)
+
+
+def _bf16_chain():
+    x = torch.linspace(-2, 2, 96, dtype=torch.bfloat16).to(TPU)
+    # XLA may compute such a chain in float32 and round once: a region rounded per op may not.
+    return ((x * 1.7).tanh() * 3 + x.sigmoid() * x).exp()
+
+
+def test_a_forward_is_recorded_until_read_and_rounds_like_each_op_alone(records_everything):
+    _bf16_chain().cpu()  # an op's first call runs alone
+    before = lazy.stats()
+    pending = _bf16_chain()
+    recorded = lazy.stats()
+    assert recorded["ops_recorded"] - before["ops_recorded"] >= 7
+    assert recorded["regions_run"] == before["regions_run"]  # nothing ran yet
+    result = pending.cpu()
+    assert lazy.stats()["regions_run"] == before["regions_run"] + 1
+    with tpu_train.eager_mode("debug"):
+        alone = _bf16_chain().cpu()
+    assert torch.equal(result, alone)
+
+
+def test_training_matches_cpu(records_everything):
+    cpu_losses, cpu_params = _train(_model(), torch.device("cpu"), steps=STEPS)
+    counts = []
+    losses, params = _train(_model(), TPU, steps=STEPS, counts=counts)
+    # Steps 3-4 record every op (their forward too): reading each loss runs one region.
+    assert counts[1]["regions_run"] - counts[0]["regions_run"] <= 2
+    assert_matches_cpu((losses, params), (cpu_losses, cpu_params))
+
+
+def test_a_shape_error_is_raised_at_the_op(records_everything):
+    a, b = torch.ones(3, 4, device=TPU), torch.ones(5, 4, device=TPU)
+    with pytest.raises(RuntimeError, match="broadcast"):
+        a + b
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    monkeypatch.setenv(lazy.STRICT_RECORD_ENV, "forward")
+    with pytest.raises(lazy.EagerModeError, match="TPU_TRAIN_STRICT_RECORD='forward'"):
+        lazy.strict_record_from_environment()
+    monkeypatch.setenv(lazy.STRICT_RECORD_ENV, "all")
+    assert lazy.strict_record_from_environment()
