@@ -38,6 +38,8 @@ import socket
 import jax
 import torch
 
+from tpu_train.device import runtime
+
 __all__ = ["annotate", "profile"]
 
 
@@ -76,8 +78,9 @@ def profile(logdir: str, *, record_shapes: bool = False, with_stack: bool = Fals
                 yield prof
             finally:
                 # Inside both traces: wait for the work the block queued (PJRT runs it
-                # asynchronously) so its device events are recorded.
-                if torch.tpu.is_available():
+                # asynchronously) so its device events are recorded. A block that used no
+                # device leaves the backend unopened.
+                if runtime.devices_enumerated():
                     for index in range(torch.tpu.device_count()):
                         torch.tpu.synchronize(index)
     # jax.profiler made a fresh run folder; PyTorch's trace goes next to its files.
