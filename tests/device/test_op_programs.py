@@ -9,7 +9,7 @@ import jax
 import pytest
 import torch
 
-from tpu_train.device import runtime
+from tpu_train.device import lazy, runtime
 
 TPU = torch.device("tpu", 0)
 # An option XLA does not know: a program compiled with it fails, naming it, which shows the
@@ -83,3 +83,4 @@ def test_a_fused_region_compiles_with_them(monkeypatch):
         with tpu_train.eager_mode("fused"):  # leaving the mode runs the region
             result = (source * 5 + 1).exp().sum(0)
         result.cpu()
+    assert lazy.mode() == lazy.STRICT and not lazy.active  # left, though the region failed

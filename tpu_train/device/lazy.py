@@ -365,8 +365,10 @@ def mode() -> str:
 
 
 def set_mode(name: str) -> None:
-    """Switch the process's eager mode; leaving ``fused`` runs what was recorded."""
-    global active, batch_multi_tensor, batch_backward, _mode, _max_region_ops
+    """Switch the process's eager mode; leaving ``fused`` runs what was recorded. The switch
+    happens even where that run fails (its error is raised after it): a failed region must not
+    leave the process recording."""
+    global active, _max_region_ops
     if name not in MODES:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
@@ -376,7 +378,16 @@ def set_mode(name: str) -> None:
     # What one mode recorded runs as that mode's (strict's rounded per op) before another's.
     if (active or deferred) and name != _mode:
         active = False
-        flush_all()
+        try:
+            flush_all()
+        finally:
+            _enter(name, recording)
+    else:
+        _enter(name, recording)
+
+
+def _enter(name: str, recording: bool) -> None:
+    global active, batch_multi_tensor, batch_backward, _mode
     _mode = name
     active = recording
     batch_multi_tensor = batch_backward = name == STRICT
