@@ -120,6 +120,8 @@ PROCESS_ENVIRONMENTS = {
                                 "TPU_TRAIN_CACHE_MAX_GB='lots' is not a positive number"),
     "eager_mode_unknown": ({"TPU_TRAIN_EAGER_MODE": "bogus"},
                            "TPU_TRAIN_EAGER_MODE='bogus' is not an eager mode"),
+    "strict_record_unknown": ({"TPU_TRAIN_STRICT_RECORD": "forward"},
+                              "TPU_TRAIN_STRICT_RECORD='forward' is not a recording"),
 }
 
 
