@@ -10,8 +10,9 @@
   that each change one thing around the same program: ``no_early_copy``
   (``jax.Array.copy_to_host_async`` a no-op: the flag is read without the copy started at the
   launch), ``batch_on_device`` (the batch moved to the device before the call, as the reference
-  puts its batch before its call, instead of the program's own transfer of host arrays) and
-  ``gc_off`` (Python's cyclic garbage collector off during the step).
+  puts its batch before its call, instead of the program's own transfer of host arrays),
+  ``inputs_on_device`` (that, and the step's host scalars put on the device before the call too:
+  no host argument left) and ``gc_off`` (Python's cyclic garbage collector off during the step).
 
 Each step is timed until its value is on the host; min and median in ms (the first 5 steps of
 each left out) and, for ``w1``, each median over JAX's. Prints ONE JSON line. Usage::
@@ -92,8 +93,10 @@ def jax_read(dim: int, steps: int) -> dict:
 
 
 def w1(steps: int) -> dict:
+    import jax
     import torch
-    from jax._src import array as jax_array
+
+    from tpu_train.compile import train_step as train_step_module
 
     import bench_train_step
     import jax_llama
@@ -108,23 +111,34 @@ def w1(steps: int) -> dict:
                                             seq=size.seq)
     ours = tsm.TrainerMode(cpu_model, cfg)
     reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")
-    early_copy = jax_array.ArrayImpl.copy_to_host_async
+    array_type = type(jax.device_put(np.float32(0)))  # jax.Array's concrete class
+    early_copy = array_type.copy_to_host_async
     device = torch.device("tpu", 0)
 
     def on_device(batch):
         return {k: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(device)
                 for k, v in batch.items()}
 
-    # name: (mode, copy_to_host_async during the step, how the batch is given, gc off)
-    modes = {"compiled": (ours, early_copy, None, False),
-             "compiled_no_early_copy": (ours, lambda self: None, None, False),
-             "compiled_batch_on_device": (ours, early_copy, on_device, False),
-             "compiled_gc_off": (ours, early_copy, None, True),
-             "jax": (reference, early_copy, None, False)}
+    host_scalars = train_step_module.host_scalars
+    scalars_device = jax.devices()[0]
+
+    def scalars_on_device(optimizer, adapter):
+        scalars, steps = host_scalars(optimizer, adapter)
+        return jax.device_put(scalars, scalars_device), steps
+
+    # name: (mode, copy_to_host_async during the step, how the batch is given, the host
+    # scalars' function, gc off)
+    modes = {"compiled": (ours, early_copy, None, host_scalars, False),
+             "compiled_no_early_copy": (ours, lambda self: None, None, host_scalars, False),
+             "compiled_batch_on_device": (ours, early_copy, on_device, host_scalars, False),
+             "compiled_inputs_on_device": (ours, early_copy, on_device, scalars_on_device, False),
+             "compiled_gc_off": (ours, early_copy, None, host_scalars, True),
+             "jax": (reference, early_copy, None, host_scalars, False)}
 
     def run_one(name, i):
-        mode, copy, place, gc_off = modes[name]
-        jax_array.ArrayImpl.copy_to_host_async = copy
+        mode, copy, place, scalars_fn, gc_off = modes[name]
+        array_type.copy_to_host_async = copy
+        train_step_module.host_scalars = scalars_fn
         if gc_off:
             gc.disable()
         try:
@@ -133,7 +147,8 @@ def w1(steps: int) -> dict:
             else:  # the trainer's step takes device tensors as they are
                 mode.block(mode.train_step(place(batches[i]))["loss"])
         finally:
-            jax_array.ArrayImpl.copy_to_host_async = early_copy
+            array_type.copy_to_host_async = early_copy
+            train_step_module.host_scalars = host_scalars
             gc.enable()
 
     result = interleaved(modes, steps, run_one)
