@@ -70,3 +70,19 @@ def test_a_bad_setting_is_named(monkeypatch):
         lazy.strict_record_from_environment()
     monkeypatch.setenv(lazy.STRICT_RECORD_ENV, "all")
     assert lazy.strict_record_from_environment()
+
+
+def test_a_region_failing_as_a_block_starts_leaves_the_mode_as_it_was(records_everything,
+                                                                       monkeypatch):
+    """Entering fused mode runs what strict mode recorded; where that fails, the error is raised
+    and the process is back in strict mode, not left in fused mode."""
+    from tpu_train.device import runtime
+
+    unknown = "xla_tpu_train_test_unknown_option"
+    pending = torch.full((71, 73), 0.5).to(TPU) * 3  # recorded, not run
+    monkeypatch.setattr(runtime, "op_program_options", lambda: {unknown: True})
+    with pytest.raises(Exception, match=unknown):
+        with tpu_train.eager_mode("fused"):
+            pass
+    assert lazy.mode() == lazy.STRICT
+    del pending

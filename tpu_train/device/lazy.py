@@ -405,8 +405,8 @@ def eager_mode(name: str):
     """``with tpu_train.eager_mode("fused"): ...`` -- the mode inside the block, the previous
     one (and everything recorded, run) after it."""
     previous = _mode
-    set_mode(name)
     try:
+        set_mode(name)  # may switch and then raise: what the previous mode recorded failed
         yield
     finally:
         set_mode(previous)
