@@ -23,6 +23,14 @@ FUNCTIONS = ("sqrt", "div")
 TPU = torch.device("tpu", 0)
 
 
+@pytest.fixture(autouse=True)
+def records_backward_and_multi_tensor_runs():
+    """These tests are of strict mode's recording of backward passes and multi-tensor runs
+    alone, which the CPU client uses; a TPU records every op (test_strict_record_all.py)."""
+    with lazy.strict_recording(False):
+        yield
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))

@@ -1,15 +1,20 @@
-"""Strict mode recording every op it can (``TPU_TRAIN_STRICT_RECORD=all``, lazy.records_everything):
-the forward too runs as one region when a value is needed, each op rounded as when run alone.
+"""Strict mode recording every op it can (``TPU_TRAIN_STRICT_RECORD=all``, lazy.records_everything;
+the default on a TPU): the forward too runs as one region when a value is needed, each op rounded
+as when run alone.
 
 Oracles: debug mode (each op alone) for the rounding, PyTorch on CPU for a training run within
 the tolerances tests/tolerances.py derives for the platform.
 """
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import tpu_train
 from tpu_train.device import lazy
+from tests.platforms import cpu_child_env
 from tests.device.test_strict_multi_tensor import STEPS, _model, _train, assert_matches_cpu
 
 TPU = torch.device("tpu", 0)
@@ -17,16 +22,10 @@ TPU = torch.device("tpu", 0)
 
 @pytest.fixture
 def records_everything():
-    """Strict mode with every op recorded for the test; as before after it."""
+    """Strict mode with every op recorded for the test, on every platform."""
     assert lazy.mode() == lazy.STRICT
-    lazy.records_everything = True
-    lazy.set_mode(lazy.STRICT)
-    try:
+    with lazy.strict_recording(True):
         yield
-    finally:
-        lazy.records_everything = False
-        lazy.set_mode(lazy.DEBUG)  # runs what is still recorded
-        lazy.set_mode(lazy.STRICT)
 
 
 def _bf16_chain():
@@ -68,8 +67,40 @@ def test_a_bad_setting_is_named(monkeypatch):
     monkeypatch.setenv(lazy.STRICT_RECORD_ENV, "forward")
     with pytest.raises(lazy.EagerModeError, match="TPU_TRAIN_STRICT_RECORD='forward'"):
         lazy.strict_record_from_environment()
-    monkeypatch.setenv(lazy.STRICT_RECORD_ENV, "all")
-    assert lazy.strict_record_from_environment()
+    for value, recording in (("all", True), (" Backward", False), ("", None)):
+        monkeypatch.setenv(lazy.STRICT_RECORD_ENV, value)
+        assert lazy.strict_record_from_environment() is recording
+
+
+def _recording_in_a_child(setting: str | None, tpu_policy: bool = False) -> list[str]:
+    """``lazy.records_everything`` and ``lazy.active`` in strict mode in a fresh process on the
+    cpu platform, before and after its first device use; ``tpu_policy`` makes that process
+    judge its platform as a TPU is judged."""
+    env = cpu_child_env()
+    env.pop(lazy.STRICT_RECORD_ENV, None)
+    if setting is not None:
+        env[lazy.STRICT_RECORD_ENV] = setting
+    code = ("import torch, tpu_train\n"
+            "from tpu_train.device import lazy\n"
+            + ("lazy.records_everything_on = lambda platform: True\n" if tpu_policy else "")
+            + "print(lazy.records_everything, lazy.active)\n"
+            "x = torch.ones(3, device='tpu') * 2\n"
+            "print(lazy.records_everything, lazy.active, x.sum().item())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split("\n")[:2]
+
+
+def test_unset_the_platform_decides_when_it_is_chosen():
+    """A TPU records every op (a program call costs ~0.1 ms of host time there), the CPU
+    client runs each op when called; the choice is made before the first device op."""
+    assert lazy.records_everything_on("tpu") and not lazy.records_everything_on("cpu")
+    assert _recording_in_a_child(None) == ["None False", "False False 6.0"]
+    assert _recording_in_a_child(None, tpu_policy=True) == ["None False", "True True 6.0"]
+    assert _recording_in_a_child("all") == ["True True", "True True 6.0"]
+    assert _recording_in_a_child("backward", tpu_policy=True) == ["False False",
+                                                                  "False False 6.0"]
 
 
 def test_a_region_failing_as_a_block_starts_leaves_the_mode_as_it_was(records_everything,

@@ -62,9 +62,10 @@ batch_multi_tensor = True
 batch_backward = True
 # Strict mode records every op it can (not only a backward pass and multi-tensor runs) and
 # runs a region, rounded per op, when a value is needed, as fused mode does
-# (``TPU_TRAIN_STRICT_RECORD=all``; ``backward``, the default, records as described above).
-# One program call per region instead of per op: on a TPU each call costs ~0.1 ms of host time.
-records_everything = False
+# (``TPU_TRAIN_STRICT_RECORD=all``; ``backward`` records as described above). One program call
+# per region instead of per op: on a TPU each call costs ~0.1 ms of host time, on the CPU
+# client ~8 us. None (unset): the platform decides (records_everything_on), once it is chosen.
+records_everything: bool | None = None
 deferred = False  # outside fused mode, a region may hold ops not yet run
 _mode = STRICT
 _mode_listeners: list = []
@@ -238,7 +239,7 @@ class Region:
             except Exception as error:  # noqa: BLE001 - every pending result reports it
                 _programs.pop(key, None)  # a failure may be transient (memory): retry next time
                 failure = RuntimeError(
-                    f"a fused tpu region of {len(ops)} ops failed when it ran: {error} (run with "
+                    f"a tpu region of {len(ops)} recorded ops failed when it ran: {error} (run with "
                     f"{MODE_ENV}=debug to find the op)")
                 for pending in pendings:
                     pending.failure, pending.region = failure, None
@@ -372,7 +373,7 @@ def set_mode(name: str) -> None:
     if name not in MODES:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
-    recording = name == FUSED or (name == STRICT and records_everything)
+    recording = name == FUSED or (name == STRICT and bool(records_everything))
     if recording:
         _max_region_ops = region_size_from_environment()
     # What one mode recorded runs as that mode's (strict's rounded per op) before another's.
@@ -412,14 +413,56 @@ def eager_mode(name: str):
         set_mode(previous)
 
 
-def strict_record_from_environment() -> bool:
-    """``TPU_TRAIN_STRICT_RECORD``: ``all`` (strict mode records every op it can) or
-    ``backward`` (the default)."""
+@contextlib.contextmanager
+def strict_recording(everything: bool):
+    """Strict mode recording every op it can (True) or only backward passes and multi-tensor
+    runs (False) inside the block, whatever the platform or ``TPU_TRAIN_STRICT_RECORD`` chose;
+    as before after it. What was recorded runs at the block's start and end."""
+    global records_everything
+    previous_mode, previous = _mode, records_everything
+    set_mode(DEBUG)  # runs what the previous recording holds
+    records_everything = everything
+    try:
+        set_mode(previous_mode)
+        yield
+    finally:
+        try:
+            set_mode(DEBUG)
+        finally:
+            records_everything = previous
+            set_mode(previous_mode)
+
+
+def strict_record_from_environment() -> bool | None:
+    """``TPU_TRAIN_STRICT_RECORD``: ``all`` (True: strict mode records every op it can),
+    ``backward`` (False) or unset (None: as :func:`records_everything_on` the platform)."""
     value = os.environ.get(STRICT_RECORD_ENV, "").strip().lower()
     if value and value not in STRICT_RECORDS:
         raise EagerModeError(f"{STRICT_RECORD_ENV}={value!r} is not a recording; use one of "
                              f"{', '.join(STRICT_RECORDS)} or unset it")
-    return value == "all"
+    return (value == "all") if value else None
+
+
+def records_everything_on(platform_name: str) -> bool:
+    """Does strict mode record every op by default on this platform? On a TPU, where a program
+    call costs ~0.1 ms of host time, a strict step of transformers' tiny Llama is 2.6x torch
+    CPU op by op and 1.1x recorded (docs/eager_performance.md); the CPU client's calls cost
+    ~8 us, and there each op runs when called."""
+    return platform_name == "tpu"
+
+
+def _follow_platform(platform_name: str) -> None:
+    """Settle an unset recording once the platform is chosen (before the first device op)."""
+    global records_everything
+    with _lock:
+        if records_everything is not None:
+            return
+        records_everything = records_everything_on(platform_name)
+        if records_everything and _mode == STRICT and not active:
+            _enter(STRICT, True)
+
+
+runtime.on_platform_chosen(_follow_platform)
 
 
 def mode_from_environment() -> str:

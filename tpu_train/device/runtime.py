@@ -181,7 +181,23 @@ def _choose_once() -> str:
     if chosen == "cpu" and requested is None and tpu_host.libtpu_installed():
         _notes.append(f"tpu_train: libtpu is installed but this host has no TPU chips: running "
                       f"on the CPU ({PLATFORM_ENV}=cpu says so and silences this line)")
+    for listener in _platform_listeners:
+        listener(chosen)
     return chosen
+
+
+# Called with the platform once it is chosen: policies that differ per platform but must be
+# settled before the first device use (strict eager mode's recording, device/lazy.py).
+_platform_listeners: list = []
+
+
+def on_platform_chosen(listener) -> None:
+    """``listener(platform)`` when the platform is chosen, at once if it is already. It runs
+    inside the choice (on the thread that makes it): it must not ask for the platform."""
+    if _choose_once.cache_info().currsize:
+        listener(_choose_once())
+    else:
+        _platform_listeners.append(listener)
 
 
 # Lines for the user from the platform choice, printed by the first device use of a thread
