@@ -14,6 +14,7 @@ from jax import lax
 from jax.scipy import special
 
 from tpu_train.ops import scalar_power
+from tpu_train.ops.float_remainder import fmod
 from tpu_train.ops.conversion import (cast_scalar, float_result_dtype, is_floating, is_integral,
                                       opmath_dtype, promote, result_dtype)
 from tpu_train.ops.registry import aten, lowers
@@ -297,11 +298,11 @@ def _div_floor(a, b):
     """PyTorch's floor division: Python semantics for integers, fmod-corrected for floats."""
     if is_integral(a.dtype, include_bool=True):
         quotient = lax.div(*jnp.broadcast_arrays(a, b))
-        remainder = jnp.fmod(a, b)
+        remainder = fmod(a, b)
         needs_correction = (remainder != 0) & ((remainder < 0) != (b < 0))
         return quotient - needs_correction.astype(a.dtype)
     # The float path of PyTorch's div_floor_floating: exact on values where floor(a / b) is not.
-    mod = jnp.fmod(a, b)
+    mod = fmod(a, b)
     div = (a - mod) / b
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floored = jnp.floor(div)
@@ -359,7 +360,7 @@ def floor_divide_scalar(self, other):
 
 def _remainder(a, b):
     # Python's modulo: the result takes the sign of the divisor.
-    mod = jnp.fmod(a, b)
+    mod = fmod(a, b)
     return jnp.where((mod != 0) & ((mod < 0) != (b < 0)), mod + b, mod)
 
 
@@ -380,12 +381,12 @@ def remainder_scalar_tensor(self, other):
 
 @lowers(aten.fmod.Tensor)
 def fmod_tensor(self, other):
-    return _binary(self, other, jnp.fmod)
+    return _binary(self, other, fmod)
 
 
 @lowers(aten.fmod.Scalar)
 def fmod_scalar(self, other):
-    return _binary(self, other, lax.rem, scalar_other=True)
+    return _binary(self, other, fmod, scalar_other=True)
 
 
 # ----------------------------------------------------------------------------- power
