@@ -2,8 +2,10 @@
 ``TPU_TRAIN_TEST_COMPILE_REPORT`` names a file (``tests/conftest.py`` loads it then).
 
 For each test it counts the backend compiles JAX reports (``jax.monitoring``'s
-``/jax/core/compile/backend_compile_duration``: XLA's own compile, not tracing or lowering) and
-their seconds, beside the test's wall time (setup, call and teardown). At the session's end it
+``/jax/core/compile/backend_compile_duration``: XLA's own compile, not tracing or lowering, or
+the read of the executable from the persistent cache where it was there: JAX times both) and
+their seconds, beside the test's wall time (setup, call and teardown); ``cache_hits`` says how
+many of the session's were reads. At the session's end it
 writes one JSON object to that file: the totals, the sums per test file, and the tests with the
 most compile seconds. What a chip's lane spends compiling, and in which files, is then a
 measurement rather than a guess (docs/testing.md)::
@@ -25,6 +27,7 @@ from pathlib import Path
 
 ENV = "TPU_TRAIN_TEST_COMPILE_REPORT"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 TOP_TESTS = 40
 WRITE_EVERY_S = 10.0
 
@@ -36,12 +39,18 @@ class CompileReport:
         self.path = path
         self.compiles = 0
         self.compile_s = 0.0
+        self.cache_hits = 0
         self.tests: dict[str, dict] = {}
         self._start: tuple[float, int, float] | None = None
         self._written = time.perf_counter()
         from jax import monitoring
 
         monitoring.register_event_duration_secs_listener(self._on_event)
+        monitoring.register_event_listener(self._on_hit)
+
+    def _on_hit(self, event: str, **_) -> None:
+        if event == _HIT_EVENT:
+            self.cache_hits += 1
 
     def _on_event(self, event: str, duration: float, **_) -> None:
         if event == _COMPILE_EVENT:
@@ -87,6 +96,7 @@ class CompileReport:
             "wall_s": round(sum(f["wall_s"] for f in self.tests.values()), 1),
             "compiles": self.compiles,
             "compile_s": round(self.compile_s, 1),
+            "cache_hits": self.cache_hits,
             "files": {name: {k: round(v, 1) if isinstance(v, float) else v
                              for k, v in row.items()}
                       for name, row in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])},

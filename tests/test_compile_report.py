@@ -30,6 +30,7 @@ def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path, monkeypatch):
     assert written["top_tests_by_compile_s"]["tests/a/test_x.py::test_two"]["compiles"] == 0
     assert written["files"]["tests/a/test_x.py"]["tests"] == 2
     assert written["files"]["tests/a/test_x.py"]["compiles"] == 2
+    assert written["cache_hits"] == 0  # programs new to the session: compiled, not read
 
 
 def test_a_pytest_xdist_worker_writes_a_file_of_its_own(tmp_path, monkeypatch):

@@ -78,6 +78,34 @@ def test_a_bad_directory_is_a_clear_error_at_first_use(tmp_path):
     assert f"{cc.CACHE_DIR_ENV}: cannot create the compilation cache directory" in proc.stderr
 
 
+def _one_op_in_a_child(tmp_path: Path, tpu_policy: bool) -> list[str]:
+    """The cache's compile-time threshold after a first device op in a fresh process on the
+    cpu platform, and how many entries that op's program wrote; ``tpu_policy`` makes the
+    process keep programs as on a TPU."""
+    code = ("import jax, torch, tpu_train\n"
+            "from tpu_train.device import compilation_cache as cc\n"
+            + ("cc.min_compile_time_s = lambda platform: cc.TPU_MIN_COMPILE_TIME_S\n"
+               if tpu_policy else "")
+            + "(torch.arange(6.0, device='tpu') * 3).cpu()\n"
+            "print(jax.config.jax_persistent_cache_min_compile_time_secs)\n"
+            "print(sum(1 for p in cc.directory().iterdir() if p.name.endswith('-cache')))\n")
+    cache = tmp_path / ("tpu" if tpu_policy else "cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(tmp_path, cache), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()
+
+
+def test_a_tpu_keeps_every_program_the_cpu_client_the_slow_ones(tmp_path):
+    """A one-op program compiles in milliseconds on the CPU client and is not written; on a
+    TPU it takes ~43 ms and reads back in ~2 ms, so every program is written there."""
+    assert cc.min_compile_time_s("tpu") == 0.0 and cc.min_compile_time_s("cpu") == 1.0
+    threshold, entries = _one_op_in_a_child(tmp_path, tpu_policy=False)
+    assert float(threshold) == 1.0 and int(entries) == 0
+    threshold, entries = _one_op_in_a_child(tmp_path, tpu_policy=True)
+    assert float(threshold) == 0.0 and int(entries) >= 1
+
+
 def test_requested_directory(monkeypatch, tmp_path):
     monkeypatch.delenv(cc.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -228,6 +228,9 @@ def _prepare() -> tuple:
         raise _environment_errors[0]
     libtpu_settings.apply_defaults()
     jax = _jax()
+    from tpu_train.device import compilation_cache
+
+    on_platform_chosen(compilation_cache.follow_platform)  # which programs are worth keeping
     requested = requested_platform()
     evidence = tpu_host.tpu_evidence() if requested is None else []
     if _only_cpu_is_wanted(jax, requested, evidence):
