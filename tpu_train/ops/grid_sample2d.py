@@ -5,7 +5,9 @@ depth 1 sampled at depth 0 (its weights in depth are then exactly 1 and 0). Bicu
 ATen's kernel: the source point is unnormalized without padding, each of the 4 x 4 taps around
 it is moved by the padding mode on its own (``get_value_bounded``) and reads 0 outside the
 image, and the taps are combined with the cubic convolution coefficients (A = -0.75), rows
-first. The backward is the pullback (``jax.vjp``) of this forward for the input and the grid.
+first. The 16 taps are read by one gather (its pullback one scatter): a program with a gather
+per tap was 2.5x the HLO and compiled 2-3x slower for a v5e. The backward is the pullback
+(``jax.vjp``) of this forward for the input and the grid.
 """
 
 from __future__ import annotations
@@ -39,24 +41,26 @@ def _bicubic(input, grid, padding_mode, align_corners):
     compute = opmath_dtype(input.dtype)
     image = input.astype(compute).reshape(n, c, h * w)
     g = grid.astype(compute).reshape(n, -1, 2)
+    points = g.shape[1]
     x = _unnormalize(g[..., 0], w, align_corners)
     y = _unnormalize(g[..., 1], h, align_corners)
     x0, y0 = jnp.floor(x), jnp.floor(y)
     wx, wy = _cubic_weights(x - x0), _cubic_weights(y - y0)
-
-    def tap(dy, dx):
-        # The padding mode moves each tap; the integer part is taken as C++'s cast does.
-        tx = jnp.trunc(_pad(x0 + dx, w, padding_mode, align_corners))
-        ty = jnp.trunc(_pad(y0 + dy, h, padding_mode, align_corners))
-        inside = (tx >= 0) & (tx < w) & (ty >= 0) & (ty < h)
-        flat = (jnp.clip(ty, 0, h - 1) * w + jnp.clip(tx, 0, w - 1)).astype(jnp.int32)
-        values = jnp.take_along_axis(image, flat[:, None, :], axis=2)
-        return jnp.where(inside[:, None, :], values, 0)
-
+    # The 16 taps' positions, (4 rows, 4 columns, N, P), read by one gather: the padding mode
+    # moves each tap; the integer part is taken as C++'s cast does.
+    offsets = jnp.arange(-1, 3, dtype=compute)
+    tx = jnp.trunc(_pad(x0 + offsets[None, :, None, None], w, padding_mode, align_corners))
+    ty = jnp.trunc(_pad(y0 + offsets[:, None, None, None], h, padding_mode, align_corners))
+    tx, ty = jnp.broadcast_arrays(tx, ty)
+    inside = (tx >= 0) & (tx < w) & (ty >= 0) & (ty < h)
+    flat = (jnp.clip(ty, 0, h - 1) * w + jnp.clip(tx, 0, w - 1)).astype(jnp.int32)
+    flat = jnp.moveaxis(flat, 2, 0).reshape(n, 1, 16 * points)
+    values = jnp.take_along_axis(image, flat, axis=2).reshape(n, c, 4, 4, points)
+    taps = jnp.where(jnp.moveaxis(inside, 2, 0)[:, None], values, 0)
+    # Combined as ATen's kernel does, rows first, each sum in tap order.
     out = 0
-    for i, row_weight in zip(range(-1, 3), wy):
-        row = sum(col_weight[:, None, :] * tap(i, j)
-                  for j, col_weight in zip(range(-1, 3), wx))
+    for i, row_weight in enumerate(wy):
+        row = sum(col_weight[:, None, :] * taps[:, :, i, j] for j, col_weight in enumerate(wx))
         out = out + row_weight[:, None, :] * row
     return out.reshape((n, c) + grid.shape[1:3]).astype(input.dtype)
 
