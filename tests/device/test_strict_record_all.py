@@ -74,10 +74,13 @@ def test_a_bad_setting_is_named(monkeypatch):
 
 def _recording_in_a_child(setting: str | None, tpu_policy: bool = False) -> list[str]:
     """``lazy.records_everything`` and ``lazy.active`` in strict mode in a fresh process on the
-    cpu platform, before and after its first device use; ``tpu_policy`` makes that process
-    judge its platform as a TPU is judged."""
+    cpu platform, before and after its first device use, then the regions 7 ops ran before
+    anything read them, with regions of at most 3 ops (``TPU_TRAIN_FUSED_MAX_OPS``: one ran at
+    the 4th op, one at the 7th); ``tpu_policy`` makes that process judge its platform as a TPU
+    is judged."""
     env = cpu_child_env()
     env.pop(lazy.STRICT_RECORD_ENV, None)
+    env[lazy.MAX_OPS_ENV] = "3"
     if setting is not None:
         env[lazy.STRICT_RECORD_ENV] = setting
     code = ("import torch, tpu_train\n"
@@ -85,21 +88,27 @@ def _recording_in_a_child(setting: str | None, tpu_policy: bool = False) -> list
             + ("lazy.records_everything_on = lambda platform: True\n" if tpu_policy else "")
             + "print(lazy.records_everything, lazy.active)\n"
             "x = torch.ones(3, device='tpu') * 2\n"
-            "print(lazy.records_everything, lazy.active, x.sum().item())\n")
+            "print(lazy.records_everything, lazy.active, x.sum().item())\n"
+            "before = lazy.stats()['regions_run']\n"
+            "for _ in range(7):\n"
+            "    x = x + 1\n"
+            "print(lazy.stats()['regions_run'] - before, x.sum().item())\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.split("\n")[:2]
+    return result.stdout.split("\n")[:3]
 
 
 def test_unset_the_platform_decides_when_it_is_chosen():
     """A TPU records every op (a program call costs ~0.1 ms of host time there), the CPU
-    client runs each op when called; the choice is made before the first device op."""
+    client runs each op when called; the choice is made before the first device op, and the
+    region size applies to strict mode's regions then."""
     assert lazy.records_everything_on("tpu") and not lazy.records_everything_on("cpu")
-    assert _recording_in_a_child(None, tpu_policy=True) == ["None False", "True True 6.0"]
-    # A setting wins over the platform.
+    assert _recording_in_a_child(None, tpu_policy=True) == ["None False", "True True 6.0",
+                                                            "2 27.0"]
+    # A setting wins over the platform: each op runs when called, no region.
     assert _recording_in_a_child("backward", tpu_policy=True) == ["False False",
-                                                                  "False False 6.0"]
+                                                                  "False False 6.0", "0 27.0"]
 
 
 def test_a_region_failing_as_a_block_starts_leaves_the_mode_as_it_was(records_everything,

@@ -373,8 +373,8 @@ def set_mode(name: str) -> None:
     if name not in MODES:
         raise ValueError(f"unknown tpu eager mode {name!r}; choose one of {', '.join(MODES)} "
                          f"(e.g. {MODE_ENV}=fused)")
-    recording = name == FUSED or (name == STRICT and bool(records_everything))
-    if recording:
+    if name == FUSED or (name == STRICT and records_everything is not False):
+        # Strict mode records too on a TPU (unset: the platform, chosen later, may say so).
         _max_region_ops = region_size_from_environment()
     # What one mode recorded runs as that mode's (strict's rounded per op) before another's.
     if (active or deferred) and name != _mode:
@@ -382,18 +382,21 @@ def set_mode(name: str) -> None:
         try:
             flush_all()
         finally:
-            _enter(name, recording)
+            _enter(name)
     else:
-        _enter(name, recording)
+        _enter(name)
 
 
-def _enter(name: str, recording: bool) -> None:
+def _enter(name: str) -> None:
+    """Switch to ``name``; under the lock, as the platform's choice may settle strict mode's
+    recording from another thread (:func:`_follow_platform`)."""
     global active, batch_multi_tensor, batch_backward, _mode
-    _mode = name
-    active = recording
-    batch_multi_tensor = batch_backward = name == STRICT
-    for listener in _mode_listeners:
-        listener(name)
+    with _lock:
+        _mode = name
+        active = name == FUSED or (name == STRICT and bool(records_everything))
+        batch_multi_tensor = batch_backward = name == STRICT
+        for listener in _mode_listeners:
+            listener(name)
 
 
 def on_mode_change(listener) -> None:
@@ -458,8 +461,8 @@ def _follow_platform(platform_name: str) -> None:
         if records_everything is not None:
             return
         records_everything = records_everything_on(platform_name)
-        if records_everything and _mode == STRICT and not active:
-            _enter(STRICT, True)
+        if records_everything and _mode == STRICT:
+            _enter(STRICT)
 
 
 runtime.on_platform_chosen(_follow_platform)
