@@ -269,6 +269,17 @@ class CompiledTrainStep:
                                       compile_program)
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
+        plan, entry, steps, outputs = self._launch(batch)
+        return self._finish(plan, entry, steps, outputs)
+
+    def _launch(self, batch) -> tuple:
+        """Prepare the call and dispatch the program: ``(plan, entry, step counts, outputs)``.
+
+        The argument lists live in this frame only. Once it returns, the write-back in
+        :meth:`_finish` drops the last references to the donated input arrays, so that
+        releasing their hundreds of Python objects happens while the program runs: held
+        until the call returned, it came after the call's wait for its flag, with the device
+        idle (docs/benchmarks.md, W1 on the chip)."""
         plan, device, arguments, signature, build = self._prepared(batch)
         param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps = arguments
         entry = self.cache.get_or_build(signature, build)
@@ -278,8 +289,7 @@ class CompiledTrainStep:
                 entry.layer_index_values(device)]
         if entry.random:
             args.append(rng.next_key(plan.device_index))
-        outputs = entry.executable(*args)
-        return self._finish(plan, entry, steps, outputs)
+        return plan, entry, steps, entry.executable(*args)
 
     def _finish(self, plan: CallPlan, entry, steps: list, outputs) -> dict[str, torch.Tensor]:
         """Everything after the program is dispatched: the new values into the user's tensors,
