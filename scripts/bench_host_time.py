@@ -144,7 +144,7 @@ class TimedProgram:
 
 def install_program(compiled, timings: Timings, stub: bool) -> None:
     """Put a :class:`TimedProgram` in front of the latest compiled program of ``compiled``."""
-    entry = compiled.cache._last_entry
+    entry = compiled.cache.last_entry
     program = entry.executable
     if isinstance(program, TimedProgram):
         program = program.program
@@ -267,7 +267,7 @@ def time_noop(size, args) -> dict:
     ours.block(ours.step(batches[0]))  # compiles both real programs
     reference.block(reference.step(batches[0]))
     compiled, ref = ours.train_step.compiled, reference.reference
-    entry = compiled.cache._last_entry
+    entry = compiled.cache.last_entry
     program, seen = entry.executable, {}
 
     def capture(*arguments):

@@ -180,6 +180,12 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def last_entry(self) -> Any:
+        """The program the latest :meth:`get_or_build` returned (None before the first): what
+        the benchmarks time or stand a stub in for (``entry.executable``)."""
+        return self._last_entry
+
     def get_or_build(self, signature: Signature, build: Callable[[TimedStages], Any]):
         """The program for ``signature``; ``build(stages)`` makes it on a miss (timed, logged)."""
         if signature is self._last:  # the caller reuses its signature object when unchanged
