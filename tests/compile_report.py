@@ -5,7 +5,8 @@ For each test it counts the backend compiles JAX reports (``jax.monitoring``'s
 ``/jax/core/compile/backend_compile_duration``: XLA's own compile, not tracing or lowering, or
 the read of the executable from the persistent cache where it was there: JAX times both) and
 their seconds, beside the test's wall time (setup, call and teardown); ``cache_hits`` says how
-many of the session's were reads. At the session's end it
+many of the session's were reads, and the programs with the most compile seconds are listed by
+name (a primitive JAX ran op by op is named after it: ``reshape``). At the session's end it
 writes one JSON object to that file: the totals, the sums per test file, and the tests with the
 most compile seconds. What a chip's lane spends compiling, and in which files, is then a
 measurement rather than a guess (docs/testing.md)::
@@ -41,6 +42,9 @@ class CompileReport:
         self.compile_s = 0.0
         self.cache_hits = 0
         self.tests: dict[str, dict] = {}
+        # Per compiled function's name: JAX names a primitive run op by op after the primitive
+        # ("reshape", "convert_element_type"), a jitted function after the function.
+        self.programs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
         self._start: tuple[float, int, float] | None = None
         self._written = time.perf_counter()
         from jax import monitoring
@@ -52,10 +56,13 @@ class CompileReport:
         if event == _HIT_EVENT:
             self.cache_hits += 1
 
-    def _on_event(self, event: str, duration: float, **_) -> None:
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if event == _COMPILE_EVENT:
             self.compiles += 1
             self.compile_s += duration
+            row = self.programs[str(kwargs.get("fun_name", "?"))]
+            row[0] += 1
+            row[1] += duration
 
     def pytest_runtest_logstart(self, nodeid, location):
         self._start = (time.perf_counter(), self.compiles, self.compile_s)
@@ -91,6 +98,7 @@ class CompileReport:
             for key in ("wall_s", "compiles", "compile_s"):
                 row[key] += figures[key]
         by_compile = sorted(self.tests.items(), key=lambda kv: -kv[1]["compile_s"])
+        programs = sorted(self.programs.items(), key=lambda kv: -kv[1][1])
         return {
             "tests": len(self.tests),
             "wall_s": round(sum(f["wall_s"] for f in self.tests.values()), 1),
@@ -101,4 +109,6 @@ class CompileReport:
                              for k, v in row.items()}
                       for name, row in sorted(files.items(), key=lambda kv: -kv[1]["wall_s"])},
             "top_tests_by_compile_s": dict(by_compile[:TOP_TESTS]),
+            "top_programs_by_compile_s": {name: {"compiles": n, "compile_s": round(s, 1)}
+                                          for name, (n, s) in programs[:TOP_TESTS]},
         }
