@@ -18,11 +18,14 @@ from tpu_train.ops.dtypes import numpy_dtype, storage_dtype
 
 
 def to_jax(value):
+    """A CPU tensor as a JAX array of its storage dtype, converted on the host and transferred
+    with ``jax.device_put``: ``jnp.asarray`` of a NumPy array runs a program (a copy, or the
+    conversion) that is compiled for every new shape and dtype, ~45 ms each on a v5e."""
     if isinstance(value, torch.Tensor):
         host = value.detach().cpu()
-        if host.dtype == torch.bfloat16:
-            return jnp.asarray(host.float().numpy(), dtype=jnp.bfloat16)
-        return jnp.asarray(host.numpy(), dtype=storage_dtype(host.dtype))
+        if host.dtype == torch.bfloat16:  # NumPy has no bfloat16: through float32, exactly
+            return jax.device_put(host.float().numpy().astype(jnp.bfloat16))
+        return jax.device_put(np.asarray(host.numpy(), dtype=storage_dtype(host.dtype)))
     return value
 
 
