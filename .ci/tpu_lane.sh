@@ -14,6 +14,10 @@ unset JAX_PLATFORMS
 # effort compiled W1's step on the chip in 9.9 s instead of 32.5 and the default job's decoding
 # program in 9.9 s instead of 12.9, at up to 2.4x the device time (docs/compile.md).
 export JAX_EXEC_TIME_OPTIMIZATION_EFFORT="${JAX_EXEC_TIME_OPTIMIZATION_EFFORT:--1}"
+# The compilation cache outlives the run (tests/conftest.py): a second run reads back the
+# programs of the first, ~2 ms each on a v5e where compiling them took ~45-70 ms, and about half
+# of a cold lane is XLA compile (docs/benchmarks.md). A fresh directory gives a cold run.
+export TPU_TRAIN_TEST_CACHE_DIR="${TPU_TRAIN_TEST_CACHE_DIR:-$HOME/.cache/tpu_train/test_xla}"
 if [[ ! -f tests/measured_ulps/tpu.json ]]; then
     echo "tests/measured_ulps/tpu.json is missing: measure the chip's accuracy first with" \
          "TPU_TRAIN_PLATFORM=tpu ${PYTHON:-python} scripts/measure_ulps.py --out tests/measured_ulps/tpu.json" >&2

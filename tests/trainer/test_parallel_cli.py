@@ -88,7 +88,8 @@ def test_mesh_from_the_command_line_matches_one_device(layout, one_device, tmp_p
     assert (f"mesh data={degrees['parallel.data']} fsdp={degrees['parallel.fsdp']} "
             f"tensor={degrees['parallel.tensor']} (8 devices, 1 process), SPMD plan llama_plan"
             in out), out
-    assert "compiled the train step in" in out and "first call" in out  # the compile event
+    # The compile event (a kept test cache, TPU_TRAIN_TEST_CACHE_DIR, may load the program)
+    assert re.search(r"(compiled|loaded) the train step .*: first call", out), out
     assert ("first call; 4 layers scanned" in out) == layout.endswith("_scanned"), out
     losses = _losses(run_dir)
     assert losses == pytest.approx(one_device[0], rel=REL)
