@@ -106,21 +106,11 @@ def parts_of(at: dict, t0: float, returned: float, read: float) -> dict:
 
 
 def run(steps: int) -> dict:
-    import bench_train_step
-    import jax_llama
     import train_step_modes as tsm
 
     from tpu_train.compile import train_step as step_module
-    from tpu_train.models import Llama
 
-    size = jax_llama.SIZES["w1"]
-    cfg = tsm.trainer_config("bf16", model=tsm.model_option("w1"), mode="compiled")
-    cpu_model = Llama(size.config())
-    cpu_model.init_weights(seed=0, device="cpu")
-    batches = bench_train_step.make_batches(steps, size.vocab_size, batch=size.batch,
-                                            seq=size.seq)
-    ours = tsm.TrainerMode(cpu_model, cfg)
-    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")
+    ours, reference, batches = tsm.w1_pair(steps)
     ours.block(ours.step(batches[0]))  # compiles
     reference.block(reference.step(batches[0]))
     marks = Marks()

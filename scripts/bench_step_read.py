@@ -100,19 +100,9 @@ def w1(steps: int) -> dict:
 
     from tpu_train.compile import train_step as train_step_module
 
-    import bench_train_step
-    import jax_llama
     import train_step_modes as tsm
-    from tpu_train.models import Llama
 
-    size = jax_llama.SIZES["w1"]
-    cfg = tsm.trainer_config("bf16", model=tsm.model_option("w1"), mode="compiled")
-    cpu_model = Llama(size.config())
-    cpu_model.init_weights(seed=0, device="cpu")
-    batches = bench_train_step.make_batches(steps, size.vocab_size, batch=size.batch,
-                                            seq=size.seq)
-    ours = tsm.TrainerMode(cpu_model, cfg)
-    reference = tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")
+    ours, reference, batches = tsm.w1_pair(steps)
     array_type = type(jax.device_put(np.float32(0)))  # jax.Array's concrete class
     early_copy = array_type.copy_to_host_async
     device = torch.device("tpu", 0)

@@ -149,6 +149,23 @@ class ReferenceMode(_Timed):
         self.reference.block(loss)
 
 
+def w1_pair(steps: int) -> tuple[TrainerMode, ReferenceMode, list]:
+    """W1 (``bench_train_step.py --size w1``) as the trainer's compiled bf16 step and the JAX
+    reference, both from one initialization, and ``steps`` batches for them."""
+    import bench_train_step
+
+    from tpu_train.models import Llama
+
+    size = jax_llama.SIZES["w1"]
+    cfg = trainer_config("bf16", model=model_option("w1"), mode="compiled")
+    cpu_model = Llama(size.config())
+    cpu_model.init_weights(seed=0, device="cpu")
+    batches = bench_train_step.make_batches(steps, size.vocab_size, batch=size.batch,
+                                            seq=size.seq)
+    return (TrainerMode(cpu_model, cfg), ReferenceMode(cpu_model, size, hyper_from(cfg), "bf16"),
+            batches)
+
+
 def wait_for_loss(loss) -> None:
     """The end of one timed step, the same on both sides: the step's loss read on the host
     (``float``: a torch tensor of the trainer's step, a ``jax.Array`` of the reference).
