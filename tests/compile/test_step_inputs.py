@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -233,3 +234,30 @@ def test_validation_reads_the_natural_layout_as_the_step_left_it(monkeypatch):
     assert natural[2].tolist() == flat[2].tolist()
     np.testing.assert_allclose(natural[1], flat[1], rtol=1e-5)
     np.testing.assert_allclose(natural[0], flat[0], rtol=1e-5)
+
+
+def test_the_donated_inputs_are_freed_before_the_step_waits_for_its_flag(monkeypatch):
+    """Freeing the arrays a call donated runs while its program does, not after the call's wait
+    for the finiteness flag: on a chip that wait lasts the device's whole step, and whatever
+    follows it keeps the device idle (docs/compile.md)."""
+    from tpu_train.compile import train_step as train_step_module
+
+    model = mlp().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = compile_train_step(model, opt, mlp_loss, skip_non_finite=True)
+    batch = to_device(mlp_batches(1)[0])
+    step(batch)  # compiles; the storages now hold the program's outputs, the next inputs
+    donated = [weakref.ref(storage_of(t).buffer)
+               for t in [*model.parameters(), *(v for s in opt.state.values()
+                                                for v in s.values() if v.device == DEVICE)]]
+    alive_at_the_wait = []
+    read_finite = train_step_module.read_finite
+
+    def read(metrics):
+        alive_at_the_wait.append(sum(ref() is not None for ref in donated))
+        return read_finite(metrics)
+
+    monkeypatch.setattr(train_step_module, "read_finite", read)
+    out = step(batch)
+    assert bool(out["finite"])
+    assert len(donated) > 4 and alive_at_the_wait == [0]
