@@ -67,7 +67,9 @@ MAX_WORKERS = 4
 
 def pytest_configure(config):
     """``TPU_TRAIN_TEST_COMPILE_REPORT=<file>``: per-test XLA compile counts and seconds
-    written there at the end (tests/compile_report.py)."""
+    written there at the end (tests/compile_report.py). A kept cache directory that cannot be
+    one is a one-line usage error here, not an error in every test that starts the device."""
+    _check_kept_cache()
     from tests import compile_report
 
     path = os.environ.get(compile_report.ENV)
@@ -76,6 +78,25 @@ def pytest_configure(config):
 
         config.pluginmanager.register(compile_report.CompileReport(Path(path)),
                                       "tpu_train_compile_report")
+
+
+def _check_kept_cache() -> None:
+    from pathlib import Path
+
+    from tpu_train.device.compilation_cache import OFF_VALUES
+
+    if not _KEPT_CACHE or _KEPT_CACHE.lower() in OFF_VALUES:
+        return
+
+    path = Path(_KEPT_CACHE).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        usable = path.is_dir() and os.access(path, os.W_OK)
+    except OSError:
+        usable = False
+    if not usable:
+        raise pytest.UsageError(f"TPU_TRAIN_TEST_CACHE_DIR={_KEPT_CACHE!r} is not a writable "
+                                "directory: name one (it is created if missing), or 'off'")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -17,7 +17,10 @@ def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path, monkeypatch):
     x = jax.device_put(np.ones((7, 13), np.float32))
     report.pytest_runtest_logstart("tests/a/test_x.py::test_one", None)
     # Two programs never compiled before in this process (a shape of their own).
-    jax.jit(lambda x: x * 3 + 1)(x).block_until_ready()
+    def scaled(x):
+        return x * 3 + 1
+
+    jax.jit(scaled)(x).block_until_ready()
     jax.jit(lambda x: jnp.sin(x).sum())(x).block_until_ready()
     report.pytest_runtest_logfinish("tests/a/test_x.py::test_one", None)
     report.pytest_runtest_logstart("tests/a/test_x.py::test_two", None)
@@ -31,6 +34,10 @@ def test_counts_each_tests_compiles_and_writes_the_sums(tmp_path, monkeypatch):
     assert written["files"]["tests/a/test_x.py"]["tests"] == 2
     assert written["files"]["tests/a/test_x.py"]["compiles"] == 2
     assert written["cache_hits"] == 0  # programs new to the session: compiled, not read
+    # By the compiled function's name, as JAX reports it.
+    programs = written["top_programs_by_compile_s"]
+    assert programs["jit(scaled)"]["compiles"] == 1
+    assert sum(p["compiles"] for p in programs.values()) == 2
 
 
 def test_a_pytest_xdist_worker_writes_a_file_of_its_own(tmp_path, monkeypatch):
