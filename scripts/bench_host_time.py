@@ -10,9 +10,10 @@ reported on its own):
 * ``step_call``: ``TrainStep.__call__`` exactly as ``tpu-train trainer.mode=compiled`` builds
   it (``scripts/train_step_modes.py``: skipping non-finite updates, AdamW on the trainer's two
   parameter groups, clipping, bf16 compute). Split into ``program_dispatch`` (inside the
-  compiled program's call: JAX's own host work to launch it), ``finite_wait`` (the one host
-  sync of a step that skips non-finite updates: waiting for the device to finish the step and
-  send its finiteness flag) and ``host`` (everything else: the project's own work);
+  compiled program's call: JAX's own host work to launch it), ``finite_wait`` (the read of the
+  last step's finiteness flag when the next call settles the step counts: that step's metrics,
+  read by the loop, are on the host by then) and ``host`` (everything else: the project's own
+  work);
 * ``host_only``: the same call with the compiled program replaced by a stub that returns its
   inputs at once, so the device is out of the picture: the project's host work alone, and its
   parts (``inputs_check``: is the cached call plan still valid; ``signature``: the compile
@@ -110,7 +111,8 @@ class Timings:
 
 
 def time_finite_reads(timings: Timings) -> None:
-    """Time the step's read of its finiteness flag (``finite_wait``): the call's host sync."""
+    """Time the reads of the steps' finiteness flags (``finite_wait``): each call settles the
+    last one's step counts with it."""
     from tpu_train.compile import train_step
 
     read = getattr(train_step.read_finite, "untimed", train_step.read_finite)

@@ -6,23 +6,21 @@ Every step is timed from the call until its loss is on the host, as
 ``bench_train_step.py --size w1`` times it, and the trainer's step is cut into parts by the
 host's clock (``time.perf_counter``):
 
-* ``pre``: from the call to the program's dispatch (the batch into torch tensors, the call
-  plan, the signature, the host scalars);
+* ``pre``: from the call to the program's dispatch (the last call's step counts settled, the
+  batch into torch tensors, the call plan, the signature, the host scalars);
 * ``dispatch``: JAX's own call of the compiled program (its host arguments' transfer, the
   launch);
-* ``post``: from the dispatch's return to the read of the finiteness flag (the write-back, the
-  scheduler, the result tensors), while the program runs;
-* ``wait``: the flag's read, the call's one wait for the device;
-* ``after``: from the flag's arrival to the call's return;
-* ``loss_read``: ``float(loss)`` after the call.
+* ``post``: from the dispatch's return to the call's return (the write-back, the scheduler,
+  the result tensors), while the program runs; in a variant that waits in the call, to the
+  wait;
+* ``wait``, ``after``: in such a variant, the finiteness flag's read and the rest of the call;
+* ``loss_read``: ``float(loss)`` after the call: the step's one wait for the device.
 
 The JAX reference has ``call`` (two ``device_put`` and the jitted call) and ``loss_read``.
 Variants of the trainer's step, each changing one thing around the same program:
-``compiled`` (as the trainer runs it), ``compiled_args_held`` (the program's argument lists
-kept alive until the call returns, as before the launch got a frame of its own: releasing the
-donated inputs then comes after the wait), ``compiled_read_first`` (the flag read right after
-the dispatch, before the rest of the call's host work) and ``compiled_no_flag_read`` (the call
-does not read its flag; the loss read after it is the step's one wait, as the reference's is).
+``compiled`` (as the trainer runs it) and ``compiled_flag_read_in_call`` (the call reads its
+finiteness flag and settles the step counts before returning, as the step did before it left
+that to the next call: two reads a step, the flag's and the loss's).
 
 Prints ONE JSON line: per variant and part ``[min, median]`` in ms (the first 10 rounds left
 out), and each variant's median step over JAX's. Usage::
@@ -62,31 +60,20 @@ class Marks:
 
 
 def trainer_variants(step_module, marks: Marks) -> dict:
-    """name -> (flag read, ``_finish``, ``__call__``, ``_prepared``) of the trainer's step for
-    each variant."""
+    """name -> (``_finish``, ``__call__``, ``_prepared``) of the trainer's step for each
+    variant."""
     cls = step_module.CompiledTrainStep
-    read, finish, call, prepared = (step_module.read_finite, cls._finish, cls.__call__,
-                                    cls._prepared)
-    timed_read = marks.timed("C", "D", read)
-    held = []
+    finish, call, prepared = cls._finish, cls.__call__, cls._prepared
 
-    def holding_prepared(self, batch):  # its result holds the argument lists
-        held.append(prepared(self, batch))
-        return held[-1]
-
-    def call_args_held(self, batch):
-        out = call(self, batch)
-        held.clear()
+    def finish_reading_the_flag(self, plan, entry, steps, outputs):
+        out = finish(self, plan, entry, steps, outputs)
+        marks.at["C"] = time.perf_counter()
+        self.settle()
+        marks.at["D"] = time.perf_counter()
         return out
 
-    def finish_read_first(self, plan, entry, steps, outputs):
-        timed_read(outputs[3])
-        return finish(self, plan, entry, steps, outputs)
-
-    return {"compiled": (timed_read, finish, call, prepared),
-            "compiled_args_held": (timed_read, finish, call_args_held, holding_prepared),
-            "compiled_read_first": (read, finish_read_first, call, prepared),
-            "compiled_no_flag_read": (lambda metrics: True, finish, call, prepared)}
+    return {"compiled": (finish, call, prepared),
+            "compiled_flag_read_in_call": (finish_reading_the_flag, call, prepared)}
 
 
 def parts_of(at: dict, t0: float, returned: float, read: float) -> dict:
@@ -113,7 +100,7 @@ def run(steps: int) -> dict:
     entry = ours.train_step.compiled.cache.last_entry
     entry.executable = marks.timed("A", "B", entry.executable)
     cls = step_module.CompiledTrainStep
-    originals = (step_module.read_finite, cls._finish, cls.__call__, cls._prepared)
+    originals = (cls._finish, cls.__call__, cls._prepared)
     variants = {**trainer_variants(step_module, marks), "jax": None}
     names = list(variants)
     recorded = {name: {part: [] for part in PARTS} for name in names}
@@ -121,8 +108,7 @@ def run(steps: int) -> dict:
         for name in names[i % len(names):] + names[:i % len(names)]:
             mode = reference if variants[name] is None else ours
             if variants[name] is not None:
-                (step_module.read_finite, cls._finish, cls.__call__,
-                 cls._prepared) = variants[name]
+                cls._finish, cls.__call__, cls._prepared = variants[name]
             marks.at.clear()
             try:
                 t0 = time.perf_counter()
@@ -131,7 +117,7 @@ def run(steps: int) -> dict:
                 mode.block(loss)
                 read = time.perf_counter()
             finally:
-                step_module.read_finite, cls._finish, cls.__call__, cls._prepared = originals
+                cls._finish, cls.__call__, cls._prepared = originals
             if i >= WARMUP:
                 for part, seconds in parts_of(marks.at, t0, returned, read).items():
                     recorded[name][part].append(seconds)

@@ -12,9 +12,9 @@
   launch), ``batch_on_device`` (the batch moved to the device before the call, as the reference
   puts its batch before its call, instead of the program's own transfer of host arrays),
   ``inputs_on_device`` (that, and the step's host scalars put on the device before the call too:
-  no host argument left), ``gc_off`` (Python's cyclic garbage collector off during the step)
-  and ``no_flag_read`` (the step does not read its finiteness flag itself: the loss read after
-  it is the step's one wait, as the reference's is).
+  no host argument left) and ``gc_off`` (Python's cyclic garbage collector off during the
+  step). The step does not read its finiteness flag in the call: the loss read after it is the
+  step's one wait, as the reference's is (``bench_step_parts.py`` times a step that does).
 
 Each step is timed until its value is on the host; min and median in ms (the first 5 steps of
 each left out) and, for ``w1``, each median over JAX's. Prints ONE JSON line. Usage::
@@ -118,26 +118,20 @@ def w1(steps: int) -> dict:
         scalars, steps = host_scalars(optimizer, adapter)
         return jax.device_put(scalars, scalars_device), steps
 
-    read_finite = train_step_module.read_finite
     # name: (mode, copy_to_host_async during the step, how the batch is given, the host
-    # scalars' function, gc off, the step's own read of its finiteness flag)
-    modes = {"compiled": (ours, early_copy, None, host_scalars, False, read_finite),
-             "compiled_no_early_copy": (ours, lambda self: None, None, host_scalars, False,
-                                        read_finite),
-             "compiled_batch_on_device": (ours, early_copy, on_device, host_scalars, False,
-                                          read_finite),
+    # scalars' function, gc off)
+    modes = {"compiled": (ours, early_copy, None, host_scalars, False),
+             "compiled_no_early_copy": (ours, lambda self: None, None, host_scalars, False),
+             "compiled_batch_on_device": (ours, early_copy, on_device, host_scalars, False),
              "compiled_inputs_on_device": (ours, early_copy, on_device, scalars_on_device,
-                                           False, read_finite),
-             "compiled_gc_off": (ours, early_copy, None, host_scalars, True, read_finite),
-             "compiled_no_flag_read": (ours, early_copy, None, host_scalars, False,
-                                       lambda metrics: True),
-             "jax": (reference, early_copy, None, host_scalars, False, read_finite)}
+                                           False),
+             "compiled_gc_off": (ours, early_copy, None, host_scalars, True),
+             "jax": (reference, early_copy, None, host_scalars, False)}
 
     def run_one(name, i):
-        mode, copy, place, scalars_fn, gc_off, flag_read = modes[name]
+        mode, copy, place, scalars_fn, gc_off = modes[name]
         array_type.copy_to_host_async = copy
         train_step_module.host_scalars = scalars_fn
-        train_step_module.read_finite = flag_read
         if gc_off:
             gc.disable()
         try:
@@ -148,7 +142,6 @@ def w1(steps: int) -> dict:
         finally:
             array_type.copy_to_host_async = early_copy
             train_step_module.host_scalars = host_scalars
-            train_step_module.read_finite = read_finite
             gc.enable()
 
     result = interleaved(modes, steps, run_one)

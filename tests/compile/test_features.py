@@ -365,6 +365,44 @@ def test_a_skipped_first_step_leaves_the_optimizer_as_before_it(make_opt):
         == [{k: float(v) for k, v in s.items() if k == "step"} for s in plain_opt.state.values()]
 
 
+def _counts(opt) -> list[float]:
+    return [float(s["step"]) for s in opt.state.values()]
+
+
+def test_a_skipped_last_update_is_put_back_wherever_the_step_counts_are_read_next():
+    """The call does not wait for its flag: a skipped update's step counts go back when they
+    are next needed. After a finite step and a NaN one the optimizer has taken one step, as
+    its ``state_dict()`` says, an explicit ``settle()`` shows, an eager ``step()`` goes on
+    from, and a loaded state replaces."""
+    batches = mlp_batches(2)
+    batches[1] = {"x": batches[1]["x"], "y": torch.full_like(batches[1]["y"], float("nan"))}
+
+    def after_the_nan_step():
+        model = mlp().to(DEVICE)
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        step = compile_train_step(model, opt, mlp_loss, skip_non_finite=True)
+        outs = [step(to_device(b)) for b in batches]
+        assert [float(o["finite"]) for o in outs] == [1.0, 0.0]
+        return model, opt, step
+
+    _, opt, _ = after_the_nan_step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert {float(s["step"]) for s in saved["state"].values()} == {1.0}
+    _, opt, step = after_the_nan_step()
+    step.settle()
+    assert set(_counts(opt)) == {1.0}
+    model, opt, _ = after_the_nan_step()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # eager, from the settled count
+    assert set(_counts(opt)) == {2.0}
+    _, opt, step = after_the_nan_step()
+    saved["state"] = {k: dict(v, step=torch.tensor(7.0)) for k, v in saved["state"].items()}
+    opt.load_state_dict(saved)
+    step.settle()  # nothing left to put back over the loaded counts
+    assert set(_counts(opt)) == {7.0}
+
+
 def test_skip_non_finite_by_select_as_off_the_cpu_passes_skipped_steps_through(monkeypatch):
     """Off the CPU client a skipped update is undone by a select fused into the update
     (program.skips_by_select); the same program here must skip the same steps."""

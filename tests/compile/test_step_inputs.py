@@ -236,10 +236,11 @@ def test_validation_reads_the_natural_layout_as_the_step_left_it(monkeypatch):
     np.testing.assert_allclose(natural[0], flat[0], rtol=1e-5)
 
 
-def test_the_donated_inputs_are_freed_before_the_step_waits_for_its_flag(monkeypatch):
-    """Freeing the arrays a call donated runs while its program does, not after the call's wait
-    for the finiteness flag: on a chip that wait lasts the device's whole step, and whatever
-    follows it keeps the device idle (docs/compile.md)."""
+def test_a_step_that_skips_non_finite_updates_does_not_wait_for_its_flag(monkeypatch):
+    """The call reads no flag of its own: the device runs the program while the host goes on
+    (on a chip, a wait in the call costs a round trip of its own before the loop reads the
+    loss). The flag is read when the step counts are next needed, here the optimizer's
+    ``state_dict()``, and by then the arrays the call donated are freed (docs/compile.md)."""
     from tpu_train.compile import train_step as train_step_module
 
     model = mlp().to(DEVICE)
@@ -250,14 +251,18 @@ def test_the_donated_inputs_are_freed_before_the_step_waits_for_its_flag(monkeyp
     donated = [weakref.ref(storage_of(t).buffer)
                for t in [*model.parameters(), *(v for s in opt.state.values()
                                                 for v in s.values() if v.device == DEVICE)]]
-    alive_at_the_wait = []
+    reads = []
     read_finite = train_step_module.read_finite
 
     def read(metrics):
-        alive_at_the_wait.append(sum(ref() is not None for ref in donated))
+        reads.append((metrics, sum(ref() is not None for ref in donated)))
         return read_finite(metrics)
 
     monkeypatch.setattr(train_step_module, "read_finite", read)
     out = step(batch)
-    assert bool(out["finite"])
-    assert len(donated) > 4 and alive_at_the_wait == [0]
+    metrics = storage_of(out["finite"]).buffer
+    assert all(read_metrics is not metrics for read_metrics, _ in reads)  # the first call's
+    assert float(out["finite"]) == 1.0
+    opt.state_dict()
+    assert [alive for read_metrics, alive in reads if read_metrics is metrics] == [0]
+    assert len(donated) > 4

@@ -12,13 +12,18 @@ program as an input: lr schedules never recompile.
 the update only when both are finite (the old parameters and state are kept otherwise, in
 the same program). A skipped step does not advance the optimizer's step count (as an eager
 loop that skips ``optimizer.step()``); the scheduler still steps, so the lr stays aligned with
-the data. The result then has a ``finite`` flag; reading it costs one host sync per step.
+the data. The result then has a ``finite`` flag (1.0 or 0.0) in the metrics vector with the
+loss, so a call never waits for the device: the host's step counts are advanced when the
+program is dispatched and put back for a skipped update when the flag is next needed
+(:meth:`CompiledTrainStep.settle`: the next call, the optimizer's ``state_dict()``,
+``load_state_dict()`` or ``step()``), by which time a loop that read the loss has it here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -66,22 +71,34 @@ def _step_arrays(tensors, whole_flags, natural: bool) -> list:
             for t, w in zip(tensors, whole_flags)]
 
 
-def _metric_tensors(metrics, own_norm, grad_norm_dtype: torch.dtype,
-                    index: int) -> dict[str, TpuTensor]:
-    """The step's loss, gradient norm and lr as 0-dim tensors over the program's metrics
-    vector (:data:`tpu_train.compile.program.METRICS`): one storage, one transfer to read.
-    ``own_norm``: the gradient norm the program also returned in its own dtype (not float32),
-    or None."""
+def _metric_tensors(metrics, own_norm, grad_norm_dtype: torch.dtype, index: int,
+                    finite: bool) -> dict[str, TpuTensor]:
+    """The step's loss, gradient norm and lr (and with ``finite`` its finiteness flag) as
+    0-dim tensors over the program's metrics vector (:data:`tpu_train.compile.program.METRICS`):
+    one storage, one transfer to read. ``own_norm``: the gradient norm the program also
+    returned in its own dtype (not float32), or None."""
     storage = Storage(metrics, torch.float32, index, metrics.nbytes)
     out = {name: new_tensor(storage, (), (), position) for name, position in METRICS.items()}
+    if finite:
+        out["finite"] = new_tensor(storage, (), (), FINITE)
     if own_norm is not None:
         out["grad_norm"] = wrap(own_norm, grad_norm_dtype, index, shape=())
     return out
 
 
 def read_finite(metrics) -> bool:
-    """The finiteness flag of a step's metrics vector (the call's one wait for the device)."""
+    """The finiteness flag of a step's metrics vector (a wait for the device, unless its
+    values are on the host already: a loop that read the step's loss has them)."""
     return bool(np.asarray(metrics)[FINITE])
+
+
+def _settle_hook(step_ref):
+    """An optimizer hook (any arguments) that settles the compiled step's step counts."""
+    def hook(*_):
+        step = step_ref()
+        if step is not None:
+            step.settle()
+    return hook
 
 
 class CompiledTrainStep:
@@ -114,6 +131,15 @@ class CompiledTrainStep:
         self._names: dict[int, str] = {}
         self._call_plan: CallPlan | None = None
         self._batch_structure = None  # the latest batch's (lowering.batch_structure)
+        # (metrics, [(group, step count)]) of a call whose update may have been skipped:
+        # its counts were advanced, and go back in settle() if the flag says so.
+        self._unsettled: tuple | None = None
+        if self.skip_non_finite:
+            # Whatever reads, replaces or advances the counts on the optimizer settles first.
+            hook = _settle_hook(weakref.ref(self))
+            optimizer.register_state_dict_pre_hook(hook)
+            optimizer.register_load_state_dict_pre_hook(hook)
+            optimizer.register_step_pre_hook(hook)
 
     # ------------------------------------------------------------------ reading user state
 
@@ -229,6 +255,7 @@ class CompiledTrainStep:
     def _prepared(self, batch) -> tuple:
         """What a call with ``batch`` runs: ``(plan, device, argument lists, signature,
         build)``, where ``build(stages, compile=True)`` makes the program for ``signature``."""
+        self.settle()  # the last call's step counts, before this one reads them
         plan, leaves, names, spec = self._plan(batch)
         index, whole = plan.device_index, plan.whole
         device = runtime.jax_device(index)
@@ -293,9 +320,7 @@ class CompiledTrainStep:
 
     def _finish(self, plan: CallPlan, entry, steps: list, outputs) -> dict[str, torch.Tensor]:
         """Everything after the program is dispatched: the new values into the user's tensors,
-        the scheduler's step, the result. Whatever does not need the step's values runs
-        before the one host sync (the finiteness flag, only when skipping), so that on a chip
-        it overlaps the program."""
+        the scheduler's step, the result. Nothing here waits for the program."""
         new_params, new_states, new_consts, metrics, *own_norm = outputs
         st, index = plan.inputs, plan.device_index
         if not plan.write_whole(new_params + new_states):
@@ -304,7 +329,7 @@ class CompiledTrainStep:
             self._write_back(st.states, plan.whole[n_params:], new_states)
         for position, value in zip(entry.mutated_consts, new_consts):
             write_elements(st.consts[position], value)
-        # Whoever reads one metric (the finiteness flag below, the loop's loss) reads them all.
+        # Whoever reads one metric (the loop's loss, settle()'s flag) reads them all.
         metrics.copy_to_host_async()
         # What torch's own optimizer.step() wrapper records, so that lr schedulers see an
         # optimizer step before their own (and do not warn that the order is wrong).
@@ -314,22 +339,29 @@ class CompiledTrainStep:
         # The gradient norm is always measured (it is almost free next to the update), also
         # without clipping, so the metrics have the same keys in every configuration.
         out = _metric_tensors(metrics, own_norm[0] if own_norm else None,
-                              entry.grad_norm_dtype, index)
-        # The step counts advance before the finiteness flag is read and go back where the
-        # update was skipped (which leaves them, and so the bias corrections, as they were):
-        # on a chip the host does this while the program runs, and once the flag is here (the
-        # one wait of a call that skips) only a branch is left.
+                              entry.grad_norm_dtype, index, self.skip_non_finite)
+        # The step counts advance now; where the update turns out skipped, settle() puts them
+        # back (which leaves them, and so the bias corrections, as they were).
         groups = self.optimizer.param_groups
         for group, step in zip(groups, steps):
             self.adapter.set_step_count(group, step)
-        if not self.skip_non_finite:
-            return out
-        out["finite"] = torch.tensor(True)
-        if not read_finite(metrics):  # the host sync
-            for group, step in zip(groups, steps):
-                self.adapter.set_step_count(group, step - 1)
-            out["finite"] = torch.tensor(False)
+        if self.skip_non_finite:
+            self._unsettled = (metrics, list(zip(groups, steps)))
         return out
+
+    def settle(self) -> None:
+        """Put the optimizer's step counts back where the last call's update was skipped
+        (``skip_non_finite``), reading its flag: a wait for the device unless the step's
+        metrics are on the host already. Runs by itself before the next call and before the
+        optimizer's ``state_dict()``, ``load_state_dict()`` and ``step()``; call it before
+        reading ``optimizer.state[p]["step"]`` directly."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is None:
+            return
+        metrics, counts = unsettled
+        if not read_finite(metrics):
+            for group, step in counts:
+                self.adapter.set_step_count(group, step - 1)
 
     @staticmethod
     def _write_back(tensors, whole_flags, new_values):
@@ -388,8 +420,9 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             compile signature).
         skip_non_finite: apply the update only when the loss and the gradient norm are both
             finite, decided inside the program (the old parameters, optimizer state and step
-            counts are kept otherwise; the scheduler still steps). Adds a host-side ``finite``
-            flag to the result (one host sync per step).
+            counts are kept otherwise; the scheduler still steps). Adds ``finite`` to the
+            result, 1.0 where the update was applied and 0.0 where not, read with the loss;
+            the call still does not wait for the device (step counts: ``settle``).
         scan_layers: trace a stack of identical layers (an ``nn.ModuleList`` of one class
             with the same parameter shapes, called one after the other) once and run it as
             a ``lax.scan`` over their stacked parameters: trace and compile time grow far
@@ -411,7 +444,7 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Returns:
         ``step(batch) -> {"loss", "grad_norm", "lr"}`` (plus ``"finite"`` with
-        ``skip_non_finite``), device tensors (no host sync without ``skip_non_finite``).
+        ``skip_non_finite``), 0-dim device tensors: the call does not wait for the device.
         ``batch`` is any pytree (dict, tuple, list) of tensors.
     """
     return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,

@@ -277,6 +277,7 @@ def save_sharded(path: str | os.PathLike, step: Any) -> Path:
     Every process of the job calls it; each writes only its devices' shards. Returns ``path``.
     """
     path = Path(path)
+    step.settle()  # step counts of a skipped last update put back
     state: dict[str, Any] = {k: s.buffer for k, s in step_state(step).items()}
     for i, group in enumerate(step.optimizer.param_groups):
         state[_STEP_KEY.format(i)] = torch.tensor([step.adapter.step_count(group)])
@@ -310,6 +311,7 @@ def load_sharded(path: str | os.PathLike, step: Any) -> None:
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded checkpoint (no .metadata)")
+    step.settle()  # nothing left to put back over the counts loaded here
     storages = step_state(step)
     state: dict[str, Any] = {k: s.buffer for k, s in storages.items()}
     groups = step.optimizer.param_groups
