@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""What reading a step's result on the host costs after the step: two interleaved experiments.
+"""What reading a step's result on the host costs after the step, and giving it its first
+input: three interleaved experiments.
 
 * ``jax_read``: a donated step of 40 float32 arrays (two bf16 dots each, ~2.7 ms on a v5e) in
   plain JAX, its result read on the host four ways, one step each in turn: a scalar or a
   4-vector, read at once (``float`` / ``np.asarray``) or after ``copy_to_host_async()`` right
   after the launch (as the compiled step's metrics are);
+* ``jax_input``: a plain-JAX program of ~1 ms whose first op gathers table rows by an int32
+  [4, 256] index array (W1's tokens), from the call until its result is ready, the index given
+  four ways: a NumPy array (the executable transfers it at the launch, as the compiled step's
+  host batch), ``device_put`` right before the call, ``device_put`` ~300 us before (the time
+  spun in between not counted) and already on the device: does the first input's transfer
+  delay the program?
 * ``w1``: the trainer's W1 step (``scripts/train_step_modes.py``, as ``bench_train_step.py
   --size w1`` runs it) and the JAX reference, interleaved, with variants of the trainer's step
   that each change one thing around the same program: ``no_early_copy``
-  (``jax.Array.copy_to_host_async`` a no-op: the flag is read without the copy started at the
+  (``jax.Array.copy_to_host_async`` a no-op: the metrics are read without the copy started at the
   launch), ``batch_on_device`` (the batch moved to the device before the call, as the reference
   puts its batch before its call, instead of the program's own transfer of host arrays),
   ``inputs_on_device`` (that, and the step's host scalars put on the device before the call too:
@@ -20,6 +27,7 @@ Each step is timed until its value is on the host; min and median in ms (the fir
 each left out) and, for ``w1``, each median over JAX's. Prints ONE JSON line. Usage::
 
     python scripts/bench_step_read.py [--dim 1024] [--steps 160] [--w1-steps 90]
+                                      [--input-steps 160]
 """
 
 from __future__ import annotations
@@ -94,6 +102,48 @@ def jax_read(dim: int, steps: int) -> dict:
     return interleaved(reads, steps, run_one)
 
 
+def jax_input(steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    table = jax.device_put(np.full((8192, 512), 0.01, np.float32), device)
+    weight = jax.device_put(np.full((512, 512), 0.01, np.float32), device)
+
+    @jax.jit
+    def program(index, table, weight):
+        x = table[index.reshape(-1)]  # the first op needs the index
+        for _ in range(24):
+            x = jnp.tanh(x @ weight)
+        return x.sum()
+
+    index = np.random.default_rng(0).integers(0, 8192, (4, 256)).astype(np.int32)
+    resident = jax.device_put(index, device)
+    for argument in (index, resident):
+        jax.block_until_ready(program(argument, table, weight))
+    spun = {"seconds": 0.0}
+
+    def put_early():
+        put = jax.device_put(index, device)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 300e-6:
+            pass
+        spun["seconds"] = time.perf_counter() - start
+        return put
+
+    givens = {"numpy": lambda: index, "put_at_call": lambda: jax.device_put(index, device),
+              "put_300us_before": put_early, "resident": lambda: resident}
+    times = {name: [] for name in givens}
+    names = list(givens)
+    for i in range(steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            spun["seconds"] = 0.0
+            start = time.perf_counter()
+            jax.block_until_ready(program(givens[name](), table, weight))
+            times[name].append(time.perf_counter() - start - spun["seconds"])
+    return {name: figures(t) for name, t in times.items()}
+
+
 def w1(steps: int) -> dict:
     import jax
     import torch
@@ -155,6 +205,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--dim", type=int, default=1024, help="the plain-JAX step's array side")
     parser.add_argument("--steps", type=int, default=160, help="plain-JAX rounds")
     parser.add_argument("--w1-steps", type=int, default=90, help="W1 rounds (0: skip)")
+    parser.add_argument("--input-steps", type=int, default=160,
+                        help="first-input rounds (0: skip)")
     args = parser.parse_args(argv)
     import train_step_modes as tsm
 
@@ -162,6 +214,8 @@ def main(argv=None) -> dict:
 
     report = {**tsm.device_facts(), "date": time.strftime("%Y-%m-%d"),
               "jax_read": jax_read(args.dim, args.steps)}
+    if args.input_steps:
+        report["jax_input"] = jax_input(args.input_steps)
     if args.w1_steps:
         report["w1"] = w1(args.w1_steps)
     print(json.dumps(report))
