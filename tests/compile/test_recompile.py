@@ -120,3 +120,8 @@ def test_describe_changes_names_added_removed_and_moved_inputs():
         "batch['b'] is gone (was shape (3,) dtype torch.int64 on tpu:0)",
         "setting donate is gone (was True)",
     ]
+    # A tpu batch leaf given as its whole flat storage, then as a view of a larger one.
+    flat = Signature((InputSpec("batch['t']", (2, 3), torch.int64, "tpu:0", (6,)),), ())
+    view = Signature((InputSpec("batch['t']", (2, 3), torch.int64, "tpu:0"),), ())
+    assert describe_changes(flat, view) == ["batch['t'] is stored as (2, 3), was (6,)"]
+    assert flat.inputs[0].describe() == "shape (2, 3) dtype torch.int64 (stored as (6,)) on tpu:0"

@@ -266,3 +266,34 @@ def test_a_step_that_skips_non_finite_updates_does_not_wait_for_its_flag(monkeyp
     opt.state_dict()
     assert [alive for read_metrics, alive in reads if read_metrics is metrics] == [0]
     assert len(donated) > 4
+
+
+def test_a_tpu_batch_goes_in_as_stored_and_trains_as_a_host_batch():
+    """A batch moved with ``.to("tpu")`` keeps flat storages: the program takes them as they
+    are and reshapes inside, so no reshape program runs for each leaf before each call (the
+    storage still holds its flat buffer afterwards). Its steps equal a host batch's; a slice
+    of a larger storage is read as a view, and the same again."""
+    batches = lm_batches(3)
+
+    def run(place):
+        model = tiny_llama()
+        step = compile_train_step(model.to(DEVICE), torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  lm_loss)
+        placed = [place(b) for b in batches]
+        losses = _losses(step, placed)
+        return losses, placed, step
+
+    host, _, _ = run(lambda b: b)
+    flat, placed, step = run(to_device)
+    assert flat == host
+    assert all(len(storage_of(t).as_stored().shape) == 1 for b in placed for t in b.values())
+    (signature,) = step.cache.entries
+    (spec,) = [s for s in signature.inputs if "tokens" in s.name]
+    assert spec.shape == (2, 32) and spec.stored == (64,)
+
+    def halves(b):  # each leaf half of one storage: read as a view
+        whole = torch.cat([b["tokens"], b["labels"]]).to(DEVICE)
+        return {"tokens": whole[:2], "labels": whole[2:]}
+
+    sliced, _, _ = run(halves)
+    assert sliced == host

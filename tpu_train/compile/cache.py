@@ -36,9 +36,12 @@ class InputSpec(NamedTuple):
     shape: tuple
     dtype: Any
     placement: Any = None  # sharding / device, when it matters
+    stored: tuple | None = None  # the argument's own shape, where the program reshapes it
 
     def describe(self) -> str:
         text = f"shape {self.shape} dtype {self.dtype}"
+        if self.stored is not None:
+            text = f"{text} (stored as {self.stored})"
         return text if self.placement is None else f"{text} on {self.placement}"
 
 
@@ -66,6 +69,9 @@ def describe_changes(old: Signature, new: Signature) -> list[str]:
             changes.append(f"{name} changed dtype from {before.dtype} to {spec.dtype}")
         if before.placement != spec.placement:
             changes.append(f"{name} moved from {before.placement} to {spec.placement}")
+        if before.stored != spec.stored:
+            changes.append(f"{name} is stored as {spec.stored or spec.shape}, was "
+                           f"{before.stored or before.shape}")
     for name in old_inputs:
         if name not in new_inputs:
             changes.append(f"{name} is gone (was {old_inputs[name].describe()})")

@@ -292,11 +292,16 @@ class _StepFunction:
         self.n_params, self.n_consts = len(st.params), len(st.consts)
         self.param_shapes = [tuple(p.shape) for p in st.params]
         self.state_shapes = [tuple(t.shape) for t in st.states]
+        self.batch_shapes = [tuple(b.shape) for b in st.batch_leaves]
         compute = getattr(step, "compute_dtype", None)
         self.compute = None if compute is None else storage_dtype(compute)
 
     def __call__(self, param_flat, state_flat, consts, batch, scalars_in, key):
         traced, layout, mutated = self.traced, self.layout, self.traced.mutated
+        # A tpu batch tensor comes as its storage is kept (flat): reshaped here, not by a
+        # program of its own before each call.
+        batch = [b if tuple(b.shape) == s else b.reshape(s)
+                 for b, s in zip(batch, self.batch_shapes)]
         params = [a.reshape(s) for a, s in zip(param_flat, self.param_shapes)]
         if layout is not None:
             params = [_pin(p, s) for p, s in zip(params, layout.shardings.params)]

@@ -193,8 +193,12 @@ class CompiledTrainStep:
 
     @staticmethod
     def _specs(names, tensors, arrays) -> tuple:
-        return tuple(cache_mod.InputSpec(name, tuple(t.shape), t.dtype, _placement(a))
-                     for name, t, a in zip(names, tensors, arrays))
+        specs = []
+        for name, t, a in zip(names, tensors, arrays):
+            shape = tuple(t.shape)
+            stored = tuple(a.shape) if tuple(a.shape) != shape else None
+            specs.append(cache_mod.InputSpec(name, shape, t.dtype, _placement(a), stored))
+        return tuple(specs)
 
     @classmethod
     def _tensor_specs(cls, st: StepInputs) -> tuple:
@@ -249,8 +253,19 @@ class CompiledTrainStep:
                     "of it (micro-batches are consecutive slices along dim 0)")
             # A host tensor goes to the executable as a NumPy array: its own transfer, with
             # the other host arguments, costs less host time than a device_put before.
-            arrays.append(t.jax_value() if isinstance(t, TpuTensor) else host_array(t))
+            arrays.append(self._batch_array(t) if isinstance(t, TpuTensor) else host_array(t))
         return arrays
+
+    def _batch_array(self, tensor: TpuTensor):
+        """A tpu batch tensor's argument: the whole of its storage goes in as it is stored
+        (flat, as ``.to("tpu")`` leaves it) and the program reshapes it, where reading it in
+        its shape would run a reshape program each call (a copy on a TPU); a part of a larger
+        storage, or any tensor of an SPMD step (placed by the layout), is read as a view."""
+        storage = storage_of(tensor)
+        if (self.mesh is None and tensor.storage_offset() == 0 and tensor.is_contiguous()
+                and tensor.numel() == storage.numel):
+            return storage.as_stored()
+        return tensor.jax_value()
 
     def _prepared(self, batch) -> tuple:
         """What a call with ``batch`` runs: ``(plan, device, argument lists, signature,

@@ -89,6 +89,13 @@ class Storage:
             buffer = self._buffer = dispatch_thread.value(buffer)
         return buffer
 
+    def as_stored(self) -> jax.Array:
+        """The whole buffer in whatever shape it has now (flat, or a compiled step's natural
+        shape), after any copy in flight or fused-mode region that computes it: for a
+        consumer that reshapes it itself, where :attr:`buffer` or :meth:`shaped` would run a
+        reshape program (a copy on a TPU)."""
+        return self._resolved()
+
     @property
     def buffer(self) -> jax.Array:
         """The flat buffer; waits for a host-to-device copy still in flight (:meth:`fill_later`)
