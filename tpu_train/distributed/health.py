@@ -44,7 +44,9 @@ class CollectiveTimeoutError(RuntimeError):
 class Health:
     """Per-process heartbeat publisher and lost-rank diagnosis over a torch Store."""
 
-    def __init__(self, store, rank: int, world_ranks):
+    def __init__(self, store, rank: int, world_ranks, process_hooks: bool = True):
+        """``process_hooks``: also name lost ranks from the process's excepthook and leave the
+        JAX world in order at exit (what a rank does; off for a Health on its own)."""
         self.store = store
         self.rank = rank
         self.world_ranks = list(world_ranks)
@@ -54,9 +56,10 @@ class Health:
         self._stop = threading.Event()
         self._publish()
         threading.Thread(target=self._beat, name="tpu-heartbeat", daemon=True).start()
-        self._install_excepthook()
-        atexit.register(self._orderly_exit)
-        _current["health"] = self
+        if process_hooks:
+            self._install_excepthook()
+            atexit.register(self._orderly_exit)
+            _current["health"] = self
 
     def _orderly_exit(self):
         """Leave the JAX world in order at a normal exit (runs before JAX's own handler).
@@ -135,10 +138,11 @@ class Health:
         return message
 
     def linger_as_store_host(self):
-        """Keep the store up until live peers have diagnosed (see the module docstring)."""
+        """Keep the store up until live peers have diagnosed (see the module docstring). The
+        heartbeat goes on meanwhile: a peer whose diagnosis spans this wait must not find the
+        store host's counter stopped and name it lost beside the rank that is."""
         if self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return
-        self.stop()
         waiting = [r for r in self.world_ranks if r != self.rank and r not in self.faulty]
         deadline = time.monotonic() + LINGER_S
         while waiting and time.monotonic() < deadline:
