@@ -39,8 +39,8 @@ from tpu_train.compile.lowering import (StepInputs, batch_structure, check_compu
 from tpu_train.compile.program import FINITE, METRICS, compile_program, natural_layout
 from tpu_train.device import rng, runtime
 from tpu_train.device.storage import Storage, shape_whole
-from tpu_train.device.tensor import (TpuTensor, host_array, new_tensor, storage_of,
-                                     wrap, write_elements)
+from tpu_train.device.tensor import (TpuTensor, host_array, new_tensor, owns_whole_storage,
+                                     storage_of, wrap, write_elements)
 from tpu_train.ops import matmul as matmul_mod
 
 __all__ = ["compile_train_step", "CompiledTrainStep"]
@@ -195,9 +195,9 @@ class CompiledTrainStep:
     def _specs(names, tensors, arrays) -> tuple:
         specs = []
         for name, t, a in zip(names, tensors, arrays):
-            shape = tuple(t.shape)
-            stored = tuple(a.shape) if tuple(a.shape) != shape else None
-            specs.append(cache_mod.InputSpec(name, shape, t.dtype, _placement(a), stored))
+            shape, stored = tuple(t.shape), tuple(a.shape)
+            specs.append(cache_mod.InputSpec(name, shape, t.dtype, _placement(a),
+                                             None if stored == shape else stored))
         return tuple(specs)
 
     @classmethod
@@ -261,10 +261,8 @@ class CompiledTrainStep:
         (flat, as ``.to("tpu")`` leaves it) and the program reshapes it, where reading it in
         its shape would run a reshape program each call (a copy on a TPU); a part of a larger
         storage, or any tensor of an SPMD step (placed by the layout), is read as a view."""
-        storage = storage_of(tensor)
-        if (self.mesh is None and tensor.storage_offset() == 0 and tensor.is_contiguous()
-                and tensor.numel() == storage.numel):
-            return storage.as_stored()
+        if self.mesh is None and owns_whole_storage(tensor):
+            return storage_of(tensor).as_stored()
         return tensor.jax_value()
 
     def _prepared(self, batch) -> tuple:
