@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What reading a step's result on the host costs after the step, and giving it its first
-input: three interleaved experiments.
+"""What reading a step's result on the host costs after the step, and giving it its
+inputs: four interleaved experiments.
 
 * ``jax_read``: a donated step of 40 float32 arrays (two bf16 dots each, ~2.7 ms on a v5e) in
   plain JAX, its result read on the host four ways, one step each in turn: a scalar or a
@@ -12,6 +12,10 @@ input: three interleaved experiments.
   host batch), ``device_put`` right before the call, ``device_put`` ~300 us before (the time
   spun in between not counted) and already on the device: does the first input's transfer
   delay the program?
+* ``jax_host_arguments``: that program with two more inputs needed only at its end (W1's
+  labels and a [2, 4] float32 array as the step's host scalars), given as three NumPy arrays,
+  as one int32 NumPy array the program unpacks (one transfer instead of three), the index alone
+  from the host, or all on the device already: what does each host argument cost?
 * ``w1``: the trainer's W1 step (``scripts/train_step_modes.py``, as ``bench_train_step.py
   --size w1`` runs it) and the JAX reference, interleaved, with variants of the trainer's step
   that each change one thing around the same program: ``no_early_copy``
@@ -144,6 +148,52 @@ def jax_input(steps: int) -> dict:
     return {name: figures(t) for name, t in times.items()}
 
 
+def jax_host_arguments(steps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    table = jax.device_put(np.full((8192, 512), 0.01, np.float32), device)
+    weight = jax.device_put(np.full((512, 512), 0.01, np.float32), device)
+
+    def body(index, labels, scalars, table, weight):
+        x = table[index.reshape(-1)]  # the first op needs the index
+        for _ in range(24):
+            x = jnp.tanh(x @ weight)
+        # the labels and scalars are needed last, as a step's loss and update need them
+        return x.sum() * scalars[1, 2] + labels.astype(jnp.float32).sum()
+
+    program = jax.jit(body)
+    tokens = np.prod((4, 256))
+
+    @jax.jit
+    def packed_program(packed, table, weight):
+        index = packed[:tokens].reshape(4, 256)
+        labels = packed[tokens:2 * tokens].reshape(4, 256)
+        scalars = jax.lax.bitcast_convert_type(packed[2 * tokens:], jnp.float32).reshape(2, 4)
+        return body(index, labels, scalars, table, weight)
+
+    rng = np.random.default_rng(0)
+    index = rng.integers(0, 8192, (4, 256)).astype(np.int32)
+    labels = rng.integers(0, 8192, (4, 256)).astype(np.int32)
+    scalars = np.linspace(0.5, 1.0, 8, dtype=np.float32).reshape(2, 4)
+    on = {name: jax.device_put(a, device) for name, a in
+          (("index", index), ("labels", labels), ("scalars", scalars))}
+
+    def pack():
+        return np.concatenate([index.reshape(-1), labels.reshape(-1),
+                               scalars.reshape(-1).view(np.int32)])
+
+    runs = {"three_host": lambda: program(index, labels, scalars, table, weight),
+            "one_host_packed": lambda: packed_program(pack(), table, weight),
+            "index_host": lambda: program(index, on["labels"], on["scalars"], table, weight),
+            "resident": lambda: program(on["index"], on["labels"], on["scalars"], table,
+                                        weight)}
+    for run in runs.values():
+        jax.block_until_ready(run())
+    return interleaved(runs, steps, lambda name, _: jax.block_until_ready(runs[name]()))
+
+
 def w1(steps: int) -> dict:
     import jax
     import torch
@@ -216,6 +266,7 @@ def main(argv=None) -> dict:
               "jax_read": jax_read(args.dim, args.steps)}
     if args.input_steps:
         report["jax_input"] = jax_input(args.input_steps)
+        report["jax_host_arguments"] = jax_host_arguments(args.input_steps)
     if args.w1_steps:
         report["w1"] = w1(args.w1_steps)
     print(json.dumps(report))

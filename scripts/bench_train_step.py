@@ -26,7 +26,7 @@ first and last step; and the compiled/jax ratios. Usage::
 
     python scripts/bench_train_step.py [--dtype fp32|bf16] [--only eager,fused,compiled,jax] [--steps N]
     python scripts/bench_train_step.py --isolated R [--only ...] [--steps N]
-    python scripts/bench_train_step.py --size w1|350m|1b [--precision fp32|bf16] [--only eager,fused,compiled,jax]
+    python scripts/bench_train_step.py --size w1|350m|1b [--precision fp32|bf16] [--only eager,fused,compiled,jax,jax_ahead]
 
 ``--size`` compares, interleaved as above, the modes of a model size of
 ``scripts/jax_llama.py`` (``w1``, ``350m``, ``1b``) at ``--precision`` (default bf16):
@@ -35,7 +35,11 @@ trainer.precision=...`` builds it (``scripts/train_step_modes.py``: the size's m
 AdamW on the trainer's parameter groups, clipping to 1.0, a constant lr; what ``tpu-train``
 reaches on that model option: ``scripts/bench_cli_sizes.py``) and ``jax``, the hand-written
 JAX reference at the same precision with the same optimizer settings, by default; ``eager``
-and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. Every mode's step is
+and ``fused`` on request, the trainer's step at ``trainer.mode=eager|fused``. The trainer's
+modes get their batches as its loop gives them: each placed as the step reads it
+(``TrainStep.put_batch``), the next one once a step is dispatched and before its loss is read.
+``jax`` puts its batch on the device at its call; ``jax_ahead`` (on request) is the reference
+with its batches put as the loop puts the trainer's. Every mode's step is
 timed until its loss is read on the host (``train_step_modes.wait_for_loss``: one
 device-to-host read per step on each side, as in ``tpu-train``'s loop; ``--wait ready`` only
 waits until the outputs are ready instead). Per mode: fastest /
@@ -62,6 +66,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -404,6 +409,8 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
         for name, mode in order[i % len(order):] + order[:i % len(order)]:
             start = time.perf_counter()
             loss = mode.step(batch)
+            if i + 1 < len(batches) and hasattr(mode, "put_ahead"):
+                mode.put_ahead(batches[i + 1])  # as the trainer's loop does
             mode.block(loss)
             results[name]["times"].append(time.perf_counter() - start)
             results[name]["losses"].append(loss)
@@ -413,7 +420,7 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
                       flush=True)
 
 
-SIZED_MODES = ("eager", "fused", "compiled", "jax")
+SIZED_MODES = ("eager", "fused", "compiled", "jax", "jax_ahead")
 SIZED_DEFAULT = ("compiled", "jax")
 
 
@@ -447,10 +454,12 @@ def sized(parser, args) -> dict:
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
     batches = make_batches(args.steps, size.vocab_size, batch=size.batch, seq=size.seq)
-    build = {mode: (lambda cfg=cfg: tsm.TrainerMode(cpu_model, cfg))
+    build = {mode: (lambda cfg=cfg: tsm.TrainerMode(cpu_model, cfg, batches_ahead=True))
              for mode, cfg in configs.items()}
-    build["jax"] = lambda: tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(configs["compiled"]),
-                                             args.precision, args.remat)
+    for name, ahead in (("jax", False), ("jax_ahead", True)):
+        build[name] = functools.partial(tsm.ReferenceMode, cpu_model, size,
+                                        tsm.hyper_from(configs["compiled"]), args.precision,
+                                        args.remat, batches_ahead=ahead)
     modes, results, memory = {}, {}, {}
     for name in names:
         modes[name] = build[name]()
@@ -493,6 +502,10 @@ def sized(parser, args) -> dict:
             "fastest": round(c["fastest_s"] / j["fastest_s"], 3),
             "median": round(c["median_s"] / j["median_s"], 3),
             "trace_compile": round(c["trace_compile_s"] / j["trace_compile_s"], 3)}
+    if "compiled" in report["modes"] and "jax_ahead" in report["modes"]:
+        c, j = report["modes"]["compiled"], report["modes"]["jax_ahead"]
+        report["compiled_over_jax_ahead"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
+                                             "median": round(c["median_s"] / j["median_s"], 3)}
     print(json.dumps(report))
     return report
 

@@ -311,7 +311,13 @@ class Reference:
         self.stages: dict[str, float] = {}
 
     def _put(self, array) -> Any:
+        if isinstance(array, self.jax.Array):  # put before (put_batch)
+            return array
         return self.jax.device_put(np.asarray(array, dtype=np.int32), self.device)
+
+    def put_batch(self, batch: dict) -> dict:
+        """``batch``'s arrays on the device now, for a later :meth:`step`."""
+        return {key: self._put(value) for key, value in batch.items()}
 
     def compile(self, tokens, labels) -> None:
         import time

@@ -79,9 +79,11 @@ class _Timed:
 
 class TrainerMode(_Timed):
     """The step as ``tpu-train`` builds it for ``cfg`` (its ``trainer.mode``: compiled, eager or
-    fused), on a copy of ``cpu_model``."""
+    fused), on a copy of ``cpu_model``. With ``batches_ahead`` its batches are placed as the
+    training loop places them (``TrainStep.put_batch``): the next one by :meth:`put_ahead`
+    once a step is dispatched; without, each goes to the step from the host."""
 
-    def __init__(self, cpu_model, cfg):
+    def __init__(self, cpu_model, cfg, batches_ahead: bool = False):
         from tpu_train.trainer import setup
 
         job = setup.start(cfg)
@@ -91,13 +93,29 @@ class TrainerMode(_Timed):
         scheduler = setup.build_scheduler(optimizer, cfg)
         self.train_step = parallel.build_step(job, model, optimizer, scheduler)
         self.train_step.place()
+        self.batches_ahead = batches_ahead
+        self._ahead = None  # (the NumPy batch, as put_ahead placed it)
 
-    def step(self, batch: dict):
+    @staticmethod
+    def _tensors(batch: dict) -> dict:
         import torch
 
-        micro = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
-                 for key, value in batch.items()}
-        return self.train_step(micro)["loss"]
+        return {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
+                for key, value in batch.items()}
+
+    def step(self, batch: dict):
+        if not self.batches_ahead:
+            return self.train_step(self._tensors(batch))["loss"]
+        if self._ahead is not None and self._ahead[0] is batch:
+            placed, self._ahead = self._ahead[1], None
+        else:
+            placed = self.train_step.put_batch(self._tensors(batch))
+        return self.train_step(placed)["loss"]
+
+    def put_ahead(self, batch: dict) -> None:
+        """The next step's batch placed now, while this one runs (the loop's order)."""
+        if self.batches_ahead:
+            self._ahead = (batch, self.train_step.put_batch(self._tensors(batch)))
 
     @property
     def stages(self) -> dict:
@@ -126,16 +144,27 @@ class TrainerMode(_Timed):
 
 
 class ReferenceMode(_Timed):
-    """:class:`jax_llama.Reference` on the device the compiled step uses."""
+    """:class:`jax_llama.Reference` on the device the compiled step uses: its batch put on the
+    device at its call, or with ``batches_ahead`` by :meth:`put_ahead` during the step
+    before, as the trainer's loop puts its batches."""
 
-    def __init__(self, cpu_model, size, hyper, precision: str, remat: str | None = None):
+    def __init__(self, cpu_model, size, hyper, precision: str, remat: str | None = None,
+                 batches_ahead: bool = False):
         from tpu_train.device import runtime
 
         self.reference = jax_llama.Reference(cpu_model, size, hyper, runtime.jax_device(0),
                                              precision=precision, remat=remat)
+        self.batches_ahead = batches_ahead
+        self._ahead = None
 
     def step(self, batch: dict):
+        if self.batches_ahead and self._ahead is not None and self._ahead[0] is batch:
+            batch, self._ahead = self._ahead[1], None
         return self.reference.step(batch)[0]
+
+    def put_ahead(self, batch: dict) -> None:
+        if self.batches_ahead:
+            self._ahead = (batch, self.reference.put_batch(batch))
 
     @property
     def stages(self) -> dict:

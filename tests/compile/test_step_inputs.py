@@ -8,6 +8,7 @@ import dataclasses
 import re
 import weakref
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -269,10 +270,12 @@ def test_a_step_that_skips_non_finite_updates_does_not_wait_for_its_flag(monkeyp
 
 
 def test_a_tpu_batch_goes_in_as_stored_and_trains_as_a_host_batch():
-    """A batch moved with ``.to("tpu")`` keeps flat storages: the program takes them as they
-    are and reshapes inside, so no reshape program runs for each leaf before each call (the
-    storage still holds its flat buffer afterwards). Its steps equal a host batch's; a slice
-    of a larger storage is read as a view, and the same again."""
+    """A batch moved with ``.to("tpu")`` keeps the buffers ``.to`` gave it: flat on the CPU
+    client, in the tensors' own shapes where the platform keeps natural buffers (a TPU:
+    ``runtime.natural_buffers``). The program takes them as they are and reshapes a flat one
+    inside, so no reshape program runs for each leaf before each call (the storage still holds
+    the same buffer afterwards). Its steps equal a host batch's; a slice of a larger storage
+    is read as a view, and the same again."""
     batches = lm_batches(3)
 
     def run(place):
@@ -286,10 +289,13 @@ def test_a_tpu_batch_goes_in_as_stored_and_trains_as_a_host_batch():
     host, _, _ = run(lambda b: b)
     flat, placed, step = run(to_device)
     assert flat == host
-    assert all(len(storage_of(t).as_stored().shape) == 1 for b in placed for t in b.values())
+    natural = runtime.natural_buffers(runtime.platform())
+    assert [tuple(storage_of(t).as_stored().shape) for b in placed for t in b.values()] == \
+        [tuple(t.shape) if natural else (t.numel(),) for b in placed for t in b.values()]
     (signature,) = step.cache.entries
     (spec,) = [s for s in signature.inputs if "tokens" in s.name]
-    assert spec.shape == (2, 32) and spec.stored == (64,)
+    # The stored shape is named only where it is not the tensor's (the program reshapes it).
+    assert spec.shape == (2, 32) and spec.stored == (None if natural else (64,))
 
     def halves(b):  # each leaf half of one storage: read as a view
         whole = torch.cat([b["tokens"], b["labels"]]).to(DEVICE)
@@ -297,3 +303,63 @@ def test_a_tpu_batch_goes_in_as_stored_and_trains_as_a_host_batch():
 
     sliced, _, _ = run(halves)
     assert sliced == host
+
+
+def test_the_next_calls_host_scalars_travel_during_the_call_and_a_changed_lr_is_read():
+    """A call puts the next call's lr and bias corrections on the device while its program
+    runs (a host argument delays a program's start on a TPU); the next call takes them where
+    they hold what it computes itself. A scheduler's lr is what travels ahead; an lr set by
+    hand between calls goes in from the host. Every update equals eager torch's."""
+    model = mlp().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    step = compile_train_step(model, opt, mlp_loss, scheduler=scheduler)
+    reference = copy.deepcopy(model).cpu()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    batches = mlp_batches(4)
+    kinds = []
+    for i, batch in enumerate(batches):
+        if i == 3:  # by hand, after the call that put the scheduler's next lr ahead
+            for group in opt.param_groups + ref_opt.param_groups:
+                group["lr"] = 0.5
+        if i == 1:
+            (entry,) = step.cache.entries.values()
+            executable = entry.executable
+
+            def recording(*args):
+                kinds.append("device" if isinstance(args[4], jax.Array) else "host")
+                return executable(*args)
+
+            entry.executable = recording
+        step(to_device(batch))
+        mlp_loss(reference, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_scheduler.step()
+    assert kinds == ["device", "device", "host"]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call():
+    """``put_batch`` (what the trainer's loop calls for the next batch while a step runs) moves
+    host tensors to the device of the step's parameters and leaves tpu tensors as they are;
+    the steps on batches it placed are one program and equal steps on host batches."""
+    from tpu_train.device.tensor import TpuTensor
+
+    def run(place):
+        model = mlp().to(DEVICE)
+        step = compile_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  mlp_loss)
+        placed = [place(step, b) for b in mlp_batches(3)]
+        return _losses(step, placed), placed, step
+
+    host, _, _ = run(lambda step, b: b)
+    ahead, placed, step = run(lambda step, b: step.put_batch(b))
+    assert all(isinstance(t, TpuTensor) and t.device == DEVICE
+               for b in placed for t in b.values())
+    assert len(step.cache.entries) == 1
+    assert ahead == host
+    already = to_device(mlp_batches(1)[0])
+    assert step.put_batch(already)["x"] is already["x"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.cli_helpers import TINY, read_metrics, run_in_process
+from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process
 from tpu_train.trainer import loop as loop_module
 
 # A constant schedule: a run continued to a later max_steps then trains exactly as one that
@@ -113,3 +113,48 @@ def test_a_data_error_while_training_is_the_same_one_line_error(tmp_path):
     code, err, steps = outcomes[0]
     assert code == 2 and err.startswith(f"tpu-train: error: {data}:257: ") and "\n" not in err
     assert steps in ([1, 2], [1, 2, 3])
+
+
+def test_the_compiled_step_reads_each_batch_put_during_the_step_before(tmp_path, monkeypatch):
+    """The loop places batch k+1 as the compiled step reads it once step k is dispatched (on
+    a TPU a program waits for its host arguments' transfers before it starts): over this
+    session's 8-device mesh the layout's global arrays, on one chip the device's tensors
+    (``CompiledTrainStep.put_batch``, tests/compile/test_step_inputs.py). The first batch is
+    placed before its step too; one program; the losses of a run that places each batch at
+    its call."""
+    from tpu_train.compile import CompiledTrainStep
+    from tpu_train.device.tensor import TpuTensor
+    from tpu_train.trainer.step import BatchesAhead
+
+    settings = [*TINY_COMPILED, "trainer.max_steps=3"]
+    events = []
+    put_batch, call = CompiledTrainStep.put_batch, CompiledTrainStep.__call__
+
+    def recording_put(self, batch):
+        events.append("put")
+        return put_batch(self, batch)
+
+    def recording_call(self, batch):
+        events.append("call on device" if all(isinstance(t, TpuTensor) for t in batch.values())
+                      else "call on host")
+        return call(self, batch)
+
+    def recording_float(value):  # the loop's reads of a step's results
+        if events[-1] != "read":
+            events.append("read")
+        return float(value)
+
+    monkeypatch.setattr(CompiledTrainStep, "put_batch", recording_put)
+    monkeypatch.setattr(CompiledTrainStep, "__call__", recording_call)
+    monkeypatch.setattr(loop_module, "float", recording_float, raising=False)
+    code, out, err = run_in_process(*settings, f"run.dir={tmp_path / 'ahead'}")
+    assert code == 0, err
+    # compile_ahead's, the first step's, then each while the step before it runs
+    assert events == ["put", "put", "call on device", "put", "read", "call on device", "put",
+                      "read", "call on device", "read"]
+    assert out.count("the train step") == 2, out  # the notice, and its one compile or load
+
+    monkeypatch.setattr(BatchesAhead, "put_next", lambda self: None)
+    code, _, err = run_in_process(*settings, f"run.dir={tmp_path / 'at_call'}")
+    assert code == 0, err
+    assert _losses(tmp_path / "ahead") == _losses(tmp_path / "at_call")

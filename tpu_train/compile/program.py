@@ -83,6 +83,13 @@ class Program:
             else self.in_shardings[_LAYER_INDEX_ARGUMENT][0]
         return list(_layer_index_values(self.layer_indices, placement))
 
+    def scalars_placement(self, device) -> Any:
+        """The sharding the host-scalars argument is read with: on ``device``, or the SPMD
+        program's own."""
+        if self.in_shardings is None:
+            return jax.sharding.SingleDeviceSharding(device)
+        return self.in_shardings[_SCALARS_ARGUMENT]
+
     def analysis(self) -> dict[str, Any]:
         """XLA's per-device memory and cost figures of the compiled program
         (:func:`compiled_analysis`)."""
@@ -176,6 +183,7 @@ def skips_by_select(platform: str) -> bool:
 
 
 # The program's arguments: params, states, consts, batch, scalars, layer indices[, key].
+_SCALARS_ARGUMENT = 4
 _LAYER_INDEX_ARGUMENT = 5
 
 

@@ -29,13 +29,15 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile.call_plan import CallPlan, donatable, structure_generation
 from tpu_train.compile.functional_optim import adapter_for
-from tpu_train.compile.lowering import (StepInputs, batch_structure, check_compute_dtype,
-                                        check_step_settings, collect_step_inputs, flatten_batch,
-                                        host_scalars, lower_collected, step_autocast_dtype)
+from tpu_train.compile.lowering import (ScalarsAhead, StepInputs, batch_structure,
+                                        check_compute_dtype, check_step_settings,
+                                        collect_step_inputs, flatten_batch, host_scalars,
+                                        lower_collected, step_autocast_dtype)
 from tpu_train.compile.program import FINITE, METRICS, compile_program, natural_layout
 from tpu_train.device import rng, runtime
 from tpu_train.device.storage import Storage, shape_whole
@@ -134,6 +136,7 @@ class CompiledTrainStep:
         # (metrics, [(group, step count)]) of a call whose update may have been skipped:
         # its counts were advanced, and go back in settle() if the flag says so.
         self._unsettled: tuple | None = None
+        self._scalars_ahead = ScalarsAhead()
         if self.skip_non_finite:
             # Whatever reads, replaces or advances the counts on the optimizer settles first.
             hook = _settle_hook(weakref.ref(self))
@@ -290,8 +293,28 @@ class CompiledTrainStep:
                                    mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype,
                                    runtime_options=True, compile=compile)
 
-        arguments = (param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps)
+        arguments = (param_arrays, state_arrays, const_arrays, batch_arrays,
+                     self._scalars_ahead.take(scalars), steps)
         return plan, device, arguments, signature, build
+
+    def put_batch(self, batch):
+        """``batch`` with its host tensors on the device the step runs on, for a later call.
+
+        A loop that puts the next batch while this step's program runs has it resident when
+        the call comes: a host tensor is an argument the executable transfers at the launch,
+        and on a TPU a program waits for every such transfer before it starts. The program
+        for device batches is not the one for host batches (a loop keeps to one kind). A step
+        over a mesh returns ``batch`` as it is: its layout places batches on the mesh."""
+        if self.mesh is not None:
+            return batch
+        device = next(iter(self.model.parameters())).device
+
+        def put(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, TpuTensor):
+                return value.to(device)
+            return value
+
+        return tree_map(put, batch)
 
     def compile_ahead(self, batch) -> bool:
         """Start compiling the program for batches like ``batch`` before the first call.
@@ -323,8 +346,6 @@ class CompiledTrainStep:
         plan, device, arguments, signature, build = self._prepared(batch)
         param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps = arguments
         entry = self.cache.get_or_build(signature, build)
-        # The host scalars go in as a NumPy array: the executable's own transfer of it costs
-        # less host time than a jax.device_put before the call.
         args = [param_arrays, state_arrays, const_arrays, batch_arrays, scalars,
                 entry.layer_index_values(device)]
         if entry.random:
@@ -360,6 +381,8 @@ class CompiledTrainStep:
             self.adapter.set_step_count(group, step)
         if self.skip_non_finite:
             self._unsettled = (metrics, list(zip(groups, steps)))
+        self._scalars_ahead.put(host_scalars(self.optimizer, self.adapter)[0],
+                                entry.scalars_placement(runtime.jax_device(index)))
         return out
 
     def settle(self) -> None:

@@ -33,7 +33,7 @@ from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .run import Run
 from .setup import Job
 from .steady import SteadyRate
-from .step import join_micro_batches
+from .step import BatchesAhead, join_micro_batches
 from .summary import describe_compilation, start_summary, final_summary
 
 
@@ -272,6 +272,7 @@ class _Loop:
         self.checkpointer = run.checkpointer
         self.checkpointer.remove_stale_temporaries()
         self.batches = _training_batches(run.data.train, int(cfg.data.prefetch))
+        self.ahead: BatchesAhead | None = None  # the loop's batches, once it runs
         self.logger = run.logger = RunLogger(run.job.run_dir, run.job.world.is_main, cfg.logging,
                                              cfg.trainer.max_steps, start_step)
         # metrics.jsonl ends at the resumed step (rows after it are replayed, not duplicated);
@@ -301,7 +302,8 @@ class _Loop:
 
     def save(self) -> None:
         """A checkpoint of this step in the layout's format (every process calls this)."""
-        state = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
+        data = self.ahead if self.ahead is not None else self.batches
+        state = {"scheduler": self.scheduler.state_dict(), "data": data.state_dict(),
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
 
@@ -384,19 +386,19 @@ class _Loop:
         """Step to ``trainer.max_steps``; returns what stopped it early (a signal, or
         ``trainer.max_minutes``), if anything."""
         cfg, every, logger = self.job.cfg, self.every, self.logger
-        batches = iter(self.batches)
+        batches = self.ahead = BatchesAhead(self.batches, self.step_fn, every.grad_accum_steps)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
         if self.step_fn.compiled is not None and self.step < every.max_steps:
             logger.line("tracing and compiling the train step (once per input shape) ...")
         # The prefetch worker stops with the loop, however it ends.
         with _StopRequest(cfg.trainer.max_minutes) as stop, profiler, contextlib.closing(self):
             while self.step < every.max_steps and stop.signal_name is None:
-                # The loader yields micro-batches; the step takes the global batch they make up.
-                batch = join_micro_batches([next(batches)
-                                            for _ in range(every.grad_accum_steps)])
+                batch = batches.next()
                 profiler.before(self.step + 1)
                 started = time.perf_counter()
                 out = self._run_step(batch)
+                if self.step + 1 < every.max_steps:
+                    batches.put_next()  # its transfer runs while this step's program does
                 loss = float(out["loss"])
                 grad_norm = float(out["grad_norm"])
                 finite = (bool(out["finite"]) if "finite" in out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -142,13 +142,14 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 
 
 class TrainStep:
-    """``step(global batch on the host) -> {"loss", "grad_norm", "lr", ...}`` in any layout.
+    """``step(global batch) -> {"loss", "grad_norm", "lr", ...}`` in any layout.
 
     The global batch holds the step's ``grad_accum_steps`` micro-batches one after the other;
     the layout picks this process's rows (:meth:`~tpu_train.trainer.layouts.Layout.place_batch`)
     and ``run``, the step that accumulates, splits them. ``compiled`` is the
     ``CompiledTrainStep`` (None in eager mode); :meth:`place` puts its parameters and optimizer
-    state where the layout runs it (before the first call, after a full resume).
+    state where the layout runs it (before the first call, after a full resume). A call takes
+    the batch on the host, or as :meth:`put_batch` placed it before.
     """
 
     def __init__(self, layout, run: Callable, compiled=None, grad_accum_steps: int = 1):
@@ -160,17 +161,86 @@ class TrainStep:
     def place(self) -> None:
         self.layout.place_step(self)
 
+    def put_batch(self, batch: dict[str, torch.Tensor]) -> "PlacedBatch":
+        """``batch`` (on the host) placed as a call reads it: this process's rows, and for the
+        compiled step on the device
+        (:meth:`~tpu_train.compile.CompiledTrainStep.put_batch`), so that a batch put while
+        the previous step runs is there when its call comes."""
+        placed = self.layout.place_batch(batch, self.grad_accum_steps)
+        if self.compiled is not None:
+            placed = self.compiled.put_batch(placed)
+        return PlacedBatch(placed)
+
     def compile_ahead(self, batch: dict[str, torch.Tensor]) -> bool:
-        """Trace and lower the compiled step for batches of ``batch``'s shapes now and start
-        XLA's compile of it on a thread of its own
-        (:meth:`~tpu_train.compile.CompiledTrainStep.compile_ahead`); the first call waits for
-        it. False in eager mode, where there is nothing to compile."""
+        """Trace and lower the compiled step for batches like ``batch`` (placed as
+        :meth:`put_batch` places them, as the loop's are) now and start XLA's compile of it on
+        a thread of its own (:meth:`~tpu_train.compile.CompiledTrainStep.compile_ahead`); the
+        first call waits for it. False in eager mode, where there is nothing to compile."""
         if self.compiled is None:
             return False
-        return self.compiled.compile_ahead(self.layout.place_batch(batch, self.grad_accum_steps))
+        return self.compiled.compile_ahead(self.put_batch(batch).tensors)
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> dict:
-        return self._run(self.layout.place_batch(batch, self.grad_accum_steps))
+    def __call__(self, batch) -> dict:
+        if not isinstance(batch, PlacedBatch):
+            batch = PlacedBatch(self.layout.place_batch(batch, self.grad_accum_steps))
+        return self._run(batch.tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedBatch:
+    """A global batch as :meth:`TrainStep.put_batch` placed it."""
+
+    tensors: dict
+
+
+class BatchesAhead:
+    """The loop's global batches, each placed as the step reads it
+    (:meth:`TrainStep.put_batch`), the next one while the current step runs.
+
+    The loop calls :meth:`put_next` once a step is dispatched and before it reads the step's
+    loss, so the next batch's transfer overlaps the program. :meth:`state_dict` is the data
+    position after the last batch :meth:`next` returned: a batch put ahead and not trained on
+    is read again after a resume. An error reading the next batch (the end of the data too)
+    is raised by the :meth:`next` that would have returned it."""
+
+    def __init__(self, batches, step: TrainStep, micro_batches: int):
+        self._batches = batches  # the loader or its prefetcher, for state_dict()
+        self._iterator = iter(batches)
+        self._step = step
+        self._micro_batches = micro_batches
+        self._ahead: tuple | BaseException | None = None
+        self._position: Any = None
+
+    def _read(self) -> tuple:
+        batch = join_micro_batches([next(self._iterator)
+                                    for _ in range(self._micro_batches)])
+        return self._step.put_batch(batch), self._source_position()
+
+    def _source_position(self) -> Any:
+        try:
+            return self._batches.state_dict()
+        except (AttributeError, TypeError) as error:  # a source that cannot be resumed
+            return error
+
+    def put_next(self) -> None:
+        try:
+            self._ahead = self._read()
+        except Exception as error:  # noqa: BLE001 - raised by next(), where the loop reads
+            self._ahead = error
+
+    def next(self) -> PlacedBatch:
+        ahead, self._ahead = self._ahead, None
+        if isinstance(ahead, BaseException):
+            raise ahead
+        batch, self._position = ahead if ahead is not None else self._read()
+        return batch
+
+    def state_dict(self) -> Any:
+        if self._position is None:
+            return self._batches.state_dict()
+        if isinstance(self._position, BaseException):
+            raise self._position
+        return self._position
 
 
 def join_micro_batches(micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
