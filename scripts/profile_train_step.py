@@ -2,7 +2,8 @@
 """Where a training step's time goes: the trainer's compiled step against the hand-written JAX
 reference of the same model (``scripts/jax_llama.py``), on the device, from ``jax.profiler``.
 
-Both modes are built as ``scripts/bench_train_step.py --size`` builds them. Each first runs
+The modes are built as ``scripts/bench_train_step.py --size`` builds them: the trainer's step
+with its batches placed as its loop places them, ``jax`` and ``jax_ahead``. Each first runs
 interleaved steps, each until its loss is read on the host (the benchmark's step time);
 then a few steps of each are traced with ``jax.profiler`` and the trace is read back
 (``ProfileData``). For each mode the report gives:
@@ -79,8 +80,11 @@ def device_profile(mode, batches: list, python: bool = False) -> dict:
     options.python_tracer_level = 1 if python else 0
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, profiler_options=options):
-            for batch in batches:
-                mode.block(mode.step(batch))
+            for i, batch in enumerate(batches):
+                loss = mode.step(batch)
+                if i + 1 < steps:
+                    mode.put_ahead(batches[i + 1])  # as the trainer's loop does
+                mode.block(loss)
         trace = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
         data = _profile_data.ProfileData.from_file(trace)
         programs, calls = collections.Counter(), collections.Counter()
@@ -137,8 +141,10 @@ def main(argv=None) -> dict:
     cfg = tsm.trainer_config("bf16", model=tsm.model_option(args.size))
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
-    modes = {"compiled": tsm.TrainerMode(cpu_model, cfg),
-             "jax": tsm.ReferenceMode(cpu_model, size, tsm.hyper_from(cfg), "bf16")}
+    hyper = tsm.hyper_from(cfg)
+    modes = {"compiled": tsm.TrainerMode(cpu_model, cfg, batches_ahead=True),
+             "jax": tsm.ReferenceMode(cpu_model, size, hyper, "bf16"),
+             "jax_ahead": tsm.ReferenceMode(cpu_model, size, hyper, "bf16", batches_ahead=True)}
     batches = make_batches(args.steps + 1, size.vocab_size, batch=size.batch, seq=size.seq)
     results = {name: {"times": [], "losses": []} for name in modes}
     run_interleaved(modes, results, batches)
