@@ -4,6 +4,10 @@ In the compiled step (layer by layer and scanned) a policy must change what the 
 XLA's own buffer assignment of the compiled program (CPU client) shows less temporary memory
 the less a policy keeps, and its FLOPs show the recomputation. Gradients are those of PyTorch's
 autograd on the CPU without recomputation, in the compiled step and eagerly.
+
+A ``full`` layer is PyTorch's recomputed region, with PyTorch's backward traced, on the CPU
+client only; for a TPU it is a ``jax.checkpoint`` layer call differentiated by JAX
+(tpu_train.compile.shared_layers, ``_trace_body``; docs/compile.md, "Remat policies").
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tpu_train.compile import lower_train_step, targets
 from tpu_train.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                          remat_setting)
 
+from tests.platforms import PLATFORM
 from tests.tolerances import assert_rel_close, update_rtol
 
 from .helpers import DEVICE, TINY_LLAMA_FUNCTIONS, lm_batches, lm_loss, tiny_llama, to_device
@@ -32,6 +37,9 @@ REDUCTION = 176 * 64
 # cross-entropy's elementwise functions along both.
 GRAD_RTOL = update_rtol(F32, 1, REDUCTION, depth=2, functions=2 * TINY_LLAMA_FUNCTIONS)
 LR = 2.0 ** 30
+# Is a ``full`` layer traced layer by layer PyTorch's recomputation (the CPU client), or a
+# layer call JAX differentiates (a TPU)? (shared_layers: fenced recomputation on the CPU client)
+FULL_IS_PYTORCHS = PLATFORM == "cpu"
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,14 +65,22 @@ def _compiled_figures(scan: bool) -> dict:
 
 
 def test_policies_keep_less_layer_by_layer():
-    # Measured: 101, 58, 44, 40 MB; 16.7, 17.1, 19.9, 20.7 GFLOP.
+    # Measured on the CPU client: 101, 58, 44, 40 MB; 16.7, 17.1, 19.9, 20.7 GFLOP.
     temp = {remat: t for remat, (t, _) in _compiled_figures(False).items()}
     flops = {remat: f for remat, (_, f) in _compiled_figures(False).items()}
+    # Recomputation is work: the forward's elementwise ops (save_dots), all but the q/k/v
+    # projections (save_qkv_proj), the whole forward (full). Compiled for a v5e: 16.8, 17.3,
+    # 20.1, 20.9 GFLOP.
+    assert flops["none"] < flops["save_dots"] < flops["save_qkv_proj"] < flops["full"], flops
+    if PLATFORM != "cpu":
+        # XLA's TPU compiler schedules the temporaries itself, so what a policy keeps is not
+        # an order of its temporaries there (docs/compile.md, "Remat policies": for the 1B
+        # step at 2 and 4 layers full's exceed save_qkv_proj's). This step compiled for a
+        # v5e: 9.58, 9.97, 9.84, 9.84 MB at XLA's default optimization effort; 57.6, 45.2,
+        # 36.5, 30.8 MB at the least effort the TPU lane compiles with.
+        return
     assert temp["none"] > temp["save_dots"] > temp["save_qkv_proj"] > temp["full"], temp
     assert temp["full"] < 0.5 * temp["none"], temp
-    # Recomputation is work: the forward's elementwise ops (save_dots), all but the q/k/v
-    # projections (save_qkv_proj), the whole forward (full).
-    assert flops["none"] < flops["save_dots"] < flops["save_qkv_proj"] < flops["full"], flops
 
 
 def test_policies_keep_less_in_a_scanned_stack():
@@ -97,9 +113,10 @@ def test_compiled_gradients_match_autograd(remat, scan):
                               scan_layers=scan)
     step(to_device(batch))
     (program,) = step.cache.entries.values()
-    # Scanned stacks and full recomputation layer by layer: PyTorch's backward is traced.
-    assert program.autodiff == ("torch" if scan or remat == "full" else "jax"), \
-        program.autodiff_note
+    # Scanned stacks, and full recomputation layer by layer on the CPU client: PyTorch's
+    # backward is traced.
+    assert program.autodiff == ("torch" if scan or (remat == "full" and FULL_IS_PYTORCHS)
+                                else "jax"), program.autodiff_note
     for name, p in trained.named_parameters():
         assert_rel_close((before[name] - p.detach().cpu()) / LR, expected[name],
                          GRAD_RTOL, f"{remat} {name}")
@@ -172,8 +189,9 @@ def test_save_qkv_proj_needs_projections():
 @pytest.mark.skipif(not targets.libtpu_available(),
                     reason="libtpu is not installed (pip install tpu_train[tpu])")
 def test_for_a_tpu_full_is_a_recomputed_layer_call():
-    """For a TPU (compiled without a chip) a ``full`` layer is a body differentiated by JAX
-    through ``jax.checkpoint``; on the CPU client it is PyTorch's recomputed region."""
+    """For a TPU (compiled without a chip, and on a chip's own platform) a ``full`` layer is a
+    body differentiated by JAX through ``jax.checkpoint``; on the CPU client it is PyTorch's
+    recomputed region."""
     from tpu_train.compile.layer_scan import body
     from tpu_train.compile.shared_layers import LAYER_CALL
     from tpu_train.models import Llama
@@ -185,9 +203,11 @@ def test_for_a_tpu_full_is_a_recomputed_layer_call():
     apply_activation_checkpointing(model, "full")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = {"tokens": tokens, "labels": tokens.clone()}
-    for target, autodiff in (("v5e", "jax"), (None, "torch")):
+    here = "torch" if FULL_IS_PYTORCHS else "jax"  # target None: this process's platform
+    for target, autodiff in (("v5e", "jax"), (None, here)):
         program = lower_train_step(model, optimizer, lm_loss, batch, scan_layers=False,
                                    target=target, compile=False)
         assert program.autodiff == autodiff, (target, program.autodiff_note)
         calls = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_CALL]
-        assert [body(n.args[0]).remat for n in calls] == (["full"] * 2 if target else [])
+        assert [body(n.args[0]).remat for n in calls] == (["full"] * 2 if autodiff == "jax"
+                                                          else [])

@@ -1,22 +1,24 @@
 """Repeated layers traced once and called per layer in the loss graph
 (tpu_train.compile.shared_layers).
 
-Sharing a body must not change what the step computes: the program is checked bit for bit
-against the layer-by-layer trace, and each case where a layer's call does not fit a shared body
-(a layer that detaches inside, random ops, two models with the same shapes but different
-settings, layers called out of order with their own arguments) against CPU PyTorch.
+Sharing a body must not change what the step computes: the program is checked against the
+layer-by-layer trace (bit for bit on the CPU client, to float32 rounding on a TPU), and each
+case where a layer's call does not fit a shared body (a layer that detaches inside, random ops,
+two models with the same shapes but different settings, layers called out of order with their
+own arguments) against CPU PyTorch.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.platforms import PLATFORM
 from tests.tolerances import loss_rtol, update_rtol
 from tpu_train.compile import lower_train_step, shared_layers
 
-from .helpers import (DEVICE, OPTIMIZERS, assert_losses_close, assert_params_close, lm_batches,
-                      lm_loss, mlp_batches, mlp_loss, run_compiled, run_reference, tiny_llama,
-                      to_device)
+from .helpers import (DEVICE, OPTIMIZERS, TINY_LLAMA_FUNCTIONS, assert_losses_close,
+                      assert_params_close, assert_params_within, lm_batches, lm_loss, mlp_batches,
+                      mlp_loss, param_bound, run_compiled, run_reference, tiny_llama, to_device)
 
 STEPS = 3
 
@@ -89,9 +91,25 @@ def test_a_stack_is_one_body_and_computes_the_layer_by_layer_step_bit_for_bit(mo
     assert shared_layers.called_layers(_program(tiny_llama(), batches[0], lm_loss).grad_graph) == 0
     inline, inline_model, _, _ = run_compiled(tiny_llama(), adamw, lm_loss, batches,
                                               max_grad_norm=1.0)
-    assert [m["loss"] for m in shared] == [m["loss"] for m in inline]
-    for p, q in zip(shared_model.parameters(), inline_model.parameters()):
-        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+    if PLATFORM == "cpu":
+        assert [m["loss"] for m in shared] == [m["loss"] for m in inline]
+        for p, q in zip(shared_model.parameters(), inline_model.parameters()):
+            assert torch.equal(p.detach().cpu(), q.detach().cpu())
+        return
+    # JAX differentiates a layer call as a call, so the two programs XLA gets are the same
+    # arithmetic but not the same graph; XLA's TPU compiler fuses them differently (compiled
+    # for a v5e, shared against inline: 59 and 57 dots, 13 and 23 exponentials), and their
+    # sums round differently: on a v5e the losses and gradient norms were equal, the
+    # parameters after 3 steps up to 4.9e-7 apart. The bounds are float32 rounding over the
+    # tiny Llama's chained reductions (tests/tolerances.py); a layer given another's weights
+    # or inputs moves its parameters by about the learning rate, far outside them.
+    reduction, depth = 128, 2 * (6 * 2 + 2)
+    for m, ref in zip(shared, inline):
+        assert m["loss"] == pytest.approx(ref["loss"], rel=loss_rtol(
+            torch.float32, STEPS, reduction, functions=TINY_LLAMA_FUNCTIONS))
+    assert_params_within(shared_model, inline_model, param_bound(
+        "adamw", tiny_llama(), STEPS, reduction, depth=depth,
+        functions=2 * TINY_LLAMA_FUNCTIONS))
 
 
 def test_layers_called_out_of_order_with_their_own_arguments_share_a_body():

@@ -93,6 +93,9 @@ def test_step_compiles_for_one_v5e_chip():
 
 
 @needs_libtpu
+# The mesh is made of 4 of this process's devices, then laid over the target's chips: a host
+# with one chip cannot make it.
+@pytest.mark.devices(4)
 def test_a_mesh_is_laid_over_the_target_chips():
     import jax
     from jax.sharding import Mesh

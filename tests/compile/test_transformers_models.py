@@ -132,6 +132,36 @@ def test_matches_cpu_eager(arch, masked):
     assert record.shared_layer_calls == (_DECODER["num_hidden_layers"] if masked else 0)
 
 
+def test_a_property_read_under_no_grad_keeps_the_shared_layers(monkeypatch):
+    """transformers 5.17's rotary embedding (as on the TPU host's own package index) runs
+    under ``@torch.no_grad()`` and reads ``x.device`` and ``x.dtype`` of the hidden states,
+    which depend on the parameters. A property read that gives no tensor cuts no gradient:
+    the step stays on JAX's autodiff with its decoder layers shared (the installed
+    transformers' forward, run under no_grad, does the same reads). A property that gives a
+    tensor (``x.mT``) still sends the step to PyTorch's backward."""
+    from tpu_train.compile.loss_graph import TorchAutogradNeeded, _AutogradProbe
+
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding
+    forward = rotary.forward
+
+    def under_no_grad(self, x, position_ids):
+        with torch.no_grad():
+            return forward(self, x, position_ids)
+
+    monkeypatch.setattr(rotary, "forward", under_no_grad)
+    model = make_model("llama", use_cache=False)
+    _, _, step = run_compiled(model, OPTIMIZERS["adamw"], batches(True)[:1])
+    (record,) = step.compilations
+    assert (record.autodiff_fallback, record.shared_layer_calls) == \
+        ("", _DECODER["num_hidden_layers"])
+
+    x = torch.randn(2, 3, requires_grad=True)
+    with _AutogradProbe(), torch.no_grad():
+        assert (x.device, x.dtype, x.shape) == (torch.device("cpu"), F32, (2, 3))
+        with pytest.raises(TorchAutogradNeeded, match="under torch.no_grad()"):
+            x.mT
+
+
 def _split_key_bias(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rest, the attention key bias) of a parameter, flat.
 

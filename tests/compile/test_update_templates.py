@@ -7,6 +7,7 @@ no longer grows with depth, and the program computes what the per-parameter trac
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -16,7 +17,9 @@ from tests import tolerances
 from tests.tolerances import loss_rtol
 from tpu_train.compile import lower_train_step
 from tpu_train.compile.functional_optim import AdamAdapter, SGDAdapter
+from tpu_train.compile.program import natural_layout
 from tpu_train.compile.update_templates import TEMPLATE_MAP
+from tpu_train.device import runtime
 from tpu_train.models import Llama, LlamaConfig
 
 from .helpers import (OPTIMIZERS, TINY_LLAMA_FUNCTIONS, assert_params_within, lm_batches,
@@ -25,9 +28,12 @@ from .helpers import (OPTIMIZERS, TINY_LLAMA_FUNCTIONS, assert_params_within, lm
 F32 = torch.float32
 
 
-def _update_graph(n_layers: int, make_opt, max_grad_norm=1.0) -> torch.fx.GraphModule:
-    cfg = LlamaConfig(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=128,
+_CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
                       ffn_hidden_dim=176, max_seq_len=32)
+
+
+def _update_graph(n_layers: int, make_opt, max_grad_norm=1.0) -> torch.fx.GraphModule:
+    cfg = dataclasses.replace(_CONFIG, n_layers=n_layers)
     with torch.device("meta"):
         model = Llama(cfg)
         batch = {"tokens": torch.empty(2, 32, dtype=torch.int64),
@@ -42,15 +48,31 @@ def _ops(gm: torch.fx.GraphModule) -> list:
             if n.op == "call_function" and n.target is not operator.getitem]
 
 
+def _layout_ranks(natural: bool, params) -> set:
+    """The ranks of the parameters as the step's update sees them: flat buffers on the CPU
+    client, their own shapes in the natural layout (a TPU: program.natural_layout)."""
+    return {p.dim() if natural else 1 for p in params}
+
+
+@pytest.mark.parametrize("layout", ["flat", "natural"])
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
-def test_update_graph_does_not_grow_with_depth(name):
+def test_update_graph_does_not_grow_with_depth(name, layout, monkeypatch):
+    # Both layouts on every platform: the program is only lowered, from a model on meta.
+    natural = layout == "natural"
+    monkeypatch.setattr(runtime, "natural_buffers", lambda platform_name: natural)
     shallow, deep = _update_graph(2, OPTIMIZERS[name]), _update_graph(6, OPTIMIZERS[name])
     assert _ops(shallow) == _ops(deep)  # node for node: the same graph, only more getitems
     assert _ops(deep).count(TEMPLATE_MAP) == len(deep.meta["update_templates"])
-    # The flat updates of one dtype and state signature name no length: one norm template and
-    # one update template serve every parameter (embedding, attention, MLP, norm weights).
-    assert len(deep.meta["update_templates"]) == 2
-    assert all(t.any_length for t in deep.meta["update_templates"])
+    # The updates of one dtype and state signature name no size: one norm template and one
+    # update template serve every parameter (embedding, attention, MLP, norm weights) of a
+    # rank. Flat, every parameter is 1-D; in natural shapes the norm weights are 1-D and the
+    # matrices 2-D, so one pair each.
+    with torch.device("meta"):
+        ranks = _layout_ranks(natural, Llama(_CONFIG).parameters())
+    assert ranks == ({1, 2} if natural else {1})
+    assert len(deep.meta["update_templates"]) == 2 * len(ranks)
+    assert sorted(len(t.any_shape) for t in deep.meta["update_templates"]) == \
+        sorted(2 * list(ranks))
 
 
 def test_a_template_that_names_its_length_is_not_shared():
@@ -104,9 +126,18 @@ def test_templated_update_computes_what_the_per_parameter_trace_computes(name, m
                                                        depth=depth, functions=functions))
 
 
-def test_templated_update_keeps_each_param_groups_settings():
+@pytest.mark.parametrize("layout", ["flat", "natural"])
+def test_templated_update_keeps_each_param_groups_settings(layout, monkeypatch):
     # Two groups (another lr, no weight decay in the second) with clipping: each template call
     # reads its own group's row of scalars, as the per-parameter trace does.
+    natural = layout == "natural"
+    if natural_layout(runtime.platform()) != natural:
+        if natural:  # the CPU client runs the natural layout a TPU's step has
+            monkeypatch.setattr(runtime, "natural_buffers", lambda platform_name: True)
+        else:
+            pytest.skip(f"the {runtime.platform()} platform keeps natural buffers: the flat "
+                        "layout is the CPU client's (runtime.natural_buffers)")
+
     def two_groups(params):
         params = list(params)
         return torch.optim.AdamW([{"params": params[:4]},
@@ -117,8 +148,14 @@ def test_templated_update_keeps_each_param_groups_settings():
     metrics, model, _, step = run_compiled(tiny_llama(), two_groups, lm_loss, batches,
                                            max_grad_norm=0.5)
     (program,) = step.cache.entries.values()
-    # One norm template, one update template per group.
-    assert _ops(program.update_graph).count(TEMPLATE_MAP) == 3
+    # One norm template per rank of the layout's shapes, one update template per group and
+    # rank: flat, one norm template and one update template per group; in natural shapes each
+    # group has norm weights and matrices, so two of each.
+    params = list(model.parameters())
+    expected = len(_layout_ranks(natural, params)) + sum(
+        len(_layout_ranks(natural, group)) for group in (params[:4], params[4:]))
+    assert expected == (6 if natural else 3)
+    assert _ops(program.update_graph).count(TEMPLATE_MAP) == expected
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(AdamAdapter, "per_parameter", False)
         ref_metrics, ref_model, _, _ = run_compiled(tiny_llama(), two_groups, lm_loss, batches,

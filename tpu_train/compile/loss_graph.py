@@ -70,6 +70,13 @@ class _AutogradProbe(TorchFunctionMode):
         kwargs = kwargs or {}
         reason = _cutting_feature(func, args, kwargs)
         if reason is not None:
+            # A property read whose value holds no tensor (x.device, x.shape, x.dtype) cuts no
+            # gradient, under torch.no_grad() or not: the rotary embeddings of transformers
+            # 5.17 (for one) run under @torch.no_grad() and read the hidden states' x.device.
+            if getattr(func, "__name__", None) == "__get__":
+                result = func(*args, **kwargs)
+                if not any(isinstance(v, torch.Tensor) for v in tree_flatten(result)[0]):
+                    return result
             raise TorchAutogradNeeded(reason)
         return func(*args, **kwargs)
 

@@ -8,7 +8,9 @@ once per call signature into a :class:`~.layer_scan.LayerBody`, and the loss gra
 ``layer_call(body, states + inputs)`` node per layer. Lowered, the body is one ``jax.jit``
 function that every layer's node calls with that layer's own parameters: JAX traces,
 differentiates and lowers it once, and XLA inlines the calls, so the program computes what
-the layer-by-layer graph computes (the same ops on the same values).
+the layer-by-layer graph computes (the same ops on the same values: bit for bit on the CPU
+client; XLA's TPU compiler fuses the two programs differently, so there they agree to float32
+rounding).
 
 Unlike a scan (:mod:`.layer_scan`), a call needs nothing of its neighbours: each layer may be
 called with any arguments of the same signature, in any order, and its parameters stay

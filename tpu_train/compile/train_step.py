@@ -261,9 +261,10 @@ class CompiledTrainStep:
 
     def _batch_array(self, tensor: TpuTensor):
         """A tpu batch tensor's argument: the whole of its storage goes in as it is stored
-        (flat, as ``.to("tpu")`` leaves it) and the program reshapes it, where reading it in
-        its shape would run a reshape program each call (a copy on a TPU); a part of a larger
-        storage, or any tensor of an SPMD step (placed by the layout), is read as a view."""
+        (as ``.to("tpu")`` leaves it: flat on the CPU client, in its shape on a TPU) and the
+        program reshapes a flat one, where reading it in its shape would run a reshape program
+        each call; a part of a larger storage, or any tensor of an SPMD step (placed by the
+        layout), is read as a view."""
         if self.mesh is None and owns_whole_storage(tensor):
             return storage_of(tensor).as_stored()
         return tensor.jax_value()

@@ -18,7 +18,10 @@ A template traced on flat tensors whose graph names no length (elementwise arith
 ``(n,)`` tensors and 0-dim scalars, as Adam's, AdamW's and SGD's updates and the 2-norm are)
 also serves every other length: the parameters of one group, dtype and state signature share
 it whatever their sizes (W1: two templates instead of ten), and ``jax.jit`` specializes it per
-length when the program is lowered.
+length when the program is lowered. The same holds for the natural shapes a TPU step updates
+(:func:`.program.natural_layout`): a template traced on ``(a, b)`` tensors whose graph names
+neither ``a``, ``b`` nor ``a * b`` serves every 2-D shape, so there a model's parameters share
+one template per rank of their shapes (a Llama: its 1-D norm weights and its matrices).
 
 Only adapters that declare ``per_parameter = True`` (the update of one parameter reads nothing
 of the others) take this path; an optimizer's traced ``step()`` may couple its parameters and
@@ -28,6 +31,7 @@ is traced whole.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import weakref
 from typing import Sequence
@@ -56,16 +60,22 @@ class Template:
         output = next(n for n in gm.graph.nodes if n.op == "output")
         self.output_metas = [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                              for n in output.args[0]]
-        # The length n it was traced for, if it serves every flat length (module docstring).
-        self.any_length = _length_free(gm)
+        # The shape it was traced for, if it serves every shape of that rank (module docstring).
+        self.any_shape = _shape_free(gm)
         self._jitted = None
         _TEMPLATES[self.id] = self
 
+    @property
+    def any_length(self) -> int | None:
+        """The length n it was traced for, if it is flat and serves every flat length."""
+        return self.any_shape[0] if self.any_shape is not None and len(self.any_shape) == 1 \
+            else None
+
     def output_shapes(self, first_input_shape: tuple) -> list[tuple]:
         """Shapes of one call's outputs, for a call whose first input has this shape."""
-        if self.any_length is None:
+        if self.any_shape is None:
             return [shape for shape, _ in self.output_metas]
-        return [first_input_shape if shape == (self.any_length,) else shape
+        return [first_input_shape if shape == self.any_shape else shape
                 for shape, _ in self.output_metas]
 
     @property
@@ -120,22 +130,28 @@ def _ints(value):
         yield value
 
 
-def _length_free(gm: torch.fx.GraphModule) -> int | None:
-    """``n`` if ``gm`` was traced on flat tensors of one length ``n`` (and 0-dim / short
-    vectors of other lengths) and no op argument is the int ``n``: the same graph then computes
-    the same ops for any length. None otherwise (a length that equals some index or count in
-    the graph is taken for a length: such a template is simply not shared)."""
+def _shape_free(gm: torch.fx.GraphModule) -> tuple | None:
+    """The shape ``s`` if ``gm`` was traced on tensors of one shape ``s`` (flat or not, every
+    dimension at least 2), 0-dim scalars and short vectors of other lengths, every output is
+    ``s``-shaped or of another input's or a 0-dim shape, and no op argument is an int equal to
+    a dimension of ``s`` or to its element count: the same graph then computes the same ops for
+    any shape of that rank. None otherwise (a dimension that equals some index or count in the
+    graph is taken for a size: such a template is simply not shared)."""
     shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes
               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
-    if not shapes or len(shapes[0]) != 1:
+    if not shapes or not shapes[0]:
         return None
-    length = shapes[0][0]
-    if length < 2 or any(len(shape) > 1 for shape in shapes):
+    shape = shapes[0]
+    if min(shape) < 2 or any(s != shape and len(s) > 1 for s in shapes):
         return None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if any(tuple(n.meta["val"].shape) not in shapes + [()] for n in output.args[0]):
+        return None
+    sizes = set(shape) | {math.prod(shape)}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and any(i == length for i in _ints((node.args, node.kwargs))):
+        if node.op == "call_function" and any(i in sizes for i in _ints((node.args, node.kwargs))):
             return None
-    return length
+    return shape
 
 
 def _lower_template_map(template_id: int, tensors: Sequence, constrain=None, uses=None):
@@ -203,30 +219,32 @@ def _meta(t: torch.Tensor) -> tuple:
 
 
 class _Templates:
-    """Templates by the signature of their inputs; a length-free template (module docstring)
-    also answers for flat inputs of the same dtypes and of any length."""
+    """Templates by the signature of their inputs; a shape-free template (module docstring)
+    also answers for inputs of the same dtypes whose first input's shape, and those of the
+    inputs shaped like it, is any other of the same rank (the other inputs' shapes equal)."""
 
     def __init__(self):
         self._exact: dict = {}
-        self._any_length: dict = {}
+        self._any_shape: dict = {}
 
     @staticmethod
-    def _length_free_key(key, like):
-        if len(like[0].shape) != 1:
+    def _shape_free_key(key, like):
+        shape = tuple(like[0].shape)
+        if not shape:
             return None
-        length = like[0].shape[0]
-        return key, tuple((t.dtype, t.dim() == 0 or tuple(t.shape) == (length,)) for t in like)
+        return key, len(shape), tuple(
+            (t.dtype, "first" if tuple(t.shape) == shape else tuple(t.shape)) for t in like)
 
     def get(self, key, like: Sequence[torch.Tensor], trace) -> Template:
         exact = (key, tuple(_meta(t) for t in like))
         found = self._exact.get(exact)
-        loose = self._length_free_key(key, like)
+        loose = self._shape_free_key(key, like)
         if found is None and loose is not None:
-            found = self._any_length.get(loose)
+            found = self._any_shape.get(loose)
         if found is None:
             found = trace()
-            if found.any_length is not None and loose is not None:
-                self._any_length[loose] = found
+            if found.any_shape is not None and loose is not None:
+                self._any_shape[loose] = found
         self._exact[exact] = found
         return found
 
