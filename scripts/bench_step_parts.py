@@ -19,9 +19,12 @@ host's clock (``time.perf_counter``):
 The JAX reference has ``call`` (its ``device_put`` of the batch, where not put ahead, and the
 jitted call), ``put_next`` and ``loss_read``. Variants: ``compiled`` (the loop's path: the batch
 put during the step before), ``compiled_batch_at_call`` (the batch's host tensors given to the
-call, which the executable transfers at the launch: a program of its own), ``jax`` (the
-reference puts its batch at its call) and ``jax_ahead`` (the reference's batch put during its
-step before, as the loop puts the trainer's).
+call, which the executable transfers at the launch: a program of its own),
+``compiled_scalars_from_host`` (the batch ahead, the host scalars given to the call as a NumPy
+array, as before they were put ahead), ``compiled_no_early_copy`` (the batch and scalars ahead,
+the metrics' ``copy_to_host_async`` at the dispatch a no-op: the loss read starts the copy),
+``jax`` (the reference puts its batch at its call) and ``jax_ahead`` (the reference's batch put
+during its step before, as the loop puts the trainer's).
 
 Prints ONE JSON line: per variant and part ``[min, median]`` in ms (the first 10 rounds left
 out), and each variant's median step over JAX's. Usage::
@@ -68,15 +71,47 @@ def parts_of(at: dict, t0: float, returned: float, put: float, read: float) -> d
     return parts
 
 
+class Patched:
+    """A variant's changes around the same program: attributes set for its step only."""
+
+    def __init__(self, *changes):
+        self.changes = changes  # (owner, attribute name, value during the step)
+        self.saved = []
+
+    def __enter__(self):
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.changes]
+        for owner, name, value in self.changes:
+            setattr(owner, name, value)
+
+    def __exit__(self, *exc):
+        for owner, name, value in self.saved:
+            setattr(owner, name, value)
+
+
 def run(steps: int) -> dict:
+    import jax
+    import numpy as np
     import train_step_modes as tsm
 
+    from tpu_train.compile.lowering import ScalarsAhead
+
     ours, reference, batches = tsm.w1_pair(steps)
-    variants = {"compiled": (ours, True), "compiled_batch_at_call": (ours, False),
-                "jax": (reference, False), "jax_ahead": (reference, True)}
-    for mode, ahead in variants.values():  # compiles each program
+    take = ScalarsAhead.take
+    array_type = type(jax.device_put(np.float32(0)))  # jax.Array's concrete class
+    variants = {
+        "compiled": (ours, True, Patched()),
+        "compiled_batch_at_call": (ours, False, Patched()),
+        # The scalars put ahead are taken (and dropped), the host's array goes in.
+        "compiled_scalars_from_host": (ours, True, Patched(
+            (ScalarsAhead, "take", lambda self, values: (take(self, values), values)[1]))),
+        "compiled_no_early_copy": (ours, True, Patched((array_type, "copy_to_host_async",
+                                                        lambda self: None))),
+        "jax": (reference, False, Patched()),
+        "jax_ahead": (reference, True, Patched())}
+    for mode, ahead, patched in variants.values():  # compiles each program
         mode.batches_ahead = ahead
-        mode.block(mode.step(batches[0]))
+        with patched:
+            mode.block(mode.step(batches[0]))
     marks = Marks()
     for entry in ours.train_step.compiled.cache.entries.values():
         entry.executable = marks.timed("A", "B", entry.executable)
@@ -84,16 +119,17 @@ def run(steps: int) -> dict:
     recorded = {name: {part: [] for part in PARTS} for name in names}
     for i in range(steps):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            mode, mode.batches_ahead = variants[name]
+            mode, mode.batches_ahead, patched = variants[name]
             marks.at.clear()
-            t0 = time.perf_counter()
-            loss = mode.step(batches[i])
-            returned = time.perf_counter()
-            if i + 1 < steps:
-                mode.put_ahead(batches[i + 1])
-            put = time.perf_counter()
-            mode.block(loss)
-            read = time.perf_counter()
+            with patched:
+                t0 = time.perf_counter()
+                loss = mode.step(batches[i])
+                returned = time.perf_counter()
+                if i + 1 < steps:
+                    mode.put_ahead(batches[i + 1])
+                put = time.perf_counter()
+                mode.block(loss)
+                read = time.perf_counter()
             if i >= WARMUP:
                 for part, seconds in parts_of(marks.at, t0, returned, put, read).items():
                     recorded[name][part].append(seconds)

@@ -21,6 +21,9 @@ host, one process: ``-n 0``). Markers say what a test needs beyond one device, a
 * ``device_in_child``: starts a child process that opens the test platform's device; one
   process at a time can hold a TPU chip, and this one holds it;
 * ``host_without_chips``: a host with no TPU chips, which a TPU host is not;
+* ``host_cpu_run``: its runs train on the host CPU (``trainer.device=cpu``) and nothing else, the
+  same computation whatever the test platform: skipped off the CPU platform, where the CPU
+  suite has run it (the chip's lane keeps its minutes for what the chip computes);
 * ``multiprocess``: several processes talking over 127.0.0.1, or the loopback sockets they meet
   on (deselect: ``-m "not multiprocess"``, where there is no network or only one chip).
 """
@@ -149,6 +152,9 @@ def pytest_runtest_setup(item):
                     f"(one process at a time per chip)")
     if PLATFORM == "tpu" and item.get_closest_marker("host_without_chips"):
         pytest.skip("needs a host without TPU chips")
+    if PLATFORM != "cpu" and item.get_closest_marker("host_cpu_run"):
+        pytest.skip(f"trains on the host CPU only (trainer.device=cpu), as on any platform: the "
+                    f"CPU suite runs it; the {PLATFORM} lane runs what the device computes")
 
 
 

@@ -11,6 +11,7 @@ from tests.trainer.cli_helpers import (TINY, one_thread, read_metrics, run_in_pr
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.host_cpu_run
 def test_start_summary_tensorboard_hparams_and_profile(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -41,6 +42,7 @@ def test_start_summary_tensorboard_hparams_and_profile(tmp_path):
     assert traces, sorted(p.name for p in (run_dir / "tensorboard").rglob("*"))
 
 
+@pytest.mark.host_cpu_run
 def test_load_step_supersedes_later_checkpoints_and_resumes_exactly(tmp_path):
     run_dir = tmp_path / "run"
     common = [*TINY, "trainer.max_steps=4", "checkpoint.every_n_steps=2", f"run.dir={run_dir}"]
@@ -64,6 +66,7 @@ def test_load_step_supersedes_later_checkpoints_and_resumes_exactly(tmp_path):
     assert again == first  # steps 3 and 4 replayed bit for bit
 
 
+@pytest.mark.host_cpu_run
 def test_saved_run_config_reruns_the_run(tmp_path):
     run_dir = tmp_path / "run"
     code, _, err = run_in_process(*TINY, "trainer.max_steps=2", "trainer.seed=5",
@@ -78,6 +81,7 @@ def test_saved_run_config_reruns_the_run(tmp_path):
     assert "(resumed from step_00000002)" in out and "finished step 2/2" in out
 
 
+@pytest.mark.host_cpu_run
 def test_a_copied_recipe_runs_with_its_own_changes(tmp_path, monkeypatch):
     from tpu_train import cli
 
@@ -102,6 +106,7 @@ def test_a_copied_recipe_runs_with_its_own_changes(tmp_path, monkeypatch):
     assert code == 2 and "recipe=./missing.py: no such recipe script" in err, err
 
 
+@pytest.mark.host_cpu_run
 def test_resuming_with_another_lr_says_the_checkpoint_settings_are_kept(tmp_path):
     run_dir = tmp_path / "run"
     code, _, err = run_in_process(*TINY, "trainer.max_steps=2", f"run.dir={run_dir}")
@@ -114,6 +119,7 @@ def test_resuming_with_another_lr_says_the_checkpoint_settings_are_kept(tmp_path
     assert metrics[3]["train/lr"] < 1e-3  # the checkpoint's schedule went on
 
 
+@pytest.mark.host_cpu_run
 def test_own_data_runs_on_the_default_model_with_the_seq_len_it_allows(tmp_path):
     """README's own-data command (data=jsonl, nothing else about the data) on the default
     model: data.seq_len: null becomes the model's maximum positions, and the run says so."""
@@ -171,6 +177,7 @@ def _stop_after_first_step(tmp_path, *overrides: str) -> tuple[str, str]:
     return out, err
 
 
+@pytest.mark.host_cpu_run
 def test_ctrl_c_prints_the_command_that_resumes_and_run_dir_latest_finds_it(tmp_path,
                                                                            monkeypatch):
     import shlex
@@ -206,6 +213,7 @@ def test_ctrl_c_prints_the_command_that_resumes_and_run_dir_latest_finds_it(tmp_
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.host_cpu_run
 def test_a_larger_max_steps_on_resume_is_refused_or_extends_the_schedule(tmp_path):
     """WSD over 4 steps (warmup 1, decay over the last round(0.2 * 4) = 1 step) ends at lr 0:
     resuming with trainer.max_steps=6 would train two steps at lr 0. Refused in one line
@@ -233,6 +241,7 @@ def test_a_larger_max_steps_on_resume_is_refused_or_extends_the_schedule(tmp_pat
     assert metrics[6]["train/lr"] == 0.0
 
 
+@pytest.mark.host_cpu_run
 def test_progress_lines_carry_an_eta_once_there_is_a_rate(tmp_path):
     import re
 
@@ -293,6 +302,7 @@ def test_the_command_line_keeps_xla_warnings_off_before_jax_starts(monkeypatch):
         assert (os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "2") == quiet, argv
 
 
+@pytest.mark.host_cpu_run
 def test_the_summary_compares_the_starting_model_with_the_final_one(tmp_path):
     """trainer.val_at_start validates the model before step 1; a resumed run's summary still
     compares with those step-0 figures (from metrics.jsonl); val_at_start=false skips it."""
@@ -349,6 +359,7 @@ def test_stdout_line_filter_drops_only_gloo_connection_lines():
     assert done.stdout == b"first\n[Gloo] something else\nlast, unterminated", done.stdout
 
 
+@pytest.mark.host_cpu_run
 def test_max_minutes_stops_with_a_checkpoint_and_the_command_that_resumes(tmp_path):
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(*TINY, "trainer.max_steps=1000", "trainer.max_minutes=0.0001",
