@@ -84,6 +84,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert len(saved) == 1 and 1 <= saved[0] < 500
 
 
+@pytest.mark.host_cpu_run
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(*TINY, "trainer.max_steps=8", "checkpoint.every_n_steps=1",
@@ -99,6 +100,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(record["train/loss"] == record["train/loss"] for record in losses.values())
 
 
+@pytest.mark.host_cpu_run
 def test_on_nan_skip_continues(tmp_path):
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(*TINY, "trainer.max_steps=4", "scheduler=constant",
@@ -109,6 +111,7 @@ def test_on_nan_skip_continues(tmp_path):
     assert [step for step, _ in list_checkpoints(run_dir)] == [4]
 
 
+@pytest.mark.host_cpu_run
 def test_tensorboard_scalars_are_written(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

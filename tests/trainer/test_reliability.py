@@ -62,6 +62,7 @@ def _damage(path, action):
         path.write_bytes(bytes(data))
 
 
+@pytest.mark.host_cpu_run
 def test_meta_records_a_checksum_per_file(base_run):
     saved = list_checkpoints(base_run)
     assert [step for step, _ in saved] == [2, 4]
@@ -71,6 +72,7 @@ def test_meta_records_a_checksum_per_file(base_run):
     assert verify_checkpoint(saved[-1][1]) is None
 
 
+@pytest.mark.host_cpu_run
 @pytest.mark.parametrize("action", ["truncate", "flip", "delete"])
 @pytest.mark.parametrize("name", [MODEL_FILE, TRAINING_STATE_FILE, META_FILE])
 def test_damaged_latest_checkpoint_falls_back_with_a_warning(base_run, tmp_path, name, action):
@@ -134,6 +136,7 @@ def test_damaged_sharded_checkpoint_is_detected_and_passed_over(sharded_run, tmp
     assert [path for path, _ in damaged] == [newest]
 
 
+@pytest.mark.host_cpu_run
 def test_load_step_naming_a_damaged_checkpoint_is_a_one_line_error(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
@@ -147,6 +150,7 @@ def test_load_step_naming_a_damaged_checkpoint_is_a_one_line_error(base_run, tmp
     assert MODEL_FILE in lines[0]
 
 
+@pytest.mark.host_cpu_run
 def test_every_checkpoint_damaged_is_a_clear_error(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
@@ -157,6 +161,7 @@ def test_every_checkpoint_damaged_is_a_clear_error(base_run, tmp_path):
     assert "every checkpoint is damaged" in err
 
 
+@pytest.mark.host_cpu_run
 def test_checkpoint_without_checksums_still_loads(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
@@ -224,7 +229,9 @@ def _assert_finite_checkpoints(run_dir):
         assert not non_finite_tensors(state["optimizer"]), path
 
 
-MODES = pytest.mark.parametrize("mode", [TINY, TINY_COMPILED], ids=["eager", "compiled"])
+MODES = pytest.mark.parametrize("mode", [
+    pytest.param(TINY, id="eager", marks=pytest.mark.host_cpu_run),
+    pytest.param(TINY_COMPILED, id="compiled")])
 
 
 @MODES
@@ -279,6 +286,7 @@ def test_non_finite_tensors_names_them():
 
 # --------------------------------------------------------------------------- metrics
 
+@pytest.mark.host_cpu_run
 def test_resume_truncates_metrics_after_the_resumed_step(base_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(base_run, run_dir)
