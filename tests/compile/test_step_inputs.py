@@ -342,10 +342,12 @@ def test_the_next_calls_host_scalars_travel_during_the_call_and_a_changed_lr_is_
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call():
+def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call(monkeypatch):
     """``put_batch`` (what the trainer's loop calls for the next batch while a step runs) moves
-    host tensors to the device of the step's parameters and leaves tpu tensors as they are;
+    host tensors to the device of the step's parameters, one transfer each and no device
+    program (``.to("tpu")`` fills torch's ``empty`` first), and leaves tpu tensors as they are;
     the steps on batches it placed are one program and equal steps on host batches."""
+    from tpu_train.device import storage as storage_mod
     from tpu_train.device.tensor import TpuTensor
 
     def run(place):
@@ -363,3 +365,13 @@ def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call():
     assert ahead == host
     already = to_device(mlp_batches(1)[0])
     assert step.put_batch(already)["x"] is already["x"]
+
+    def no_program(*args):
+        raise AssertionError("a device program ran to place a batch")
+
+    monkeypatch.setattr(storage_mod, "_filler", no_program)
+    host = mlp_batches(1, seed=7)[0]
+    placed = step.put_batch(host)
+    assert torch.equal(placed["x"].cpu(), host["x"])
+    with pytest.raises(AssertionError, match="a device program ran"):
+        to_device(host)  # the path put_batch avoids

@@ -41,8 +41,8 @@ from tpu_train.compile.lowering import (ScalarsAhead, StepInputs, batch_structur
 from tpu_train.compile.program import FINITE, METRICS, compile_program, natural_layout
 from tpu_train.device import rng, runtime
 from tpu_train.device.storage import Storage, shape_whole
-from tpu_train.device.tensor import (TpuTensor, host_array, new_tensor, owns_whole_storage,
-                                     storage_of, wrap, write_elements)
+from tpu_train.device.tensor import (TpuTensor, from_host_whole, host_array, new_tensor,
+                                     owns_whole_storage, storage_of, wrap, write_elements)
 from tpu_train.ops import matmul as matmul_mod
 
 __all__ = ["compile_train_step", "CompiledTrainStep"]
@@ -308,11 +308,11 @@ class CompiledTrainStep:
         over a mesh returns ``batch`` as it is: its layout places batches on the mesh."""
         if self.mesh is not None:
             return batch
-        device = next(iter(self.model.parameters())).device
+        index = next(iter(self.model.parameters())).device.index
 
         def put(value):
             if isinstance(value, torch.Tensor) and not isinstance(value, TpuTensor):
-                return value.to(device)
+                return from_host_whole(value, index)  # no device program, unlike .to()
             return value
 
         return tree_map(put, batch)

@@ -68,6 +68,16 @@ class Storage:
         self._held = nbytes
         _adjust(device_index, nbytes)
 
+    @classmethod
+    def whole(cls, array: jax.Array, dtype: torch.dtype, device_index: int) -> "Storage":
+        """A storage of ``array`` in whatever shape it has: a whole tensor's buffer, flat or in
+        the tensor's own shape (as a compiled step leaves parameters on a TPU)."""
+        numel = math.prod(array.shape)
+        storage = cls(array, dtype, device_index, numel * _element_size(dtype))
+        storage._numel = numel
+        storage._unusual = True  # lazy_buffer flattens a shaped buffer on first read
+        return storage
+
     def __del__(self):
         try:
             with _lock:

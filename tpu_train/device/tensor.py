@@ -321,6 +321,21 @@ def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
     return TpuTensor(Storage(array, tensor.dtype, device_index), shape, contiguous_strides(shape))
 
 
+def from_host_whole(tensor: torch.Tensor, device_index: int) -> TpuTensor:
+    """Copy a CPU tensor onto ``tpu:device_index`` as one buffer in the layout the platform
+    keeps whole tensors in (its own shape on a TPU, flat on the CPU client:
+    :func:`tpu_train.device.runtime.natural_buffers`): one transfer and no device program,
+    where ``.to("tpu")`` first makes torch's ``empty`` on the device (a fill program, from a
+    size's second use) and then copies into it. What a compiled step reads whole, as is."""
+    device = runtime.jax_device(device_index)
+    host = host_array(tensor)
+    if not runtime.natural_buffers(device.platform):
+        host = host.reshape(-1)
+    shape = tuple(tensor.shape)
+    storage = Storage.whole(jax.device_put(host, device), tensor.dtype, device_index)
+    return TpuTensor(storage, shape, contiguous_strides(shape))
+
+
 def to_host(tensor: TpuTensor) -> torch.Tensor:
     """A CPU copy of a tpu tensor, in its torch dtype (int64 and float64 restored)."""
     array = storage_mod.read_to_host(tensor._storage, tuple(tensor.shape), tuple(tensor.stride()),
