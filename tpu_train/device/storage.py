@@ -469,10 +469,15 @@ def write_host(storage: Storage, size: tuple, stride: tuple, offset: int, host: 
     if not _is_whole(size, stride, offset, storage.numel) or host.shape != tuple(size) \
             or host.dtype != storage_dtype(storage.dtype):
         return False
-    device = runtime.jax_device(storage.device_index)
-    storage.buffer = jax.device_put(host if runtime.natural_buffers(device.platform)
-                                    else host.reshape(-1), device)
+    storage.buffer = put_whole(host, runtime.jax_device(storage.device_index))
     return True
+
+
+def put_whole(host: np.ndarray, device) -> jax.Array:
+    """A whole tensor's host array on ``device`` in the layout the platform keeps whole buffers
+    in (:func:`tpu_train.device.runtime.natural_buffers`): its own shape, or flat. One transfer."""
+    return jax.device_put(host if runtime.natural_buffers(device.platform) else host.reshape(-1),
+                          device)
 
 
 def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):

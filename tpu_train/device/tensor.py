@@ -327,13 +327,10 @@ def from_host_whole(tensor: torch.Tensor, device_index: int) -> TpuTensor:
     :func:`tpu_train.device.runtime.natural_buffers`): one transfer and no device program,
     where ``.to("tpu")`` first makes torch's ``empty`` on the device (a fill program, from a
     size's second use) and then copies into it. What a compiled step reads whole, as is."""
-    device = runtime.jax_device(device_index)
-    host = host_array(tensor)
-    if not runtime.natural_buffers(device.platform):
-        host = host.reshape(-1)
     shape = tuple(tensor.shape)
-    storage = Storage.whole(jax.device_put(host, device), tensor.dtype, device_index)
-    return TpuTensor(storage, shape, contiguous_strides(shape))
+    array = storage_mod.put_whole(host_array(tensor), runtime.jax_device(device_index))
+    return TpuTensor(Storage.whole(array, tensor.dtype, device_index), shape,
+                     contiguous_strides(shape))
 
 
 def to_host(tensor: TpuTensor) -> torch.Tensor:
