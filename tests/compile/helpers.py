@@ -35,6 +35,7 @@ def lm_functions(layers: int) -> tuple[str, ...]:
 # The elementwise functions of ``mlp`` (GELU's erf, tanh; mlp_loss's mean-squared error has
 # none) and of ``tiny_llama`` with ``lm_loss``.
 MLP_FUNCTIONS = ("erf", "tanh")
+MLP_N = 40  # the reduction of mlp_loss over mlp_batches: a mean over 8 x 5 outputs
 TINY_LLAMA_FUNCTIONS = lm_functions(2)
 
 

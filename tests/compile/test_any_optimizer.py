@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compile.helpers import (DEVICE, MLP_FUNCTIONS, mlp, mlp_batches, mlp_loss,
+from tests.compile.helpers import (DEVICE, MLP_FUNCTIONS, MLP_N, mlp, mlp_batches, mlp_loss,
                                    relative_error, run_compiled, run_reference)
 from tests.tolerances import loss_rtol, update_rtol
 from tpu_train.compile import compile_train_step
@@ -23,7 +23,6 @@ STEPS = 10
 # Losses and parameters (normwise) after STEPS steps of one computation implemented twice:
 # tests/tolerances.py's STEPS x the rounding of the MLP's longest reduction (MSE over 8 x 5),
 # its GELU's erf, its tanh and the optimizers' square roots, as measured on the test platform.
-MLP_N = 40
 RTOL = loss_rtol(torch.float32, STEPS, MLP_N, functions=MLP_FUNCTIONS + ("sqrt",))
 # The optimizer state (normwise) after the same steps: running sums or averages of the
 # gradients (exp_avg, momentum_buffer, grad_avg, ax), linear in them, so within the accumulated

@@ -13,8 +13,8 @@ from tpu_train.compile.program import natural_layout
 
 from tests.tolerances import CROSS_ENTROPY_FUNCTIONS, loss_rtol, param_atol, rtol_for
 
-from .helpers import (DEVICE, MLP_FUNCTIONS, OPTIMIZERS, assert_params_within, mlp, mlp_batches,
-                      mlp_loss, optimizer_lr, param_bound, relative_error, run_compiled,
+from .helpers import (DEVICE, MLP_FUNCTIONS, MLP_N, OPTIMIZERS, assert_params_within, mlp,
+                      mlp_batches, mlp_loss, optimizer_lr, param_bound, relative_error, run_compiled,
                       run_reference, to_device)
 
 # Tolerances from the float32 arithmetic (tests/tolerances.py). Longest reductions in an MLP
@@ -22,7 +22,6 @@ from .helpers import (DEVICE, MLP_FUNCTIONS, OPTIMIZERS, assert_params_within, m
 # inner dimensions 12 / 32 / 64 and the batch. With clipping, the squared-norm sum over the
 # largest parameter tensor (32 x 32 = 1024) scales every gradient.
 F32 = torch.float32
-MLP_N = 40
 NORM_N = 32 * 32
 # helpers.mlp's elementwise functions (GELU's erf, tanh), each adding its measured error
 # (tests/tolerances rtol_for); with a cross-entropy, its exp and log too.

@@ -12,7 +12,7 @@ import torch
 from tests import tolerances
 from tests.tolerances import loss_rtol, rtol_for
 
-from .helpers import (DEVICE, MLP_FUNCTIONS, OPTIMIZERS, TINY_LLAMA_FUNCTIONS,
+from .helpers import (DEVICE, MLP_FUNCTIONS, MLP_N, OPTIMIZERS, TINY_LLAMA_FUNCTIONS,
                       assert_losses_close, assert_params_within, lm_batches, lm_loss, mlp,
                       mlp_batches, mlp_loss, param_bound, run_compiled, run_reference, tiny_llama)
 
@@ -21,7 +21,7 @@ F32 = torch.float32
 # Longest reduction in each step (forward and backward): the MLP's mean-squared error over
 # 8 x 5 outputs (its matmuls reduce over 12, 32 and the batch of 8); the tiny Llama's SwiGLU
 # hidden size 176 (its other reductions: dim 64, vocab 128, 2 x 32 tokens, head dim 16).
-MLP_N, LLAMA_N = 40, 176
+LLAMA_N = 176
 # The elementwise functions along each step: helpers.MLP_FUNCTIONS, TINY_LLAMA_FUNCTIONS.
 LLAMA_FUNCTIONS = TINY_LLAMA_FUNCTIONS
 

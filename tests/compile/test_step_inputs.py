@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.compile.helpers import (DEVICE, lm_batches, lm_loss, mlp, mlp_batches, mlp_loss,
-                                   tiny_llama, to_device)
+from tests import tolerances
+from tests.compile.helpers import (DEVICE, MLP_FUNCTIONS, MLP_N, assert_params_within, lm_batches,
+                                   lm_loss, mlp, mlp_batches, mlp_loss, tiny_llama, to_device)
 from tests.compile.test_autocast import _dot_dtypes
 from tests.tolerances import loss_rtol
 from tpu_train.compile import compile_train_step
@@ -338,15 +339,20 @@ def test_the_next_calls_host_scalars_travel_during_the_call_and_a_changed_lr_is_
         ref_opt.zero_grad()
         ref_scheduler.step()
     assert kinds == ["device", "device", "host"]
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    # Derived for 4 AdamW steps at the peak lr (0.5): an lr missed by a step moves every
+    # element by ~0.5, orders of magnitude past this.
+    assert_params_within(model, reference, lambda name, q: tolerances.param_atol(
+        torch.float32, 0.5, len(batches), reduction=MLP_N, numel=q.numel(),
+        functions=MLP_FUNCTIONS))
 
 
 def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call(monkeypatch):
     """``put_batch`` (what the trainer's loop calls for the next batch while a step runs) moves
     host tensors to the device of the step's parameters, one transfer each and no device
-    program (``.to("tpu")`` fills torch's ``empty`` first), and leaves tpu tensors as they are;
+    program (``.to("tpu")`` fills torch's ``empty`` first: a fill program, or on a platform
+    whose strict mode records every op, a recorded fill), and leaves tpu tensors as they are;
     the steps on batches it placed are one program and equal steps on host batches."""
+    from tpu_train.device import lazy
     from tpu_train.device import storage as storage_mod
     from tpu_train.device.tensor import TpuTensor
 
@@ -370,6 +376,7 @@ def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call(monke
         raise AssertionError("a device program ran to place a batch")
 
     monkeypatch.setattr(storage_mod, "_filler", no_program)
+    monkeypatch.setattr(lazy.Region, "record", no_program)
     host = mlp_batches(1, seed=7)[0]
     placed = step.put_batch(host)
     assert torch.equal(placed["x"].cpu(), host["x"])
