@@ -349,8 +349,8 @@ def test_the_next_calls_host_scalars_travel_during_the_call_and_a_changed_lr_is_
 def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call(monkeypatch):
     """``put_batch`` (what the trainer's loop calls for the next batch while a step runs) moves
     host tensors to the device of the step's parameters, one transfer each and no device
-    program (``.to("tpu")`` fills torch's ``empty`` first: a fill program, or on a platform
-    whose strict mode records every op, a recorded fill), and leaves tpu tensors as they are;
+    program (neither a fill program nor, where strict mode records every op, a recorded
+    fill), as ``.to("tpu")`` of a host tensor, and leaves tpu tensors as they are;
     the steps on batches it placed are one program and equal steps on host batches."""
     from tpu_train.device import lazy
     from tpu_train.device import storage as storage_mod
@@ -380,5 +380,11 @@ def test_put_batch_moves_a_host_batch_to_the_steps_device_for_a_later_call(monke
     host = mlp_batches(1, seed=7)[0]
     placed = step.put_batch(host)
     assert torch.equal(placed["x"].cpu(), host["x"])
+    assert torch.equal(to_device(host)["x"].cpu(), host["x"])  # torch's empty, then a copy
+
+    def fills():  # a fill runs a program (from a size's second at the latest): the hooks see it
+        for _ in range(2):
+            torch.full((7,), 2.0, device=DEVICE)
+
     with pytest.raises(AssertionError, match="a device program ran"):
-        to_device(host)  # the path put_batch avoids
+        fills()

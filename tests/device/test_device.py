@@ -1,5 +1,6 @@
 """Runtime, registration and device placement: torch.tpu behaves like torch.cuda."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -344,3 +345,35 @@ def test_efficient_zero_tensor_is_zeros_on_the_device():
     want = torch.tensor([0j, 1 + 1j], requires_grad=True)
     torch.sgn(want).abs().sum().backward()
     torch.testing.assert_close(x.grad.cpu(), want.grad)
+
+
+def test_empty_is_filled_when_first_read_and_a_whole_copy_never_fills_it(monkeypatch):
+    """``torch.empty``'s storage gets its buffer (zeros, deterministic) when first read; a
+    tensor that is overwritten whole first, as ``.to("tpu")`` and ``module.to("tpu")``
+    overwrite the ``empty`` they make, is never filled: no fill program, no fill recorded in a
+    region, no zeros copied from the host. Its bytes count as allocated from the start."""
+    from tpu_train.device import factories, storage
+
+    before = torch.tpu.memory_allocated(0)
+    unread = torch.empty(64, 64, device="tpu")
+    assert torch.tpu.memory_allocated(0) >= before + 64 * 64 * 4
+
+    def no_fill(*args):
+        raise AssertionError("a fill was made")
+
+    for module in (storage, factories):  # where a fill of an empty would be made
+        monkeypatch.setattr(module, "allocate", no_fill)
+    host = torch.randn(3, 5)
+    moved = host.to("tpu")
+    layer = torch.nn.Linear(5, 2)
+    placed = copy.deepcopy(layer).to("tpu")
+    assert torch.equal(moved.cpu(), host)
+    assert torch.equal(placed.weight.cpu(), layer.weight) and torch.equal(placed.bias.cpu(), layer.bias)
+    with pytest.raises(AssertionError, match="a fill was made"):
+        unread.cpu()  # the first read makes it
+    monkeypatch.undo()
+    assert torch.equal(unread.cpu(), torch.zeros(64, 64))
+    with tpu_train.eager_mode("fused"):  # made inside a recorded region, where it is read
+        grown = torch.empty(4, dtype=torch.int32, device="tpu")
+        grown += 3
+    assert torch.equal(grown.cpu(), torch.full((4,), 3, dtype=torch.int32))

@@ -35,14 +35,19 @@ def _dtype(dtype) -> torch.dtype:
     return dtype if dtype is not None else torch.get_default_dtype()
 
 
-def _strided(size, stride, dtype, device, fill=0) -> TpuTensor:
+def _strided(size, stride, dtype, device, fill=None) -> TpuTensor:
+    """A new tensor of ``size`` and ``stride`` filled with ``fill``; None: ``empty``'s,
+    whose buffer is made when first read (:meth:`Storage.unfilled`)."""
     index = _index(device)
     size, stride = tuple(size), tuple(stride)
     if any(n < 0 for n in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension: {list(size)}")
     extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
-    buffer = allocate(extent, dtype, index, fill)
-    return TpuTensor(Storage(buffer, dtype, index), size, stride, 0)
+    if fill is None:
+        storage = Storage.unfilled(extent, dtype, index)
+    else:
+        storage = Storage(allocate(extent, dtype, index, fill), dtype, index)
+    return TpuTensor(storage, size, stride, 0)
 
 
 def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,

@@ -69,6 +69,18 @@ class Storage:
         _adjust(device_index, nbytes)
 
     @classmethod
+    def unfilled(cls, numel: int, dtype: torch.dtype, device_index: int) -> "Storage":
+        """``torch.empty``'s storage: its buffer (zeros, the deterministic stand-in for torch's
+        uninitialised memory) is made when something first reads it. A tensor overwritten
+        whole first, as ``.to("tpu")`` and ``module.to("tpu")`` overwrite the ``empty`` they
+        make, never runs or records a fill, nor copies zeros from the host."""
+        storage = cls(None, dtype, device_index, numel * _element_size(dtype))
+        storage._numel = numel
+        storage.fill_later(_FillOnRead(numel, dtype, device_index))
+        storage._unusual = True  # lazy_buffer's slow path makes the fill
+        return storage
+
+    @classmethod
     def whole(cls, array: jax.Array, dtype: torch.dtype, device_index: int) -> "Storage":
         """A storage of ``array`` in whatever shape it has: a whole tensor's buffer, flat or in
         the tensor's own shape (as a compiled step leaves parameters on a TPU)."""
@@ -499,6 +511,22 @@ def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):
                 return jax.device_put(np.full((numel,), fill, dtype), device)
         return _filler(numel, dtype, device)(scalars.on_device(fill, device_index))[0]
     return jnp.full((numel,), fill, dtype=storage_dtype(dtype), device=device)
+
+
+class _FillOnRead:
+    """An unfilled storage's pending buffer (:meth:`Storage.unfilled`), in the form of a
+    finished copy (:meth:`Storage.fill_later`): its result is the fill, made when read."""
+
+    __slots__ = ("numel", "dtype", "device_index")
+
+    def __init__(self, numel: int, dtype: torch.dtype, device_index: int):
+        self.numel, self.dtype, self.device_index = numel, dtype, device_index
+
+    def result(self):
+        return allocate(self.numel, self.dtype, self.device_index, 0)
+
+    def done(self) -> bool:
+        return True
 
 
 # (numel, dtype, device) of every fill so far. The first fill of a size is a copy from the host
