@@ -190,16 +190,21 @@ class Region:
                 self.rounded_per_op = True
             if len(self.ops) >= _max_region_ops:
                 self.flush()
-            wiring = tuple([self._wire(v) for v in inputs])
+            # An earlier op's result in this region (most inputs) is wired inline: its address.
+            wiring = tuple([v.address if type(v) is Pending and v.region is self
+                            else self._wire(v) for v in inputs])
             position = len(self.ops)
             self.ops.append((body, wiring))
-            results = [Pending(shape, dtype, self, (position, j))
-                       for j, (shape, dtype) in enumerate(out_avals)]
+            if len(out_avals) == 1:  # most ops
+                (shape, dtype), = out_avals
+                results = [Pending(shape, dtype, self, (position, 0))]
+            else:
+                results = [Pending(shape, dtype, self, (position, j))
+                           for j, (shape, dtype) in enumerate(out_avals)]
             self.outputs.append(results)
-            _counts["ops_recorded"] += 1
             # The caller's own list: its references keep the results live (flush counts them)
             # until the caller's tensors hold them.
-            return list(results)
+            return results.copy()
 
     def flush(self) -> None:
         """Run the recorded ops as one program; every pending result still referenced gets
@@ -210,6 +215,7 @@ class Region:
             ops, outputs, inputs = self.ops, self.outputs, self.inputs
             rounded_per_op = self.rounded_per_op
             self._reset()
+            _counts["ops_recorded"] += len(ops)  # counted as they leave the region (stats)
             live, pendings = [], []
             for results in outputs:
                 for index in range(len(results)):
@@ -343,7 +349,10 @@ def stats() -> dict:
     stops compiling after its first pass) and region inputs donated (old buffers the program
     overwrote in place)."""
     with _lock:
-        return dict(_counts)
+        counts = dict(_counts)
+        # A region's ops are counted when it flushes: those still waiting count here.
+        counts["ops_recorded"] += sum(len(found.ops) for found in _regions.values())
+        return counts
 
 
 def concrete(inputs: list) -> list:
