@@ -441,7 +441,12 @@ class _Lowered:
         if lazy.active or (batch and (self.multi_tensor or lazy.records_backward())):
             if dispatch_thread.enabled:
                 dispatch_thread.resolve(inputs)
-            flat = self._fused(inputs, first)
+            if self.out_avals is not None and not first:  # _fused's common case, inline
+                flat = lazy.region(self.index).record(self.body, inputs, self.out_avals)
+                if flat is None:
+                    flat = self.fn(*lazy.concrete(inputs))
+            else:
+                flat = self._fused(inputs, first)
         else:
             if self.float_slots != ():
                 scalars.place_floats(inputs, self)

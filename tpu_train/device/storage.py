@@ -66,7 +66,10 @@ class Storage:
         # Every op output creates a Storage: accounting is two integer updates, and __del__
         # (not weakref.finalize, which costs a few µs per object) gives the bytes back.
         self._held = nbytes
-        _adjust(device_index, nbytes)
+        with _lock:  # _adjust's update, inline: one call less per op output
+            live = _live[device_index] = _live.get(device_index, 0) + nbytes
+            if live > _peak.get(device_index, 0):
+                _peak[device_index] = live
 
     @classmethod
     def unfilled(cls, numel: int, dtype: torch.dtype, device_index: int) -> "Storage":
@@ -150,9 +153,12 @@ class Storage:
     def lazy_buffer(self):
         """The flat buffer, or in fused mode the :class:`~tpu_train.device.lazy.Pending` value
         that will become it, without running anything: what an op being recorded takes."""
+        buffer = self._buffer
         if self._unusual:
+            if type(buffer) is Pending and buffer.array is None and self._pending is None:
+                return buffer  # fused mode's usual input, an earlier op's result: as it is
             return self._unusual_lazy_buffer()
-        return self._buffer
+        return buffer
 
     def _unusual_lazy_buffer(self):
         if self._pending is not None:

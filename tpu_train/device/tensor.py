@@ -35,8 +35,9 @@ def new_tensor(storage: Storage, size: tuple, stride: tuple, offset: int = 0) ->
     """``TpuTensor(storage, size, stride, offset)`` for the op call path, where ``size`` and
     ``stride`` already are tuples (or ``torch.Size``) of ints: no conversions, no ``__init__``."""
     index = storage.device_index
+    device = _DEVICES.get(index) or _device(index)  # inline look-up: one call less per op
     tensor = _make_wrapper_subclass(TpuTensor, size, strides=stride, storage_offset=offset,
-                                    dtype=storage.dtype, device=_device(index))
+                                    dtype=storage.dtype, device=device)
     tensor._storage = storage
     tensor.key_part = (size, stride, offset, storage.dtype, index)
     return tensor
@@ -47,7 +48,8 @@ def new_contiguous_tensor(storage: Storage, size: tuple, stride: tuple) -> "TpuT
     one for ``size`` (an op's output): PyTorch computes the same strides itself, faster than it
     parses them."""
     index = storage.device_index
-    tensor = _make_wrapper_subclass(TpuTensor, size, dtype=storage.dtype, device=_device(index))
+    device = _DEVICES.get(index) or _device(index)  # inline look-up: one call less per op
+    tensor = _make_wrapper_subclass(TpuTensor, size, dtype=storage.dtype, device=device)
     tensor._storage = storage
     tensor.key_part = (size, stride, 0, storage.dtype, index)
     return tensor
