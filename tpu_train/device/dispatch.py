@@ -58,7 +58,7 @@ def dispatch(func, args, kwargs):
     if kind is op_cache.LOWERED:
         return op_cache.run_lowered(info, func, args, kwargs)
     if kind is op_cache.VIEW:
-        return op_cache.run_view(func, args, kwargs)
+        return op_cache.run_view(info, func, args, kwargs)
     if kind is op_cache.MUTATING:
         return inplace.run_mutating(info, func, args, kwargs)
     if kind is op_cache.INPLACE_VIEW:
@@ -69,7 +69,7 @@ def dispatch(func, args, kwargs):
         result = func.decompose(*args, **kwargs)
         if result is not NotImplemented:
             return result
-        return op_cache.run_view(func, args, kwargs)
+        return op_cache.run_view(info, func, args, kwargs)
     return fallback.run_without_lowering(func, args, kwargs)
 
 

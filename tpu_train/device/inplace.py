@@ -113,7 +113,7 @@ def run_mutating(info: OpInfo, func, args, kwargs):
         return mutation.run_mutating(func, args, kwargs)
     inputs, tensors = [], []
     try:
-        key = call_key(func, args, kwargs, info.static_floats, inputs, tensors)
+        key = call_key(info, args, kwargs, info.static_floats, inputs, tensors)
         cache_key = (key, _sharing(tensors)) if info.multi_dest else key
         entry = op_cache._ENTRIES.get(cache_key)
     except (op_cache.Unkeyable, TypeError):

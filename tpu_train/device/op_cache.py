@@ -12,7 +12,8 @@ flattens the outputs; for in-place and ``out=`` ops (:mod:`tpu_train.device.inpl
 writes the result through the destination's geometry. An op is one XLA dispatch, and a repeated
 call does no meta work.
 
-Key: ``(func, part per positional argument, _KWARGS, name, part, name, part, ...)`` where a part is
+Key: ``(op, part per positional argument, _KWARGS, name, part, name, part, ...)`` where ``op``
+is the op's :class:`OpInfo` and a part is
 
 * a tpu tensor: its ``key_part``, ``(size, stride, storage_offset, dtype, device_index)``; the
   size in front (a tuple or ``torch.Size``: no other part starts with one) tells it apart from
@@ -87,10 +88,12 @@ class Unkeyable(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def call_key(func, args, kwargs, static_floats, dynamic, tensors) -> tuple:
-    """The call's key; appends the executable's inputs to ``dynamic`` (None: views, which take
-    none) and the tpu tensor arguments, in order, to ``tensors``."""
-    parts = [func]
+def call_key(head, args, kwargs, static_floats, dynamic, tensors) -> tuple:
+    """The call's key, starting with ``head``, the op's :class:`OpInfo` (hashing a key hashes
+    its head: an ``OpOverload``'s ``__hash__`` is a Python function, an OpInfo's is C's);
+    appends the executable's inputs to ``dynamic`` (None: views, which take none) and the tpu
+    tensor arguments, in order, to ``tensors``."""
+    parts = [head]
     append = parts.append
     for value in args:
         if type(value) is TpuTensor:  # inline: the common case
@@ -488,7 +491,7 @@ def flat_aval(shape, dtype) -> tuple:
 def run_lowered(info: OpInfo, func, args, kwargs):
     inputs, tensors = [], []
     try:
-        key = call_key(func, args, kwargs, info.static_floats, inputs, tensors)
+        key = call_key(info, args, kwargs, info.static_floats, inputs, tensors)
         entry = _ENTRIES.get(key)
     except (Unkeyable, TypeError):
         device_index_of(func, args, kwargs)  # the device error it usually is
@@ -543,11 +546,11 @@ def view_result(func, args, kwargs):
     return torch.utils._pytree.tree_map(as_view, result)
 
 
-def run_view(func, args, kwargs):
+def run_view(info: OpInfo, func, args, kwargs):
     tensors = []
     try:
         # The base's storage size belongs to the key: it bounds what as_strided may address.
-        key = (call_key(func, args, kwargs, True, None, tensors), args[0]._storage.numel)
+        key = (call_key(info, args, kwargs, True, None, tensors), args[0]._storage.numel)
         entry = _ENTRIES.get(key)
     except (Unkeyable, TypeError, AttributeError, IndexError):
         return view_result(func, args, kwargs)
@@ -563,6 +566,8 @@ def run_view(func, args, kwargs):
 def _view_entry(result):
     if isinstance(result, TpuTensor):
         shape, stride, offset = result.shape, result.stride(), result.storage_offset()
+        if offset == 0 and stride == contiguous_strides(shape):  # view, reshape, unsqueeze...
+            return lambda storage: new_contiguous_tensor(storage, shape, stride)
         return lambda storage: new_tensor(storage, shape, stride, offset)
     if type(result) in (list, tuple) and all(isinstance(r, TpuTensor) for r in result):
         kind = type(result)
