@@ -126,9 +126,12 @@ def _part(value, static_floats, dynamic, tensors):
     if cls in _PLAIN_NUMBERS:
         return (cls, value)
     if cls is list or cls is tuple or cls is torch.Size:
-        if all(type(v) is int for v in value):  # sizes and dims: most sequences
-            return (_INTS, cls, tuple(value))
-        return (_SEQ, cls) + tuple([_part(v, static_floats, dynamic, tensors) for v in value])
+        # A loop, not all() over a generator: a generator is a Python call per item.
+        for item in value:
+            if type(item) is not int:
+                return (_SEQ, cls) + tuple([_part(v, static_floats, dynamic, tensors)
+                                            for v in value])
+        return (_INTS, cls, tuple(value))  # sizes and dims: most sequences
     if isinstance(value, TpuTensor):
         if _verify_key_parts:
             verify_key_part(value)
