@@ -81,9 +81,11 @@ def test_factories_are_recorded_and_a_host_copy_into_a_fresh_tensor_runs_nothing
         full = torch.full((4,), 2.5, device="tpu")
         on_one = torch.full((3,), 7, device="tpu:1")  # a region of fills only
         copied = host.to("tpu")  # torch.empty, filled only if read, then replaced whole
-        assert _counts()["ops_recorded"] - before["ops_recorded"] == 3  # the three fills
+        liked = torch.full_like(zeros, 4.0)  # one fill: the source is not read
+        assert _counts()["ops_recorded"] - before["ops_recorded"] == 4  # the four fills
         assert _ran_since(before) == 0
     assert zeros.cpu().tolist() == [[0.0] * 3] * 2 and full.cpu().tolist() == [2.5] * 4
+    assert liked.cpu().tolist() == [[4.0] * 3] * 2
     assert storage_of(on_one).buffer.devices() == {runtime.jax_device(1)}
     assert on_one.cpu().tolist() == [7] * 3
     assert torch.equal(copied.cpu(), host)

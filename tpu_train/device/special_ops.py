@@ -198,12 +198,12 @@ def _randint_like(func, args, kwargs):
 def _filled_like(fill):
     """``zeros_like`` / ``ones_like`` / ``empty_like`` (zeros, for determinism) /
     ``full_like`` (``fill`` None: the op's own value) from the source's shape and dtype alone,
-    as a new contiguous tensor filled in place. As an op of its own the source would be an
+    as a new contiguous tensor made by one fill. As an op of its own the source would be an
     input: on a TPU, whose whole buffers keep their tensors' shapes, reading it flattens the
     buffer first (a copy, and a program to compile per shape), for a value never used."""
     def handler(func, args, kwargs):
         value = args[1] if fill is None else fill
-        return torch.empty(args[0].shape, **_like_options(args[0], kwargs)).fill_(value)
+        return torch.full(args[0].shape, value, **_like_options(args[0], kwargs))
 
     return handler
 
