@@ -312,7 +312,7 @@ class CompiledTrainStep:
 
         def put(value):
             if isinstance(value, torch.Tensor) and not isinstance(value, TpuTensor):
-                return from_host_whole(value, index)  # no device program, unlike .to()
+                return from_host_whole(value, index)  # .to()'s transfer without its empty + copy_
             return value
 
         return tree_map(put, batch)

@@ -326,9 +326,9 @@ def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
 def from_host_whole(tensor: torch.Tensor, device_index: int) -> TpuTensor:
     """Copy a CPU tensor onto ``tpu:device_index`` as one buffer in the layout the platform
     keeps whole tensors in (its own shape on a TPU, flat on the CPU client:
-    :func:`tpu_train.device.runtime.natural_buffers`): one transfer and no device program,
-    where ``.to("tpu")`` first makes torch's ``empty`` on the device (a fill program, from a
-    size's second use) and then copies into it. What a compiled step reads whole, as is."""
+    :func:`tpu_train.device.runtime.natural_buffers`): one transfer and no device program, as
+    ``.to("tpu")`` ends up, without its detour through torch's ``empty`` and a dispatched
+    ``copy_`` (host time a training loop spends per batch). What a compiled step reads whole."""
     shape = tuple(tensor.shape)
     array = storage_mod.put_whole(host_array(tensor), runtime.jax_device(device_index))
     return TpuTensor(Storage.whole(array, tensor.dtype, device_index), shape,
