@@ -184,11 +184,25 @@ def test_device_module_api():
         pass
 
 
-def test_host_to_device_copy_does_not_alias_host_memory():
-    host = torch.arange(12.0).reshape(4, 3)
-    device_tensor = host.to("tpu")
+# `.to` and `copy_` copy the host memory before the transfer; `module.to` transfers from the
+# weights' own memory and waits at its end. An in-place write right after must reach no copy,
+# small or large (16 MB: a transfer still reading it would see the write).
+@pytest.mark.parametrize("rows", [4, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("how", ["to", "copy_", "module.to"])
+def test_host_to_device_copy_does_not_alias_host_memory(rows, dtype, how):
+    expected = torch.arange(rows * 4).reshape(rows, 4).to(dtype)
+    host = expected.clone()
+    if how == "to":
+        device_tensor = host.to("tpu")
+    elif how == "copy_":
+        device_tensor = torch.empty(rows, 4, dtype=dtype, device="tpu").copy_(host)
+    else:
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(host, requires_grad=dtype.is_floating_point)
+        device_tensor = module.to("tpu").weight
     host.add_(100)
-    assert torch.equal(device_tensor.cpu(), torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(device_tensor.cpu(), expected)
 
 
 @pytest.mark.parametrize("source,target", [

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tpu_train.compile import interpreter, tracing
 from tpu_train.device import rng, runtime
-from tpu_train.device.tensor import TpuTensor, host_array, wrap
+from tpu_train.device.tensor import TpuTensor, put_cpu_tensor, wrap
 from tpu_train.ops import registry
 
 __all__ = ["BACKEND_NAME", "install_traceable_protocol", "register", "tpu_backend"]
@@ -114,7 +114,7 @@ def _as_jax(value, device_index: int):
     if isinstance(value, TpuTensor):
         return value.jax_value()
     if isinstance(value, torch.Tensor):
-        return jax.device_put(host_array(value), runtime.jax_device(device_index))
+        return put_cpu_tensor(value, runtime.jax_device(device_index), flat=False)
     return value
 
 

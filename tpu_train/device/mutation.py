@@ -13,7 +13,7 @@ import functools
 import torch
 
 from tpu_train.device import storage as storage_mod
-from tpu_train.device.tensor import TpuTensor, from_host, host_array, to_host
+from tpu_train.device.tensor import TpuTensor, from_host, host_values, to_host
 
 aten = torch.ops.aten
 
@@ -165,7 +165,7 @@ def assign(destination, value, func=None) -> None:
                 host = host.to(destination.dtype)  # torch's own conversion, on the host
             if storage_mod.write_host(
                     destination._storage, tuple(destination.shape), tuple(destination.stride()),
-                    destination.storage_offset(), host_array(host)):
+                    destination.storage_offset(), *host_values(host)):
                 return  # a batch copied into a fresh tensor: one transfer
             array = from_host(host, destination.device.index).jax_value()
         if tuple(array.shape) != tuple(destination.shape):

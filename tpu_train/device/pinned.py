@@ -78,7 +78,7 @@ def pin_memory(tensor: torch.Tensor, device=None) -> torch.Tensor:
 def copy_async(destination, source: torch.Tensor) -> bool:
     """Start copying pinned ``source`` into the whole of tpu ``destination`` in the
     background; False (nothing done) when the copy does not qualify."""
-    from tpu_train.device.tensor import host_array, owns_whole_storage
+    from tpu_train.device.tensor import owns_whole_storage, put_cpu_tensor
 
     if not (source.device.type == "cpu" and source.dtype == destination.dtype
             and tuple(source.shape) == tuple(destination.shape) and source.is_contiguous()
@@ -87,9 +87,8 @@ def copy_async(destination, source: torch.Tensor) -> bool:
     jax_device = runtime.jax_device(destination.device.index)
 
     def transfer():
-        # host_array snapshots the buffer (the CPU client may alias host memory) and
-        # converts dtypes (int64 is stored as int32); it runs here, off the caller's thread.
-        return jax.device_put(host_array(source).reshape(-1), jax_device)
+        # Converts dtypes (int64 is stored as int32) and copies, here, off the caller's thread.
+        return put_cpu_tensor(source, jax_device)
 
     destination._storage.fill_later(_transfers.submit(transfer))
     return True

@@ -21,6 +21,7 @@ Readers and writers are jitted per geometry and cached.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -478,24 +479,64 @@ def write(storage: Storage, size: tuple, stride: tuple, offset: int, value: jax.
     storage.buffer = _writer(tuple(size), tuple(stride), int(offset))(storage.buffer, value)
 
 
-def write_host(storage: Storage, size: tuple, stride: tuple, offset: int, host: np.ndarray) -> bool:
+def write_host(storage: Storage, size: tuple, stride: tuple, offset: int, host: np.ndarray,
+               shares_memory: bool) -> bool:
     """Replace the whole storage with a host array of exactly the view's shape, already in the
     storage dtype: one transfer, no device op, flat or in the view's shape as the platform
     keeps whole buffers (:func:`tpu_train.device.runtime.natural_buffers`). False (nothing
     written) when the view is not the whole storage in order: the caller then takes
-    :func:`write`."""
+    :func:`write`. ``shares_memory``: ``host`` is a CPU tensor's own memory (:func:`put_host`)."""
     if not _is_whole(size, stride, offset, storage.numel) or host.shape != tuple(size) \
             or host.dtype != storage_dtype(storage.dtype):
         return False
-    storage.buffer = put_whole(host, runtime.jax_device(storage.device_index))
+    storage.buffer = put_whole(host, runtime.jax_device(storage.device_index), shares_memory)
     return True
 
 
-def put_whole(host: np.ndarray, device) -> jax.Array:
+def put_whole(host: np.ndarray, device, shares_memory: bool = False) -> jax.Array:
     """A whole tensor's host array on ``device`` in the layout the platform keeps whole buffers
     in (:func:`tpu_train.device.runtime.natural_buffers`): its own shape, or flat. One transfer."""
-    return jax.device_put(host if runtime.natural_buffers(device.platform) else host.reshape(-1),
-                          device)
+    return put_host(host if runtime.natural_buffers(device.platform) else host.reshape(-1),
+                    device, shares_memory)
+
+
+_awaited_on_exit = threading.local()
+
+
+def put_host(host: np.ndarray, device, shares_memory: bool) -> jax.Array:
+    """``host`` on ``device``, one transfer, never aliasing a CPU tensor's memory.
+
+    ``shares_memory``: ``host`` is a CPU tensor's own memory, which the user may write in place
+    later. A transfer reads host memory after the call returns (until the device buffer is
+    ready; the CPU client keeps the array as the buffer itself, whatever ``device_put``'s
+    ``may_alias`` says), so such an array is copied first. Waiting for the transfer instead
+    costs more for one tensor (a v5e host: 430-530 us from 4 KB to 256 KB against 100-240 us
+    to copy and put; 3.3 ms at 16 MB against 1.7-2.6), but many transfers waited for together
+    overlap: inside :func:`host_reads_awaited_on_exit` an accelerator's are not copied."""
+    pending = getattr(_awaited_on_exit, "values", None)
+    if shares_memory and (pending is None or device.platform == "cpu"):
+        return jax.device_put(host.copy(), device)
+    value = jax.device_put(host, device)
+    if shares_memory:
+        pending.append(value)
+    return value
+
+
+@contextlib.contextmanager
+def host_reads_awaited_on_exit():
+    """Within (on this thread): transfers from CPU tensors' own memory to an accelerator are not
+    copied first but all waited for when the block ends, so they overlap. For a caller that
+    hands no CPU tensor back to user code before it returns: ``module.to`` (a W1 model on a v5e
+    host: 26 ms instead of 116 with every weight copied first; its transfers alone, 9.5)."""
+    if getattr(_awaited_on_exit, "values", None) is not None:
+        yield
+        return
+    _awaited_on_exit.values = []
+    try:
+        yield
+    finally:
+        values, _awaited_on_exit.values = _awaited_on_exit.values, None
+        jax.block_until_ready(values)
 
 
 def allocate(numel: int, dtype: torch.dtype, device_index: int, fill=0):

@@ -303,22 +303,42 @@ def wrap(value: jax.Array, dtype: torch.dtype, device_index: int, shape=None) ->
     return TpuTensor(Storage(buffer, dtype, device_index), shape, contiguous_strides(shape), 0)
 
 
-def host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a numpy array in the device storage dtype.
-
-    Always a copy: the CPU client may alias host memory zero-copy, and a later in-place write
-    to the CPU tensor must not change the device tensor."""
+def host_values(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A CPU tensor's values as a numpy array in the device storage dtype, and whether that
+    array shares the tensor's memory (no copy or conversion was needed to make it): for
+    :func:`tpu_train.device.storage.put_host`, which transfers it safely either way. Anything
+    that keeps the array takes :func:`host_array`."""
     tensor = tensor.detach()
+    contiguous = tensor.contiguous()
+    shared = contiguous.data_ptr() == tensor.data_ptr()
     if tensor.dtype == torch.bfloat16:
-        return tensor.contiguous().view(torch.int16).numpy().view(jnp.bfloat16).copy()
-    array = tensor.contiguous().numpy()
-    return np.array(array, dtype=storage_dtype(tensor.dtype), copy=True)
+        return contiguous.view(torch.int16).numpy().view(jnp.bfloat16), shared
+    array = contiguous.numpy()
+    target = storage_dtype(tensor.dtype)
+    if array.dtype != target:
+        return array.astype(target), False
+    return array, shared
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array in the device storage dtype, never sharing the
+    tensor's memory: the CPU client may alias host memory zero-copy, and a later in-place write
+    to the CPU tensor must not change what was made from it."""
+    array, shared = host_values(tensor)
+    return array.copy() if shared else array
+
+
+def put_cpu_tensor(tensor: torch.Tensor, device, flat: bool = True) -> jax.Array:
+    """A CPU tensor's values on JAX device ``device``, one transfer: one flat buffer (the
+    storage's), or in the tensor's shape when not ``flat``."""
+    # Flattened on the host: a device-side reshape would be one more eager JAX op.
+    array, shared = host_values(tensor)
+    return storage_mod.put_host(array.reshape(-1) if flat else array, device, shared)
 
 
 def from_host(tensor: torch.Tensor, device_index: int) -> TpuTensor:
     """Copy a CPU tensor onto ``tpu:device_index``."""
-    # Flattened on the host: a device-side reshape would be one more eager JAX op.
-    array = jax.device_put(host_array(tensor).reshape(-1), runtime.jax_device(device_index))
+    array = put_cpu_tensor(tensor, runtime.jax_device(device_index))
     shape = tuple(tensor.shape)
     return TpuTensor(Storage(array, tensor.dtype, device_index), shape, contiguous_strides(shape))
 
@@ -330,7 +350,8 @@ def from_host_whole(tensor: torch.Tensor, device_index: int) -> TpuTensor:
     ``.to("tpu")`` ends up, without its detour through torch's ``empty`` and a dispatched
     ``copy_`` (host time a training loop spends per batch). What a compiled step reads whole."""
     shape = tuple(tensor.shape)
-    array = storage_mod.put_whole(host_array(tensor), runtime.jax_device(device_index))
+    host, shared = host_values(tensor)
+    array = storage_mod.put_whole(host, runtime.jax_device(device_index), shared)
     return TpuTensor(Storage.whole(array, tensor.dtype, device_index), shape,
                      contiguous_strides(shape))
 

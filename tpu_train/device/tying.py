@@ -23,6 +23,7 @@ import threading
 
 import torch
 
+from tpu_train.device import storage
 from tpu_train.device.tensor import TpuTensor
 
 _local = threading.local()
@@ -54,7 +55,10 @@ def _apply(self, fn, recurse=True):
     slots = _slots(self)  # holds the old parameters alive, so their ids stay unique
     _local.depth = 1
     try:
-        result = _original_apply(self, fn, recurse)
+        # The module's host tensors reach user code again only when this returns: their
+        # transfers overlap, and are waited for once.
+        with storage.host_reads_awaited_on_exit():
+            result = _original_apply(self, fn, recurse)
     finally:
         _local.depth = 0
     _retie(slots)

@@ -132,11 +132,11 @@ class TpuProcessGroup(dist.ProcessGroup):
     # -- plumbing --------------------------------------------------------------------------------
 
     def _array(self, tensor: torch.Tensor) -> jax.Array:
-        from tpu_train.device.tensor import TpuTensor, host_array
+        from tpu_train.device.tensor import TpuTensor, put_cpu_tensor
 
         if isinstance(tensor, TpuTensor):
             return tensor.jax_value().reshape(-1)
-        return jax.device_put(host_array(tensor).reshape(-1), self._mesh.device)
+        return put_cpu_tensor(tensor, self._mesh.device)
 
     def _launch(self, what: str, writes, group=None, ranks=None):
         """Write ``(tensor, array)`` results and return a Work done when they are ready."""
