@@ -15,6 +15,10 @@ parameter objects sit in which (module, name) slots, runs the original, and wher
 parameter became several new ``tpu`` parameters, puts the first of them in every slot that
 shared it (likewise for moves from tpu back to the CPU). Conversions that neither start nor
 end on the tpu device are left exactly as PyTorch made them.
+
+The same wrapper lets a module's host-to-device transfers overlap: no weight reaches user code
+before ``_apply`` returns, so each is transferred from its own memory and all are waited for
+once at the end (:func:`tpu_train.device.storage.host_reads_awaited_on_exit`).
 """
 
 from __future__ import annotations
