@@ -82,6 +82,28 @@ def test_keep_last_and_async_save(tmp_path):
     assert torch.equal(model_state["w"], torch.full((2,), 3.0))
 
 
+def test_an_async_save_keeps_owned_tensors_and_snapshots_the_rest(tmp_path, monkeypatch):
+    import threading
+
+    release, write = threading.Event(), CheckpointManager._write
+
+    def delayed_write(self, step, model_state, training_state):
+        release.wait(5)
+        write(self, step, model_state, training_state)
+
+    monkeypatch.setattr(CheckpointManager, "_write", delayed_write)
+    manager = CheckpointManager(tmp_path, keep_last=2, async_save=True)
+    live, copied = torch.zeros(3), torch.zeros(3)
+    manager.save(1, {"live": live, "copied": copied}, {"step": 1}, owned=frozenset({id(copied)}))
+    live.fill_(7.0)  # the trainer goes on: the snapshot taken at save() is what gets written
+    copied.fill_(5.0)  # an owned tensor is not copied again: nothing else may write it
+    release.set()
+    manager.wait()
+    model_state, _, _ = read_checkpoint(latest_checkpoint(tmp_path))
+    assert torch.equal(model_state["live"], torch.zeros(3))
+    assert torch.equal(model_state["copied"], torch.full((3,), 5.0))
+
+
 def test_a_failed_run_waits_for_the_save_in_flight_and_logs_its_error(tmp_path, monkeypatch):
     import threading
     import types

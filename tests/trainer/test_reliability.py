@@ -279,9 +279,14 @@ def test_nan_grad_norm_with_on_nan_stop_stops_before_the_update(tmp_path, poison
 
 
 def test_non_finite_tensors_names_them():
+    big = torch.finfo(torch.float32).max
     state = {"a": torch.ones(2), "b": {"c": torch.tensor([1.0, float("inf")])},
-             "d": [torch.tensor([float("nan")])], "e": torch.tensor([1]), "f": 1.0}
-    assert non_finite_tensors(state) == ["b.c", "d[0]"]
+             "d": [torch.tensor([float("nan")])], "e": torch.tensor([1]), "f": 1.0,
+             # finite values whose sum overflows: not named
+             "g": torch.tensor([big, big]), "h": torch.tensor([1e308, 1e308], dtype=torch.float64),
+             "i": torch.tensor([1.0, float("-inf")], dtype=torch.bfloat16),
+             "j": torch.tensor([float("inf"), float("-inf")])}
+    assert non_finite_tensors(state) == ["b.c", "d[0]", "i", "j"]
 
 
 # --------------------------------------------------------------------------- metrics

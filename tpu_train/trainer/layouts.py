@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 from tpu_train.parallel.mesh import MeshShape
 
@@ -47,6 +48,9 @@ class Layout:
 
     # Does the model live in pieces (a mesh or per-device shards) rather than whole on one device?
     sharded = True
+    # Are full_state's tensors host copies that nothing else holds? A checkpoint then takes them
+    # as its snapshot instead of copying the whole model and optimizer state a second time.
+    full_state_copies = True
 
     def __init__(self, shape: MeshShape, world: World, device: torch.device):
         self.shape, self.world, self.device = shape, world, device
@@ -164,7 +168,12 @@ class Layout:
         refuse_non_finite(non_finite_tensors(model_state)
                           + non_finite_tensors(training_state["optimizer"], "optimizer"),
                           run.step, run.job.run_dir, run.job.world.is_main)
-        run.checkpointer.save(run.step, model_state, training_state)
+        owned = frozenset()
+        if self.full_state_copies:
+            owned = frozenset(id(t) for t in tree_leaves([model_state,
+                                                         training_state["optimizer"]["state"]])
+                              if isinstance(t, torch.Tensor) and t.is_contiguous())
+        run.checkpointer.save(run.step, model_state, training_state, owned)
 
     def load(self, run, checkpoint: Path, model_state: dict | None,
              training_state: dict) -> None:
@@ -283,6 +292,9 @@ class PerDevice(Layout):
     """One process per device (``trainer.mode=eager`` under a launcher): DTensor tensor
     parallelism then FSDP2 over ``device_mesh``; the model was sharded (and moved) when the
     layout was chosen."""
+
+    # torch.distributed.checkpoint's full state dicts may hold host tensors the model shares.
+    full_state_copies = False
 
     def __init__(self, shape: MeshShape, world: World, device: torch.device, device_mesh):
         super().__init__(shape, world, device)
