@@ -81,6 +81,10 @@ def test_default_run_starts_from_the_base_model_and_says_where_everything_is(tmp
     assert fields["train log"] == str(run_dir / "train.log")
     assert fields["tensorboard"].startswith(f"{run_dir / 'tensorboard'} (tensorboard --logdir")
     assert fields["checkpoint"] == str(run_dir / "checkpoints" / "step_00000002")
+    # One save (the last step), written in the background (checkpoint.async_save's default).
+    saves = re.fullmatch(r"1: ([0-9.]+) s of the training loop's time, ([0-9.]+) s more written "
+                         r"in the background", fields["checkpoint saves"])
+    assert saves and float(saves.group(2)) > 0, fields["checkpoint saves"]
     assert fields["hf export"] == str(run_dir / "hf")
     assert (run_dir / "hf" / "model.safetensors").is_file()
     # Validation runs on the starting model (trainer.val_at_start) and on the final one even

@@ -28,6 +28,8 @@ is checked. A checkpoint is only written from finite parameters and optimizer st
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import math
@@ -35,6 +37,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -110,10 +113,15 @@ def file_sha256(path: Path) -> str:
 
 
 def checksums(directory: Path) -> dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``directory`` except ``meta.json``."""
-    return {str(p.relative_to(directory).as_posix()): file_sha256(p)
-            for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.relative_to(directory).as_posix() != META_FILE}
+    """``{relative path: sha256}`` of every file under ``directory`` except ``meta.json``.
+    The files are hashed side by side (hashlib and file reads release the GIL): a checkpoint is
+    a few large files, or many shards, and one core hashes ~0.5-1.4 GB/s."""
+    files = [p for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.relative_to(directory).as_posix() != META_FILE]
+    workers = max(1, min(len(files), os.cpu_count() or 1, 8))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        sums = list(pool.map(file_sha256, files))
+    return {str(p.relative_to(directory).as_posix()): digest for p, digest in zip(files, sums)}
 
 
 def read_meta(path: Path) -> dict:
@@ -352,6 +360,27 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
                          "choose another checkpoint") from None
 
 
+@dataclasses.dataclass
+class SaveTimes:
+    """Where a run's checkpoint saves spent their time (the closing block reports it)."""
+
+    saves: int = 0
+    # On the training loop: copies to the host, checks, waiting for the previous save, and the
+    # writing itself when it is not in the background.
+    blocking_s: float = 0.0
+    # Writing, hashing and syncing the files on the background thread while training went on.
+    background_s: float = 0.0
+
+    def describe(self) -> str | None:
+        """``1: 4.6 s of the training loop's time, 12.1 s more written in the background``."""
+        if not self.saves:
+            return None
+        text = f"{self.saves}: {self.blocking_s:.1f} s of the training loop's time"
+        if self.background_s:
+            text += f", {self.background_s:.1f} s more written in the background"
+        return text
+
+
 class CheckpointManager:
     """Saves checkpoints of one run, keeps the last ``keep_last`` and optionally writes in the
     background.
@@ -369,6 +398,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved: Path | None = None
+        self.times = SaveTimes()
 
     def remove_stale_temporaries(self) -> None:
         """Delete the leftovers of saves that were interrupted by a crash."""
@@ -406,10 +436,12 @@ class CheckpointManager:
             self._prune()
 
     def _write_in_background(self, step: int, model_state: dict, training_state: dict) -> None:
+        started = time.perf_counter()
         try:
             self._write(step, model_state, training_state)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the main thread
             self._error = exc
+        self.times.background_s += time.perf_counter() - started
 
     def _write(self, step: int, model_state: dict, training_state: dict) -> None:
         self.last_saved = write_checkpoint(self.directory, step, model_state, training_state)

@@ -303,9 +303,12 @@ class _Loop:
     def save(self) -> None:
         """A checkpoint of this step in the layout's format (every process calls this)."""
         data = self.ahead if self.ahead is not None else self.batches
+        started = time.perf_counter()
         state = {"scheduler": self.scheduler.state_dict(), "data": data.state_dict(),
                  "rng": capture_rng_state(self.job.device)}
         self.parallel.save(self.run, state)
+        self.checkpointer.times.saves += 1
+        self.checkpointer.times.blocking_s += time.perf_counter() - started
 
     def start_batches(self) -> None:
         """Start building batches ahead (``data.prefetch``) now, while the starting model is

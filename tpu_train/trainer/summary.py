@@ -185,6 +185,9 @@ def final_summary(run, export_dir: Path | None, validation: dict,
             ("hf export", str(export_dir) if export_dir else "none")]
     if validation.get("step") == step and validation.get("values"):
         rows.append((f"validation at step {step}", _validation_figures(validation, start)))
+    saves = run.checkpointer.times.describe()
+    if saves:
+        rows.append(("checkpoint saves", saves))
     rows += throughput or []
     rows.append(("wall time", duration(wall_s)))
     width = max(len(key) for key, _ in rows)
