@@ -16,7 +16,8 @@ one after the other in child processes (one process at a time can hold a TPU chi
   one checkpoint, after the last step), read back from the run's ``metrics.jsonl``:
   ``throughput/*``, the figures of its closing block (median step over the steps that compiled
   nothing, tokens/s and MFU at it, and the wall-clock rate after the first step, which
-  includes the trainer's own work between steps: logging, metrics, the data).
+  includes the trainer's own work between steps: logging, metrics, the data); beside them the
+  whole process's seconds (``process_s``) and its closing block's ``checkpoint saves`` row.
 
 Both sides time a step the same way: from the step call until its loss has been read on the
 host (the benchmark: ``train_step_modes.wait_for_loss``; the loop: its ``float`` of the loss and
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -139,6 +141,10 @@ def run_cli(size: str, steps: int, timeout_s: float) -> dict:
             return proc
         figures = read_throughput(run_dir)
         figures["process_s"] = round(time.perf_counter() - start, 1)
+        # What the run's checkpoint save cost (the closing block's row; not part of a step).
+        saves = re.search(r"^.*  checkpoint saves: +(.+)$", (run_dir / "train.log").read_text(),
+                          flags=re.MULTILINE)
+        figures["checkpoint_saves"] = saves.group(1) if saves else None
         return figures
     finally:
         shutil.rmtree(run_dir.parent, ignore_errors=True)

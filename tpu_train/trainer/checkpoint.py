@@ -375,10 +375,15 @@ class SaveTimes:
         """``1: 4.6 s of the training loop's time, 12.1 s more written in the background``."""
         if not self.saves:
             return None
-        text = f"{self.saves}: {self.blocking_s:.1f} s of the training loop's time"
+        text = f"{self.saves}: {_seconds(self.blocking_s)} of the training loop's time"
         if self.background_s:
-            text += f", {self.background_s:.1f} s more written in the background"
+            text += f", {_seconds(self.background_s)} more written in the background"
         return text
+
+
+def _seconds(value: float) -> str:
+    """``12.1 s``, ``0.04 s``: tenths of a second, hundredths under one second."""
+    return f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
 
 
 class CheckpointManager:
