@@ -493,7 +493,7 @@ def write_host(storage: Storage, size: tuple, stride: tuple, offset: int, host: 
     return True
 
 
-def put_whole(host: np.ndarray, device, shares_memory: bool = False) -> jax.Array:
+def put_whole(host: np.ndarray, device, shares_memory: bool) -> jax.Array:
     """A whole tensor's host array on ``device`` in the layout the platform keeps whole buffers
     in (:func:`tpu_train.device.runtime.natural_buffers`): its own shape, or flat. One transfer."""
     return put_host(host if runtime.natural_buffers(device.platform) else host.reshape(-1),
