@@ -31,8 +31,10 @@ torch.optim) has it: PyTorch's own pow rounds the base to float32 first, which f
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -200,7 +202,16 @@ def is_whole(exponent):
 
 def power(base: float, exponent):
     """``base ** exponent`` for a Python number ``base`` (:func:`is_host_base`) and a float32
-    array ``exponent``: float-float for whole exponents up to 2**24, IEEE pow otherwise."""
+    array ``exponent``: float-float for whole exponents up to 2**24, IEEE pow otherwise.
+
+    A nested program, one per base: a traced optimizer raises the same beta to a step count
+    once per parameter, and tracing the loop over the exponent's bits costs ~10 ms each time
+    on the host (a program reads it back from JAX's trace cache after the first)."""
+    return _power_program(float(base), exponent)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _power_program(base: float, exponent):
     whole = is_whole(exponent)
     whole_exponent = jnp.where(whole, exponent, 0)
     hi, _, shift = power_parts(base, whole_exponent)
