@@ -205,8 +205,8 @@ def power(base: float, exponent):
     array ``exponent``: float-float for whole exponents up to 2**24, IEEE pow otherwise.
 
     A nested program, one per base: a traced optimizer raises the same beta to a step count
-    once per parameter, and tracing the loop over the exponent's bits costs ~10 ms each time
-    on the host (a program reads it back from JAX's trace cache after the first)."""
+    once per parameter, and tracing the loop over the exponent's bits costs ~10 ms on the host
+    each time; JAX keeps the traced program for later calls of the same base and shape."""
     return _power_program(float(base), exponent)
 
 
