@@ -160,3 +160,25 @@ def test_tensor_to_tensor_power_keeps_ieee_special_cases():
     b, e = torch.broadcast_tensors(bases[:, None], exponents[None, :])
     got = torch.pow(b.to(DEVICE), e.to(DEVICE)).cpu()
     torch.testing.assert_close(got, torch.pow(b, e), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_base_is_traced_once_however_many_exponents_it_meets(monkeypatch):
+    """A traced optimizer raises one beta to a step count per parameter: the loop over the
+    exponent's bits is traced once per base and shape, not once per call."""
+    import jax
+    import jax.numpy as jnp
+
+    tables = []
+    real_table = scalar_power._host_table
+    monkeypatch.setattr(scalar_power, "_host_table", lambda base: tables.append(base)
+                        or real_table(base))
+    base = 0.987654  # a base no other test of this session traces
+
+    def corrections(step):
+        return [1 - scalar_power.power(base, step) for _ in range(6)]
+
+    step = jnp.float32(7.0)
+    values = jax.jit(corrections)(step)
+    assert tables == [base]
+    exact = 1 - float(np.float32(base ** 7))
+    assert all(float(v) == pytest.approx(exact, rel=1e-6) for v in values)
