@@ -63,10 +63,13 @@ def main(argv=None) -> dict:
     if args.child:
         print(json.dumps(build_once(args.child)))
         return {}
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     names = [n for n in args.optimizers.split(",") if n]
     unknown = [n for n in names if n not in OPTIMIZERS]
-    if unknown:
-        parser.error(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
+    if unknown or not names:
+        parser.error(f"--optimizers {args.optimizers!r}: unknown or none {unknown}; choose from "
+                     f"{', '.join(OPTIMIZERS)}")
     env = dict(os.environ, TPU_TRAIN_CACHE_DIR="off")
     runs: dict = {n: [] for n in names}
     for _ in range(args.rounds):

@@ -30,6 +30,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=int, default=20)
     args = parser.parse_args(argv)
+    if args.shapes < 1:
+        parser.error(f"--shapes {args.shapes}: give at least 1")
 
     import jax
     import jax.numpy as jnp
