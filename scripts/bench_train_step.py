@@ -328,6 +328,12 @@ def main(argv=None) -> dict:
                         help="with --size: trainer.precision, and the reference's (default bf16)")
     parser.add_argument("--remat", choices=("full", "dots"),
                         help="with --size: rematerialize each layer of the JAX reference")
+    parser.add_argument("--seq", type=int, metavar="N",
+                        help="with --size: sequences of N tokens instead of the size's")
+    parser.add_argument("--batch", type=int, metavar="N",
+                        help="with --size: N sequences a step instead of the size's")
+    parser.add_argument("--trainer-remat", choices=("none", "full", "save_dots", "save_qkv_proj"),
+                        help="with --size: trainer.remat of the compiled_scan mode")
     parser.add_argument("--layers", type=int, metavar="N",
                         help="with --size: N decoder layers instead of the size's own")
     parser.add_argument("--wait", choices=("loss", "ready"), default="loss",
@@ -420,7 +426,7 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
                       flush=True)
 
 
-SIZED_MODES = ("eager", "fused", "compiled", "jax", "jax_ahead")
+SIZED_MODES = ("eager", "fused", "compiled", "compiled_scan", "jax", "jax_ahead", "jax_scan")
 SIZED_DEFAULT = ("compiled", "jax")
 
 
@@ -438,10 +444,12 @@ def sized(parser, args) -> dict:
     from tpu_train.models import Llama
 
     size = jax_llama.SIZES[args.size]
-    if args.layers is not None:
-        if args.layers < 1:
-            parser.error(f"--layers must be >= 1, got {args.layers}")
-        size = dataclasses.replace(size, n_layers=args.layers)
+    for flag, field in (("layers", "n_layers"), ("seq", "seq"), ("batch", "batch")):
+        value = getattr(args, flag)
+        if value is not None:
+            if value < 1:
+                parser.error(f"--{flag} must be >= 1, got {value}")
+            size = dataclasses.replace(size, **{field: value})
     facts = tsm.device_facts()
     if facts["device_count"] > 1:
         # The trainer's step would run data-parallel over all of them, the reference on one.
@@ -451,6 +459,14 @@ def sized(parser, args) -> dict:
                      "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1)")
     configs = {mode: tsm.trainer_config(args.precision, model=tsm.model_option(args.size),
                                         mode=mode) for mode in ("eager", "fused", "compiled")}
+    # The trainer's step with its layers under one scan (trainer.scan_layers=true), and
+    # trainer.remat as --trainer-remat says (the trainer's default otherwise).
+    scan_extra = ["trainer.scan_layers=true"]
+    if args.trainer_remat is not None:
+        scan_extra.append(f"trainer.remat={args.trainer_remat}")
+    configs["compiled_scan"] = tsm.trainer_config(
+        args.precision, model=tsm.model_option(args.size), mode="compiled",
+        extra=tuple(scan_extra))
     cpu_model = Llama(size.config())
     cpu_model.init_weights(seed=0, device="cpu")
     batches = make_batches(args.steps, size.vocab_size, batch=size.batch, seq=size.seq)
@@ -460,6 +476,11 @@ def sized(parser, args) -> dict:
         build[name] = functools.partial(tsm.ReferenceMode, cpu_model, size,
                                         tsm.hyper_from(configs["compiled"]), args.precision,
                                         args.remat, batches_ahead=ahead)
+    # MaxText's shape (scripts/jax_llama_scan.py): scanned layers, a remat policy (--remat,
+    # else "dots"), splash attention on a TPU from seq 1,024.
+    build["jax_scan"] = functools.partial(tsm.ReferenceMode, cpu_model, size,
+                                          tsm.hyper_from(configs["compiled"]), args.precision,
+                                          args.remat or "dots", scan=True)
     modes, results, memory = {}, {}, {}
     for name in names:
         modes[name] = build[name]()
@@ -469,7 +490,8 @@ def sized(parser, args) -> dict:
     del cpu_model
     run_interleaved(modes, results, batches)
     report = {"size": args.size, "layers": size.n_layers, "precision": args.precision,
-              "remat_jax": args.remat, "wait": args.wait,
+              "remat_jax": args.remat, "trainer_remat_scan": args.trainer_remat,
+              "wait": args.wait,
               "peak_rss_mb": round(peak_rss_mb(), 1),
               "steps": args.steps, "batch": size.batch, "seq": size.seq,
               "params": sum(int(np.prod(s)) for s in jax_llama.param_shapes(size.config()).values()),
@@ -506,6 +528,15 @@ def sized(parser, args) -> dict:
         c, j = report["modes"]["compiled"], report["modes"]["jax_ahead"]
         report["compiled_over_jax_ahead"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
                                              "median": round(c["median_s"] / j["median_s"], 3)}
+    for a, b in (("compiled_scan", "compiled"), ("compiled_scan", "jax_scan"),
+                 ("compiled", "jax_scan"), ("jax_scan", "jax")):
+        if a in report["modes"] and b in report["modes"]:
+            x, y = report["modes"][a], report["modes"][b]
+            report[f"{a}_over_{b}"] = {
+                "fastest": round(x["fastest_s"] / y["fastest_s"], 3),
+                "median": round(x["median_s"] / y["median_s"], 3),
+                "trace_compile": round(x["trace_compile_s"] / y["trace_compile_s"], 3),
+                "first_step": round(x["first_step_s"] / y["first_step_s"], 3)}
     print(json.dumps(report))
     return report
 

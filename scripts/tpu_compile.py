@@ -18,6 +18,12 @@ entry parameters against the arguments the step passes (they must be equal). Usa
                                   [--seq N] [--batch N] [--layers N]
                                   [--remat none|full|save_dots|save_qkv_proj]
                                   [--scan-layers auto|true|false] [--compile-log]
+                                  [--program ours|jax|jax_scan]
+
+``--program jax`` compiles the hand-written JAX step of the same size instead
+(``scripts/jax_llama.py``, unrolled, no remat), ``jax_scan`` MaxText's shape of it
+(``scripts/jax_llama_scan.py``: scanned layers, remat ``dots`` or ``--remat full``, splash
+attention from seq 1,024), both at bf16 with optax AdamW and clipping.
 
 ``--compile-log`` adds ``compile_log``: the TPU compiler's own account of the compile (its
 stages' seconds, bundle count, executable fingerprint and slowest kernels, from libtpu's log;
@@ -85,11 +91,20 @@ def main(argv=None) -> dict:
                         help="trainer.scan_layers (auto: stacks of 20 layers or more)")
     parser.add_argument("--compile-log", action="store_true",
                         help="report the TPU compiler's stages and slowest kernels")
+    parser.add_argument("--program", choices=("ours", "jax", "jax_scan"), default="ours",
+                        help="the trainer's step, or the JAX reference unrolled or scanned")
     args = parser.parse_args(argv)
     log_dir = enable_compile_log(os.environ) if args.compile_log else None
     for name in ("seq", "batch", "layers"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+
+    if args.program != "ours":
+        report = compile_reference(args)
+        if log_dir is not None:
+            report["compile_log"] = read_compile_log(log_dir)
+        print(json.dumps(report))
+        return report
 
     import torch
 
@@ -133,6 +148,59 @@ def main(argv=None) -> dict:
         report["compile_log"] = read_compile_log(log_dir)
     print(json.dumps(report))
     return report
+
+
+def compile_reference(args) -> dict:
+    """The JAX reference's step (``--program jax|jax_scan``) compiled for ``args.target``."""
+    import dataclasses
+
+    import jax
+
+    import jax_llama
+    import jax_llama_scan
+    from tpu_train.compile.targets import resolve_target
+
+    size = jax_llama.SIZES["w1" if args.size == "default" else args.size]
+    size = dataclasses.replace(size, **{k: v for k, v in (("seq", args.seq),
+                                                          ("batch", args.batch),
+                                                          ("n_layers", args.layers))
+                                        if v is not None})
+    hyper, cfg = jax_llama.Hyper(), size.config()
+    device = resolve_target(args.target).devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    remat = {"none": None, "full": "full"}.get(args.remat, "dots")
+    started = time.perf_counter()
+    if args.program == "jax":
+        params_args = jax_llama.abstract_arguments(cfg, size, hyper, sharding)
+        step = jax_llama.make_train_step(cfg, jax_llama.optimizer(params_args[0], hyper),
+                                         precision="bf16", remat=remat)
+    else:
+        remat = remat or "dots"
+        params_args = jax_llama_scan.abstract_arguments(cfg, size, hyper, sharding)
+        step = jax_llama_scan.make_train_step(
+            cfg, jax_llama_scan.optimizer(params_args[0], hyper), precision="bf16",
+            remat=remat, splash=jax_llama_scan.uses_splash("tpu", size.seq))
+    lowered = step.lower(*params_args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else cost
+    memory = compiled.memory_analysis()
+    return {"program": args.program, "size": size.name, "batch": size.batch, "seq": size.seq,
+            "layers": size.n_layers, "precision": "bf16", "remat": remat,
+            "target": args.target, "date": time.strftime("%Y-%m-%d"),
+            "host_cores": os.cpu_count(),
+            "seconds": {"trace_lower": round(lowered_at - started, 2),
+                        "xla_compile": round(done - lowered_at, 2)},
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "flops": float(cost.get("flops", 0.0)),
+            "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+            "fusions": text.count(" fusion("),
+            "dots": text.count(" convolution(") + text.count(" dot("),
+            "pallas_kernels": text.count('custom_call_target="tpu_custom_call"'),
+            "while_loops": text.count(" while(")}
 
 
 def enable_compile_log(environ) -> str:

@@ -24,6 +24,7 @@ import tempfile
 import numpy as np
 
 import jax_llama
+import jax_llama_scan
 
 # The trainer's settings the benchmark pins: AdamW from scratch (configs/optim/adamw.yaml) and
 # a constant learning rate (no warmup), so that both sides use the same lr at every step. The
@@ -38,7 +39,8 @@ def model_option(size_name: str) -> str:
     return f"llama_{size_name}"
 
 
-def trainer_config(precision: str, model: str = "debug_tiny", mode: str = "compiled"):
+def trainer_config(precision: str, model: str = "debug_tiny", mode: str = "compiled",
+                   extra: tuple = ()):
     """The composed ``tpu-train`` config for ``model=model trainer.precision=precision
     trainer.mode=mode``: the model option's settings (e.g. its batch, which sizes micro-batches)
     reach the step as they reach a user's run."""
@@ -51,7 +53,7 @@ def trainer_config(precision: str, model: str = "debug_tiny", mode: str = "compi
     run_dir = tempfile.mkdtemp(prefix="bench_train_step_run_")  # the blocks write nothing here
     atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
     overrides = [f"model={model}", *TRAINER_OVERRIDES, f"trainer.mode={mode}",
-                 f"trainer.precision={precision}", f"run.dir={run_dir}"]
+                 f"trainer.precision={precision}", f"run.dir={run_dir}", *extra]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
@@ -149,11 +151,12 @@ class ReferenceMode(_Timed):
     before, as the trainer's loop puts its batches."""
 
     def __init__(self, cpu_model, size, hyper, precision: str, remat: str | None = None,
-                 batches_ahead: bool = False):
+                 batches_ahead: bool = False, scan: bool = False):
         from tpu_train.device import runtime
 
-        self.reference = jax_llama.Reference(cpu_model, size, hyper, runtime.jax_device(0),
-                                             precision=precision, remat=remat)
+        kind = jax_llama_scan.ScanReference if scan else jax_llama.Reference
+        self.reference = kind(cpu_model, size, hyper, runtime.jax_device(0),
+                              precision=precision, remat=remat)
         self.batches_ahead = batches_ahead
         self._ahead = None
 
