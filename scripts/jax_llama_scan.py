@@ -100,7 +100,10 @@ class _ScanOps(jax_llama._Ops):
         q = (q * jnp.asarray(1 / math.sqrt(d), q.dtype)).reshape(b, t, kvh, h // kvh, d)
         q = q.transpose(0, 2, 3, 1, 4)                       # [B, KVH, rep, T, D]
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
-        out = jax.vmap(jax.vmap(kernel))(q, k, v)            # [B, KVH, rep, T, D]
+        # The kernel's dots take bf16 operands at the default precision (a process-wide
+        # "highest" would ask Mosaic for an fp32 contraction it cannot compile for bf16).
+        with jax.default_matmul_precision("default"):
+            out = jax.vmap(jax.vmap(kernel))(q, k, v)        # [B, KVH, rep, T, D]
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
