@@ -64,3 +64,15 @@ def test_opt_out(monkeypatch):
     assert not host_memory.wanted() and host_memory.keep_freed_memory() is False
     monkeypatch.setenv(host_memory.ENV, "")
     assert host_memory.wanted()
+
+
+@pytest.mark.parametrize("requested, evidence, wanted", [
+    ("cpu", [], True), (None, [], True),
+    ("cpu", ["/dev/accel0"], True),          # the CPU asked for on a TPU host
+    (None, ["/dev/accel0"], False),          # a TPU host: libtpu's workers keep glibc's arenas
+    ("tpu", [], False), ("cuda", [], False),
+])
+def test_the_cpu_clients_settings_are_kept_off_accelerator_hosts(requested, evidence, wanted):
+    from tpu_train.device import runtime
+
+    assert runtime.cpu_malloc_settings_wanted(requested, evidence) is wanted

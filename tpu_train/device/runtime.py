@@ -21,7 +21,7 @@ import tempfile
 import threading
 from typing import NoReturn
 
-from tpu_train.device import host_memory, libtpu_settings, tpu_host
+from tpu_train.device import host_memory, tpu_host
 
 PLATFORM_ENV = "TPU_TRAIN_PLATFORM"
 _PREFERENCE = ("tpu", "cuda", "cpu")
@@ -167,8 +167,8 @@ def _choose_once() -> str:
     its thread).
 
     The host malloc settings the CPU client needs (:mod:`tpu_train.device.host_memory`) are
-    applied before JAX creates its backends and its threads, and undone when the platform
-    chosen is another one."""
+    applied before JAX creates its backends and its threads where the CPU may be chosen (never
+    on a host with TPU chips), and undone when the platform chosen is another one."""
     jax, requested, evidence = _prepare()
     chosen = None
     try:
@@ -221,12 +221,10 @@ def _print_notes() -> None:
 def _prepare() -> tuple:
     """What must be settled before any backend starts, cheaply: the environment's errors
     raised (a bad ``TPU_TRAIN_PLATFORM`` or cache setting), JAX configured, the backends it
-    may start narrowed to the CPU where only the CPU is wanted, libtpu's settings, the host
-    malloc settings.
+    may start narrowed to the CPU where only the CPU is wanted, the host malloc settings.
     Returns (jax, the requested platform or None, the evidence of TPU chips)."""
     if _environment_errors:
         raise _environment_errors[0]
-    libtpu_settings.apply_defaults()
     jax = _jax()
     from tpu_train.device import compilation_cache
 
@@ -237,9 +235,18 @@ def _prepare() -> tuple:
         # Keeps JAX from loading libtpu, which on a host without chips prints pages of
         # start-up errors, and which must not touch chips the user chose not to use.
         jax.config.update("jax_platforms", "cpu")
-    if requested in (None, "cpu"):
+    if cpu_malloc_settings_wanted(requested, evidence):
         host_memory.keep_freed_memory()
     return jax, requested, evidence
+
+
+def cpu_malloc_settings_wanted(requested: str | None, tpu_evidence: list[str]) -> bool:
+    """Should the CPU client's malloc settings be applied before the backends start? Where the
+    CPU is asked for, or may be chosen, and never on a host with TPU chips: starting the TPU
+    backend starts libtpu's compiler workers, and a thread keeps the arena it first allocates
+    from, so under the one-arena setting they would all contend for one lock for the rest of
+    the process (on a v5e host the same JAX step compiled in 28 s instead of 9, docs/compile.md)."""
+    return requested == "cpu" or (requested is None and not tpu_evidence)
 
 
 class _CapturedText:
