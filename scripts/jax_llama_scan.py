@@ -146,9 +146,12 @@ def make_train_step(cfg, opt, *, precision: str, remat: str | None, splash: bool
     import optax
 
     def step(params, opt_state, tokens, labels, cos, sin):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, cos, sin, cfg,
-                                                  precision=precision, remat=remat,
-                                                  splash=splash)
+        # JAX's default matmul precision, as a JAX program has it, whatever the process set:
+        # the splash kernels' forward and backward dots need it for bf16 operands.
+        with jax.default_matmul_precision("default"):
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, cos, sin, cfg,
+                                                      precision=precision, remat=remat,
+                                                      splash=splash)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grad_norm
