@@ -120,9 +120,11 @@ def test_gke_section_builds_the_cluster_image_and_a_jobset_that_mounts_the_bucke
     assert cli_table.JOBSET_RELEASE.fullmatch(applied[0]["flags"]["-f"])  # the controller first
     bucket = only(calls, "gcloud", "storage", "buckets", "create")["positionals"][0]
     account = only(calls, "kubectl", "create", "serviceaccount")["positionals"][0]
-    grant = only(calls, "gcloud", "storage", "buckets", "add-iam-policy-binding")
-    assert grant["positionals"] == [bucket]
-    assert grant["flags"]["--member"].endswith(f"/subject/ns/default/sa/{account}")
+    grants = [c for c in calls if c["command"] == ["storage", "buckets", "add-iam-policy-binding"]]
+    assert [g["positionals"] for g in grants] == [[bucket], [bucket]]
+    pool_id = f"/workloadIdentityPools/{cluster['flags']['--workload-pool']}/subject/ns/default/sa/"
+    # the JobSet's pods' service account, then XPK's pods' (`default`)
+    assert [g["flags"]["--member"].split(pool_id)[1] for g in grants] == [account, "default"]
     image = only(calls, "docker", "build")["flags"]["-t"]
     assert only(calls, "docker", "push")["positionals"] == [image]
 
