@@ -2,7 +2,8 @@
 """Render the JobSet that runs one tpu_train command on every host of a GKE TPU slice.
 
     python3 scripts/gke/render_jobset.py --slice v5e-16 --image IMAGE --name ft-1 \\
-        "tpu-train recipe=llama_finetune parallel.fsdp=-1 run.dir=/data/runs/ft-1" > ft-1.yaml
+        --bucket BUCKET --service-account tpu-train \\
+        "tpu-train recipe=llama_finetune parallel.fsdp=-1 run.dir=/shared/runs/ft-1" > ft-1.yaml
     kubectl apply -f ft-1.yaml
 
 One pod per host (``completions`` = ``parallelism`` = the slice's host count), on the node pool
@@ -10,7 +11,14 @@ of the slice (``cloud.google.com/gke-tpu-accelerator`` and ``gke-tpu-topology`` 
 selectors), each requesting all of its host's chips (``google.com/tpu``). Every pod gets the
 environment the TPU VM launcher gives each worker (``tpu_train/distributed/pod.py``,
 ``job_environment``): worker 0's address is its JobSet host name, the rank its completion
-index. The image must hold tpu_train installed with the ``[tpu]`` extra (docs/tpu.md).
+index. The image must hold tpu_train installed with the ``[tpu]`` extra (the repository's
+``Dockerfile``).
+
+Every pod mounts the same storage at ``--mount`` (default ``/shared``), where the run directory
+must be (each process writes its own shards of a checkpoint): a Cloud Storage bucket through
+GKE's Cloud Storage FUSE CSI driver (``--bucket``; the pod's Kubernetes service account,
+``--service-account``, needs access to it), or an existing PersistentVolumeClaim such as a
+Filestore share (``--pvc``).
 
 Only the standard library is used (``pod.py`` is loaded by path), so rendering needs neither
 torch nor JAX.
@@ -72,6 +80,12 @@ ALIASES = {"v5litepod-": "v5e-"}  # the TPU VM accelerator-type spelling of v5e
 # Pod host names are <name>-<replicated job>-<job index>-<pod index>: 63 characters at most.
 _NAME = re.compile(r"[a-z]([a-z0-9-]{0,38}[a-z0-9])?")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PATH = re.compile(r"[A-Za-z0-9._/-]+")
+_K8S_NAME = re.compile(r"[a-z0-9]([a-z0-9._-]{0,220}[a-z0-9])?")  # also a bucket's name
+VOLUME = "shared"
+# Pods on the host network authenticate to the bucket as their Kubernetes service account only
+# with this attribute (the Cloud Storage FUSE CSI driver's host-network support).
+GCSFUSE_ATTRIBUTES = {"mountOptions": "implicit-dirs", "hostNetworkPodKSA": "true"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +108,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="times the whole JobSet is restarted after a failure")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="another variable for the command (repeatable)")
+    storage = parser.add_mutually_exclusive_group(required=True)
+    storage.add_argument("--bucket", help="Cloud Storage bucket mounted at --mount (GCS FUSE "
+                         "CSI driver)")
+    storage.add_argument("--pvc", help="PersistentVolumeClaim mounted at --mount (e.g. Filestore)")
+    parser.add_argument("--mount", default="/shared",
+                        help="where every pod sees the shared storage (default: /shared)")
+    parser.add_argument("--service-account", default="default",
+                        help="the pods' Kubernetes service account (with --bucket: one that may "
+                        "use the bucket; default: default)")
     args = parser.parse_args(argv)
     args.slice = next((args.slice.replace(a, b) for a, b in ALIASES.items()
                        if args.slice.startswith(a)), args.slice)
@@ -108,7 +131,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         key, sep, _ = item.partition("=")
         if not sep or not _ENV_KEY.fullmatch(key):
             parser.error(f"--env needs KEY=VALUE with KEY a variable name, got {item!r}")
+    _check_storage(parser, args)
     return args
+
+
+def _check_storage(parser, args) -> None:
+    """The mount is an absolute path, and a ``run.dir`` the command sets lies under it: a run
+    directory elsewhere is on each pod's own disk, where the other hosts' shards never arrive."""
+    mount = args.mount.rstrip("/") or "/"
+    if not mount.startswith("/") or mount == "/" or not _PATH.fullmatch(mount):
+        parser.error(f"--mount {args.mount!r} must be an absolute directory such as /shared")
+    args.mount = mount
+    if args.bucket is not None and args.bucket.startswith("gs://"):
+        parser.error(f"--bucket takes the bucket's name, not a URL: --bucket {args.bucket[5:]}")
+    for option, value in (("--bucket", args.bucket), ("--pvc", args.pvc),
+                          ("--service-account", args.service_account)):
+        if value is not None and not _K8S_NAME.fullmatch(value):
+            parser.error(f"{option} {value!r} must be lowercase letters, digits, '-' or '.'")
+    run_dir = pod.run_dir_of(args.command, args.name)
+    if run_dir is not None and not run_dir.startswith(mount + "/"):
+        parser.error(f"run.dir={run_dir} is not under the shared mount {mount}: every host "
+                     f"writes its shards there; use run.dir={mount}/runs/{args.name}")
 
 
 def environment(args, tpu: Slice) -> list[dict]:
@@ -122,17 +165,36 @@ def environment(args, tpu: Slice) -> list[dict]:
             *({"name": k, "value": v} for k, v in values.items())]
 
 
+def storage(args) -> tuple[dict, dict]:
+    """The pods' annotations and their shared volume: the bucket through the Cloud Storage FUSE
+    CSI driver (whose sidecar GKE injects into pods annotated so), or the claim."""
+    if args.bucket:
+        source = {"csi": {"driver": "gcsfuse.csi.storage.gke.io",
+                          "volumeAttributes": {"bucketName": args.bucket, **GCSFUSE_ATTRIBUTES}}}
+        return {"gke-gcsfuse/volumes": "true"}, {"name": VOLUME, **source}
+    return {}, {"name": VOLUME, "persistentVolumeClaim": {"claimName": args.pvc}}
+
+
 def render(args) -> str:
     tpu = SLICES[args.slice]
     # JSON strings are YAML strings: every value is quoted exactly.
     env_lines = [f"              - {json.dumps(entry)}" for entry in environment(args, tpu)]
+    annotations, volume = storage(args)
     return string.Template(TEMPLATE.read_text()).substitute(
         slice=args.slice, name=args.name, max_restarts=args.max_restarts,
+        annotations=json.dumps(annotations), volume=json.dumps(volume),
+        mount=json.dumps({"name": VOLUME, "mountPath": args.mount}),
+        service_account=json.dumps(args.service_account), storage_note=_storage_note(args),
         coordinator=f"{args.name}-{REPLICATED_JOB}-0-0.{args.name}",
         replicated_job=REPLICATED_JOB, hosts=tpu.hosts, chips_per_host=tpu.chips_per_host,
         accelerator=tpu.accelerator, topology=json.dumps(tpu.topology),
         image=json.dumps(args.image), command=json.dumps(args.command),
         env="\n".join(env_lines), port=args.port, jax_port=args.port + 1)
+
+
+def _storage_note(args) -> str:
+    what = f"bucket {args.bucket}" if args.bucket else f"claim {args.pvc}"
+    return f"{what} at {args.mount}"
 
 
 def main(argv=None) -> int:
