@@ -124,8 +124,7 @@ def verdict(result: dict[str, Any]) -> dict[str, Any] | None:
     elif x.get("compiler") == "TPU" and "compile_until_buffer_assignment" in x.get("seconds", {}):
         needed = x["bytes_peak_estimate"] * (1 + FAST_MARGIN)
         basis = (f"{compiler}, its buffer assignment + {100 * FAST_MARGIN:.0f} % (the most "
-                 f"the finished executable has needed beyond it; plan.fast=false: the "
-                 f"executable's own figure)")
+                 f"the compiler's own total has exceeded it by; plan.fast=false: that total)")
     elif x.get("compiler") == "TPU" and "bytes_peak_estimate" in x:
         needed, basis = x["bytes_peak_estimate"], f"{compiler}, its memory analysis"
     else:
