@@ -55,7 +55,7 @@ PLAN_SEQ_LEN_CAP = 4096
 # was 3-7 % above it for Llama-3.1-8B and 70B (docs/compile.md), so a verdict adds the most.
 FAST_MARGIN = 0.07
 # Settings that would fit: found by the analytic model, at most this many compiled to check
-# (each a compile of the whole step), at most _SHOWN printed.
+# (each a compile of the whole step; plan.checks), at most _SHOWN printed.
 CHECKED_MOST = 3
 _CANDIDATES = 8
 _SHOWN = 3
@@ -183,15 +183,17 @@ def planning_config(cfg: Any, *, seq_len_given: bool = True) -> tuple[Any, list[
     """
     planned = copy.deepcopy(cfg)
     notes = []
-    model_max = int(estimate_mod.planned_model(planned.model.name,
-                                               planned.model.checkpoint).max_seq_len)
+    def model_max() -> int:
+        return int(estimate_mod.planned_model(planned.model.name,
+                                              planned.model.checkpoint).max_seq_len)
+
     if not seq_len_given:
-        planned.data.seq_len = min(model_max, PLAN_SEQ_LEN_CAP)
+        planned.data.seq_len = min(model_max(), PLAN_SEQ_LEN_CAP)
         notes.append(f"data.seq_len not set: planning {planned.data.seq_len:,} tokens a "
-                     f"sequence (the model's context, {model_max:,}, at most "
+                     f"sequence (the model's context, {model_max():,}, at most "
                      f"{PLAN_SEQ_LEN_CAP:,}; set data.seq_len to plan another)")
     elif "seq_len" in planned.data and planned.data.seq_len is None:  # as the trainer does
-        planned.data.seq_len = min(model_max, DEFAULT_MAX_SEQ_LEN)
+        planned.data.seq_len = min(model_max(), DEFAULT_MAX_SEQ_LEN)
         notes.append(f"data.seq_len=null: planning with {planned.data.seq_len} tokens")
     for axis in ("data", "fsdp", "tensor"):
         if int(planned.parallel[axis]) == -1:
@@ -248,7 +250,7 @@ def _fitting(cfg: Any, planned: Any, result: dict[str, Any], overrides: list[str
     (with what the planner filled in made explicit). Predicted from the analytic model scaled
     to XLA's figure, which moves less well across remat policies than within one: where XLA's
     TPU compiler gave the verdict, the candidates are compiled in turn (at most
-    :data:`CHECKED_MOST`) until one fits by its figure."""
+    ``plan.checks``, default :data:`CHECKED_MOST`) until one fits by its figure."""
     verdict_of = result["verdict"]
     if verdict_of is None or verdict_of["fits"]:
         return []
@@ -263,7 +265,8 @@ def _fitting(cfg: Any, planned: Any, result: dict[str, Any], overrides: list[str
                                              result["num_devices"], most=_CANDIDATES)]
     if not verdict_of["scaled_to_xla"]:
         return found[:_SHOWN]
-    for candidate in found[:CHECKED_MOST]:
+    checks = estimate_mod.setting(cfg, "plan.checks")
+    for candidate in found[:CHECKED_MOST if checks is None else max(0, int(checks))]:
         print(f"  compiling {' '.join(fit.Candidate(candidate['changes'], 0, 0).overrides())} "
               f"to check that it fits ...", file=out, flush=True)
         checked = run_plan(_with(planned, candidate["changes"]))["verdict"]
