@@ -14,11 +14,14 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
+# At 128 tokens a sequence, the figures docs/parallelism.md gives (the plan's own default is
+# the model's context, at most 4,096).
 COMMANDS = {
-    "8b": ["model=llama3_1_8b", "parallel.fsdp=256", "plan.chip=v5e"],
-    "70b": ["model=llama3_1_70b", "parallel.fsdp=128", "plan.chip=v5p"],
+    "8b": ["model=llama3_1_8b", "parallel.fsdp=256", "plan.chip=v5e", "data.seq_len=128"],
+    "70b": ["model=llama3_1_70b", "parallel.fsdp=128", "plan.chip=v5p", "data.seq_len=128"],
 }
 GiB = 1024 ** 3
 
@@ -27,13 +30,18 @@ def measure(overrides: list[str]) -> dict:
     before = os.getloadavg()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tpu_train.cli", "plan", *overrides],
-                          capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - start
-    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise SystemExit(f"tpu-train plan {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "plan.json")
+        proc = subprocess.run([sys.executable, "-m", "tpu_train.cli", "plan", *overrides,
+                               f"plan.output={output}"],
+                              capture_output=True, text=True, timeout=1800)
+        wall = time.perf_counter() - start
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode:
+            raise SystemExit(f"tpu-train plan {' '.join(overrides)} failed:\n"
+                             f"{proc.stderr[-3000:]}")
+        with open(output) as f:
+            result = json.load(f)
     xla = result.get("xla", {})
     return {
         "command": "tpu-train plan " + " ".join(overrides),

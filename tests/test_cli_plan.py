@@ -20,11 +20,19 @@ PLAN = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32", "plan.
         "plan.fast=false"]  # the executable's figures
 
 
+def plan(tmp_path, *overrides: str) -> tuple[int, str, str, dict | None]:
+    """``tpu-train <overrides> plan.output=...``: status, output, and the JSON it wrote."""
+    output = tmp_path / f"plan_{len(list(tmp_path.glob('plan_*.json')))}.json"
+    code, out, err = run_in_process(*overrides, f"plan.output={output}")
+    if code == 0:
+        assert out.strip().splitlines()[-1] == f"plan written to {output} (every figure, JSON)"
+    return code, out, err, json.loads(output.read_text()) if output.exists() else None
+
+
 @pytest.mark.timeout(240)
-def test_plan_reports_analytic_and_xla_memory():
-    code, out, err = run_in_process(*PLAN, "trainer.scan_layers=true")
+def test_plan_reports_analytic_and_xla_memory(tmp_path):
+    code, out, err, result = plan(tmp_path, *PLAN, "trainer.scan_layers=true")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
     assert result["mesh"]["fsdp"] == 8 and result["num_devices"] == 8
     # The default global batch of 8 splits over 8 chips: nothing was adjusted.
     assert result["batch"] == 8 and not any("batch_size" in n for n in result["notes"])
@@ -52,21 +60,32 @@ def test_plan_reports_analytic_and_xla_memory():
     else:
         step_bytes = xla["bytes_peak_estimate"]
     assert result["xla_vs_analytic"] == pytest.approx(step_bytes / result["bytes_total"] - 1)
-    assert result["chip"] == "v5e" and result["fits"] and result["fits_xla"]
+    assert result["chip"] == "v5e" and result["fits"] and result["fits_analytic"]
     assert "XLA vs analytic per chip: memory " in out
+    # One verdict, by XLA's TPU compiler's own total where it compiled the step.
+    verdicts = [line for line in out.splitlines() if "FIT" in line]
+    assert len(verdicts) == 1 and verdicts[0].startswith("verdict: FITS on v5e: "), out
+    if libtpu_available():
+        assert result["verdict"]["needed_bytes"] == step_bytes
+        assert verdicts[0].endswith("by XLA's TPU compiler for v5e:2x4, the compiled step's "
+                                    "own total")
+    else:
+        assert result["verdict"]["needed_bytes"] == result["bytes_total"]
+        assert "by the analytic estimate (XLA's figures are the CPU compiler's" in verdicts[0]
+    assert result["fitting"] == []
 
 
 @pytest.mark.timeout(240)
-def test_plan_of_a_bf16_step():
+def test_plan_of_a_bf16_step(tmp_path):
     """trainer.precision=bf16 (the benchmark sizes' model options carry it) reaches the
     analysis child, which compiles the bf16 step: another program than the fp32 one (on the
     CPU compiler a larger one, with the bf16 copies of the weights beside the fp32 ones)."""
     base = ["plan", "model=debug_tiny", "parallel.fsdp=8", "data.seq_len=32"]
     figures = {}
     for precision in ("fp32", "bf16"):
-        code, out, err = run_in_process(*base, f"trainer.precision={precision}")
+        code, out, err, figures[precision] = plan(tmp_path, *base,
+                                                  f"trainer.precision={precision}")
         assert code == 0, err
-        figures[precision] = json.loads(out.strip().splitlines()[-1])
         assert "xla_error" not in figures[precision], figures[precision]
     peaks = {precision: plan["xla"]["bytes_peak_estimate"] for precision, plan in figures.items()}
     assert peaks["bf16"] != peaks["fp32"], peaks
@@ -101,15 +120,14 @@ def test_plan_bad_input_is_one_line(overrides, expected):
 
 
 @pytest.mark.timeout(240)
-def test_plan_takes_the_architecture_of_model_checkpoint(custom_llama):
+def test_plan_takes_the_architecture_of_model_checkpoint(custom_llama, tmp_path):
     """A Hugging Face checkpoint of no preset size is planned as the trainer would build it."""
     from tpu_train.models import Llama, read_config
 
     checkpoint = custom_llama
-    code, out, err = run_in_process("plan", f"model.checkpoint={checkpoint}", "data.seq_len=32",
-                                    "data.batch_size=2")
+    code, out, err, result = plan(tmp_path, "plan", f"model.checkpoint={checkpoint}",
+                                  "data.seq_len=32", "data.batch_size=2")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
     import torch
 
     with torch.device("meta"):
@@ -141,3 +159,83 @@ def test_recipe_plan_is_the_plan_command(monkeypatch):
         assert code == 0, err
     assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
     assert seen[0]["parallel"]["fsdp"] == 8 and seen[0]["plan"]["chip"] == "v5e"
+
+
+@pytest.mark.timeout(900)
+def test_a_plan_that_does_not_fit_names_a_command_line_that_does(tmp_path):
+    """8,192 rows of 256 tokens on eight v5e chips need more than a chip's HBM (with libtpu,
+    XLA's TPU compiler stops with an out-of-memory error after its buffer assignment, whose
+    figures the plan reads). The plan says so once and prints tpu-train command lines that
+    would fit; the first, run as printed, fits."""
+    import shlex
+
+    code, out, err, result = plan(tmp_path, "plan", "model=debug_tiny", "parallel.fsdp=8",
+                                  "plan.chip=v5e", "data.batch_size=8192")
+    assert code == 0, err
+    assert not result["fits"] and result["verdict"]["needed_bytes"] > \
+        result["verdict"]["usable_bytes"]
+    verdicts = [line for line in out.splitlines() if "FIT" in line]
+    assert len(verdicts) == 1 and verdicts[0].startswith("verdict: DOES NOT FIT on v5e: "), out
+    if libtpu_available():
+        assert "by XLA's TPU compiler for v5e:2x4" in verdicts[0]
+    lines = out.splitlines()
+    suggested = lines[lines.index("  settings that would fit:") + 1].strip()
+    command, _, how = suggested.partition("   # ")
+    assert how.startswith("XLA: fits, " if libtpu_available() else "estimated ~"), suggested
+    args = shlex.split(command)
+    assert args[:3] == ["tpu-train", "plan", "model=debug_tiny"]
+    # What the planner filled in is spelt out: the model's context and the mesh it counted.
+    assert "data.seq_len=256" in args and "data.batch_size=8192" in args
+    code, out, err, checked = plan(tmp_path, *args[1:])
+    assert code == 0, err
+    assert checked["fits"] and checked["verdict"]["basis"] == result["verdict"]["basis"]
+    assert [line for line in out.splitlines() if "FIT" in line][0].startswith(
+        "verdict: FITS on v5e: ")
+
+
+def test_the_plan_takes_the_models_context_where_data_seq_len_is_not_given():
+    """The bundled corpus's 128 tokens say nothing of a pod run: without data.seq_len on the
+    command line the plan takes the model's context, at most 4,096 tokens, and says so."""
+    from tests.compile.test_out_of_memory import _config
+    from tpu_train.planning import planning_config
+
+    config = _config("model=llama3_1_8b", "parallel.fsdp=256")
+    assert config.data.seq_len == 128
+    planned, notes = planning_config(config, seq_len_given=False)
+    assert planned.data.seq_len == 4096
+    assert notes[0].startswith("data.seq_len not set: planning 4,096 tokens a sequence (the "
+                               "model's context, 131,072, at most 4,096;")
+    planned, notes = planning_config(_config("model=debug_tiny"), seq_len_given=False)
+    assert planned.data.seq_len == 256  # debug_tiny's context
+    planned, notes = planning_config(config)  # given: as it is
+    assert planned.data.seq_len == 128 and not any("seq_len" in n for n in notes)
+
+
+def test_a_command_line_with_changes_replaces_their_keys():
+    from tpu_train.planning.command import command_line
+
+    line = command_line(["model=llama3_1_8b", "parallel.fsdp=256", "+trainer.remat=save_dots",
+                         "plan.chip=v5e"],
+                        {"trainer.remat": "full", "trainer.micro_batch_size": None,
+                         "data.seq_len": 4096})
+    assert line == ("tpu-train plan model=llama3_1_8b parallel.fsdp=256 plan.chip=v5e "
+                    "trainer.remat=full trainer.micro_batch_size=null data.seq_len=4096")
+
+
+def test_the_plan_is_written_under_runs_plan_by_default(monkeypatch, tmp_path):
+    from omegaconf import OmegaConf
+
+    from tpu_train.planning.command import _output_path, write_plan
+
+    monkeypatch.chdir(tmp_path)
+    path = _output_path(OmegaConf.create({"plan": {"output": None}}))
+    assert path.parent.parent == tmp_path.relative_to(tmp_path) / "runs" / "plan"
+    write_plan({"fits": True}, path)
+    path.parent.mkdir(exist_ok=True)
+    assert _output_path(OmegaConf.create({"plan": {}})) != path  # a new folder each time
+    assert json.loads(path.read_text()) == {"fits": True}
+    assert not list(path.parent.glob("*.partial"))
+    chosen = tmp_path / "mine"
+    chosen.mkdir()
+    assert _output_path(OmegaConf.create({"plan": {"output": str(chosen)}})) == \
+        chosen / "plan.json"

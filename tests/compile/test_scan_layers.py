@@ -251,3 +251,37 @@ def test_layer_gradients_are_read_at_the_programs_layer_indices():
     assert "slice" not in primitives and primitives.count("dynamic_slice") == LAYERS, primitives
     assert [list(map(float, row)) for row in read(stacked, *indices)] == \
         [list(map(float, row)) for row in stacked]
+
+
+def test_a_partitioned_bf16_stack_whose_attention_could_take_the_kernels():
+    """A scanned layer's residuals are found while the step is traced and again when it is
+    lowered. A partitioned program lowers attention in its XLA form (XLA's SPMD partitioner
+    does not split a Pallas kernel); traced outside that form, a bf16 layer at a length the
+    kernels take kept other residuals, and lowering failed with "a scanned layer's residuals
+    changed between two traces" (``tpu-train plan`` of Llama-3.1-8B at 2048 tokens and more).
+    The kernels' length threshold is lowered to 128 tokens here, in Pallas' interpret mode:
+    the same rule without libtpu and at a tiny size."""
+    import jax
+
+    from tpu_train.compile import lower_train_step
+    from tpu_train.models import Llama, LlamaConfig
+    from tpu_train.ops import attention_tpu
+    from tpu_train.parallel.llama_plan import llama_plan
+    from tpu_train.parallel.mesh import build_mesh
+
+    seq = 128
+    config = LlamaConfig(dim=128, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=128,
+                         ffn_hidden_dim=256, max_seq_len=seq)
+    with torch.device("meta"):
+        model = Llama(config)
+        tokens = torch.empty(2, seq, dtype=torch.int64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mesh = build_mesh(1, 2, 1, devices=jax.devices()[:2], model_config=config)
+    with attention_tpu.interpreted(min_sequence=seq):
+        program = lower_train_step(model, optimizer, lm_loss,
+                                   {"tokens": tokens, "labels": tokens.clone()}, mesh=mesh,
+                                   plan=llama_plan(), compute_dtype=torch.bfloat16,
+                                   scan_layers=True, runtime_options=False, compile=False)
+    scans = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_SCAN]
+    assert len(scans) == 1 and len(scans[0].args[1]) == 2 * 9 + 3
+    assert "while" in program.lowered.as_text()

@@ -121,22 +121,21 @@ def test_a_topology_libtpu_rejects_stops_the_plan_in_one_line():
 
 
 @needs_libtpu
-def test_the_plan_reads_the_buffer_assignment_as_a_lower_bound_by_default():
-    import json
+def test_the_plan_reads_the_buffer_assignment_as_a_lower_bound_by_default(tmp_path):
+    from tests.test_cli_plan import plan
 
-    from tests.trainer.cli_helpers import run_in_process
-
-    code, out, err = run_in_process("plan", "model=debug_tiny", "parallel.fsdp=4",
-                                    "data.seq_len=32", "plan.chip=v5e")
+    code, out, err, result = plan(tmp_path, "plan", "model=debug_tiny", "parallel.fsdp=4",
+                                  "data.seq_len=32", "plan.chip=v5e")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
     assert "compile_until_buffer_assignment" in result["xla"]["seconds"]
     assert "XLA (TPU compiler, v5e:2x2, at its buffer assignment): " in out
     assert "memory: read before code generation, a lower bound" in out
     assert "plan.fast=false compiles the executable" in out
-    # A lower bound under the chip's memory says nothing about fitting.
-    assert result["fits_xla"] is None
-    assert "whether it fits needs the executable's figure (plan.fast=false)" in out
+    # The verdict adds to that lower bound the most the executable has needed beyond it.
+    assert result["verdict"]["needed_bytes"] == pytest.approx(
+        result["xla"]["bytes_peak_estimate"] * 1.07)
+    assert result["fits"] and "its buffer assignment + 7 % (the most the compiler's own total" \
+        in out
 
 
 # libtpu's account of a compile (v5e, the default job's step), as its INFO log has it.

@@ -105,6 +105,9 @@ class ResidualLayout:
     sources: tuple
     treedef: Any
     computed: tuple  # Meta of each computed residual (one layer's)
+    # attention_tpu.lowering_key() when found: a body lowered under another attention form
+    # (the fused kernels or the XLA form) may keep other residuals.
+    attention_form: tuple = ()
 
 
 class LayerBody:
@@ -215,7 +218,8 @@ class LayerBody:
             shapes = jax.eval_shape(probe, [m.abstract() for m in self.state_metas],
                                     [m.abstract() for m in self.input_metas])
             computed = tuple(Meta(tuple(s.shape), torch_dtype(s.dtype)) for s in shapes)
-            self._layout = ResidualLayout(found["sources"], found["treedef"], computed)
+            self._layout = ResidualLayout(found["sources"], found["treedef"], computed,
+                                          attention_tpu.lowering_key())
         return self._layout
 
 
@@ -388,7 +392,7 @@ def lower_layer_scan(body_id: int, tensors: Sequence, constrain: Callable | None
         layer_inputs = [carry] + inputs[1:]
         outputs, treedef, leaves, sources = b.vjp(layer_states, layer_inputs, constrain)
         if sources != layout.sources:
-            raise RuntimeError("a scanned layer's residuals changed between two traces")
+            raise RuntimeError(_changed_residuals(layout))
         # The backward lowering (later in the same program trace) rebuilds the vjp function
         # with this structure: one found by another trace does not compare equal.
         b.lowered_treedef = treedef
@@ -397,6 +401,16 @@ def lower_layer_scan(body_id: int, tensors: Sequence, constrain: Callable | None
 
     _, (outputs, computed) = jax.lax.scan(one_layer, inputs[0], states)
     return list(outputs) + list(computed)
+
+
+def _changed_residuals(layout: ResidualLayout) -> str:
+    message = "a scanned layer's residuals changed between two traces"
+    now = attention_tpu.lowering_key()
+    if now != layout.attention_form:
+        message += (f": its step was traced with attention lowering {layout.attention_form} "
+                    f"and lowered with {now} (attention_tpu.lowering_key); trace and lower "
+                    "it under the same one")
+    return message
 
 
 def lower_layer_scan_backward(body_id: int, tensors: Sequence,

@@ -452,6 +452,12 @@ def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdL
     return jitted, args, in_shardings
 
 
+def _attention_form(partitioned: bool):
+    """A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does not
+    split a Pallas kernel (tpu_train.ops.attention_tpu)."""
+    return attention_tpu.xla_form() if partitioned else contextlib.nullcontext()
+
+
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
                   compile: bool = True, autodiff: str | None = None,
                   compiler_options: dict | None = None) -> Program:
@@ -470,7 +476,10 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                          f"{'mesh' if plan is None else 'plan'})")
     natural = mesh is not None or natural_layout(device.platform)
     platform = device.platform if mesh is None else mesh.devices.flat[0].platform
-    with shared_layers.recomputation_fenced(platform == "cpu"):
+    # Traced and lowered with the same attention form: a scanned layer's residuals are found
+    # while tracing (the layer_scan node's outputs) and must be the lowering's.
+    with _attention_form(partitioned=mesh is not None), \
+            shared_layers.recomputation_fenced(platform == "cpu"):
         traced = trace_step(step, st, scalars, stages,
                              autodiff or getattr(step, "autodiff", "jax"), natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
@@ -485,10 +494,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                                         values, scalars, device,
                                                         own_norm=step_function.own_norm)
     try:
-        # A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does
-        # not split a Pallas kernel (tpu_train.ops.attention_tpu).
-        with attention_tpu.xla_form() if layout is not None \
-                else contextlib.nullcontext(), \
+        with _attention_form(partitioned=layout is not None), \
                 shared_layers.recomputation_fenced(platform == "cpu"):
             lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001

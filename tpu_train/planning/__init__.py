@@ -2,7 +2,8 @@
 
     tpu-train plan model=llama3_1_8b parallel.fsdp=256 plan.chip=v5e
 
-prints two estimates side by side, and one JSON line with every figure:
+prints two estimates side by side and one verdict (with the settings that would fit where
+the step does not), and writes every figure to a JSON file:
 
 * the analytic model (:mod:`.estimate`): parameters, gradients, AdamW's moments, FSDP's
   working set and activations per chip under the Llama plan, FLOPs from ``flops_per_token``,

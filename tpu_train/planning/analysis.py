@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from tpu_train.compile import lower_train_step
+from tpu_train.compile import lower_train_step, memory_errors
 from tpu_train.compile.program import compiled_analysis
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
 from tpu_train.models import Llama
@@ -69,6 +69,8 @@ ANALYSIS_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=0",
                            "--xla_llvm_disable_expensive_passes=true",
                            "--xla_disable_hlo_passes=cpu-all-reduce-combiner",
                            "--xla_cpu_experimental_ynn_fusion_type=")
+# How long an out-of-memory compile waits for the watcher to read the compiler's dump.
+_DUMP_WAIT_S = 300.0
 _EXIT_BAD_TARGET = 3  # the analysis child's exit status for a TargetError
 # The child's entry (not ``-m``: the package imports this module first, and runpy warns).
 _CHILD_MAIN = "import sys; from tpu_train.planning.analysis import main; sys.exit(main())"
@@ -125,12 +127,16 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, remat: str | None = None,
                            compute_dtype: torch.dtype | None = None,
-                           scan_layers: bool | None = None, target: str | None = None,
+                           scan_layers: bool | None = None, grad_accum_steps: int = 1,
+                           target: str | None = None,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch Llama step.
 
-    ``remat`` (``trainer.remat``; ``activation_checkpointing``: ``full``).
+    ``remat`` (``trainer.remat``; ``activation_checkpointing``: ``full``). ``batch``: the
+    step's rows, run ``batch / grad_accum_steps`` at a time (the trainer's split of a step).
+    A step that does not fit in the target's memory is not an error: the figures are what
+    XLA's out-of-memory compile says (``out_of_memory``: its message).
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
@@ -147,7 +153,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"))
     program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
-                               compute_dtype=compute_dtype,
+                               compute_dtype=compute_dtype, grad_accum_steps=grad_accum_steps,
                                scan_layers=scan_layers, runtime_options=False, compile=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
                            "compiler": "TPU" if target is not None else "CPU"}
@@ -155,20 +161,45 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         out["compiled_for"] = resolve_target(target).name
     seconds = {stage: s for stage, s in program.seconds.items() if stage != "compile"}
     started = time.perf_counter()
+    watcher = None
     if on_dumped is not None:
         def report(figures: dict, text: str) -> None:
             seconds["compile_until_buffer_assignment"] = time.perf_counter() - started
             on_dumped({**out, **figures, **loop_flops(text, figures["flops_per_device"]),
                        "seconds": seconds})
 
-        tpu_dump.report_when_dumped(dump_to, report)
-    compiled = program.lowered.compile(
-        compiler_options=tpu_dump.dump_options(dump_to) if dump_to else None)
+        watcher = tpu_dump.report_when_dumped(dump_to, report)
+    try:
+        compiled = program.lowered.compile(
+            compiler_options=tpu_dump.dump_options(dump_to) if dump_to else None)
+    except Exception as error:  # noqa: BLE001 - only XLA's RESOURCE_EXHAUSTED is a figure
+        found = memory_errors.out_of_memory(
+            error, memory_errors.argument_bytes(program.lowered, program.in_shardings))
+        if found is None:
+            raise
+        if watcher is not None:
+            # The compiler dumped its buffer assignment before it gave up: the watcher
+            # reports that (FLOPs included) and ends this process.
+            watcher.join(_DUMP_WAIT_S)
+        seconds["compile"] = time.perf_counter() - started
+        return {**out, **_out_of_memory_figures(found), "seconds": seconds}
     seconds["compile"] = time.perf_counter() - started
     out.update(compiled_analysis(compiled))
     out.update(loop_flops(compiled.as_text(), out["flops_per_device"]))
     out["seconds"] = seconds
     return out
+
+
+def _out_of_memory_figures(error: memory_errors.ProgramOutOfMemoryError) -> dict[str, Any]:
+    """What XLA's out-of-memory compile says: the bytes the step needs per chip (temporaries
+    and arguments) and the chip's, as the memory figures of a program that does not fit."""
+    figures: dict[str, Any] = {"out_of_memory": error.detail,
+                               "compiler_capacity_bytes": error.capacity_bytes}
+    if error.needed_bytes is not None:
+        figures.update(bytes_peak_estimate=error.needed_bytes,
+                       argument_size_in_bytes=error.argument_bytes,
+                       temp_size_in_bytes=error.needed_bytes - error.argument_bytes)
+    return figures
 
 
 def virtual_devices_env(num_devices: int) -> dict:

@@ -13,28 +13,52 @@ what XLA says about the *real* compiled PyTorch step for the target mesh
   or with ``plan.fast=false`` the finished executable's figures;
 * otherwise the CPU compiler on as many virtual CPU devices as the mesh has chips, with a
   one-line note saying why and the report labelling the figures as the CPU compiler's.
+
+The report states one verdict for ``plan.chip`` and the figure it rests on (:func:`verdict`):
+XLA's TPU compiler's where it compiled the step (a step too large for the chip is its
+out-of-memory report, not an error), else the analytic estimate. A step that does not fit
+comes with the settings that would (:mod:`.fit`), each a ``tpu-train plan`` command line to
+check it. Every figure goes to a JSON file (``plan.output``, else
+``runs/plan/<time>/plan.json``), whose path the report ends with.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from tpu_train.compile.targets import GENERATIONS, TargetError, libtpu_available
 
 from . import estimate as estimate_mod
+from . import fit
 from .analysis import CHILD_TIMEOUT_S, analyse_in_child, pod_topology
-from .report import format_report
+from .report import format_fitting, format_report
 
-__all__ = ["DEFAULT_MAX_SEQ_LEN", "choose_compiler", "plan_job", "planning_config", "run_plan"]
+__all__ = ["DEFAULT_MAX_SEQ_LEN", "FAST_MARGIN", "PLAN_SEQ_LEN_CAP", "choose_compiler",
+           "command_line", "plan_job", "planning_config", "run_plan", "verdict", "write_plan"]
 
 # data.seq_len: null plans the model's maximum positions up to this: the trainer's cap
 # (tpu_train.trainer.config.DEFAULT_MAX_SEQ_LEN; planning sits below the trainer).
 DEFAULT_MAX_SEQ_LEN = 2048
+# data.seq_len not on the command line (the bundled corpus's 128 tokens say nothing of a pod
+# run): the plan takes the model's context, at most this.
+PLAN_SEQ_LEN_CAP = 4096
+# plan.fast reads XLA's buffer assignment, a lower bound: the finished executable's own total
+# was 3-7 % above it for Llama-3.1-8B and 70B (docs/compile.md), so a verdict adds the most.
+FAST_MARGIN = 0.07
+# Settings that would fit: found by the analytic model, at most this many compiled to check
+# (each a compile of the whole step; plan.checks), at most _SHOWN printed.
+CHECKED_MOST = 3
+_CANDIDATES = 8
+_SHOWN = 3
 
 
 def choose_compiler(chip: str | None, num_chips: int) -> tuple[str | None, str | None]:
@@ -56,14 +80,15 @@ def choose_compiler(chip: str | None, num_chips: int) -> tuple[str | None, str |
 
 
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
+    rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
-                batch=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
+                batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
                 remat=estimate_mod.remat_of(cfg),
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
                 target=target, **degrees)
 
 
-def _compare(result: dict[str, Any], chip: str | None) -> None:
+def _compare(result: dict[str, Any]) -> None:
     """XLA's figures relative to the analytic ones: the planner's calibration check."""
     x = result["xla"]
     # The TPU compiler's own total where its log gave it, less the runtime's reserved memory
@@ -78,59 +103,97 @@ def _compare(result: dict[str, Any], chip: str | None) -> None:
     if x.get("flops_per_device"):
         result["xla_flops_vs_analytic"] = (x["flops_per_device"]
                                            / result["hardware_flops_per_chip"] - 1)
-    if chip is not None:
-        usable = estimate_mod.get_chip(chip).hbm_bytes * (1 - estimate_mod.HEADROOM)
-        # A lower bound (plan.fast, the default) can show that a step does not fit, not that
-        # it does.
-        lower_bound = "compile_until_buffer_assignment" in x.get("seconds", {})
-        result["fits_xla"] = None if lower_bound and peak <= usable else peak <= usable
+
+
+def verdict(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Whether the step fits on ``result``'s chip, by one figure, and which (``basis``): XLA's
+    TPU compiler's where it compiled the step for the chip (its executable's own total, its
+    out-of-memory report, or, under ``plan.fast``, its buffer assignment plus
+    :data:`FAST_MARGIN`), else the analytic estimate. None without a chip."""
+    if "chip" not in result:
+        return None
+    chip = estimate_mod.get_chip(result["chip"])
+    usable = chip.hbm_bytes * (1 - estimate_mod.HEADROOM)
+    x = result.get("xla") or {}
+    compiler = f"XLA's TPU compiler for {x.get('compiled_for')}"
+    if x.get("compiler") == "TPU" and x.get("compiler_total_hbm_bytes"):
+        needed = x["compiler_total_hbm_bytes"] - x.get("compiler_reserved_hbm_bytes", 0)
+        basis = f"{compiler}, the compiled step's own total"
+    elif x.get("compiler") == "TPU" and "out_of_memory" in x and "bytes_peak_estimate" in x:
+        needed, basis = x["bytes_peak_estimate"], f"{compiler}, its out-of-memory compile"
+    elif x.get("compiler") == "TPU" and "compile_until_buffer_assignment" in x.get("seconds", {}):
+        needed = x["bytes_peak_estimate"] * (1 + FAST_MARGIN)
+        basis = (f"{compiler}, its buffer assignment + {100 * FAST_MARGIN:.0f} % (the most "
+                 f"the compiler's own total has exceeded it by; plan.fast=false: that total)")
+    elif x.get("compiler") == "TPU" and "bytes_peak_estimate" in x:
+        needed, basis = x["bytes_peak_estimate"], f"{compiler}, its memory analysis"
+    else:
+        needed = result["bytes_total"]
+        basis = ("the analytic estimate (XLA's figures are the CPU compiler's, not the "
+                 "chip's)" if "bytes_peak_estimate" in x else "the analytic estimate")
+    return {"fits": needed <= usable, "needed_bytes": needed, "usable_bytes": usable,
+            "basis": basis, "scaled_to_xla": not basis.startswith("the analytic")}
 
 
 def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
              timeout_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """The plan of composed config ``cfg``: analytic figures, XLA's beside them, a verdict.
 
-    Returns the analytic estimate's dict with ``xla`` (XLA's per-chip memory and FLOPs of the
-    compiled step, ``compiler`` saying whose, or an ``xla_error``), ``fits_xla`` (XLA's peak
-    within the chip's usable HBM; None where plan.fast's lower bound is), the relative gaps ``xla_vs_analytic`` (memory) and
-    ``xla_flops_vs_analytic``, and ``compiler_note`` when the TPU compiler could not be used.
+    Returns the analytic estimate's dict (its own verdict as ``fits_analytic``) with ``xla``
+    (XLA's per-chip memory and FLOPs of the compiled step, ``compiler`` saying whose, or an
+    ``xla_error``), the relative gaps ``xla_vs_analytic`` (memory) and
+    ``xla_flops_vs_analytic``, ``compiler_note`` when the TPU compiler could not be used, and
+    ``verdict`` (:func:`verdict`), whose ``fits`` is also ``fits``.
     """
     result = dict(estimate_mod.estimate_from_config(cfg, num_devices))
-    if not xla:
-        return result
-    degrees = {axis: int(result["mesh"][axis]) for axis in ("data", "fsdp", "tensor")}
-    target, note = choose_compiler(cfg.plan.chip, result["num_devices"])
-    if note:
-        result["compiler_note"] = note
-    try:
-        result["xla"] = analyse_in_child(
-            _analysis_args(cfg, degrees, target), num_devices=result["num_devices"],
-            timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.fast))
-    except TargetError:  # libtpu rejected the topology: bad input, one line
-        raise
-    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:
-        # Reported, never a crash: the analytic figures stand on their own.
-        result["xla"] = {"xla_error": f"the compiled step could not be analysed "
-                                      f"({' '.join(str(err).split())[-300:]})"}
-    _compare(result, cfg.plan.chip)
+    if "fits" in result:
+        result["fits_analytic"] = result.pop("fits")
+    if xla:
+        degrees = {axis: int(result["mesh"][axis]) for axis in ("data", "fsdp", "tensor")}
+        target, note = choose_compiler(cfg.plan.chip, result["num_devices"])
+        if note:
+            result["compiler_note"] = note
+        try:
+            result["xla"] = analyse_in_child(
+                _analysis_args(cfg, degrees, target), num_devices=result["num_devices"],
+                timeout_s=timeout_s, until_buffer_assignment=bool(cfg.plan.fast))
+        except TargetError:  # libtpu rejected the topology: bad input, one line
+            raise
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as err:
+            # Reported, never a crash: the analytic figures stand on their own.
+            result["xla"] = {"xla_error": f"the compiled step could not be analysed "
+                                          f"({' '.join(str(err).split())[-300:]})"}
+        _compare(result)
+    result["verdict"] = verdict(result)
+    if result["verdict"] is not None:
+        result["fits"] = result["verdict"]["fits"]
     return result
 
 
-def planning_config(cfg: Any) -> tuple[Any, list[str]]:
+def planning_config(cfg: Any, *, seq_len_given: bool = True) -> tuple[Any, list[str]]:
     """A copy of ``cfg`` that can be planned without devices, and notes on what was changed.
 
-    A ``-1`` degree means "the rest of the chips", but planning has no chips to count: it
-    counts as 1, so the chip count is the product of the explicit degrees. A global batch
-    that does not split over ``data * fsdp`` (the trainer's default of 8 sequences cannot
-    split over 256 chips) is raised to the next multiple, i.e. at least one sequence per
-    batch shard.
+    ``seq_len_given=False`` (``data.seq_len`` not on the command line): the model's context,
+    at most :data:`PLAN_SEQ_LEN_CAP` tokens; ``data.seq_len=null`` is resolved as the trainer
+    resolves it. A ``-1`` degree means "the rest of the chips", but planning has no chips to
+    count: it counts as 1, so the chip count is the product of the explicit degrees. A global
+    batch that does not split over ``data * fsdp`` (the trainer's default of 8 sequences
+    cannot split over 256 chips) is raised to the next multiple, i.e. at least one sequence
+    per batch shard.
     """
     planned = copy.deepcopy(cfg)
     notes = []
-    if "seq_len" in planned.data and planned.data.seq_len is None:  # as the trainer resolves it
-        model_max = int(estimate_mod.planned_model(planned.model.name,
-                                                   planned.model.checkpoint).max_seq_len)
-        planned.data.seq_len = min(model_max, DEFAULT_MAX_SEQ_LEN)
+    def model_max() -> int:
+        return int(estimate_mod.planned_model(planned.model.name,
+                                              planned.model.checkpoint).max_seq_len)
+
+    if not seq_len_given:
+        planned.data.seq_len = min(model_max(), PLAN_SEQ_LEN_CAP)
+        notes.append(f"data.seq_len not set: planning {planned.data.seq_len:,} tokens a "
+                     f"sequence (the model's context, {model_max():,}, at most "
+                     f"{PLAN_SEQ_LEN_CAP:,}; set data.seq_len to plan another)")
+    elif "seq_len" in planned.data and planned.data.seq_len is None:  # as the trainer does
+        planned.data.seq_len = min(model_max(), DEFAULT_MAX_SEQ_LEN)
         notes.append(f"data.seq_len=null: planning with {planned.data.seq_len} tokens")
     for axis in ("data", "fsdp", "tensor"):
         if int(planned.parallel[axis]) == -1:
@@ -147,14 +210,122 @@ def planning_config(cfg: Any) -> tuple[Any, list[str]]:
     return planned, notes
 
 
-def plan_job(cfg: Any, *, out=None) -> dict[str, Any]:
-    """``tpu-train plan``: plan ``cfg``, print the report and one JSON line, return the dict."""
+_FILLED_IN = ("data.seq_len", "data.batch_size", "parallel.data", "parallel.fsdp",
+              "parallel.tensor")
+
+
+_SPELT_OUT = ("model.name", "model.checkpoint", *_FILLED_IN, "trainer.precision",
+              "trainer.remat", "trainer.micro_batch_size", "plan.chip")
+
+
+def command_line_overrides() -> list[str] | None:
+    """The overrides of this ``tpu-train`` command line (None outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def command_line(overrides: list[str], changes: dict[str, Any]) -> str:
+    """``tpu-train plan`` with ``overrides``, those of ``changes``' keys replaced by it."""
+    kept = [o for o in overrides if _key(o) not in changes]
+    added = [f"{key}={'null' if value is None else getattr(value, 'value', value)}"
+             for key, value in changes.items()]
+    return shlex.join(["tpu-train", "plan", *kept, *added])
+
+
+def _with(cfg: Any, changes: dict[str, Any]) -> Any:
+    changed = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        OmegaConf.update(changed, key, value, merge=False)
+    return changed
+
+
+def _fitting(cfg: Any, planned: Any, result: dict[str, Any], overrides: list[str],
+             out) -> list[dict[str, Any]]:
+    """Settings that would fit where the plan does not, each as a ``tpu-train plan`` line
+    (with what the planner filled in made explicit). Predicted from the analytic model scaled
+    to XLA's figure, which moves less well across remat policies than within one: where XLA's
+    TPU compiler gave the verdict, the candidates are compiled in turn (at most
+    ``plan.checks``, default :data:`CHECKED_MOST`) until one fits by its figure."""
+    verdict_of = result["verdict"]
+    if verdict_of is None or verdict_of["fits"]:
+        return []
+    filled = {key: estimate_mod.setting(planned, key) for key in _FILLED_IN
+              if estimate_mod.setting(planned, key) != estimate_mod.setting(cfg, key)}
+    kept = [o for o in overrides if _key(o) != "plan.output"]  # each check writes its own
+    found = [{"changes": c.changes, "num_devices": c.num_devices,
+              "predicted_bytes": c.predicted_bytes,
+              "command": command_line(kept, {**filled, **c.changes})}
+             for c in fit.fitting_candidates(planned, verdict_of["needed_bytes"],
+                                             verdict_of["usable_bytes"],
+                                             result["num_devices"], most=_CANDIDATES)]
+    if not verdict_of["scaled_to_xla"]:
+        return found[:_SHOWN]
+    checks = estimate_mod.setting(cfg, "plan.checks")
+    for candidate in found[:CHECKED_MOST if checks is None else max(0, int(checks))]:
+        print(f"  compiling {' '.join(fit.Candidate(candidate['changes'], 0, 0).overrides())} "
+              f"to check that it fits ...", file=out, flush=True)
+        checked = run_plan(_with(planned, candidate["changes"]))["verdict"]
+        candidate["checked"] = bool(checked["fits"] and checked["scaled_to_xla"])
+        candidate["checked_bytes"] = checked["needed_bytes"]
+        if candidate["checked"]:
+            break
+    confirmed = [c for c in found if c.get("checked")]
+    return confirmed + [c for c in found if "checked" not in c][:_SHOWN - len(confirmed)] \
+        + [c for c in found if c.get("checked") is False]
+
+
+def _output_path(cfg: Any) -> Path:
+    """``plan.output``, or a new ``runs/plan/<time>/plan.json``."""
+    chosen = estimate_mod.setting(cfg, "plan.output")
+    if chosen:
+        path = Path(str(chosen)).expanduser()
+        return path / "plan.json" if path.is_dir() else path
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for attempt in range(100):
+        folder = Path("runs", "plan", stamp + (f"_{attempt}" if attempt else ""))
+        if not folder.exists():
+            return folder / "plan.json"
+    raise FileExistsError(f"runs/plan/{stamp}_* exist: set plan.output")
+
+
+def write_plan(result: dict[str, Any], path: Path) -> None:
+    """``result`` as JSON at ``path`` (a whole file or none: written beside it, then moved)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    partial.replace(path)
+
+
+def plan_job(cfg: Any, *, out=None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """``tpu-train plan``: plan ``cfg``, print the report, write every figure as JSON (to
+    ``plan.output``, else ``runs/plan/<time>/plan.json``) and return the dict.
+    ``overrides``: the command line's (default: this Hydra job's; without one, the settings
+    planned), which decide whether ``data.seq_len`` was given and are repeated in the
+    settings that would fit."""
     out = out if out is not None else sys.stdout
-    planned, notes = planning_config(cfg)
+    overrides = command_line_overrides() if overrides is None else list(overrides)
+    given = overrides is None or any(_key(o) == "data.seq_len" for o in overrides)
+    planned, notes = planning_config(cfg, seq_len_given=given)
+    if overrides is None:  # no command line: the settings planned, spelt out
+        values = {key: estimate_mod.setting(cfg, key) for key in _SPELT_OUT}
+        overrides = [f"{key}={getattr(value, 'value', value)}"
+                     for key, value in values.items() if value is not None]
+    path = _output_path(cfg)
     start = time.perf_counter()
     result = run_plan(planned)
-    result["plan_seconds"] = time.perf_counter() - start
     result["notes"] = notes + ([result["compiler_note"]] if "compiler_note" in result else [])
-    print(format_report(result), file=out)
-    print(json.dumps(result, default=str), file=out)
+    print(format_report(result), file=out, flush=True)
+    result["fitting"] = _fitting(cfg, planned, result, overrides, out)
+    fitting = format_fitting(result)
+    if fitting:
+        print(fitting, file=out)
+    result["plan_seconds"] = time.perf_counter() - start
+    write_plan(result, path)
+    print(f"plan written to {path} (every figure, JSON)", file=out)
+    result["output"] = str(path)
     return result

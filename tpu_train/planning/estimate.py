@@ -33,6 +33,8 @@ __all__ = [
     "get_chip",
     "planned_model",
     "compute_dtype_of",
+    "pieces",
+    "setting",
 ]
 
 GiB = 1024 ** 3
@@ -363,19 +365,52 @@ def remat_of(config: Any) -> str:
                          bool(trainer.get("activation_checkpointing", False)))
 
 
+def setting(config: Any, key: str, changes: dict | None = None) -> Any:
+    """The composed config's value at dotted ``key`` (``"parallel.fsdp"``), or ``changes``'
+    (the settings :mod:`.fit` tries) where it has one; None where the config has no such key."""
+    if changes and key in changes:
+        return changes[key]
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def pieces(config: Any, shards: int, changes: dict | None = None) -> tuple[int, int]:
+    """``(global rows one forward/backward runs, pieces one step accumulates)``, as the
+    trainer splits a step: ``trainer.grad_accum_steps`` micro-batches of ``data.batch_size``
+    rows, each cut into ``trainer.micro_batch_size`` rows per batch shard where that is
+    fewer than a shard's rows (tpu_train.trainer.layouts)."""
+    batch = int(setting(config, "data.batch_size", changes))
+    accum = int(setting(config, "trainer.grad_accum_steps", changes) or 1)
+    rows = batch // shards
+    micro = setting(config, "trainer.micro_batch_size", changes)
+    if micro is None or int(micro) >= rows:
+        return batch, accum
+    if rows % int(micro):
+        raise ValueError(f"trainer.micro_batch_size={micro} must divide the {rows} rows each "
+                         f"batch shard computes (data.batch_size={batch} over {shards})")
+    return int(micro) * shards, accum * (rows // int(micro))
+
+
 def estimate_from_config(config: Any, num_devices: int | None = None,
                          chip: str | None = None, mfu: float = ASSUMED_MFU, *,
-                         remat: str | None = None, batch: int | None = None) -> dict[str, Any]:
+                         remat: str | None = None, batch: int | None = None,
+                         changes: dict | None = None) -> dict[str, Any]:
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
 
-    Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` (the micro-batch) and ``data.seq_len``,
-    ``parallel.{data,fsdp,tensor}``, ``trainer.{activation_checkpointing,precision,
-    grad_accum_steps}`` and ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed
-    only when a degree is -1; otherwise it is their product. ``remat`` and ``batch`` replace
-    the config's policy and micro-batch (the settings :mod:`.fit` tries).
+    Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` and
+    ``data.seq_len``, ``parallel.{data,fsdp,tensor}``, ``trainer.{remat,
+    activation_checkpointing,precision,grad_accum_steps,micro_batch_size,scan_layers}`` and
+    ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed only when a degree is -1;
+    otherwise it is their product. ``changes`` (dotted keys to values) replaces what the
+    config says; ``remat`` and ``batch`` (the global micro-batch, rows run at once) replace
+    the config's policy and micro-batch.
     """
-    par = config.parallel
-    degrees = (int(par.data), int(par.fsdp), int(par.tensor))
+    degrees = tuple(int(setting(config, f"parallel.{axis}", changes))
+                    for axis in ("data", "fsdp", "tensor"))
     if num_devices is None:
         if -1 in degrees:
             raise ValueError(
@@ -384,10 +419,15 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         num_devices = math.prod(degrees)
     compute_dtype = compute_dtype_of(config)
     cfg = planned_model(config.model.name, config.model.checkpoint)
+    shards = resolve_mesh_shape(num_devices, *degrees).batch_shards
+    rows, splits = pieces(config, shards, changes)
+    if batch is not None:  # a micro-batch of ``batch`` rows: the step's pieces follow
+        splits, rows = splits * rows // batch, batch
+    policy = remat or (changes or {}).get("trainer.remat") or remat_of(config)
     return estimate(
-        cfg, num_devices=num_devices, data=degrees[0],
-        fsdp=degrees[1], tensor=degrees[2], batch=batch or int(config.data.batch_size),
-        seq_len=int(config.data.seq_len),
-        remat=remat or remat_of(config), chip=chip or config.plan.chip, mfu=mfu, act_bytes=compute_dtype.itemsize if compute_dtype else 4,
-        grad_accum_steps=int(config.trainer.grad_accum_steps),
+        cfg, num_devices=num_devices, data=degrees[0], fsdp=degrees[1], tensor=degrees[2],
+        batch=rows, seq_len=int(config.data.seq_len),
+        remat=policy,
+        chip=chip or config.plan.chip, mfu=mfu,
+        act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
         scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))

@@ -1,59 +1,127 @@
-"""Settings under which a step that did not fit in device memory would, for the one-line
-error of an out-of-memory compile (:class:`tpu_train.compile.ProgramOutOfMemoryError`).
+"""Settings under which a step that does not fit in device memory would: for the one-line
+error of an out-of-memory compile (:class:`tpu_train.compile.ProgramOutOfMemoryError`) and for
+``tpu-train plan``'s verdict.
 
-XLA knows what the program needed; the analytic model (:mod:`.estimate`) knows how the
-need moves with the settings. Each candidate's estimate is scaled by XLA's figure over the
-estimate of the settings that failed (the model's error is mostly a common factor: the same
+XLA knows what the program needs; the analytic model (:mod:`.estimate`) knows how the need
+moves with the settings. Each candidate's estimate is scaled by XLA's figure over the
+estimate of the settings planned (the model's error is mostly a common factor: the same
 buffers it leaves out or overstates), and a candidate fits when that is within the device's
-memory. Candidates change as little as possible: first the remat policy alone (in the order
-of the recomputation they cost), then fewer rows at once (``trainer.micro_batch_size``), then
-both.
+memory. Candidates change as little as possible, cheapest first: the same chips before more
+chips, fewer changed settings before more, fewer pieces a step is cut into
+(``trainer.micro_batch_size``) before more, less recomputation (``trainer.remat``) before
+more. The chips can be laid out otherwise (``parallel.tensor`` splits each layer's
+activations, taken from ``fsdp``) or be more of them (``parallel.fsdp`` doubled or quadrupled, the global batch raised to split over
+them where it would not).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from typing import Any
 
 from tpu_train.compile.memory_errors import gib
+from tpu_train.parallel.mesh import resolve_mesh_shape
 
-from .estimate import estimate_from_config, remat_of
+from .estimate import estimate_from_config, pieces, remat_of
+
+__all__ = ["Candidate", "fitting_candidates", "out_of_memory_message", "settings_that_fit"]
 
 _POLICIES = ("none", "save_dots", "save_qkv_proj", "full")
+_TENSOR_FACTORS = (1, 2, 4, 8)
+_CHIP_FACTORS = (1, 2, 4)
 _MOST = 3
 
 
-def _rows_at_once(config: Any, shards: int) -> int:
-    rows = int(config.data.batch_size) // shards
-    micro = config.trainer.get("micro_batch_size")
-    return min(rows, int(micro)) if micro else rows
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """Settings that would fit: ``changes`` (dotted config keys to values), the bytes per
+    chip they are predicted to need, and the chips they run on."""
+
+    changes: dict
+    predicted_bytes: float
+    num_devices: int
+
+    def overrides(self) -> list[str]:
+        """``["trainer.remat=full", ...]``: the changes as command-line overrides."""
+        return [f"{key}={'null' if value is None else value}"
+                for key, value in self.changes.items()]
+
+
+def _layouts(config: Any, num_devices: int,
+             more_chips: bool) -> list[tuple[int, int, dict]]:
+    """``(chips, batch shards, parallel changes)`` of the meshes to try: the planned one, ``tensor`` taken
+    from ``fsdp`` (then ``data``) on the same chips, and each of those on more ``fsdp`` chips."""
+    shape = resolve_mesh_shape(num_devices, int(config.parallel.data),
+                               int(config.parallel.fsdp), int(config.parallel.tensor))
+    found = []
+    for grow, factor in itertools.product(_CHIP_FACTORS if more_chips else (1,),
+                                          _TENSOR_FACTORS):
+        data, fsdp, tensor = shape.data, shape.fsdp, shape.tensor * factor
+        if factor > 1:
+            if fsdp % factor == 0:
+                fsdp //= factor
+            elif data % factor == 0:
+                data //= factor
+            else:
+                continue
+        fsdp *= grow
+        changes = {key: value for key, value, was in (
+            ("parallel.data", data, shape.data), ("parallel.fsdp", fsdp, shape.fsdp),
+            ("parallel.tensor", tensor, shape.tensor)) if value != was}
+        found.append((num_devices * grow, data * fsdp, changes))
+    return found
+
+
+def _batches(config: Any, shards: int, changes: dict) -> list[dict]:
+    """The batch changes to try over ``shards`` batch shards: the global batch raised to split
+    where it would not, then each smaller number of rows at once that divides a shard's rows."""
+    batch = int(config.data.batch_size)
+    if batch % shards:
+        batch = -(-batch // shards) * shards
+        changes = {**changes, "data.batch_size": batch}
+    rows_at_once = pieces(config, shards, changes)[0] // shards
+    rows = batch // shards
+    fewer = [r for r in range(rows_at_once - 1, 0, -1) if rows % r == 0]
+    return [changes] + [{**changes, "trainer.micro_batch_size": r} for r in fewer]
+
+
+def fitting_candidates(config: Any, needed_bytes: float, capacity_bytes: float,
+                       num_devices: int, *, more_chips: bool = True,
+                       most: int = _MOST) -> list[Candidate]:
+    """Up to ``most`` settings, cheapest first (module docstring), predicted to fit in
+    ``capacity_bytes`` per chip, given that ``config``'s step needs ``needed_bytes``."""
+    scale = needed_bytes / estimate_from_config(config, num_devices=num_devices)["bytes_total"]
+    remat = remat_of(config)
+    policies = _POLICIES[_POLICIES.index(remat):] if remat in _POLICIES else (remat,)
+    found = []
+    for chips, shards, layout in _layouts(config, num_devices, more_chips):
+        for batch_changes, policy in itertools.product(_batches(config, shards, layout),
+                                                       policies):
+            changes = {**batch_changes,
+                       **({"trainer.remat": policy} if policy != remat else {})}
+            if not changes:
+                continue
+            try:
+                figures = estimate_from_config(config, num_devices=chips, changes=changes)
+            except ValueError:  # a mesh the model does not split over
+                continue
+            predicted = figures["bytes_total"] * scale
+            if predicted <= capacity_bytes:
+                cost = (chips, len(changes), figures["grad_accum_steps"],
+                        _POLICIES.index(policy) if policy in _POLICIES else 0, predicted)
+                found.append((cost, Candidate(changes, predicted, chips)))
+    return [candidate for _, candidate in sorted(found, key=lambda item: item[0])[:most]]
 
 
 def settings_that_fit(config: Any, needed_bytes: int, capacity_bytes: int,
                       num_devices: int) -> list[str]:
-    """Up to three overrides (``"trainer.remat=save_dots (~12.3 GiB)"``) that would fit in
-    ``capacity_bytes``, given that the config's step needed ``needed_bytes`` per device."""
-    current = estimate_from_config(config, num_devices=num_devices)
-    shards = current["mesh"]["data"] * current["mesh"]["fsdp"]
-    scale = needed_bytes / current["bytes_total"]
-    remat, rows = remat_of(config), _rows_at_once(config, shards)
-    policies = [p for p in _POLICIES[_POLICIES.index(remat) + 1:]] if remat in _POLICIES else []
-    smaller = [r for r in (rows // 2, rows // 4, rows // 8, 1) if 0 < r < rows]
-    smaller = sorted(set(smaller), reverse=True)
-    candidates = ([(p, rows) for p in policies] + [(remat, r) for r in smaller]
-                  + [(p, r) for r in smaller for p in policies])
-    found = []
-    for policy, micro in candidates:
-        figures = estimate_from_config(config, num_devices=num_devices, remat=policy,
-                                       batch=micro * shards)
-        predicted = figures["bytes_total"] * scale
-        if predicted > capacity_bytes:
-            continue
-        overrides = ([f"trainer.remat={policy}"] if policy != remat else []) \
-            + ([f"trainer.micro_batch_size={micro}"] if micro != rows else [])
-        found.append(f"{' '.join(overrides)} (~{gib(predicted)})")
-        if len(found) == _MOST:
-            break
-    return found
+    """Up to three overrides on the same chips (``"trainer.remat=save_dots (~12.3 GiB)"``)
+    that would fit in ``capacity_bytes``, given that the config's step needed
+    ``needed_bytes`` per device."""
+    return [f"{' '.join(c.overrides())} (~{gib(c.predicted_bytes)})"
+            for c in fitting_candidates(config, needed_bytes, capacity_bytes, num_devices,
+                                        more_chips=False)]
 
 
 def out_of_memory_message(error, config: Any, num_devices: int) -> str:

@@ -1,17 +1,17 @@
 """The plan's report: the analytic figures, XLA's beside them, and the gap (one formatter).
 
 :func:`format_report` renders what :func:`tpu_train.planning.command.run_plan` returns (an
-analytic estimate, optionally with an ``xla`` analysis); ``tpu-train plan`` prints it above
-one JSON line with every figure.
+analytic estimate, optionally with an ``xla`` analysis and a ``verdict``); ``tpu-train plan``
+prints it and writes every figure to a JSON file.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .estimate import GiB
+from .estimate import HEADROOM, GiB
 
-__all__ = ["format_bytes", "format_report"]
+__all__ = ["format_bytes", "format_fitting", "format_report"]
 
 _MEMORY_ROWS = ("params", "grads", "optimizer", "grad_accumulator", "fsdp_gathered",
                 "stacked_layers", "activations", "loss_head", "total")
@@ -35,24 +35,26 @@ def _chip_line(result: dict[str, Any]) -> str:
     return (f"on {result['chip']} ({format_bytes(result['chip_hbm_bytes']).strip()} HBM, "
             f"{result['chip_bf16_tflops']:.0f} bf16 TFLOP/s) at an assumed MFU of "
             f"{100 * result['assumed_mfu']:.0f} %: step {result['step_time_s']:.3f} s, "
-            f"{result['tokens_per_s_per_chip']:,.0f} tokens/s/chip; uses "
-            f"{100 * result['hbm_use_fraction']:.0f} % of HBM: "
-            f"{'FITS' if result['fits'] else 'DOES NOT FIT'}")
+            f"{result['tokens_per_s_per_chip']:,.0f} tokens/s/chip")
 
 
 def _xla_lines(result: dict[str, Any]) -> list[str]:
     x = result["xla"]
     if "bytes_peak_estimate" not in x:
-        return [f"XLA analysis unavailable: {x.get('xla_error', 'no figures')}"]
+        reason = x.get("out_of_memory") or x.get("xla_error", "no figures")
+        return [f"XLA analysis unavailable: {reason}"]
     where = x.get("compiled_for") or f"{result['num_devices']} virtual CPU devices"
     early = "compile_until_buffer_assignment" in x.get("seconds", {})
     if early:
         where += ", at its buffer assignment"
+    flops = (f", {x['flops_per_device']:.3e} FLOPs per chip" if x.get("flops_per_device")
+             else "")
     lines = [f"XLA ({x.get('compiler', 'CPU')} compiler, {where}): "
              f"{x['bytes_peak_estimate'] / GiB:.2f} GiB per chip (arguments "
              f"{x['argument_size_in_bytes'] / GiB:.2f}, temporaries "
-             f"{x['temp_size_in_bytes'] / GiB:.2f} GiB), {x['flops_per_device']:.3e} FLOPs "
-             f"per chip"]
+             f"{x['temp_size_in_bytes'] / GiB:.2f} GiB){flops}"]
+    if "out_of_memory" in x:
+        lines.append(f"  the compile stopped: {x['out_of_memory']}")
     if early:
         lines.append("  memory: read before code generation, a lower bound (the compiler's own "
                      "total was 3-7 % more for Llama-3.1-8B and 70B); plan.fast=false compiles "
@@ -69,16 +71,50 @@ def _xla_lines(result: dict[str, Any]) -> list[str]:
     gap = f"XLA vs analytic per chip: memory {100 * result['xla_vs_analytic']:+.1f} %"
     if "xla_flops_vs_analytic" in result:
         gap += f", FLOPs {100 * result['xla_flops_vs_analytic']:+.1f} %"
-    if result.get("fits_xla") is not None:
-        gap += f"; by XLA's figure the step {'FITS' if result['fits_xla'] else 'DOES NOT FIT'}"
-    elif "fits_xla" in result:
-        gap += "; whether it fits needs the executable's figure (plan.fast=false)"
     return lines + [gap]
 
 
+def _verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The one verdict, its figure and basis, and the settings that would fit."""
+    v = result.get("verdict")
+    if v is None:
+        return ["verdict: none without a chip (plan.chip=v5e, v5p, v6e, ...)"]
+    lines = [f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} on {result['chip']}: "
+             f"{format_bytes(v['needed_bytes']).strip()} per chip of "
+             f"{format_bytes(v['usable_bytes']).strip()} usable "
+             f"({format_bytes(result['chip_hbm_bytes']).strip()} HBM less "
+             f"{100 * HEADROOM:.0f} % headroom), by {v['basis']}"]
+    return lines
+
+
+def format_fitting(result: dict[str, Any]) -> str:
+    """The settings that would fit a plan that does not (``result["fitting"]``): those XLA's
+    compile confirmed, then those only estimated; or why none was found."""
+    v = result.get("verdict")
+    if v is None or v["fits"]:
+        return ""
+    fitting = [f for f in result.get("fitting") or [] if f.get("checked") is not False]
+    if not fitting:
+        return ("  no setting the planner tried fits (trainer.remat, trainer.micro_batch_size, "
+                "parallel.tensor, up to 4x the chips): shorten data.seq_len or take a chip "
+                "with more HBM")
+    lines = ["  settings that would fit:"]
+    for f in fitting:
+        chips = (f", {f['num_devices']} chips" if f["num_devices"] != result["num_devices"]
+                 else "")
+        if f.get("checked"):
+            how = f"XLA: fits, {format_bytes(f['checked_bytes']).strip()} per chip{chips}"
+        else:
+            how = (f"estimated ~{format_bytes(f['predicted_bytes']).strip()} per chip{chips}"
+                   + (", not compiled" if v.get("scaled_to_xla") else ", analytic"))
+        lines.append(f"    {f['command']}   # {how}")
+    return "\n".join(lines)
+
+
 def format_report(result: dict[str, Any]) -> str:
-    """Human-readable lines for a plan: analytic memory and FLOPs, the chip's verdict, then
-    XLA's figures of the compiled step and their gap to the analytic ones when present."""
+    """Human-readable lines for a plan: analytic memory and FLOPs, step time on the chip,
+    XLA's figures of the compiled step and their gap to the analytic ones when present, then
+    the verdict where a chip was named (and the settings that would fit where it does not)."""
     lines = [f"note: {note}" for note in result.get("notes", ())]
     at = f", at its peak, {result['peak_phase']}" if result.get("peak_phase") else ""
     lines += [_setting_line(result), f"parameters {result['num_params']:,}",
@@ -92,4 +128,6 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("xla") is not None:
         lines += _xla_lines(result)
     lines += [f"warning: {w}" for w in result["warnings"]]
+    if "verdict" in result:
+        lines += _verdict_lines(result)
     return "\n".join(lines)

@@ -283,6 +283,11 @@ class PlanConfig:
     # (tens of seconds instead of minutes; per-chip memory is then a lower bound, a few percent
     # under the compiler's own total: tpu_train.planning). False: the whole executable's.
     fast: bool = True
+    # Where the plan's JSON (every figure) is written; null: runs/plan/<time>/plan.json.
+    output: Optional[str] = None
+    # A step that does not fit: how many of the settings that would fit (by the planner's
+    # estimate) to compile in turn until one fits by XLA's figure; 0: estimates only.
+    checks: int = 3
 
 
 @dataclass
