@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpu_train.compile import compile_train_step
+from tpu_train.compile import compile_train_step, lower_train_step, targets
 from tpu_train.compile.evaluation import CompiledLoss
 from tpu_train.data.packing import IGNORE_INDEX, segments_and_positions
 
@@ -132,3 +132,39 @@ def test_a_compiled_step_on_packed_rows_follows_eager_pytorch(model):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, cpu_losses)
     alone = torch.cat([torch.cat(_alone(model, r)) for r in rows])
     assert abs(losses[0] - float(alone.mean())) <= 1e-5 * float(alone.mean())
+
+
+needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
+                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
+
+
+@needs_libtpu
+def test_a_v5e_step_on_packed_rows_runs_the_kernels_with_segment_ids():
+    """Lowered for a v5e (compile-only target), a bf16 step over packed rows of 1024 tokens
+    takes the kernels (forward, dK/dV and dQ) with the rows' segment ids: each kernel call
+    reads two more operands than the same call of the causal step (the query's and the keys'
+    segment ids; the XLA form is only the other branch of the check that the mask is a
+    document mask)."""
+    from tests.compile.test_attention_kernels import _meta_llama
+
+    model, optimizer, batch = _meta_llama(1024, 1)
+    with torch.device("meta"):
+        packed = {**batch, "segment_ids": torch.empty(1, 1024, dtype=torch.int64),
+                  "position_ids": torch.empty(1, 1024, dtype=torch.int64)}
+    texts = [lower_train_step(model, optimizer, _mean_loss, b, target="v5e", compile=False,
+                              autocast_dtype=torch.bfloat16,
+                              compute_dtype=torch.bfloat16).lowered.as_text()
+             for b in (packed, batch)]
+    with_segments, causal = (_kernel_operands(text) for text in texts)
+    assert len(with_segments) == len(causal) == 3
+    assert with_segments == [n + 2 for n in causal]
+
+
+def _kernel_operands(text: str) -> list[int]:
+    """The operand count of each kernel call of a lowered (StableHLO) module, sorted."""
+    counts = []
+    for line in text.splitlines():
+        if "@tpu_custom_call(" in line:
+            operands = line.split("@tpu_custom_call(", 1)[1].split(")", 1)[0]
+            counts.append(len([o for o in operands.split(",") if o.strip()]))
+    return sorted(counts)
