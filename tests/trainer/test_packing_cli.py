@@ -1,15 +1,17 @@
 """``tpu-train recipe=llama_finetune data.packing=true``: the packed batches carry segment and
-position ids through the CLI's compiled step, which then computes every sample as if it were
-alone in its row. The step-1 loss (the initial weights) is checked against the oracle: each
-sample of the first batch run alone on the CPU, its losses summed over the batch's targets."""
+position ids through the CLI's compiled step (and its eager step on the CPU), which then
+computes every sample as if it were alone in its row. The step-1 loss (the initial weights) is
+checked against the oracle: each sample of the first batch run alone on the CPU, its losses
+summed over the batch's targets."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from tests.trainer.cli_helpers import TINY_COMPILED, read_metrics, run_in_process
+from tests.trainer.cli_helpers import TINY, TINY_COMPILED, read_metrics, run_in_process
 from tpu_train.trainer import builders
 from tpu_train.trainer.run_dirs import SAVED_CONFIG_FILE
 from tpu_train.trainer.step import IGNORE_INDEX, causal_lm_loss_sum
@@ -30,9 +32,11 @@ def _each_sample_alone(model, batch) -> float:
     return total / count
 
 
-def test_packing_true_trains_on_each_sample_alone(tmp_path):
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_packing_true_trains_on_each_sample_alone(tmp_path, mode):
     run_dir = tmp_path / "run"
-    code, out, err = run_in_process("recipe=llama_finetune", *TINY_COMPILED, "data.packing=true",
+    shapes = TINY_COMPILED if mode == "compiled" else TINY
+    code, out, err = run_in_process("recipe=llama_finetune", *shapes, "data.packing=true",
                                     "trainer.max_steps=1", f"run.dir={run_dir}")
     assert code == 0, err
     step_one = read_metrics(run_dir)[1]["train/loss"]
