@@ -220,7 +220,8 @@ class PackedLoader:
             return None
         missing = width - len(self._pack_ids)
         # The padding is one segment of its own: no sample attends to it.
-        row = (self._pack_ids + [self.tokenizer.pad_id] * missing, self._pack_targets + [False] * missing,
+        row = (self._pack_ids + [self.tokenizer.pad_id] * missing,
+               self._pack_targets + [False] * missing,
                self._pack_starts + [True] + [False] * (missing - 1))
         self._pack_ids, self._pack_targets, self._pack_starts = [], [], []
         return row

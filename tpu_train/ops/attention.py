@@ -110,7 +110,8 @@ def _forward(query, key, value, attn_bias, is_causal, scale):
     if attn_bias is not None:  # a boolean mask: the kernels with segment ids if a document mask
         def with_kernels(q, k, v, mask):
             return attention_tpu.for_document_mask(
-                mask, q.shape[0], lambda segments: attention_tpu.forward(q, k, v, True, scale, segments),
+                mask, q.shape[0],
+                lambda segments: attention_tpu.forward(q, k, v, True, scale, segments),
                 lambda: _attention_forward(q, k, v, mask, False, scale))
 
         return attention_tpu.on_tpu(
