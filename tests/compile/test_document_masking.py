@@ -47,7 +47,8 @@ def _token_losses(model, batch):
 
 def _alone(model, samples):
     """Per-token losses of each sample run alone (its last token has no label)."""
-    return [_token_losses(model, _packed_row([s], masked=False))[0, :-1] for s in samples]
+    with torch.no_grad():
+        return [_token_losses(model, _packed_row([s], masked=False))[0, :-1] for s in samples]
 
 
 def _per_sample(row_losses, samples):
@@ -117,16 +118,19 @@ def _mean_loss(model, batch):
     return _token_losses(model, batch).sum() / (batch["labels"] != IGNORE_INDEX).sum()
 
 
-def test_a_compiled_step_on_packed_rows_follows_eager_pytorch(model):
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_a_compiled_step_on_packed_rows_follows_eager_pytorch(model, scan_layers):
     """Forward and backward through the mask: the compiled step's losses are CPU PyTorch's,
-    and its first loss is the token-weighted mean of the samples alone."""
+    and its first loss is the token-weighted mean of the samples alone; also with the layers
+    scanned (the mask and the per-token rotary tables are inputs of the loop's body)."""
     rows = [_samples(seed=3), _samples((7, 7, 9, 9), seed=4)]
     batches = [{k: torch.cat([_packed_row(r)[k] for r in rows]) for k in _packed_row(rows[0])}
                for _ in range(3)]
     make_opt = OPTIMIZERS["adamw"]
     cpu_losses, *_ = run_reference(model, make_opt, _mean_loss, batches, device="cpu")
     on_device = copy.deepcopy(model).to(DEVICE)
-    step = compile_train_step(on_device, make_opt(on_device.parameters()), _mean_loss)
+    step = compile_train_step(on_device, make_opt(on_device.parameters()), _mean_loss,
+                              scan_layers=scan_layers)
     losses = [float(step(to_device(b))["loss"].cpu()) for b in batches]
     for got, want in zip(losses, cpu_losses):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, cpu_losses)
