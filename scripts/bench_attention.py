@@ -16,10 +16,14 @@ head_dim 64, one jitted program per form:
 Shapes ``BxH(KV)xS``: 4x8(4)x256, 8x16(8)x512, 8x16(8)x1024 (the 350M model's attention), and
 4x32(8)x2048 (the 1B model's). The forms are interleaved, the order alternating each round; per
 shape and form: compile seconds, fastest and median milliseconds; the xla / splash ratios; and
-the gradients' normwise difference between the two forms. Prints ONE JSON line. Run from the
+the gradients' normwise difference between the two forms. With ``--documents N`` every row
+is packed with N samples of random lengths and attention takes their *document mask* (causal
+within each sample, a boolean ``[B, 1, S, S]`` argument of the program): the XLA form applies
+it densely, the kernels with the segment ids read from it. Prints ONE JSON line. Run from the
 repository root::
 
     python scripts/bench_attention.py [--rounds 30] [--shapes 8x16(8)x1024,...] [--interpret]
+                                      [--documents 4]
 """
 
 from __future__ import annotations
@@ -56,7 +60,21 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
-def _programs(shape, device, interpret: bool):
+def document_mask(batch: int, seq: int, documents: int, seed: int = 0):
+    """A ``[batch, 1, seq, seq]`` boolean document mask of ``documents`` samples of random
+    lengths per row (at least one token each)."""
+    import numpy
+
+    rng = numpy.random.default_rng(seed)
+    segments = numpy.empty((batch, seq), numpy.int32)
+    for row in range(batch):
+        cuts = numpy.sort(rng.choice(numpy.arange(1, seq), documents - 1, replace=False))
+        segments[row] = numpy.searchsorted(cuts, numpy.arange(seq), side="right")
+    causal = numpy.tri(seq, dtype=bool)
+    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
+
+
+def _programs(shape, device, interpret: bool, documents: int = 0):
     """``{form: (compiled, compile seconds)}`` and the arguments they take."""
     import jax
     import jax.numpy as jnp
@@ -67,10 +85,12 @@ def _programs(shape, device, interpret: bool):
     keys = jax.random.split(jax.random.key(0), 4)
     q, dout = (jax.random.normal(k, (b, h, s, HEAD_DIM), jnp.bfloat16) for k in keys[::3])
     k, v = (jax.random.normal(key, (b, kv, s, HEAD_DIM), jnp.bfloat16) for key in keys[1:3])
-    args = [jax.device_put(x, device) for x in (q, k, v, dout)]
+    mask = jnp.asarray(document_mask(b, s, documents)) if documents else None
+    args = [jax.device_put(x, device) for x in (q, k, v, dout)] + (
+        [jax.device_put(mask, device)] if documents else [])
 
-    def loss(q_, k_, v_, dout_):
-        out = attention.attention(q_, k_, v_, None, True, None)[0]
+    def loss(q_, k_, v_, dout_, mask_=None):
+        out = attention.attention(q_, k_, v_, mask_, mask_ is None, None)[0]
         return jnp.sum(out.astype(jnp.float32) * dout_.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2))
@@ -95,13 +115,13 @@ def _relative(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def bench_shape(shape, device, rounds: int, interpret: bool) -> dict:
+def bench_shape(shape, device, rounds: int, interpret: bool, documents: int = 0) -> dict:
     import jax
 
     from tpu_train.ops import attention_tpu
 
     b, h, kv, s = shape
-    programs, args = _programs(shape, device, interpret)
+    programs, args = _programs(shape, device, interpret, documents)
     results = {name: program(*args) for name, (program, _) in programs.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in programs}
     order = list(programs)
@@ -112,8 +132,9 @@ def bench_shape(shape, device, rounds: int, interpret: bool) -> dict:
             times[name].append((time.perf_counter() - started) * 1e3)
     query, key = jax.ShapeDtypeStruct((b, h, s, HEAD_DIM), "bfloat16"), \
         jax.ShapeDtypeStruct((b, kv, s, HEAD_DIM), "bfloat16")
+    mask = jax.ShapeDtypeStruct((b, 1, s, s), "bool") if documents else None
     report = {"shape": f"{b}x{h}({kv})x{s}", "batch": b, "heads": h, "kv_heads": kv, "seq": s,
-              "rule_takes_kernels": attention_tpu.supported(query, key, key, None, True),
+              "rule_takes_kernels": attention_tpu.supported(query, key, key, mask, not documents),
               "compile_s": {n: round(p[1], 2) for n, p in programs.items()}}
     for name in ("xla", "splash"):
         report[f"{name}_ms"] = None if name not in times else {
@@ -138,11 +159,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=30, help="timed calls per form and shape")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES,
                         help=f"comma-separated BxH(KV)xS (default {DEFAULT_SHAPES})")
+    parser.add_argument("--documents", type=int, default=0,
+                        help="packed rows of this many samples: a document mask (0: causal)")
     parser.add_argument("--interpret", action="store_true",
                         help="off a TPU, run the kernels in Pallas' interpret mode (not a timing)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.documents < 0:
+        parser.error("--documents must be >= 0 (0: causal attention, no document mask)")
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as error:
@@ -156,11 +181,12 @@ def main(argv=None) -> dict:
               "device_kind": device.device_kind, "host_cores": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d"), "commit": provenance.commit(), "dtype": "bfloat16",
               "head_dim": HEAD_DIM, "causal": True, "rounds": args.rounds,
+              "documents_per_row": args.documents,
               "min_sequence_rule": attention_tpu.MIN_SEQUENCE,
               "splash": ("kernels" if device.platform == "tpu" else
                          "interpret mode (not a timing)" if args.interpret else
                          "not run: the kernels need a TPU (--interpret to check the script)"),
-              "shapes": [bench_shape(shape, device, args.rounds, args.interpret)
+              "shapes": [bench_shape(shape, device, args.rounds, args.interpret, args.documents)
                          for shape in shapes]}
     print(json.dumps(report))
     return report

@@ -94,6 +94,8 @@ VALUES = {
     "synthetic_tokens_with_val_path": (["data=synthetic_tokens",
                                         "data.val_path=${asset:corpus/tasks_heldout.jsonl}"],
                                        "drop data.val_path"),
+    "synthetic_tokens_with_packing": (["data=synthetic_tokens", "data.packing=true"],
+                                      "random token ids with no samples; drop data.packing"),
     "eval_on_synthetic_tokens": (["recipe=eval", "data=synthetic_tokens"],
                                  "data=synthetic_tokens generates random token ids"),
     # The existing run trained on files: its data position means nothing for random tokens.

@@ -52,3 +52,15 @@ def test_a_bad_shape_is_one_line():
     proc = _run("--shapes", "8x16x1024")
     assert proc.returncode == 2
     assert "--shapes: shape '8x16x1024' is not BxH(KV)xS" in proc.stderr
+
+
+def test_bench_attention_with_document_masks():
+    """``--documents``: packed rows' document masks, the kernels (interpret mode) with segment
+    ids giving the XLA form's dense-mask gradients."""
+    proc = _run("--rounds", "1", "--shapes", "2x2(1)x256", "--documents", "3", "--interpret")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["documents_per_row"] == 3
+    (shape,) = result["shapes"]
+    bound = tolerance(torch.bfloat16, 256, 6, 6, 1.0)["rtol"]
+    assert max(shape["grad_relative_difference"].values()) <= bound

@@ -3,7 +3,16 @@
 Samples (``<bos> ... <eos>``) are concatenated into one token stream which is cut into rows of
 ``seq_len + 1`` tokens; consecutive rows overlap by one token so no next-token transition is
 lost. A row gives ``tokens = row[:-1]`` and ``labels = row[1:]`` with ``-100`` wherever the
-predicted token is not a target (prompt tokens, ``<bos>``, padding).
+predicted token is not a target (prompt tokens, ``<bos>``, padding). The first token of every
+sample is never a target, so the label of a sample's last token (the next sample's first) is
+always ``-100``: the loss never crosses a sample boundary.
+
+With ``document_masking`` a batch also holds, per token, ``segment_ids`` (which sample of its
+row it belongs to, counting from 1 in each row) and ``position_ids`` (its position within that
+sample, restarting at 0 where a sample starts and at the start of every row). A model given
+them attends only within a sample (causal and same segment) and rotates by the per-sample
+positions, so each sample is computed as if it were alone in its row. Padding at the end of a
+last row is one more segment of its own.
 
 Memory is bounded by the packing buffer (about one row plus one sample), the optional shuffle
 buffer (``shuffle_buffer`` samples) and one chunk of read-ahead records; files are streamed.
@@ -48,8 +57,11 @@ def resolve_tokenizer(tokenizer: Tokenizer | str | Path | None) -> Tokenizer:
     return load_tokenizer(tokenizer)
 
 
-def rows_to_batch(rows: Sequence[tuple[list[int], list[bool]]]) -> dict[str, torch.Tensor]:
-    """``{"tokens", "labels"}`` LongTensors from rows of ``seq_len + 1`` ids and target flags."""
+def rows_to_batch(rows: Sequence[tuple[list[int], list[bool]]],
+                  starts: Sequence[list[bool]] | None = None) -> dict[str, torch.Tensor]:
+    """``{"tokens", "labels"}`` LongTensors from rows of ``seq_len + 1`` ids and target flags;
+    with ``starts`` (per row, True at the first token of a sample) also ``segment_ids`` and
+    ``position_ids`` (module docstring)."""
     width = len(rows[0][0])
     # array.array copies a list of ints in C, several times faster than torch.tensor(list).
     flat_ids, flat_targets = array.array("q"), array.array("b")
@@ -59,7 +71,24 @@ def rows_to_batch(rows: Sequence[tuple[list[int], list[bool]]]) -> dict[str, tor
     ids = torch.frombuffer(flat_ids, dtype=torch.long).view(len(rows), width).clone()
     targets = torch.frombuffer(flat_targets, dtype=torch.int8).view(len(rows), width).bool()
     labels = torch.where(targets[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE_INDEX))
-    return {"tokens": ids[:, :-1].contiguous(), "labels": labels}
+    batch = {"tokens": ids[:, :-1].contiguous(), "labels": labels}
+    if starts is not None:
+        batch.update(segments_and_positions(starts, width - 1))
+    return batch
+
+
+def segments_and_positions(starts: Sequence[list[bool]], seq_len: int) -> dict[str, torch.Tensor]:
+    """``segment_ids`` and ``position_ids`` ``[B, seq_len]`` (int64) of the first ``seq_len``
+    tokens of rows whose sample starts are flagged in ``starts``; a row's first token always
+    starts a segment (a sample continued from the previous row restarts at position 0)."""
+    flat = array.array("b")
+    for row in starts:
+        flat.fromlist([bool(s) for s in row[:seq_len]])
+    first = torch.frombuffer(flat, dtype=torch.int8).view(len(starts), seq_len).bool().clone()
+    first[:, 0] = True
+    index = torch.arange(seq_len).expand(len(starts), seq_len)
+    last_start = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+    return {"segment_ids": first.long().cumsum(dim=1), "position_ids": index - last_start}
 
 
 class PackedLoader:
@@ -87,6 +116,8 @@ class PackedLoader:
             sample comes from file ``i`` with probability ``weights[i] / sum(weights)`` and
             every file cycles on its own (needs ``num_epochs=None``).
         column_map: our field name -> the files' column (e.g. ``{"prompt": "question"}``).
+        document_masking: batches also hold ``segment_ids`` and ``position_ids`` (module
+            docstring), so that a model attends within each sample only.
     """
 
     def __init__(
@@ -105,6 +136,7 @@ class PackedLoader:
         read_chunk: int = 256,
         weights: Sequence[float] | None = None,
         column_map: Mapping[str, str] | None = None,
+        document_masking: bool = False,
     ):
         self.files = DataFiles.of(paths, column_map)
         check_sources(self.files)
@@ -128,12 +160,15 @@ class PackedLoader:
         )
         self._pack_ids: list[int] = []
         self._pack_targets: list[bool] = []
+        self._pack_starts: list[bool] = []  # True at the first token of each sample
+        self.document_masking = document_masking
         self._shuffle: list[Sample] = []
         self._rng = random.Random(seed)
         self._exhausted = False
         self._settings = dict(format=format, mask_prompt=mask_prompt, shuffle_buffer=shuffle_buffer,
                               seed=seed, num_epochs=num_epochs, drop_last=drop_last,
-                              read_chunk=read_chunk, weights=weights)
+                              read_chunk=read_chunk, weights=weights,
+                              document_masking=document_masking)
 
     # A loader travels (to a worker process, see tpu_train.data.worker) as its settings and its
     # state: open readers do not pickle, and the state is all its future depends on.
@@ -163,7 +198,8 @@ class PackedLoader:
 
     # -- packing ---------------------------------------------------------------------------
 
-    def _next_row(self) -> tuple[list[int], list[bool]] | None:
+    def _next_row(self) -> tuple[list[int], list[bool], list[bool]] | None:
+        """``(ids, targets, sample starts)`` of the next row of ``seq_len + 1`` tokens."""
         width = self.seq_len + 1
         while len(self._pack_ids) < width and not self._exhausted:
             sample = self._next_sample()
@@ -172,17 +208,22 @@ class PackedLoader:
                 break
             self._pack_ids += sample.ids
             self._pack_targets += sample.targets
+            self._pack_starts += [True] + [False] * (len(sample.ids) - 1)
         if len(self._pack_ids) >= width:
-            row = (self._pack_ids[:width], self._pack_targets[:width])
+            row = (self._pack_ids[:width], self._pack_targets[:width], self._pack_starts[:width])
             del self._pack_ids[: self.seq_len]
             del self._pack_targets[: self.seq_len]
+            del self._pack_starts[: self.seq_len]
             return row
         if self.drop_last or len(self._pack_ids) < 2:
-            self._pack_ids, self._pack_targets = [], []
+            self._pack_ids, self._pack_targets, self._pack_starts = [], [], []
             return None
         missing = width - len(self._pack_ids)
-        row = (self._pack_ids + [self.tokenizer.pad_id] * missing, self._pack_targets + [False] * missing)
-        self._pack_ids, self._pack_targets = [], []
+        # The padding is one segment of its own: no sample attends to it.
+        row = (self._pack_ids + [self.tokenizer.pad_id] * missing,
+               self._pack_targets + [False] * missing,
+               self._pack_starts + [True] + [False] * (missing - 1))
+        self._pack_ids, self._pack_targets, self._pack_starts = [], [], []
         return row
 
     def __iter__(self) -> "PackedLoader":
@@ -197,7 +238,8 @@ class PackedLoader:
             rows.append(row)
         if not rows or (self.drop_last and len(rows) < self.batch_size):
             raise StopIteration
-        return rows_to_batch(rows)
+        starts = [row[2] for row in rows] if self.document_masking else None
+        return rows_to_batch([row[:2] for row in rows], starts)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -212,6 +254,7 @@ class PackedLoader:
             **self._stream.state(),
             "pack_ids": list(self._pack_ids),
             "pack_targets": list(self._pack_targets),
+            "pack_starts": list(self._pack_starts),
             "shuffle_buffer": [(s.ids, s.targets) for s in self._shuffle],
             "rng": rng_state(self._rng),
             "exhausted": self._exhausted,
@@ -233,6 +276,9 @@ class PackedLoader:
             )
         self._stream.load(state)
         self._pack_ids, self._pack_targets = list(state["pack_ids"]), list(state["pack_targets"])
+        # States written before sample starts were kept: every sample begins with <bos>.
+        bos = self.tokenizer.bos_id
+        self._pack_starts = list(state.get("pack_starts", [i == bos for i in self._pack_ids]))
         self._shuffle = [Sample(tuple(ids), tuple(t)) for ids, t in state["shuffle_buffer"]]
         self._rng = rng_from_state(state["rng"])
         self._exhausted = state["exhausted"]

@@ -16,7 +16,8 @@ from .config import LlamaConfig
 from .kv_cache import KVCache
 from .rope import apply_rotary, rope_tables
 
-__all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "init_weights"]
+__all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "document_mask",
+           "init_weights"]
 
 # Hugging Face's initializer_range for Llama.
 _INIT_STD = 0.02
@@ -56,7 +57,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+                start_pos: int = 0, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (boolean, True where a query may attend to a key; see
+        :func:`document_mask`) replaces the causal mask; it takes no cache."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -69,7 +73,9 @@ class Attention(nn.Module):
         # repeated in memory.
         gqa = self.n_heads != self.n_kv_heads
         total = k.shape[2]
-        if total == seq:
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif total == seq:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif seq == 1:
             # A single new query may see every cached position.
@@ -106,8 +112,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache)
+                start_pos: int = 0, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,10 +145,16 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, *, start_pos: int = 0,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` at positions
         ``start_pos ... start_pos + seq - 1``; with ``cache``, attention also covers the
-        cached positions before ``start_pos``."""
+        cached positions before ``start_pos``.
+
+        Packed rows (several samples one after the other, no cache): ``position_ids``
+        ``[batch, seq]`` gives each token's rotary position (restarting at 0 in each sample)
+        and ``segment_ids`` ``[batch, seq]`` which sample it belongs to; a token then attends
+        only to the earlier tokens of its own segment (:func:`document_mask`)."""
         if tokens.dim() != 2:
             raise ValueError(
                 f"tokens must be a [batch, seq] tensor of token ids, got shape {tuple(tokens.shape)}"
@@ -152,11 +165,17 @@ class Llama(nn.Module):
                 f"positions {start_pos}..{start_pos + seq - 1} exceed the model's max_seq_len "
                 f"{self.config.max_seq_len}; shorten the input or raise config.max_seq_len"
             )
-        cos = self.rope_cos[start_pos:start_pos + seq]
-        sin = self.rope_sin[start_pos:start_pos + seq]
+        _check_packed_inputs(tokens, position_ids, segment_ids, start_pos, cache)
+        if position_ids is None:
+            cos = self.rope_cos[start_pos:start_pos + seq]
+            sin = self.rope_sin[start_pos:start_pos + seq]
+        else:  # [batch, 1, seq, head_dim // 2]: one angle per token, shared by the heads
+            cos = self.rope_cos[position_ids].unsqueeze(1)
+            sin = self.rope_sin[position_ids].unsqueeze(1)
+        mask = None if segment_ids is None else document_mask(segment_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, start_pos, cache)
+            h = layer(h, cos, sin, start_pos, cache, mask)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
@@ -172,6 +191,25 @@ class Llama(nn.Module):
     def init_weights(self, seed: int = 0, device: torch.device | str | None = None) -> "Llama":
         """See :func:`init_weights`."""
         return init_weights(self, seed, device)
+
+
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows: ``[batch, 1, seq, seq]``, True where query ``i``
+    may attend to key ``j``: ``j <= i`` and both in the same segment."""
+    seq = segment_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
+def _check_packed_inputs(tokens, position_ids, segment_ids, start_pos, cache) -> None:
+    for name, ids in (("position_ids", position_ids), ("segment_ids", segment_ids)):
+        if ids is not None and tuple(ids.shape) != tuple(tokens.shape):
+            raise ValueError(f"{name} must have the shape of tokens {tuple(tokens.shape)}, got "
+                             f"{tuple(ids.shape)}")
+    if (position_ids is not None or segment_ids is not None) and (cache is not None or start_pos):
+        raise ValueError("position_ids / segment_ids describe packed rows and take no cache or "
+                         "start_pos; pass one or the other")
 
 
 def _empty_or_computed_rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,10 +4,11 @@
 ``_scaled_dot_product_fused_attention_overrideable`` and its backward; lowering that pair keeps
 attention as one unit in the traced graph (fewer nodes than the math decomposition).
 
-Lowered for a TPU, the calls :func:`tpu_train.ops.attention_tpu.supported` accepts (causal or
-unmasked bf16 self-attention of at least ``attention_tpu.MIN_SEQUENCE`` tokens; the rule and
-its measurements are in that module) run JAX's Pallas splash-attention kernels, forward and
-backward; everything else, and every other platform, takes the XLA formulation below.
+Lowered for a TPU, the calls :func:`tpu_train.ops.attention_tpu.supported` accepts (causal,
+unmasked or document-masked bf16 self-attention of at least ``attention_tpu.MIN_SEQUENCE``
+tokens; the rule and its measurements are in that module) run JAX's Pallas splash-attention
+kernels, forward and backward, a document mask (packed rows) as the kernels' segment ids;
+everything else, and every other platform, takes the XLA formulation below.
 
 Layout is ``[B, H, S, D]``. Grouped-query attention (fewer key/value heads than query heads) is
 computed by viewing the query as ``[B, H_kv, G, S, D]`` and batching the dots over ``(B, H_kv)``,
@@ -106,6 +107,16 @@ def _forward(query, key, value, attn_bias, is_causal, scale):
     """``(out, logsumexp)`` without dropout: the TPU kernels where they apply, else the XLA form."""
     if not attention_tpu.supported(query, key, value, attn_bias, is_causal):
         return _attention_forward(query, key, value, attn_bias, is_causal, scale)
+    if attn_bias is not None:  # a boolean mask: the kernels with segment ids if a document mask
+        def with_kernels(q, k, v, mask):
+            return attention_tpu.for_document_mask(
+                mask, q.shape[0],
+                lambda segments: attention_tpu.forward(q, k, v, True, scale, segments),
+                lambda: _attention_forward(q, k, v, mask, False, scale))
+
+        return attention_tpu.on_tpu(
+            (query, key, value, attn_bias), with_kernels,
+            lambda q, k, v, mask: _attention_forward(q, k, v, mask, False, scale))
     return attention_tpu.on_tpu(
         (query, key, value),
         lambda q, k, v: attention_tpu.forward(q, k, v, is_causal, scale),
@@ -201,13 +212,24 @@ def _attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
     if not attention_tpu.supported(query, key, value, attn_bias, is_causal, dropout_p):
         return _xla_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out,
                              logsumexp, dropout_p, is_causal, philox_seed, scale)
-    grads = attention_tpu.on_tpu(
-        (grad_out, query, key, value, out, logsumexp),
-        lambda *operands: attention_tpu.backward(*operands, is_causal, scale),
-        lambda g, q, k, v, o, lse: tuple(
-            grad.astype(x.dtype) for grad, x in zip(_xla_backward(
-                g, q, k, v, None, (True, True, True, False), o, lse, 0.0, is_causal, None,
-                scale), (q, k, v))))
+    def with_xla(g, q, k, v, o, lse, mask=None):
+        return tuple(grad.astype(x.dtype) for grad, x in zip(_xla_backward(
+            g, q, k, v, mask, (True, True, True, False), o, lse, 0.0, is_causal, None,
+            scale), (q, k, v)))
+
+    if attn_bias is None:
+        grads = attention_tpu.on_tpu(
+            (grad_out, query, key, value, out, logsumexp),
+            lambda *operands: attention_tpu.backward(*operands, is_causal, scale), with_xla)
+    else:  # a boolean mask: the kernels with segment ids if a document mask (as _forward)
+        def with_kernels(g, q, k, v, o, lse, mask):
+            return attention_tpu.for_document_mask(
+                mask, q.shape[0],
+                lambda segments: attention_tpu.backward(g, q, k, v, o, lse, True, scale, segments),
+                lambda: with_xla(g, q, k, v, o, lse, mask))
+
+        grads = attention_tpu.on_tpu((grad_out, query, key, value, out, logsumexp, attn_bias),
+                                     with_kernels, with_xla)
     return tuple(g if wanted else None for g, wanted in zip(grads, grad_input_mask)) + (None,)
 
 

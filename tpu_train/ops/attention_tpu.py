@@ -12,8 +12,13 @@ the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256 0.87 ag
 * the program is lowered for a TPU (``lax.platform_dependent``: the same traced program lowered
   for another platform takes the XLA form), for one device (:func:`xla_form`: a Pallas kernel
   is not partitioned by XLA's SPMD partitioner);
-* no dropout, no additive or boolean mask: none, or ``is_causal`` (the kernel's
-  ``CausalMask``, evaluated from iotas inside the kernel, never materialised);
+* no dropout, no additive mask: none, or ``is_causal`` (the kernel's ``CausalMask``,
+  evaluated from iotas inside the kernel, never materialised), or a boolean mask shared by the
+  heads (``[B or 1, 1, S, S]``) that may be a *document mask* (packed rows: causal and within a
+  segment, see :func:`document_segments`). Such a mask's segment ids are read from it inside
+  the program, and the mask is compared with the one they make: where it is one, the kernels
+  run with ``CausalMask`` and those ``SegmentIds``; any other mask takes the XLA form
+  (``lax.cond``: both are compiled, one runs);
 * self-attention lengths (``Sq == Sk``), a multiple of 128 (the kernel's lane tiles) and at
   least :data:`MIN_SEQUENCE` tokens;
 * head_dim a multiple of 64 (the measured sizes), the same for values;
@@ -114,10 +119,41 @@ def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
     kv_heads, sk = key.shape[1], key.shape[2]
     dtypes = (query.dtype, key.dtype, value.dtype)
     allowed = (jnp.bfloat16,) if override is None else (jnp.bfloat16, jnp.float32)
-    return (attn_bias is None and not _may_drop(dropout_p) and sq == sk and sq >= least
+    return ((attn_bias is None or (not is_causal and may_be_document_mask(attn_bias, b, sq)))
+            and not _may_drop(dropout_p) and sq == sk and sq >= least
             and sq % _LANES == 0 and d % _HEAD_DIM_MULTIPLE == 0 and value.shape[-1] == d
             and value.shape[1] == kv_heads and h % kv_heads == 0
             and len(set(dtypes)) == 1 and dtypes[0] in allowed)
+
+
+def may_be_document_mask(mask, batch: int, sequence: int) -> bool:
+    """Could ``mask`` be a document mask of ``batch`` rows of ``sequence`` tokens (boolean,
+    one for all heads)? Whether it is one is decided in the program (:func:`document_segments`)."""
+    shape = tuple(mask.shape)
+    return (mask.dtype == jnp.bool_ and len(shape) == 4 and shape[0] in (1, batch)
+            and shape[1] == 1 and shape[2:] == (sequence, sequence))
+
+
+def document_segments(mask, batch: int):
+    """``(segment_ids [B, S] int32, is_document)`` of a boolean mask ``[B or 1, 1, S, S]``:
+    a segment starts at every query that may not see the key just before it, and
+    ``is_document`` (a traced bool) says whether the mask is exactly causal-within-segments
+    for those ids, the mask the kernels then apply."""
+    keep = jnp.broadcast_to(mask, (batch, 1) + tuple(mask.shape[2:]))[:, 0]
+    sequence = keep.shape[-1]
+    before = jnp.diagonal(keep, offset=-1, axis1=1, axis2=2)  # [B, S - 1]: may i see i - 1
+    starts = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), ~before], axis=1)
+    segments = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    causal = jnp.tri(sequence, dtype=jnp.bool_)
+    rebuilt = (segments[:, :, None] == segments[:, None, :]) & causal
+    return segments, jnp.all(rebuilt == keep)
+
+
+def for_document_mask(mask, batch: int, with_segments, otherwise):
+    """``with_segments(segment_ids)`` where ``mask`` is a document mask, else ``otherwise()``
+    (both traced; the program runs one)."""
+    segments, is_document = document_segments(mask, batch)
+    return jax.lax.cond(is_document, with_segments, lambda _: otherwise(), segments)
 
 
 def on_tpu(operands: tuple, with_kernels, with_xla):
@@ -194,19 +230,36 @@ def _kernel_precision(dtype):
     return jax.default_matmul_precision("default")
 
 
-def forward(query, key, value, is_causal, scale):
+def _segment_ids(segments):
+    """The kernel's ``SegmentIds`` of one row's ``[S]`` ids (self-attention: the same for
+    queries and keys), or None."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib)
+
+    return None if segments is None else kernel_lib.SegmentIds(q=segments, kv=segments)
+
+
+def forward(query, key, value, is_causal, scale, segments=None):
     """``(out [B, H, S, D], logsumexp [B, H, S] float32)`` by the forward kernel (see
-    :func:`supported`)."""
+    :func:`supported`); with ``segments`` ``[B, S]`` a token sees only its own segment."""
     b, h, s, d = query.shape
     kv_heads, kernel = _for_call(query, key, is_causal)
     scaled = (query.astype(jnp.float32) * _scale(query, scale)).astype(query.dtype)
+
+    def one(q, k, v, row_segments):
+        return kernel(q, k, v, segment_ids=_segment_ids(row_segments))
+
+    per_row = None if segments is None else 0
     with _kernel_precision(query.dtype):
-        out, (logsumexp,) = jax.vmap(jax.vmap(kernel))(_grouped(scaled, kv_heads), key, value)
+        out, (logsumexp,) = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)),
+                                     in_axes=(0, 0, 0, per_row))(
+            _grouped(scaled, kv_heads), key, value, segments)
     return out.reshape(b, h, s, d).astype(query.dtype), logsumexp.reshape(b, h, s)
 
 
-def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
-    """``(dq, dk, dv)`` by the backward kernels, from the forward's output and logsumexp."""
+def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segments=None):
+    """``(dq, dk, dv)`` by the backward kernels, from the forward's output and logsumexp
+    (and the forward's ``segments``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib)
 
@@ -216,10 +269,10 @@ def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
     settings = kernel.kwargs
     dq_info, dkv_info = kernel.dq_mask_info, kernel.dkv_mask_info
 
-    def one(q, k, v, o, lse, do):
+    def one(q, k, v, o, lse, do, row_segments):
         # The kernel's own backward rule, given what its forward rule saves (q, k, v, segment
         # ids, sinks, out, logsumexp, the dq and dkv mask tables).
-        residuals = (q, k, v, None, None, o, lse, dq_info, dkv_info)
+        residuals = (q, k, v, _segment_ids(row_segments), None, o, lse, dq_info, dkv_info)
         grads = kernel_lib._splash_attention_bwd(
             False, settings["mask_value"], settings["is_mqa"], settings["block_sizes"], None,
             settings["mask_function"], settings["attn_logits_soft_cap"], settings["interpret"],
@@ -229,8 +282,10 @@ def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
     scaled = (query.astype(jnp.float32) * scale_value).astype(query.dtype)
     lse = logsumexp.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, s)
     with _kernel_precision(query.dtype):
-        grad_scaled, grad_key, grad_value = jax.vmap(jax.vmap(one))(
+        grad_scaled, grad_key, grad_value = jax.vmap(
+            jax.vmap(one, in_axes=(0,) * 6 + (None,)),
+            in_axes=(0,) * 6 + (None if segments is None else 0,))(
             _grouped(scaled, kv_heads), key, value, _grouped(out.astype(query.dtype), kv_heads),
-            lse, _grouped(grad_out.astype(query.dtype), kv_heads))
+            lse, _grouped(grad_out.astype(query.dtype), kv_heads), segments)
     grad_query = (grad_scaled.astype(jnp.float32) * scale_value).astype(query.dtype)
     return grad_query.reshape(b, h, s, d), grad_key.astype(key.dtype), grad_value.astype(value.dtype)

@@ -156,7 +156,7 @@ def build_train_loader(cfg: DictConfig, tokenizer, files):
     loader = PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                           format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
                           shuffle_buffer=cfg.data.shuffle_buffer, seed=cfg.trainer.seed,
-                          weights=weights)
+                          weights=weights, document_masking=cfg.data.packing)
     # Read the first batch now so that bad records fail before the run directory is touched.
     probe = PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                          format=cfg.data.format, mask_prompt=cfg.data.mask_prompt)
@@ -188,7 +188,7 @@ def build_val_loader(cfg: DictConfig, tokenizer, files, probe: bool = True):
     def make():
         return PackedLoader(files, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
                             format=cfg.data.format, mask_prompt=cfg.data.mask_prompt,
-                            num_epochs=1, drop_last=False)
+                            num_epochs=1, drop_last=False, document_masking=cfg.data.packing)
 
     if probe:
         first = make()

@@ -138,6 +138,10 @@ class DataConfig:
     batch_size: int = 8
     shuffle_buffer: int = 0  # 0: file order
     mask_prompt: bool = True  # no loss on prompt tokens of instruction/chat records
+    # true: samples packed into rows with document masking (each token attends only to its
+    # own sample; positions restart per sample). false: rows cut from the stream of samples as
+    # one text, attention crossing sample boundaries.
+    packing: bool = False
     # Training batches built ahead (read, tokenized, packed) in a worker process while the
     # step runs; 0 builds each between steps. Resuming is exact either way (docs/architecture.md,
     # "Data loading").

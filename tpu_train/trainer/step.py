@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from .config import Precision
 
 IGNORE_INDEX = -100
+# Batch keys passed to the model as keyword arguments when a batch has them (packed rows with
+# document masking: tpu_train.data.packing).
+MODEL_INPUTS = ("position_ids", "segment_ids")
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -27,7 +30,8 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     Summing (rather than averaging) lets gradient accumulation divide by the token count of the
     whole step, which makes N micro-batches equivalent to one batch N times larger.
     """
-    logits = model(batch["tokens"])
+    inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    logits = model(batch["tokens"], **inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 

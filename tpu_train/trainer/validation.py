@@ -179,6 +179,10 @@ def _validate_synthetic_tokens(data: DictConfig) -> None:
                  f"data.{key}={data[key]!r} is set, but data.source=synthetic_tokens trains on "
                  f"random token ids and reads no files; drop data.{key}, or choose data=jsonl "
                  "data.path=... to train on files")
+    _require(not data.packing,
+             "data.packing=true keeps packed samples apart, but data.source=synthetic_tokens "
+             "trains on random token ids with no samples; drop data.packing, or choose "
+             "data=jsonl data.path=... to train on files")
 
 
 def validate_config(cfg: DictConfig) -> None:
