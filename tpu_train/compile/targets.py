@@ -30,6 +30,8 @@ import os
 import re
 from typing import Any
 
+from tpu_train.device import host_memory
+
 __all__ = ["GENERATIONS", "Target", "TargetError", "libtpu_available", "parse_target",
            "resolve_target", "target_of"]
 
@@ -121,6 +123,7 @@ def _topology_devices(generation: str, shape: tuple[int, ...]) -> tuple:
     from jax.experimental import topologies
 
     _quiet_chipless_libtpu()
+    host_memory.allow_thread_arenas()  # before libtpu starts its compiler workers
     padded = shape + (1,) * (3 - len(shape))
     host = tuple(min(d, h) for d, h in zip(padded, _HOST_BOUNDS))
     name = f"{generation}:{'x'.join(map(str, shape))}"

@@ -79,6 +79,20 @@ def keep_freed_memory() -> bool:
     return done
 
 
+def allow_thread_arenas() -> None:
+    """glibc's default arena count again, the rest of :func:`keep_freed_memory` kept: threads
+    that start from now on allocate from arenas of their own. For libtpu loaded into a CPU-client
+    process to compile for a TPU that is not there: its compiler workers, one per host core,
+    would otherwise all contend for the main arena's lock (on a 13-core v5e host a JAX step
+    compiled compile-only under the one-arena setting took 26.5 s, against 9.3 s without it).
+    The CPU client's threads keep the arena they already have."""
+    if not _applied:
+        return
+    mallopt = _mallopt()
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1))
+
+
 def restore_defaults() -> None:
     """glibc's default limits again (after :func:`keep_freed_memory`; a no-op otherwise)."""
     global _applied
