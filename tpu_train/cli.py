@@ -180,8 +180,11 @@ def _run_plan_job(cfg: DictConfig) -> None:
     # Imported here: other commands' start-up does not pay for the planner's compile stack.
     try:
         load_runtime()
-        from tpu_train.planning import command
+    except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
+        _exit_for(exc)
+    from tpu_train.planning import command
 
+    try:
         command.plan_job(cfg)
     except (ValueError, KeyError) as exc:  # bad degrees, batch, chip or model name
         _exit_for(ConfigError(str(exc).strip("'\"")))
@@ -189,9 +192,9 @@ def _run_plan_job(cfg: DictConfig) -> None:
         _exit_for(exc)
 
 
-# The environment's errors, raised while ``import tpu_train`` itself runs (a bad
-# TPU_TRAIN_PLATFORM, no such devices, an unusable cache directory): matched by name, since
-# importing their classes would re-run the import that failed.
+# The environment's errors, raised while tpu_train's runtime is imported (load_runtime) or
+# first used (a bad TPU_TRAIN_PLATFORM, no such devices, an unusable cache directory): matched
+# by name, since importing their classes would re-run the import that failed.
 _ENVIRONMENT_ERRORS = {"tpu_train.device.runtime.PlatformError",
                        "tpu_train.device.compilation_cache.CompilationCacheError",
                        "tpu_train.device.lazy.EagerModeError"}
