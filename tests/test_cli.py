@@ -19,6 +19,16 @@ def test_help_lists_recipes():
     assert "model: debug_tiny, debug_tiny_base, llama2_7b" in out
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_the_quick_help_is_hydra_s_own(flag):
+    # A bare --help is rendered without composing the config (cli._quick_help); with an
+    # override Hydra composes it and renders the same template itself.
+    quick, hydra_s = run_in_process(flag), run_in_process(flag, "trainer.seed=0")
+    assert quick[0] == hydra_s[0] == 0, (quick[2], hydra_s[2])
+    assert "Config groups (GROUP=OPTION):" in hydra_s[1]
+    assert quick[1] == hydra_s[1]
+
+
 def test_cfg_job_prints_composed_config():
     code, out, err = run_in_process("recipe=llama_lora", "trainer.seed=7", "--cfg", "job")
     assert code == 0, err

@@ -1,5 +1,6 @@
-"""``tpu-train`` opens the backend while it imports (tpu_train.startup): only for a single-process
-run of a recipe, and a configuration error found meanwhile still ends the command at once."""
+"""``tpu-train`` opens the backend while it imports torch, once its configuration is valid
+(tpu_train.startup): only for a single-process run of a recipe, and an error found meanwhile
+still ends the command at once."""
 
 from __future__ import annotations
 
@@ -61,13 +62,17 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=300, env={**environ, "OMP_NUM_THREADS": "1", **env})
 
 
+# The command's own process: ``import tpu_train`` defers torch, JAX and the backend until the
+# configuration is valid; then the command loads the runtime (startup.load_runtime).
 _IMPORT_AS_THE_COMMAND = (
     "import sys\n"
     "sys.argv = ['tpu-train', *sys.argv[1:]]\n"
     "import tpu_train\n"
+    "deferred = not {'torch', 'jax'} & set(sys.modules)\n"
     "from tpu_train import startup\n"
+    "startup.load_runtime()\n"
     "from tpu_train.device import runtime\n"
-    "print(startup.opened_early(), runtime.opening() or runtime.devices_enumerated())\n")
+    "print(deferred, startup.opened_early(), runtime.opening() or runtime.devices_enumerated())\n")
 
 
 @pytest.mark.parametrize("args, world_size, opens", [
@@ -76,32 +81,51 @@ _IMPORT_AS_THE_COMMAND = (
     (["plan", "model=llama3_1_8b"], None, False),
     (["=3"], None, False),  # an error of the command line itself
 ])
-def test_importing_tpu_train_as_the_command_opens_the_backend_only_for_a_training_run(
+def test_loading_the_command_s_runtime_opens_the_backend_only_for_a_training_run(
         args, world_size, opens):
     done = _python(_IMPORT_AS_THE_COMMAND.replace("*sys.argv[1:]", ", ".join(map(repr, args))),
                    **({"WORLD_SIZE": world_size} if world_size else {}))
     assert done.returncode == 0, done.stderr[-2000:]
     # Not opened early: no backend at all yet (the trainer opens it, after the processes join).
-    assert done.stdout.split() == [str(opens), str(opens)]
+    assert done.stdout.split() == ["True", str(opens), str(opens)]
 
 
-def test_a_config_error_ends_the_command_without_waiting_for_the_backend(tmp_path):
-    # An open that never ends (a chip that hangs): the error must still come, as one line,
-    # with exit status 2, and nothing written. A wait for the open would hang until the timeout.
-    # What the native start-up printed meanwhile is dropped, as for an open that fails.
-    code = ("import os, sys, threading\n"
-            "import jax\n"
-            "def never_opens(*args, **kwargs):\n"
-            "    print('opening', flush=True)\n"
-            "    os.write(2, b'native start-up noise\\n')\n"
-            "    threading.Event().wait()\n"
-            "jax.devices = never_opens\n"
-            f"sys.argv = ['tpu-train', 'trainer.max_steps=many', 'run.dir={tmp_path / 'run'}']\n"
-            "import runpy\n"
-            "runpy.run_module('tpu_train.cli', run_name='__main__')\n")
-    done = _python(code)
+def _command_with_a_backend_that_never_opens(*args: str) -> subprocess.CompletedProcess:
+    """``tpu-train args`` where opening the backend never ends (a chip that hangs); it prints
+    ``opening`` when it starts."""
+    return _python("import os, sys, threading\n"
+                   "import jax\n"
+                   "def never_opens(*args, **kwargs):\n"
+                   "    print('opening', flush=True)\n"
+                   "    os.write(2, b'native start-up noise\\n')\n"
+                   "    threading.Event().wait()\n"
+                   "jax.devices = never_opens\n"
+                   f"sys.argv = ['tpu-train', *{list(args)!r}]\n"
+                   "import runpy\n"
+                   "runpy.run_module('tpu_train.cli', run_name='__main__')\n")
+
+
+def test_an_error_found_while_the_backend_opens_ends_the_command_without_waiting(tmp_path):
+    # A recipe's own check (llama_pretrain refuses a model.checkpoint) runs once the runtime is
+    # loaded, when the backend is opening: the error must still come, as one line, with exit
+    # status 2, and nothing written. A wait for the open would hang until the timeout. What
+    # the native start-up printed meanwhile is dropped, as for an open that fails.
+    base = tmp_path / "base"
+    base.mkdir()
+    done = _command_with_a_backend_that_never_opens(
+        "recipe=llama_pretrain", f"model.checkpoint={base}", f"run.dir={tmp_path / 'run'}")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stdout == "opening\n"  # the backend was opening when the error was found
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpu-train: error: recipe=llama_pretrain ")
+    assert list(tmp_path.iterdir()) == [base]
+
+
+def test_a_config_error_is_reported_before_the_backend_starts_opening(tmp_path):
+    done = _command_with_a_backend_that_never_opens("trainer.max_steps=many",
+                                                    f"run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout == ""  # never started opening
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("tpu-train: error: ") and "max_steps" in lines[0]
     assert not any(tmp_path.iterdir())

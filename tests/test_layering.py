@@ -16,7 +16,9 @@ Entry shims:
   ProcessGroup). Its layer is ``distributed``, so ``import tpu_train`` (the bare package,
   e.g. for ``tpu_train.device(0)``) is allowed from ``distributed`` up and flagged below it.
 * ``tpu_train/startup.py`` is what ``tpu_train/__init__.py`` starts for the command line
-  before torch is imported (the backend's early open); it sits beside it, in its layer.
+  before torch is imported (the backend's early open), and ``tpu_train/api.py`` what it
+  imports (torch, the ``tpu`` device: at once, except in the command's own process until its
+  configuration is valid); both sit beside it, in its layer.
 * ``tpu_train/launch.py`` (``python -m tpu_train.launch``) only forwards to the distributed
   launcher; it is an entry point like ``cli.py``, so it sits at the top (only the other
   entry points could import it).
@@ -48,6 +50,7 @@ LAYERS: dict[str, int] = {
     "distributed": 3,
     "__init__": 3,  # the package itself (see the module docstring)
     "startup": 3,  # what the package starts for the command line, before torch is imported
+    "api": 3,  # what ``import tpu_train`` imports (the command line: once its config is valid)
     "parallel": 4,
     "models": 5,
     "data": 5,

@@ -25,37 +25,19 @@ def _quiet_xla_for_the_command_line() -> None:
         _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-_quiet_xla_for_the_command_line()
-# Before torch: a training command's backend opens while the rest is imported.
-_startup.open_backend_early()
-
-import torch  # noqa: E402
-
-from tpu_train import ops  # noqa: F401  (fills the lowering table)
-from tpu_train.device import registration as _registration
-from tpu_train.device.lazy import eager_mode
-from tpu_train.device import runtime as _runtime
-from tpu_train.device.runtime import runtime_info
-from tpu_train.device.tensor import TpuTensor
-
 __version__ = "0.1.0"
-
-# A misspelt TPU_TRAIN_PLATFORM fails at the first device use (runtime.platform()), not at
-# import: importing must succeed so that the command line can report it as one line.
-_registration.register()
-
-from tpu_train import distributed as _distributed  # noqa: E402,F401  (the "tpu" ProcessGroup)
-
-
-def device(index: int | None = None) -> torch.device:
-    """``torch.device("tpu:index")``; raises IndexError naming the valid range."""
-    index = 0 if index is None else int(index)
-    _runtime.jax_device(index)
-    return torch.device("tpu", index)
-
-
-def device_count() -> int:
-    return _runtime.device_count()
-
-
 __all__ = ["TpuTensor", "device", "eager_mode", "device_count", "runtime_info", "__version__"]
+
+_quiet_xla_for_the_command_line()
+
+if _startup.command_arguments() is None:
+    from tpu_train.api import TpuTensor, device, device_count, eager_mode, runtime_info
+else:
+    # ``tpu-train`` composes and checks its configuration before torch and JAX are imported
+    # (a typo or a bad value is answered in well under a second of CPU), then imports the
+    # rest (tpu_train.startup.load_runtime) before anything runs on a device.
+    def __getattr__(name: str):
+        if name not in __all__:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        _startup.load_runtime()
+        return globals()[name]

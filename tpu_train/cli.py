@@ -56,6 +56,7 @@ import ast
 import importlib.util
 import os
 import runpy
+import string
 import sys
 from importlib import resources
 from pathlib import Path
@@ -63,11 +64,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from tpu_train.startup import PLAN_COMMAND, exit_promptly
+from tpu_train.startup import PLAN_COMMAND, exit_promptly, load_runtime
 from tpu_train.trainer.config import register_schema
 from tpu_train.trainer.config_errors import describe_composition_error
 from tpu_train.trainer.errors import ConfigError, TrainingStopped
+from tpu_train.trainer.run_dirs import resolve_latest
 from tpu_train.trainer.sweep import MULTIRUN_FLAGS, check_sweep
+from tpu_train.trainer.validation import validate_settings
 
 # configs/ and recipes/ sit at the top of the source tree and are installed as the packages
 # tpu_train_configs and tpu_train_recipes (see pyproject.toml), so the same lookup works from a
@@ -149,10 +152,24 @@ def _script_overrides(argv: list[str]) -> list[str]:
     return out
 
 
+def _check_before_loading(cfg: DictConfig) -> None:
+    """The recipe exists, and for a shipped one, the first checks its ``trainer.start`` makes
+    (:func:`validate_settings`, on a copy): run before torch and JAX are imported, so that a
+    bad value is answered at once. A user's recipe script is left to its own checks."""
+    _recipe_script(cfg)
+    if cfg.recipe.script is not None or cfg.recipe.name == PLAN_COMMAND:
+        return
+    ahead = cfg.copy()
+    resolve_latest(ahead)
+    validate_settings(ahead)
+
+
 def _run_job(cfg: DictConfig) -> None:
     # Errors are reported here rather than after Hydra's job wrapper, which would print an
     # extra "Error executing job" line first.
     try:
+        _check_before_loading(cfg)
+        load_runtime()
         run_recipe(cfg)
     except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
         _exit_for(exc)
@@ -161,6 +178,10 @@ def _run_job(cfg: DictConfig) -> None:
 def _run_plan_job(cfg: DictConfig) -> None:
     # ``tpu-train plan`` and ``recipe=plan`` both land here; recipes/plan.py is the same call.
     # Imported here: other commands' start-up does not pay for the planner's compile stack.
+    try:
+        load_runtime()
+    except Exception as exc:  # noqa: BLE001 - _exit_for re-raises what is not bad input
+        _exit_for(exc)
     from tpu_train.planning import command
 
     try:
@@ -171,12 +192,17 @@ def _run_plan_job(cfg: DictConfig) -> None:
         _exit_for(exc)
 
 
-# The environment's errors, raised while ``import tpu_train`` itself runs (a bad
-# TPU_TRAIN_PLATFORM, no such devices, an unusable cache directory): matched by name, since
-# importing their classes would re-run the import that failed.
+# The environment's errors, raised while tpu_train's runtime is imported (load_runtime) or
+# first used (a bad TPU_TRAIN_PLATFORM, no such devices, an unusable cache directory): matched
+# by name, since importing their classes would re-run the import that failed.
 _ENVIRONMENT_ERRORS = {"tpu_train.device.runtime.PlatformError",
                        "tpu_train.device.compilation_cache.CompilationCacheError",
                        "tpu_train.device.lazy.EagerModeError"}
+
+
+# Bad data: matched by name too, since importing tpu_train.data for its class would import
+# torch into a command that found a typo before it imported it.
+_DATA_ERRORS = {"tpu_train.data.errors.DataError"}
 
 
 def _is_bad_input(exc: BaseException) -> bool:
@@ -184,15 +210,53 @@ def _is_bad_input(exc: BaseException) -> bool:
     from omegaconf.errors import OmegaConfBaseException
 
     names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(exc).__mro__}
-    if names & _ENVIRONMENT_ERRORS:
+    if names & (_ENVIRONMENT_ERRORS | _DATA_ERRORS):
         return True
-    from tpu_train.data.errors import DataError
+    return isinstance(exc, (ConfigError, HydraException, OmegaConfBaseException))
 
-    return isinstance(exc, (ConfigError, HydraException, OmegaConfBaseException, DataError))
+
+_HELP_FLAGS = (["--help"], ["-h"])
+_HYDRA_GROUP = "hydra"
+
+
+def _config_groups_help(root: Path) -> str:
+    """Hydra's ``$APP_CONFIG_GROUPS`` for the config tree at ``root``: one ``group: options``
+    line per folder of YAML files (its subfolders as ``group/sub``), sorted, the ``hydra``
+    groups left out."""
+    groups: dict[str, list[str]] = {}
+    for path in root.rglob("*.yaml"):
+        group = path.parent.relative_to(root).as_posix()
+        if group != "." and "__pycache__" not in group.split("/") and not (
+                group == _HYDRA_GROUP or group.startswith(f"{_HYDRA_GROUP}/")):
+            groups.setdefault(group, []).append(path.stem)
+    return "".join(f"{group}: {', '.join(sorted(set(options)))}\n"
+                   for group, options in sorted(groups.items()))
+
+
+def _quick_help() -> str | None:
+    """The text Hydra prints for a bare ``tpu-train --help``, rendered without composing the
+    configuration: Hydra composes it, then lists every config group through a deep copy of its
+    config store per group (most of a second of CPU). None where the help template needs more
+    than ``configs/config.yaml``'s own ``hydra.help`` and ``$APP_CONFIG_GROUPS`` (Hydra then
+    prints it; tests/test_cli.py compares the two)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        template = OmegaConf.load(Path(CONFIG_DIR) / "config.yaml").hydra.help.template
+        return string.Template(template).substitute(
+            APP_CONFIG_GROUPS=_config_groups_help(Path(CONFIG_DIR)))
+    except (OmegaConfBaseException, KeyError, ValueError):
+        return None
 
 
 def main() -> None:
     """Console entry point (``tpu-train``)."""
+    if sys.argv[1:] in _HELP_FLAGS:
+        text = _quick_help()
+        if text is not None:
+            print(text)
+            return
     register_schema()
     # Hydra prints its own multi-line reports unless asked to re-raise; we want one line.
     os.environ["HYDRA_FULL_ERROR"] = "1"

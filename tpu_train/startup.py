@@ -1,14 +1,20 @@
-"""What ``tpu-train`` starts while ``import tpu_train`` runs, before torch is imported.
+"""How ``tpu-train`` starts: its configuration first, then torch, JAX and the backend.
+
+``import tpu_train`` in the command's own process (:func:`command_arguments`) imports neither
+torch nor JAX: the command composes its configuration and checks it (the schema, then
+``tpu_train.trainer.validation``), so that ``--help``, a misspelt key or a bad value is answered
+in a fraction of a second; only then does it import the rest (:func:`load_runtime`, the same
+:mod:`tpu_train.api` every other ``import tpu_train`` imports at once).
 
 Opening a TPU chip (libtpu's PJRT client, behind JAX's first ``jax.devices()``) takes about
-10 s on a v5e host, and the imports of the command line (torch, JAX, Hydra, the trainer's
-modules) about as long before the command's own code runs. A training command therefore opens
-the backend on a thread (:func:`tpu_train.device.runtime.open_in_background`, the same choice
-of platform as at first device use) from the first line of ``import tpu_train``; the imports,
-the config's composition, the tokenizer and the data go on meanwhile, and the first use of
-the device waits for the thread. JAX creates the PJRT client with Python's lock released, so
-the imports do run meanwhile (libtpu's load before it holds the lock well under 0.1 s at a
-time: docs/benchmarks.md, "Opening the backend while importing").
+10 s on a v5e host, and the imports of a run (torch, JAX, the trainer's modules) several
+seconds before the recipe's own code runs. A training command therefore opens the backend on a
+thread (:func:`tpu_train.device.runtime.open_in_background`, the same choice of platform as at
+first device use) before it imports torch; the imports, the tokenizer and the data go on
+meanwhile, and the first use of the device waits for the thread. JAX creates the PJRT client
+with Python's lock released, so the imports do run meanwhile (libtpu's load before it holds
+the lock well under 0.1 s at a time: docs/benchmarks.md, "Opening the backend while
+importing").
 
 Only where that is safe and of use (:func:`opens_a_device_early`):
 
@@ -20,8 +26,8 @@ Only where that is safe and of use (:func:`opens_a_device_early`):
 * an error of the environment's settings (``TPU_TRAIN_PLATFORM``, the cache directory) opens
   nothing: the first device use raises it, as one line, as without this module.
 
-A configuration error found while the backend is still opening ends the process at once
-(:func:`exit_promptly`), not after the seconds a chip takes to open.
+An error found while the backend is still opening (a recipe's own check, the data) ends the
+process at once (:func:`exit_promptly`), not after the seconds a chip takes to open.
 """
 
 from __future__ import annotations
@@ -93,8 +99,23 @@ def open_backend_early() -> None:
     _opened_early = True
 
 
+def load_runtime() -> None:
+    """The rest of ``import tpu_train`` in the command's own process, which defers it until its
+    configuration is valid (``tpu_train/__init__.py``): open the backend early where that is of
+    use (:func:`open_backend_early`), import torch and JAX, register the ``tpu`` device
+    (:mod:`tpu_train.api`) and give the package its functions. Any other process did all this
+    when it imported tpu_train; calling it again does nothing more."""
+    import tpu_train
+    from tpu_train import api
+
+    for name in api.__all__:
+        # Assigned even where the name is there: ``tpu_train.device`` is the subpackage until
+        # the function takes its place (importing tpu_train.device.* sets it).
+        setattr(tpu_train, name, getattr(api, name))
+
+
 def opened_early() -> bool:
-    """Did ``import tpu_train`` start opening the backend (:func:`open_backend_early`)?"""
+    """Did this process start opening its backend early (:func:`open_backend_early`)?"""
     return _opened_early
 
 

@@ -48,39 +48,28 @@ Generation::
 :class:`KVCache`, which can also be passed to the forward directly.
 """
 
-from .config import (CONFIGS, LlamaConfig, RopeScaling, flops_per_token, get_config, num_params,
-                     param_shapes)
-from .generation import generate, sample_next_token
-from .hf import (config_from_hf, config_to_hf, from_pretrained, hf_name, read_config,
-                 save_pretrained)
-from .kv_cache import KVCache
-from .llama import Attention, FeedForward, Llama, RMSNorm, TransformerBlock, init_weights
-from .rope import apply_rotary, inverse_frequencies, rope_tables
+import importlib
 
-__all__ = [
-    "CONFIGS",
-    "Attention",
-    "FeedForward",
-    "KVCache",
-    "Llama",
-    "LlamaConfig",
-    "RMSNorm",
-    "RopeScaling",
-    "TransformerBlock",
-    "apply_rotary",
-    "config_from_hf",
-    "config_to_hf",
-    "flops_per_token",
-    "from_pretrained",
-    "generate",
-    "get_config",
-    "hf_name",
-    "init_weights",
-    "inverse_frequencies",
-    "num_params",
-    "param_shapes",
-    "read_config",
-    "rope_tables",
-    "sample_next_token",
-    "save_pretrained",
-]
+# Names load on first use (the trainer's pattern): the command line checks model.name against
+# CONFIGS (config.py, no torch) before it imports torch.
+_SOURCES = {
+    "CONFIGS": "config", "LlamaConfig": "config", "RopeScaling": "config",
+    "flops_per_token": "config", "get_config": "config", "num_params": "config",
+    "param_shapes": "config",
+    "generate": "generation", "sample_next_token": "generation",
+    "config_from_hf": "hf", "config_to_hf": "hf", "from_pretrained": "hf", "hf_name": "hf",
+    "read_config": "hf", "save_pretrained": "hf",
+    "KVCache": "kv_cache",
+    "Attention": "llama", "FeedForward": "llama", "Llama": "llama", "RMSNorm": "llama",
+    "TransformerBlock": "llama", "init_weights": "llama",
+    "apply_rotary": "rope", "inverse_frequencies": "rope", "rope_tables": "rope",
+}
+
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str):
+    module = _SOURCES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

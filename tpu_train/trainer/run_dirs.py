@@ -9,7 +9,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint import checkpoint_dirs
 from .errors import ConfigError
 
 # Not config.yaml: ``--config-dir RUN --config-name config`` would then pick it instead of the
@@ -26,6 +25,9 @@ _NOT_REPEATED = ("run.dir", "checkpoint.load_step")
 def unfinished_progress(run_dir: Path) -> tuple[int, int] | None:
     """(newest checkpoint step, its trainer.max_steps) of a run that stopped before its end;
     None for a finished run, one without a checkpoint or without a readable run_config.yaml."""
+    # Here, not at the top: the command line resolves run.dir before it imports torch.
+    from .checkpoint import checkpoint_dirs
+
     found = checkpoint_dirs(run_dir)
     if not found:
         return None
@@ -43,6 +45,8 @@ def resolve_latest(cfg: DictConfig) -> str | None:
     that says which, or None when ``run.dir`` is not ``latest``."""
     if str(cfg.run.dir) != LATEST:
         return None
+    from .checkpoint import checkpoint_dirs
+
     root = Path(RUNS_ROOT) / str(cfg.recipe.name)
     candidates = []
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:

@@ -130,21 +130,14 @@ def _data_paths(data: DictConfig, key: str) -> list[str]:
     return list(value)
 
 
-def _validate_data_files(data: DictConfig) -> None:
-    """data.path / data.val_path name readable sources; data.weights and data.column_map fit."""
-    from omegaconf import ListConfig, OmegaConf
-
-    from tpu_train.data.errors import DataError
-    from tpu_train.data.sources import check_column_map, source_kind
+def _validate_data_paths(data: DictConfig) -> None:
+    """data.path / data.val_path exist; data.weights and data.column_map have their shapes."""
+    from omegaconf import ListConfig
 
     for key in ("path", "val_path"):
         for path in _data_paths(data, key):
             _require(Path(path).exists(),
                      f"data.{key}={path!r} does not exist; give an existing path or null for the bundled one")
-            try:
-                source_kind(path)
-            except DataError as exc:
-                raise ConfigError(f"data.{key}: {exc}") from None
     if data.weights is not None:
         paths = _data_paths(data, "path")
         _require(isinstance(data.path, ListConfig),
@@ -161,6 +154,22 @@ def _validate_data_files(data: DictConfig) -> None:
     _require(column_map is None or isinstance(column_map, DictConfig),
              f"data.column_map must map our fields to the file's columns, e.g. "
              f"data.column_map={{prompt:question,response:answer}}; got {column_map!r}")
+
+
+def _validate_data_sources(data: DictConfig) -> None:
+    """data.path / data.val_path are sources the readers know; data.column_map names our fields."""
+    from omegaconf import OmegaConf
+
+    from tpu_train.data.errors import DataError
+    from tpu_train.data.sources import check_column_map, source_kind
+
+    for key in ("path", "val_path"):
+        for path in _data_paths(data, key):
+            try:
+                source_kind(path)
+            except DataError as exc:
+                raise ConfigError(f"data.{key}: {exc}") from None
+    column_map = data.column_map
     try:
         check_column_map(OmegaConf.to_container(column_map) if column_map is not None else {})
     except ValueError as exc:
@@ -185,8 +194,11 @@ def _validate_synthetic_tokens(data: DictConfig) -> None:
              "data=jsonl data.path=... to train on files")
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` for the first invalid value in ``cfg``."""
+def validate_settings(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for the first invalid value that can be told from ``cfg``
+    alone, without torch, JAX or the data files' readers: the command line runs this before it
+    imports them, so that a bad value is answered at once (:func:`validate_config` runs it
+    too)."""
     from omegaconf import OmegaConf
 
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -201,11 +213,21 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_parallel(cfg)
     _validate_model_and_data(cfg)
     _validate_synthetic_tokens(cfg.data)
-    _validate_data_files(cfg.data)
+    _validate_data_paths(cfg.data)
     _validate_logging_and_checkpoint(cfg)
     _validate_run_dir(cfg)
     _reject_unknown_keys(cfg)
     _validate_recipe_settings(cfg.recipe)
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for the first invalid value in ``cfg``: those of
+    :func:`validate_settings`, then those that need the runtime, the model's architecture or
+    the data files' readers."""
+    validate_settings(cfg)
+    _validate_trainer_for_the_runtime(cfg.trainer)
+    _validate_seq_len_for_the_model(cfg)
+    _validate_data_sources(cfg.data)
 
 
 def _validate_trainer(trainer) -> None:
@@ -218,13 +240,6 @@ def _validate_trainer(trainer) -> None:
     _require(StepMode(trainer.mode) is not StepMode.fused or trainer.device == "tpu",
              f"trainer.mode=fused needs trainer.device=tpu (fused eager mode records tpu ops), got "
              f"trainer.device={trainer.device!r}; use trainer.mode=eager on the CPU")
-    if StepMode(trainer.mode) is StepMode.fused:
-        from tpu_train.device.lazy import EagerModeError, region_size_from_environment
-
-        try:
-            region_size_from_environment()
-        except EagerModeError as error:
-            raise ConfigError(str(error)) from None
     _require(trainer.cpu_threads is None or trainer.cpu_threads >= 1,
              f"trainer.cpu_threads must be >= 1 or null (PyTorch's default), got {trainer.cpu_threads}")
     _require(trainer.micro_batch_size is None or trainer.micro_batch_size >= 1,
@@ -234,6 +249,18 @@ def _validate_trainer(trainer) -> None:
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_minutes is None or trainer.max_minutes > 0,
              f"trainer.max_minutes must be > 0 or null (no limit), got {trainer.max_minutes}")
+    _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
+             f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
+
+
+def _validate_trainer_for_the_runtime(trainer) -> None:
+    if StepMode(trainer.mode) is StepMode.fused:
+        from tpu_train.device.lazy import EagerModeError, region_size_from_environment
+
+        try:
+            region_size_from_environment()
+        except EagerModeError as error:
+            raise ConfigError(str(error)) from None
     if trainer.max_minutes is not None:
         from .world import requested_world_size
 
@@ -243,8 +270,6 @@ def _validate_trainer(trainer) -> None:
                  "trainer.max_minutes stops a job of one process; under a launcher set "
                  "trainer.max_steps instead (or stop the job with SIGTERM: it saves and resumes)")
     remat_policy(trainer)
-    _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
-             f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
 
 
 def remat_policy(trainer) -> str:
@@ -279,7 +304,7 @@ def _validate_optimizer(optim, sched) -> None:
 
 
 def _validate_model_and_data(cfg) -> None:
-    from tpu_train.models import CONFIGS
+    from tpu_train.models.config import CONFIGS
 
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
@@ -292,8 +317,19 @@ def _validate_model_and_data(cfg) -> None:
              f"data.format={data.format!r} is not a format; valid formats: {', '.join(DATA_FORMATS)}")
     _require(data.seq_len is None or data.seq_len >= 2,
              f"data.seq_len must be >= 2 or null (the model's maximum), got {data.seq_len}")
+    _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
+    _require(data.prefetch >= 0,
+             f"data.prefetch must be >= 0 (0: build each batch between steps; N: keep N batches "
+             f"built ahead in a worker process), got {data.prefetch}")
+    _require(data.tokenizer is None or Path(data.tokenizer).exists(),
+             f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
+             "the bundled one")
+
+
+def _validate_seq_len_for_the_model(cfg) -> None:
     from .builders import hf_checkpoint, model_config
 
+    data = cfg.data
     # The architecture of a Hugging Face model.checkpoint (its config.json, read and checked
     # here), else the named preset.
     model_max = model_config(cfg).max_seq_len
@@ -302,13 +338,6 @@ def _validate_model_and_data(cfg) -> None:
     _require(data.seq_len is None or data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
              "lower it, or set data.seq_len=null for the model's maximum")
-    _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
-    _require(data.prefetch >= 0,
-             f"data.prefetch must be >= 0 (0: build each batch between steps; N: keep N batches "
-             f"built ahead in a worker process), got {data.prefetch}")
-    _require(data.tokenizer is None or Path(data.tokenizer).exists(),
-             f"data.tokenizer={data.tokenizer!r} does not exist; give an existing path or null for "
-             "the bundled one")
 
 
 def resolve_seq_len(cfg: DictConfig) -> str | None:
