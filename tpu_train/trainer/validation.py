@@ -202,6 +202,9 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_run_dir(cfg)
     _reject_unknown_keys(cfg)
     _validate_recipe_settings(cfg.recipe)
+    from .saved_step import check_options
+
+    check_options(cfg)
 
 
 def _validate_trainer(trainer) -> None:
