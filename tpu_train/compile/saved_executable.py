@@ -86,11 +86,11 @@ def environment(devices, mesh_shape: dict | None) -> dict[str, Any]:
 
     first = devices[0]
     platform = first.platform
-    return {"tpu_train": __version__, "tpu_train commit": _source_commit(),
+    return {"platform": platform, "device kind": str(first.device_kind),
+            "devices": len(devices), "mesh": mesh_shape,
+            "tpu_train": __version__, "tpu_train commit": _source_commit(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "libtpu": _package_version("libtpu") if platform == "tpu" else None,
-            "platform": platform, "device kind": str(first.device_kind),
-            "devices": len(devices), "mesh": mesh_shape}
+            "libtpu": _package_version("libtpu") if platform == "tpu" else None}
 
 
 def signature_facts(signature) -> dict[str, dict[str, str]]:
