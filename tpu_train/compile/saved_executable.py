@@ -82,13 +82,11 @@ def _source_commit() -> str | None:
 def environment(devices, mesh_shape: dict | None) -> dict[str, Any]:
     """What an executable is tied to besides its program: software versions, the platform,
     the chip, how many devices run it and over which mesh axes."""
-    from tpu_train import __version__
-
     first = devices[0]
     platform = first.platform
     return {"platform": platform, "device kind": str(first.device_kind),
             "devices": len(devices), "mesh": mesh_shape,
-            "tpu_train": __version__, "tpu_train commit": _source_commit(),
+            "tpu_train": _package_version("tpu_train"), "tpu_train commit": _source_commit(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "libtpu": _package_version("libtpu") if platform == "tpu" else None}
 
@@ -169,7 +167,7 @@ def check_signature(path, manifest: dict, signature: dict) -> None:
         for name, value in ours.items():
             if name not in theirs:
                 raise ExecutableMismatchError(
-                    f"the saved executable {path} was compiled for another step: it has no "
+                    f"the saved executable {path} was compiled for another step without "
                     f"{name} ({value} here)")
             if theirs[name] != value:
                 what = "" if part == "inputs" else "setting "
@@ -179,8 +177,8 @@ def check_signature(path, manifest: dict, signature: dict) -> None:
         for name in theirs:
             if name not in ours:
                 raise ExecutableMismatchError(
-                    f"the saved executable {path} was compiled for another step: it has "
-                    f"{name} ({theirs[name]}), this step does not")
+                    f"the saved executable {path} was compiled for another step, with "
+                    f"{name} ({theirs[name]}), which this step has not")
 
 
 def _shown(value) -> str:
