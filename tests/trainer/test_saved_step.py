@@ -122,6 +122,7 @@ def test_options_that_cannot_be_followed_are_one_line_errors(overrides, message,
     code, _, err = run_in_process(*JOB, *overrides, f"run.dir={tmp_path / 'run'}")
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(not libtpu_available(), reason="XLA's TPU compiler (libtpu) is not installed")
