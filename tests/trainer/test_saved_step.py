@@ -98,16 +98,22 @@ def test_another_model_is_a_one_line_error(saved, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_another_jax_version_is_a_one_line_error(saved, tmp_path):
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["environment"].update(jax="0.0.1"), "was compiled for jax 0.0.1, this job has "),
+    (lambda m: m.update(fingerprint="0" * 64), "was compiled from another lowered program"),
+    (lambda m: m.update(sha256="0" * 64), "is damaged"),
+], ids=["jax_version", "lowered_module", "damaged"])
+def test_a_manifest_that_differs_is_a_one_line_error(saved, tmp_path, edit, message):
     copy = tmp_path / "step.xla"
     shutil.copy(saved, copy)
     manifest = json.loads(saved.with_name("step.xla.json").read_text())
-    manifest["environment"]["jax"] = "0.0.1"
+    edit(manifest)
     (tmp_path / "step.xla.json").write_text(json.dumps(manifest))
     code, _, err = run_in_process(*JOB, f"compile.executable={copy}",
                                   f"run.dir={tmp_path / 'run'}")
     line = _one_line_error(code, err)
-    assert "was compiled for jax 0.0.1, this job has " in line, line
+    assert message in line, line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -386,7 +386,8 @@ class _Loop:
         cfg, every, logger = self.job.cfg, self.every, self.logger
         batches = self.ahead = BatchesAhead(self.batches, self.step_fn, every.grad_accum_steps)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
-        if self.step_fn.compiled is not None and self.step < every.max_steps:
+        if (self.step_fn.compiled is not None and self.step < every.max_steps
+                and not self.step_fn.compiled.compilations):  # none loaded (compile.executable)
             logger.line("tracing and compiling the train step (once per input shape) ...")
         # The prefetch worker stops with the loop, however it ends.
         with _StopRequest(cfg.trainer.max_minutes) as stop, profiler, contextlib.closing(self):
