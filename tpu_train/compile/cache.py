@@ -105,10 +105,14 @@ class CompileRecord:
     # Compiled ahead of its first call (``CompileCache.build_ahead``): how long that call
     # still waited for XLA; None when the call itself compiled.
     waited_s: float | None = None
+    # Loaded from a saved executable (``CompiledTrainStep.load_executable``) instead of
+    # compiled: how long deserializing it took (``compile_s`` is then 0), and its path.
+    load_s: float = 0.0
+    loaded_from: str | None = None
 
     @property
     def total_s(self) -> float:
-        return self.trace_s + self.lower_s + self.compile_s
+        return self.trace_s + self.lower_s + self.compile_s + self.load_s
 
 
 class TimedStages:
@@ -116,6 +120,9 @@ class TimedStages:
 
     def __init__(self):
         self.seconds = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
+        # A saved executable read in place of the compile (tpu_train.compile.saved_executable).
+        self.load_s = 0.0
+        self.loaded_from: str | None = None
         self.graph_nodes = 0
         self.scanned_layers = 0
         self.shared_layer_calls = 0
@@ -242,10 +249,13 @@ class CompileCache:
                                from_cache=stages.from_cache,
                                scanned_layers=stages.scanned_layers,
                                shared_layer_calls=stages.shared_layer_calls,
-                               autodiff_fallback=stages.autodiff_fallback, waited_s=waited_s)
+                               autodiff_fallback=stages.autodiff_fallback, waited_s=waited_s,
+                               load_s=stages.load_s, loaded_from=stages.loaded_from)
         self.records.append(record)
         count = len(self.records)
         xla = "loaded from the compilation cache in" if record.from_cache else "XLA compile"
+        if record.loaded_from is not None:
+            xla = f"loaded from {record.loaded_from} in {record.load_s:.2f}s, XLA compile"
         fallback = (f"; PyTorch's backward traced ({record.autodiff_fallback})"
                     if record.autodiff_fallback else "")
         logger.info(

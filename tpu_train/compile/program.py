@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -525,6 +526,22 @@ def compile_program(program: Program, stages) -> Program:
     executable = memory_errors.compiled(program.lowered, stages, program.compiler_options,
                                         program.in_shardings)
     if program.in_shardings is not None:  # an SPMD program
+        executable = PlacingExecutable(executable, program.in_shardings)
+    program.executable = executable
+    return program
+
+
+def load_program(program: Program, path, manifest: dict, devices, stages) -> Program:
+    """``program``, lowered by :func:`build_program` with ``compile=False``, with the
+    executable saved at ``path`` in place of XLA's compile (timed as ``stages.load_s``):
+    :func:`tpu_train.compile.saved_executable.load` checks it against the lowered module."""
+    from tpu_train.compile import saved_executable
+
+    started = time.perf_counter()
+    executable = saved_executable.load(path, program.lowered, manifest=manifest, devices=devices)
+    stages.load_s += time.perf_counter() - started
+    stages.loaded_from = str(path)
+    if program.in_shardings is not None:
         executable = PlacingExecutable(executable, program.in_shardings)
     program.executable = executable
     return program

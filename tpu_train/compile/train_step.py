@@ -332,6 +332,73 @@ class CompiledTrainStep:
         return self.cache.build_ahead(signature, functools.partial(build, compile=False),
                                       compile_program)
 
+    def save_executable(self, path, batch, *, target=None) -> dict:
+        """Compile the program a call with batches like ``batch`` would run and write it to
+        ``path``, with its manifest beside it (``PATH.json``: the versions, platform, devices,
+        inputs, settings and lowered module it was compiled for), for :meth:`load_executable`;
+        nothing is run. ``target``: a TPU topology (``"v5e:1x1"``, ``"v5e:2x2"``) compiled
+        for with XLA's TPU compiler, chips or not (:func:`tpu_train.compile.lower_step`).
+        Returns the manifest (with ``seconds``: trace, lower, compile)."""
+        from tpu_train.compile import saved_executable
+
+        _, device, _, signature, build = self._prepared(batch)
+        stages = cache_mod.TimedStages()
+        if target is None:
+            program = compile_program(build(stages, compile=False), stages)
+            devices = self._program_devices(device)
+            if stages.from_cache and device.platform == "cpu":
+                # XLA:CPU serializes an executable it read back without its compiled code: the
+                # file would load elsewhere and fail at its first call.
+                raise saved_executable.CannotSaveError(
+                    "the CPU client's program came from the persistent compilation cache, which "
+                    "it cannot write out again; run this command with TPU_TRAIN_CACHE_DIR=off")
+        else:
+            from tpu_train.compile.lowering import lower_step
+            from tpu_train.compile.targets import target_of
+
+            target = target_of(target)
+            program = lower_step(self, batch, target=target)
+            stages.seconds.update(program.seconds)
+            devices = list(target.devices) if self.mesh is not None else [target.devices[0]]
+        compiled = getattr(program.executable, "compiled", program.executable)
+        manifest = saved_executable.save(
+            compiled, program.lowered, path,
+            environment_facts=saved_executable.environment(devices, self._mesh_shape()),
+            signature=saved_executable.signature_facts(signature))
+        return {**manifest, "seconds": dict(stages.seconds)}
+
+    def load_executable(self, path, batch) -> None:
+        """Use the executable :meth:`save_executable` wrote to ``path`` for batches like
+        ``batch``: the program is traced and lowered now, as a call would, and the saved
+        executable stands in for XLA's compile once its manifest matches this process (versions,
+        platform, devices), this step (inputs, settings) and the lowered module; otherwise an
+        :class:`~tpu_train.compile.saved_executable.ExecutableMismatchError` names what
+        differs. Batches of other shapes compile as usual."""
+        from tpu_train.compile import saved_executable
+        from tpu_train.compile.program import load_program
+
+        manifest = saved_executable.read_manifest(path)
+        _, device, _, signature, build = self._prepared(batch)
+        devices = self._program_devices(device)
+        saved_executable.check_environment(
+            path, manifest, saved_executable.environment(devices, self._mesh_shape()))
+        saved_executable.check_signature(path, manifest,
+                                         saved_executable.signature_facts(signature))
+
+        def load(stages):
+            return load_program(build(stages, compile=False), path, manifest,
+                                None if self.mesh is not None else devices, stages)
+
+        self.cache.get_or_build(signature, load)
+
+    def _program_devices(self, device) -> list:
+        return [device] if self.mesh is None else list(self.mesh.devices.flat)
+
+    def _mesh_shape(self) -> dict | None:
+        if self.mesh is None:
+            return None
+        return dict(zip(self.mesh.axis_names, map(int, self.mesh.devices.shape)))
+
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         plan, entry, steps, outputs = self._launch(batch)
         return self._finish(plan, entry, steps, outputs)

@@ -295,6 +295,21 @@ class PlanConfig:
 
 
 @dataclass
+class CompileConfig:
+    """The compiled train step's executable, written ahead of time or loaded instead of
+    compiling it (docs/compile.md, "A saved train step")."""
+
+    # Load the train step from this file (what save_executable wrote) instead of compiling
+    # it; its manifest (PATH.json) must match the job, else a one-line error says what differs.
+    executable: Optional[str] = None
+    # Compile the train step, write it to this file (and PATH.json) and exit without training.
+    save_executable: Optional[str] = None
+    # With save_executable: compile for this TPU topology (v5e:1x1, v5e:2x2, ...) with XLA's
+    # TPU compiler, whether its chips are here or not; null: for this process's devices.
+    target: Optional[str] = None
+
+
+@dataclass
 class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
@@ -344,6 +359,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
 
 SCHEMA_NAME = "schema"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from . import builders
+from . import builders, saved_step
 from .checkpoint import last_good_checkpoint, latest_checkpoint, supersede_later
 from .config import OnNonFinite
 from .errors import ConfigError, TrainingStopped
@@ -33,8 +33,9 @@ from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .run import Run
 from .setup import Job
 from .steady import SteadyRate
-from .step import BatchesAhead, join_micro_batches
-from .summary import describe_compilation, start_summary, final_summary
+from .step import BatchesAhead
+from .summary import (describe_compilation, describe_startup, final_summary, start_summary,
+                      startup_seconds)
 
 
 class _StopRequest:
@@ -359,16 +360,10 @@ class _Loop:
         if (self.step_fn.compiled is None or self.step >= self.every.max_steps
                 or not hasattr(loader, "state_dict")):
             return
-        position = loader.state_dict()
         try:
-            batches = iter(loader)
-            batch = join_micro_batches([next(batches)
-                                        for _ in range(self.every.grad_accum_steps)])
-            self.step_fn.compile_ahead(batch)
+            self.step_fn.compile_ahead(saved_step.first_global_batch(loader, self.every.grad_accum_steps))
         except Exception:  # noqa: BLE001 - the first step reads and traces again, and raises
             pass
-        finally:
-            loader.load_state_dict(position)
 
     def _run_step(self, batch) -> dict:
         """One step; a step too large for the device's memory (found when XLA compiles it)
@@ -391,7 +386,8 @@ class _Loop:
         cfg, every, logger = self.job.cfg, self.every, self.logger
         batches = self.ahead = BatchesAhead(self.batches, self.step_fn, every.grad_accum_steps)
         profiler = _ProfileWindow(cfg.logging.profile_steps, logger)
-        if self.step_fn.compiled is not None and self.step < every.max_steps:
+        if (self.step_fn.compiled is not None and self.step < every.max_steps
+                and not self.step_fn.compiled.compilations):  # none loaded (compile.executable)
             logger.line("tracing and compiling the train step (once per input shape) ...")
         # The prefetch worker stops with the loop, however it ends.
         with _StopRequest(cfg.trainer.max_minutes) as stop, profiler, contextlib.closing(self):
@@ -468,6 +464,11 @@ def fit(run: Run) -> Path:
     """
     job = run.job
     cfg, trainer = job.cfg, job.cfg.trainer
+    if cfg.compile.save_executable is not None:  # compile only: nothing trains or is written
+        saved_step.save(run)
+        return job.run_dir
+    if cfg.compile.executable is not None and run.step < trainer.max_steps:
+        saved_step.load(run)  # a mismatch stops the job here, before anything is written
     # Everything is built and checked; from here on the run directory is written.
     superseded = []
     if job.world.is_main:
@@ -498,6 +499,9 @@ def fit(run: Run) -> Path:
         steady = loop.steady.summary()
         if steady:
             logger.scalars("throughput", steady, run.step)
+        records = run.step_fn.compiled.compilations if run.step_fn.compiled is not None else []
+        if records:
+            logger.scalars("startup", startup_seconds(records), run.step)
         run.checkpointer.wait()
         export_dir = None
         if stopped_by is not None:
@@ -512,7 +516,7 @@ def fit(run: Run) -> Path:
                 export_dir = job.run_dir / "hf"
                 _export(run, export_dir)
         logger.line(final_summary(run, export_dir, validate.last, validate.first,
-                                  loop.steady.describe(steady)))
+                                  loop.steady.describe(steady) + describe_startup(records)))
     finally:
         loop.close()
         logger.close()

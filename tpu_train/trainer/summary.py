@@ -128,11 +128,45 @@ def describe_compilation(record) -> str:
     waited = getattr(record, "waited_s", None)
     if waited is not None:  # XLA compiled while the starting model was validated
         cause += f"; compiled ahead, the first step waited {waited:.1f} s for it"
+    loaded_from = getattr(record, "loaded_from", None)
+    if loaded_from is not None:
+        return (f"loaded the train step from {loaded_from} in {record.total_s:.1f} s {times}, "
+                f"executable load {record.load_s:.1f}, XLA compile {record.compile_s:.1f}): {cause}")
     if getattr(record, "from_cache", False):
         return (f"loaded the train step from the compilation cache in {record.total_s:.1f} s "
                 f"{times}, XLA load {record.compile_s:.1f}): {cause}")
     return (f"compiled the train step in {record.total_s:.1f} s {times}, "
             f"XLA {record.compile_s:.1f}): {cause}")
+
+
+def startup_seconds(records) -> dict[str, float]:
+    """Where the train step's start-up went, summed over its compilations (``records``:
+    ``CompileRecord``s): ``startup/*`` in TensorBoard and metrics.jsonl. XLA's compile and the
+    persistent cache's read are the same stage, told apart by ``from_cache``; an executable
+    loaded from ``compile.executable`` stands in for both."""
+    values = {"trace_s": 0.0, "lower_s": 0.0, "xla_compile_s": 0.0, "cache_read_s": 0.0,
+              "executable_load_s": 0.0}
+    for record in records:
+        values["trace_s"] += record.trace_s
+        values["lower_s"] += record.lower_s
+        values["cache_read_s" if record.from_cache else "xla_compile_s"] += record.compile_s
+        values["executable_load_s"] += record.load_s
+    values["programs"] = float(len(records))
+    return values
+
+
+def describe_startup(records) -> list[tuple[str, str]]:
+    """The closing block's row for :func:`startup_seconds` (none without a compiled step)."""
+    if not records:
+        return []
+    values = startup_seconds(records)
+    total = sum(v for k, v in values.items() if k.endswith("_s"))
+    programs = len(records)
+    return [("train step start-up",
+             f"{total:.1f} s for {programs} program{'s' if programs != 1 else ''}: trace "
+             f"{values['trace_s']:.1f} s, lower {values['lower_s']:.1f} s, XLA compile "
+             f"{values['xla_compile_s']:.1f} s, cache read {values['cache_read_s']:.1f} s, "
+             f"executable load {values['executable_load_s']:.1f} s")]
 
 
 def duration(seconds: float) -> str:

@@ -218,6 +218,9 @@ def validate_settings(cfg: DictConfig) -> None:
     _validate_run_dir(cfg)
     _reject_unknown_keys(cfg)
     _validate_recipe_settings(cfg.recipe)
+    from .saved_step import check_options
+
+    check_options(cfg)
 
 
 def validate_config(cfg: DictConfig) -> None:
