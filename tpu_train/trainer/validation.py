@@ -322,11 +322,11 @@ def resolve_model_checkpoint(cfg: DictConfig) -> str | None:
     directory the Hugging Face Hub snapshot it names (downloaded into the Hub cache unless
     cached and ``HF_HUB_OFFLINE=1``; :mod:`tpu_train.models.hub`); returns the note that says
     so, or None when there was nothing to resolve. A local directory of that name wins."""
-    from tpu_train.models.hub import HubError, download, parse_model_id
-
     value = cfg.model.checkpoint
     if value is None or Path(value).is_dir():
         return None
+    from tpu_train.models.hub import HubError, download, parse_model_id
+
     model = parse_model_id(str(value))
     if model is None:
         return None  # not a Hub id: validate_config reports the missing directory
