@@ -77,7 +77,11 @@ class Holdout:
 
     def describe(self) -> str:
         side = "held-out" if self.held_out else "training"
-        return f"the {side} side of a {self.fraction:.0%} held-out split"
+        return f"the {side} side of a {self.percent} held-out split"
+
+    @property
+    def percent(self) -> str:
+        return f"{self.fraction * 100:g}%"
 
 
 @dataclass(frozen=True)

@@ -130,12 +130,12 @@ def _data_notes(cfg: DictConfig, train, val) -> list[str]:
     if data.template == "auto":
         notes.append(f"data.template=auto: {train.template} (prompt/response records)")
     if val is not None and val.holdout is not None:
-        notes.append(f"note: validation: {val.holdout.fraction:.0%} of data.path's records held out "
+        notes.append(f"note: validation: {val.holdout.percent} of data.path's records held out "
                      f"(seeded by file name and line, never trained on); data.val_path=... to "
                      "validate on your own file, data.holdout=0 for none")
     elif data.val_path is None and data.holdout > 0 and cfg.trainer.val_every_n_steps:
         notes.append(f"note: no validation: data.path has too few records to hold out "
-                     f"{data.holdout:.0%} (at least {MIN_HOLDOUT_RECORDS}, some of them in the "
+                     f"{data.holdout * 100:g}% (at least {MIN_HOLDOUT_RECORDS}, some of them in the "
                      "held-out fraction); set data.val_path to validate on a file of your own")
     return notes
 
