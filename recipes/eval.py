@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     # The op-by-op loss runs on the CPU when the tpu device is the CPU client.
     device = evaluation_device(job.device)
     tokenizer = trainer.build_tokenizer(cfg)
-    _, val_path = builders.data_paths(cfg)
+    _, val_path = builders.data_paths(cfg, tokenizer=tokenizer)
     if val_path is None:
         raise ConfigError("recipe=eval needs validation data: set data.val_path")
     loader = builders.build_val_loader(cfg, tokenizer, val_path)

@@ -1,13 +1,18 @@
-"""Greedy or sampled continuations of ``recipe.generate.prompts``.
+r"""Greedy or sampled continuations of ``recipe.generate.prompts``.
 
     tpu-train recipe=generate model.checkpoint=runs/llama_finetune/<stamp>/hf \
               'recipe.generate.prompts=["add 12+30\n"]' recipe.generate.temperature=0.7
+
+In a prompt ``\n`` is a newline, ``\t`` a tab and ``\\`` a backslash: the shell and Hydra pass
+a backslash on as typed, and the prompts of the bundled task end in a newline.
 
 The model is ``model.checkpoint``, else the newest intact checkpoint in ``run.dir``; neither
 is a one-line error. On the ``tpu`` device all prompts are continued together by one compiled
 program (tpu_train.compile.decoding; sampling seeded by ``trainer.seed``), on the CPU one at a
 time, op by op; both in ``trainer.precision`` (bf16: under bf16 autocast).
 """
+
+import re
 
 import torch
 from omegaconf import DictConfig
@@ -20,6 +25,13 @@ from tpu_train.trainer.step import autocast_context
 
 RECIPE_CONFIG = "generate"
 
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(prompt: str) -> str:
+    """``prompt`` with ``\\n``, ``\\t`` and ``\\\\`` made a newline, a tab and a backslash."""
+    return re.sub(r"\\([nt\\])", lambda match: _ESCAPES[match[1]], prompt)
+
 
 def main(cfg: DictConfig) -> None:
     job = trainer.start(cfg)
@@ -27,7 +39,8 @@ def main(cfg: DictConfig) -> None:
     model, source = load_model_for_inference(cfg, tokenizer, job.device)
     print(f"model: {source}")
     options = cfg.recipe.generate
-    prompts = [[tokenizer.bos_id] + tokenizer.encode(prompt) for prompt in options.prompts]
+    texts = [unescape(prompt) for prompt in options.prompts]
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(text) for text in texts]
     if decodes_compiled(job.device):
         decoder = compiled_decoder(model, job.precision)
         completions = decoder.generate(prompts, options.max_new_tokens,
@@ -42,5 +55,5 @@ def main(cfg: DictConfig) -> None:
                                     temperature=options.temperature, top_p=options.top_p,
                                     eos_token_id=tokenizer.eos_id,
                                     generator=generator)[0, len(ids):].tolist() for ids in prompts]
-    for prompt, tokens in zip(options.prompts, completions):
+    for prompt, tokens in zip(texts, completions):
         print(f"--- prompt: {prompt!r}\n{tokenizer.decode(tokens, skip_special=True)}")

@@ -16,6 +16,16 @@ Accepted files (the format is decided per record, or forced with ``format=``):
                                                               assistant turns
   =============  ===========================================  ==========================
 
+A prompt/response record is joined by a template (``template=``, ``data.template`` in recipes):
+
+* ``default``: :data:`DEFAULT_TEMPLATE` (``### Instruction:`` / ``### Response:`` headers, the
+  layout of alpaca records), so the model sees where the prompt ends and the answer starts;
+* ``chat``: the record becomes a chat of one user and one assistant message, rendered by the
+  tokenizer's chat template (or the Llama 3 chat format; :mod:`tpu_train.data.chat`);
+* ``none``: ``prompt`` and ``response`` joined as they are (put your own separator in them);
+* ``auto`` (resolved by the caller that knows the tokenizer, :func:`resolve_template`):
+  ``chat`` when the tokenizer has a chat template, else ``default``.
+
 Each sample becomes ``<bos> ... <eos>``. The target mask marks the tokens a model is trained to
 predict; with ``mask_prompt=False`` everything after ``<bos>`` is a target.
 
@@ -40,6 +50,10 @@ TEXT_SUFFIXES = (".txt", ".text")
 
 ALPACA_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+# data.template=default for {"prompt", "response"} records: alpaca's layout, one separator between
+# the prompt and the response.
+DEFAULT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+TEMPLATES = ("auto", "chat", "default", "none")
 
 ACCEPTED_FIELDS = (
     "'text' (text), 'prompt' + 'response' (instruction), 'instruction' + optional 'input' + "
@@ -73,6 +87,31 @@ class Located:
     example: Example
     line: int  # 1-based line number of this record
     end_offset: int  # byte offset of the next line
+
+
+def check_template(template: str) -> str:
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown prompt/response template {template!r}; choose from {', '.join(TEMPLATES)}")
+    return template
+
+
+def resolve_template(template: str, tokenizer: Tokenizer) -> str:
+    """``template`` with ``auto`` made ``chat`` (the tokenizer has a chat template) or
+    ``default``."""
+    if check_template(template) != "auto":
+        return template
+    return "chat" if getattr(tokenizer, "chat_template", None) else "default"
+
+
+def _instruction(prompt: str, response: str, template: str, alpaca: bool = False) -> Example:
+    """A prompt/response record under ``template`` (``auto`` resolved): a chat of two messages
+    for ``chat``; else an instruction whose prompt carries the template's markup. An alpaca
+    record's prompt already has its own (the default's) layout."""
+    if template == "chat":
+        return Example("chat", messages=(("user", prompt), ("assistant", response)))
+    if template == "default" and not alpaca:
+        prompt = DEFAULT_TEMPLATE.format(prompt=prompt)
+    return Example("instruction", prompt=prompt, response=response)
 
 
 def check_format(fmt: str) -> str:
@@ -152,9 +191,15 @@ def apply_column_map(record: dict, column_map: Mapping[str, str], path: Path, li
 
 
 def parse_fields(
-    record: Any, path: Path, line: int, fmt: str = "auto", column_map: Mapping[str, str] | None = None
+    record: Any,
+    path: Path,
+    line: int,
+    fmt: str = "auto",
+    column_map: Mapping[str, str] | None = None,
+    template: str = "none",
 ) -> Example:
-    """One record (a dict of fields) as an :class:`Example` (``DataError`` names file:line)."""
+    """One record (a dict of fields) as an :class:`Example` (``DataError`` names file:line);
+    a prompt/response record joined by ``template`` (not ``auto``: see the module docstring)."""
     if not isinstance(record, dict):
         raise DataError(f"expected a JSON object per line, got a {type(record).__name__}", path, line)
     record = apply_column_map(record, column_map or {}, path, line)
@@ -181,18 +226,23 @@ def parse_fields(
     if "instruction" in record and "prompt" not in record:
         instruction = _string_field(record, "instruction", path, line)
         extra = _string_field(record, "input", path, line, required=False)
-        template = ALPACA_INPUT_TEMPLATE if extra.strip() else ALPACA_TEMPLATE
-        prompt = template.format(instruction=instruction, input=extra)
-        return Example("instruction", prompt=prompt, response=_string_field(record, "output", path, line))
-    return Example(
-        "instruction",
-        prompt=_string_field(record, "prompt", path, line),
-        response=_string_field(record, "response", path, line),
+        output = _string_field(record, "output", path, line)
+        if template == "chat":
+            return _instruction(f"{instruction}\n\n{extra}" if extra.strip() else instruction, output, template)
+        alpaca = ALPACA_INPUT_TEMPLATE if extra.strip() else ALPACA_TEMPLATE
+        return _instruction(alpaca.format(instruction=instruction, input=extra), output, template, alpaca=True)
+    return _instruction(
+        _string_field(record, "prompt", path, line), _string_field(record, "response", path, line), template
     )
 
 
 def parse_record(
-    raw: bytes, path: Path, line: int, fmt: str = "auto", column_map: Mapping[str, str] | None = None
+    raw: bytes,
+    path: Path,
+    line: int,
+    fmt: str = "auto",
+    column_map: Mapping[str, str] | None = None,
+    template: str = "none",
 ) -> Example:
     """Parse one line of a data file into an :class:`Example` (``DataError`` names file:line)."""
     if path.suffix in TEXT_SUFFIXES:
@@ -204,7 +254,7 @@ def parse_record(
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise DataError(f"malformed JSON ({detail}); each line must be one JSON object", path, line) from None
-    return parse_fields(record, path, line, fmt, column_map)
+    return parse_fields(record, path, line, fmt, column_map, template)
 
 
 def read_records(
@@ -214,6 +264,7 @@ def read_records(
     line: int = 0,
     chunk_lines: int = 256,
     column_map: Mapping[str, str] | None = None,
+    template: str = "none",
 ) -> Iterator[list[Located]]:
     """Parsed records of ``path`` from byte ``offset`` (``line`` lines already read), in chunks.
 
@@ -231,7 +282,7 @@ def read_records(
             if not raw.strip():
                 continue
             found_any = True
-            chunk.append(Located(parse_record(raw, path, line, fmt, column_map), line, offset))
+            chunk.append(Located(parse_record(raw, path, line, fmt, column_map, template), line, offset))
             if len(chunk) >= chunk_lines:
                 yield chunk
                 chunk = []

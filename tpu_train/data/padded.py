@@ -15,7 +15,7 @@ from tpu_train.data.chat import format_chat
 from tpu_train.data.datasets import Example, check_format, encode_examples
 from tpu_train.data.errors import DataError
 from tpu_train.data.packing import IGNORE_INDEX, resolve_tokenizer
-from tpu_train.data.sources import DataFiles, check_sources, read_source
+from tpu_train.data.sources import DataFiles, check_sources
 from tpu_train.data.tokenizer import Tokenizer
 
 
@@ -119,8 +119,8 @@ class PaddedInstructionLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         pending: list = []
-        for path in self.files.paths:
-            for chunk in read_source(path, self.format, chunk_lines=self.batch_size, column_map=self.files.columns):
+        for index, path in enumerate(self.files.paths):
+            for chunk in self.files.read(index, self.format, chunk_lines=self.batch_size):
                 pending += [(path, loc) for loc in chunk]
                 while len(pending) >= self.batch_size:
                     yield self._batch(pending[: self.batch_size])

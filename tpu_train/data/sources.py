@@ -22,6 +22,11 @@ row every column, filling gaps with nulls.
 ``column_map`` renames the file's columns to our field names (``text``, ``prompt``,
 ``response``, ``instruction``, ``input``, ``output``, ``messages``) for every kind.
 
+A :class:`DataFiles` also carries the prompt/response template (:mod:`tpu_train.data.datasets`)
+and, optionally, a :class:`Holdout`: one side of a seeded split of its records (a held-out set
+for validation when the user has none, and the rest for training), so every reader of the same
+files sees the same records.
+
 ``datasets`` is imported only when a JSON, Parquet or saved-dataset source is read: it takes
 over a second to import, and the CLI should start fast for JSONL users.
 """
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -41,6 +48,7 @@ from tpu_train.data.datasets import (
     Located,
     check_data_file,
     check_format,
+    check_template,
     parse_fields,
     read_records,
 )
@@ -53,21 +61,49 @@ KNOWN_FILES = ".jsonl, .ndjson, .txt, .json, .parquet or a directory written by 
 
 
 @dataclass(frozen=True)
-class DataFiles:
-    """Files read as one data set (in order) and the column map that applies to all of them.
+class Holdout:
+    """One side of a seeded split of every file's records: a record is held out when a hash of
+    (``seed``, the file's name, its line or row number) falls below ``fraction``; ``held_out``
+    says which side this is. The split needs no pass over the data and is the same for every
+    process, every epoch and every resumed run."""
 
-    Loaders accept it wherever they accept paths; it carries the column map along paths that
-    hand files on without knowing about columns (validation passes, exact-match evaluation).
+    fraction: float
+    held_out: bool
+    seed: int = 0
+
+    def keeps(self, path: Path, line: int) -> bool:
+        digest = hashlib.blake2b(f"{self.seed}\0{path.name}\0{line}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "big") / 2**64 < self.fraction) == self.held_out
+
+    def describe(self) -> str:
+        side = "held-out" if self.held_out else "training"
+        return f"the {side} side of a {self.percent} held-out split"
+
+    @property
+    def percent(self) -> str:
+        return f"{self.fraction * 100:g}%"
+
+
+@dataclass(frozen=True)
+class DataFiles:
+    """Files read as one data set (in order) and what applies to all of them: the column map,
+    the prompt/response template (``auto`` resolved) and the :class:`Holdout` side, if any.
+
+    Loaders accept it wherever they accept paths; it carries these along paths that hand files
+    on without knowing about them (validation passes, exact-match evaluation).
     """
 
     paths: tuple[Path, ...]
     column_map: tuple[tuple[str, str], ...] = ()
+    template: str = "none"
+    holdout: Holdout | None = None
 
     @classmethod
     def of(cls, paths: Any, column_map: Mapping[str, str] | None = None) -> "DataFiles":
         """``paths`` (a path, several, or a ``DataFiles``) with ``column_map`` (if given)."""
         if isinstance(paths, DataFiles):
-            return paths if column_map is None else cls(paths.paths, tuple(dict(column_map).items()))
+            return paths if column_map is None else dataclasses.replace(
+                paths, column_map=tuple(dict(column_map).items()))
         listed = [paths] if isinstance(paths, (str, Path)) else list(paths)
         return cls(tuple(Path(p) for p in listed), tuple(dict(column_map or {}).items()))
 
@@ -75,8 +111,44 @@ class DataFiles:
     def columns(self) -> dict[str, str]:
         return dict(self.column_map)
 
+    def with_options(self, template: str | None = None, holdout: Holdout | None = None) -> "DataFiles":
+        """The same files read with ``template`` and ``holdout`` (those given)."""
+        changes = {"template": check_template(template)} if template is not None else {}
+        return dataclasses.replace(self, **changes, **({"holdout": holdout} if holdout else {}))
+
+    def only(self, index: int) -> "DataFiles":
+        """File ``index`` alone, with the same options."""
+        return dataclasses.replace(self, paths=(self.paths[index],))
+
+    def read(
+        self, index: int, fmt: str = "auto", offset: int = 0, line: int = 0, chunk_lines: int = 256
+    ) -> Iterator[list[Located]]:
+        """:func:`read_source` of file ``index`` with these options: only the records on this
+        side of the holdout split (a file with no training record: ``DataError``)."""
+        chunks = read_source(self.paths[index], fmt, offset, line, chunk_lines, self.columns, self.template)
+        if self.holdout is None:
+            return chunks
+        return self._split(chunks, self.paths[index], from_start=offset == 0)
+
+    def _split(self, chunks: Iterator[list[Located]], path: Path, from_start: bool) -> Iterator[list[Located]]:
+        found = False
+        for chunk in chunks:
+            kept = [loc for loc in chunk if self.holdout.keeps(path, loc.line)]
+            if kept:
+                found = True
+                yield kept
+        # A file may have no held-out record; one with no training record would be read
+        # forever by a stream that cycles it.
+        if from_start and not found and not self.holdout.held_out:
+            raise DataError(
+                f"no record falls on {self.holdout.describe()} (too few records); set data.val_path "
+                "to validate on a file of your own, or data.holdout=0 for no validation",
+                path,
+            )
+
     def __str__(self) -> str:
-        return ", ".join(map(str, self.paths))
+        listed = ", ".join(map(str, self.paths))
+        return listed if self.holdout is None else f"{listed} ({self.holdout.describe()})"
 
 
 def check_column_map(column_map: Mapping[str, str]) -> dict[str, str]:
@@ -134,18 +206,20 @@ def read_source(
     line: int = 0,
     chunk_lines: int = 256,
     column_map: Mapping[str, str] | None = None,
+    template: str = "none",
 ) -> Iterator[list[Located]]:
     """Parsed records of any kind of source, in chunks, from a position a previous read gave.
 
     For JSONL and text ``offset`` is a byte offset and ``line`` the lines read; for tables both
-    are the rows read. A source without any record raises ``DataError``.
+    are the rows read. A source without any record raises ``DataError``. Prompt/response
+    records are joined by ``template`` (:mod:`tpu_train.data.datasets`; not ``auto``).
     """
     path = Path(path)
     kind = source_kind(path)
     check_format(fmt)
     if kind in ("jsonl", "text"):
-        return read_records(path, fmt, offset, line, chunk_lines, column_map)
-    return _read_table(path, kind, fmt, offset, chunk_lines, column_map)
+        return read_records(path, fmt, offset, line, chunk_lines, column_map, template)
+    return _read_table(path, kind, fmt, offset, chunk_lines, column_map, template)
 
 
 # -- tables through Hugging Face datasets --------------------------------------------------------
@@ -210,7 +284,13 @@ def _datasets_logs_quiet() -> Iterator[None]:
 
 
 def _read_table(
-    path: Path, kind: str, fmt: str, offset: int, chunk_rows: int, column_map: Mapping[str, str] | None
+    path: Path,
+    kind: str,
+    fmt: str,
+    offset: int,
+    chunk_rows: int,
+    column_map: Mapping[str, str] | None,
+    template: str,
 ) -> Iterator[list[Located]]:
     row = offset
     batches = _table_batches(path, kind, offset, chunk_rows)
@@ -229,7 +309,7 @@ def _read_table(
         for values in zip(*(batch[c] for c in columns)):
             row += 1
             record = {c: v for c, v in zip(columns, values) if v is not None}
-            chunk.append(Located(parse_fields(record, path, row, fmt, column_map), row, row))
+            chunk.append(Located(parse_fields(record, path, row, fmt, column_map, template), row, row))
         yield chunk
     if row == 0:
         raise DataError("data file is empty (no rows); add at least one record", path)
@@ -240,6 +320,6 @@ def first_record_kind(files: DataFiles | str | Path | Sequence[str | Path] | Non
     if files is None:
         return None
     files = DataFiles.of(files)
-    for chunk in read_source(files.paths[0], chunk_lines=1, column_map=files.columns):
+    for chunk in files.read(0, chunk_lines=1):
         return chunk[0].example.kind
     return None

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Any, Iterator, Sequence
 
 from tpu_train.data.datasets import Sample, encode_examples
-from tpu_train.data.sources import DataFiles, read_source
+from tpu_train.data.sources import DataFiles
 from tpu_train.data.tokenizer import Tokenizer
 
 # (epoch, file index, offset, line) just after the last sample taken; see read_source.
@@ -62,9 +62,7 @@ class FileStream:
             if self.num_epochs is not None and epoch >= self.num_epochs:
                 return False
             if self._reader is None:
-                self._reader = read_source(
-                    self.files.paths[file_index], self.format, offset, line, self.read_chunk, self.files.columns
-                )
+                self._reader = self.files.read(file_index, self.format, offset, line, self.read_chunk)
             chunk = next(self._reader, None)
             if chunk is None:
                 self._reader = None
@@ -115,8 +113,8 @@ class MixtureStream:
     ):
         self.weights = check_weights(weights, len(files.paths))
         self.streams = [
-            FileStream(DataFiles((path,), files.column_map), tokenizer, fmt, mask_prompt, None, read_chunk)
-            for path in files.paths
+            FileStream(files.only(index), tokenizer, fmt, mask_prompt, None, read_chunk)
+            for index in range(len(files.paths))
         ]
         # A string seed is hashed with SHA-512 (not Python's salted hash): the same on every run.
         self._rng = random.Random(f"mixture-{seed}")

@@ -64,11 +64,15 @@ def build_random_token_loader(cfg: DictConfig):
                           "choose a smaller trainer.seed") from None
 
 
-def data_paths(cfg: DictConfig, bundled: str = "tasks"):
-    """(training files, validation files or None) as ``DataFiles`` carrying ``data.column_map``;
+def data_paths(cfg: DictConfig, bundled: str = "tasks", tokenizer=None):
+    """(training files, validation files or None) as ``DataFiles`` carrying ``data.column_map``
+    and ``data.template`` (``auto`` resolved with ``tokenizer``; without one, ``none``);
     ``data.path: null`` means the bundled corpus's ``bundled`` training file
-    (:data:`BUNDLED_TRAIN_FILES`). ``data=synthetic_tokens`` has no files: a ConfigError."""
+    (:data:`BUNDLED_TRAIN_FILES`). ``data.path`` without ``data.val_path`` holds out
+    ``data.holdout`` of its records for validation (:func:`holdout_split`).
+    ``data=synthetic_tokens`` has no files: a ConfigError."""
     from tpu_train.data import default_corpus_dir
+    from tpu_train.data.datasets import resolve_template
     from tpu_train.data.sources import DataFiles
 
     if synthetic_tokens(cfg):
@@ -77,18 +81,55 @@ def data_paths(cfg: DictConfig, bundled: str = "tasks"):
             "random token ids; choose data=jsonl data.path=... (or data=bundled)")
 
     column_map = dict(cfg.data.column_map or {})
+    template = resolve_template(cfg.data.template, tokenizer) if tokenizer is not None else "none"
 
     def files(value):
         if value is None:
             return None
-        return DataFiles.of(value if isinstance(value, (str, Path)) else list(value), column_map)
+        listed = value if isinstance(value, (str, Path)) else list(value)
+        return DataFiles.of(listed, column_map).with_options(template=template)
 
     if cfg.data.path is not None:
-        return files(cfg.data.path), files(cfg.data.val_path)
+        train, val = files(cfg.data.path), files(cfg.data.val_path)
+        if val is None and cfg.data.holdout > 0:
+            return holdout_split(train, cfg.data.holdout, cfg.data.format)
+        return train, val
     corpus = default_corpus_dir()
     train = files(corpus / BUNDLED_TRAIN_FILES[bundled])
     val = files(cfg.data.val_path if cfg.data.val_path is not None else corpus / "tasks_heldout.jsonl")
     return train, val
+
+
+# The split's seed: fixed, so that runs with different trainer.seed validate on the same records.
+HOLDOUT_SEED = 0
+# Fewer records than this in data.path: no held-out split (a handful of records would make a
+# noisy figure and cost the training set records it cannot spare).
+MIN_HOLDOUT_RECORDS = 100
+
+
+def holdout_split(files, fraction: float, fmt: str = "auto"):
+    """(the records of ``files`` trained on, the held-out ``fraction`` validated on): a seeded
+    hash of each record's file name and line decides, the same in every process and run.
+    ``(files, None)`` when ``files`` hold fewer than :data:`MIN_HOLDOUT_RECORDS` records or
+    none falls in the held-out fraction."""
+    from tpu_train.data.sources import Holdout
+
+    held_out = files.with_options(holdout=Holdout(fraction, held_out=True, seed=HOLDOUT_SEED))
+    if _count_records(files, fmt, MIN_HOLDOUT_RECORDS) < MIN_HOLDOUT_RECORDS \
+            or _count_records(held_out, fmt, 1) == 0:
+        return files, None
+    return files.with_options(holdout=Holdout(fraction, held_out=False, seed=HOLDOUT_SEED)), held_out
+
+
+def _count_records(files, fmt: str, at_most: int) -> int:
+    """How many records ``files`` hold, counting no further than ``at_most``."""
+    count = 0
+    for index in range(len(files.paths)):
+        for chunk in files.read(index, fmt, chunk_lines=at_most):
+            count += len(chunk)
+            if count >= at_most:
+                return count
+    return count
 
 
 def hf_checkpoint(cfg: DictConfig) -> Path | None:
@@ -168,10 +209,8 @@ def build_train_loader(cfg: DictConfig, tokenizer, files):
 def _read_first_records(cfg: DictConfig, files) -> None:
     """Parse every file's first record: a first batch may not reach a later or rarely drawn
     file, whose bad columns would otherwise stop the run midway."""
-    from tpu_train.data.sources import read_source
-
-    for path in files.paths:
-        next(read_source(path, cfg.data.format, chunk_lines=1, column_map=files.columns))
+    for index in range(len(files.paths)):
+        next(files.read(index, cfg.data.format, chunk_lines=1))
 
 
 def build_val_loader(cfg: DictConfig, tokenizer, files, probe: bool = True):

@@ -132,6 +132,14 @@ class DataConfig:
     # mode rejects (and OmegaConf 2.3 fails merging into a null Optional[Dict]).
     column_map: Any = None
     format: str = "auto"  # auto (per record), text, instruction or chat
+    # How a {prompt, response} record is joined: auto (the tokenizer's chat template when it has
+    # one, else default), chat, default (### Instruction/### Response headers) or none (as is).
+    # data=jsonl: auto. The schema's none and 0 below are what a run_config.yaml written
+    # before these settings existed resumes with.
+    template: str = "none"
+    # data.path without data.val_path: this fraction of its records (a seeded split) is held out
+    # and validated on instead of trained on; 0: no validation. data=jsonl: 0.02.
+    holdout: float = 0.0
     tokenizer: Optional[str] = None  # tokenizer file/dir; None: the bundled 512-token BPE
     # null: the model's maximum positions, at most DEFAULT_MAX_SEQ_LEN (a note says which).
     seq_len: Optional[int] = None

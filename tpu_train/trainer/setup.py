@@ -31,7 +31,7 @@ from .layouts import Layout
 from .parallelism import setup_parallelism
 from .rng import seed_everything
 from .run_dirs import resolve_latest
-from .validation import remat_policy, resolve_seq_len, validate_config
+from .validation import remat_policy, resolve_model_checkpoint, resolve_seq_len, validate_config
 from .world import World, requested_world_size, start_processes
 
 
@@ -76,6 +76,7 @@ def start(cfg: DictConfig) -> Job:
     quiet_third_party_logs(bool(cfg.logging.verbose))  # before anything starts XLA
     quiet_process_group_noise(requested_world_size(), bool(cfg.logging.verbose))
     latest_note = resolve_latest(cfg)  # run.dir=latest: the directory it names, first
+    hub_note = resolve_model_checkpoint(cfg)  # ORG/NAME: the Hub snapshot's directory
     validate_config(cfg)
     seq_len_note = resolve_seq_len(cfg)
     world = start_processes()
@@ -91,7 +92,7 @@ def start(cfg: DictConfig) -> Job:
     device = builders.resolve_device(trainer.device)
     return Job(cfg, world, device, resolve_run_dir(cfg), StepMode(trainer.mode),
                Precision(trainer.precision),
-               notes=[note for note in (latest_note, seq_len_note) if note])
+               notes=[note for note in (latest_note, hub_note, seq_len_note) if note])
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -109,12 +110,34 @@ def build_data(job: Job, tokenizer, bundled: str = "tasks") -> Data:
     cfg = job.cfg
     if builders.synthetic_tokens(cfg):
         return Data(builders.build_random_token_loader(cfg), None, False, None)
-    train_path, val_path = builders.data_paths(cfg, bundled)
+    train_path, val_path = builders.data_paths(cfg, bundled, tokenizer)
+    job.notes += _data_notes(cfg, train_path, val_path)
     train = builders.build_train_loader(cfg, tokenizer, train_path)
     has_val_loss = builders.build_val_loader(cfg, tokenizer, val_path) is not None
     kind = builders.first_record_kind(val_path)
     return Data(train, val_path, has_val_loss,
                 val_path if kind in ("instruction", "chat") else None)
+
+
+def _data_notes(cfg: DictConfig, train, val) -> list[str]:
+    """What the run's log says of its data: the resolved ``data.template=auto`` and the
+    held-out split made (or not) when ``data.val_path`` is not set."""
+    from .builders import MIN_HOLDOUT_RECORDS
+
+    data, notes = cfg.data, []
+    if data.path is None:
+        return notes
+    if data.template == "auto":
+        notes.append(f"data.template=auto: {train.template} (prompt/response records)")
+    if val is not None and val.holdout is not None:
+        notes.append(f"note: validation: {val.holdout.percent} of data.path's records held out "
+                     f"(seeded by file name and line, never trained on); data.val_path=... to "
+                     "validate on your own file, data.holdout=0 for none")
+    elif data.val_path is None and data.holdout > 0 and cfg.trainer.val_every_n_steps:
+        notes.append(f"note: no validation: data.path has too few records to hold out "
+                     f"{data.holdout * 100:g}% (at least {MIN_HOLDOUT_RECORDS}, some of them in the "
+                     "held-out fraction); set data.val_path to validate on a file of your own")
+    return notes
 
 
 def build_model(job: Job, tokenizer, from_checkpoint: bool = True) -> torch.nn.Module:

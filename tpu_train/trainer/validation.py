@@ -16,6 +16,7 @@ from .errors import ConfigError
 
 DEVICES = ("cpu", "tpu")
 DATA_FORMATS = ("auto", "text", "instruction", "chat")
+MAX_HOLDOUT = 0.5
 
 
 def _require(condition: bool, message: str) -> None:
@@ -311,13 +312,22 @@ def _validate_model_and_data(cfg) -> None:
 
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
+    resolve_model_checkpoint(cfg)
     if cfg.model.checkpoint is not None:
         _require(Path(cfg.model.checkpoint).is_dir(),
                  f"model.checkpoint={cfg.model.checkpoint!r} is not a directory; point it at a "
-                 "Hugging Face model directory (config.json + *.safetensors) or a checkpoint step_N")
+                 "Hugging Face model directory (config.json + *.safetensors), a checkpoint "
+                 "step_N or a Hub model ORG/NAME[@revision]")
     data = cfg.data
     _require(data.format in DATA_FORMATS,
              f"data.format={data.format!r} is not a format; valid formats: {', '.join(DATA_FORMATS)}")
+    from tpu_train.data.datasets import TEMPLATES
+
+    _require(data.template in TEMPLATES,
+             f"data.template={data.template!r} is not a template; valid templates: {', '.join(TEMPLATES)}")
+    _require(0 <= data.holdout <= MAX_HOLDOUT,
+             f"data.holdout must be in [0, {MAX_HOLDOUT}] (the fraction of data.path held out for "
+             f"validation when data.val_path is not set; 0: none), got {data.holdout}")
     _require(data.seq_len is None or data.seq_len >= 2,
              f"data.seq_len must be >= 2 or null (the model's maximum), got {data.seq_len}")
     _require(data.shuffle_buffer >= 0, f"data.shuffle_buffer must be >= 0, got {data.shuffle_buffer}")
@@ -341,6 +351,26 @@ def _validate_seq_len_for_the_model(cfg) -> None:
     _require(data.seq_len is None or data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
              "lower it, or set data.seq_len=null for the model's maximum")
+
+
+def resolve_model_checkpoint(cfg: DictConfig) -> str | None:
+    """Make a ``model.checkpoint`` of the form ``ORG/NAME[@revision]`` that is no local
+    directory the Hugging Face Hub snapshot it names (downloaded into the Hub cache unless
+    cached and ``HF_HUB_OFFLINE=1``; :mod:`tpu_train.models.hub`); returns the note that says
+    so, or None when there was nothing to resolve. A local directory of that name wins."""
+    value = cfg.model.checkpoint
+    if value is None or Path(value).is_dir():
+        return None
+    from tpu_train.models.hub import HubError, download, parse_model_id
+
+    model = parse_model_id(str(value))
+    if model is None:
+        return None  # not a Hub id: validate_config reports the missing directory
+    try:
+        cfg.model.checkpoint = str(download(model))
+    except HubError as exc:
+        raise ConfigError(str(exc)) from None
+    return f"note: model.checkpoint={model}: the Hugging Face Hub snapshot in {cfg.model.checkpoint}"
 
 
 def resolve_seq_len(cfg: DictConfig) -> str | None:
