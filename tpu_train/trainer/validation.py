@@ -76,10 +76,17 @@ def _validate_run_dir(cfg: DictConfig) -> None:
     anything is written (a file there, or a file or unwritable directory above it, fails)."""
     import os
 
+    from .storage_urls import run_path, url_problem
+
     raw = cfg.run.dir
     _require(raw is not None and str(raw).strip() != "",
              "run.dir is empty; name the directory the run writes into (e.g. run.dir=runs/ft)")
-    path = Path(str(raw)).expanduser().absolute()
+    problem = url_problem(str(raw))  # a URL: its filesystem must be installed (gcsfs, ...)
+    _require(problem is None, f"run.dir={str(raw)!r}: {problem}")
+    path = run_path(str(raw))
+    if not isinstance(path, Path):  # an object store: written on first use, nothing to probe
+        return
+    path = path.expanduser().absolute()
     _require(not path.exists() or path.is_dir(),
              f"run.dir={str(raw)!r} is a file, not a directory; choose another run.dir")
     existing = path
