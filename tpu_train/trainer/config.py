@@ -339,6 +339,7 @@ class Config:
 
 SCHEMA_NAME = "schema"
 ASSET_RESOLVER = "asset"
+SWEEP_DIR_RESOLVER = "sweep_dir"  # configs/config.yaml: hydra.sweep.dir
 
 
 def asset_path(name: str) -> str:
@@ -352,3 +353,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     if not OmegaConf.has_resolver(ASSET_RESOLVER):
         OmegaConf.register_new_resolver(ASSET_RESOLVER, asset_path)
+    if not OmegaConf.has_resolver(SWEEP_DIR_RESOLVER):
+        from .storage_urls import hydra_sweep_dir
+
+        OmegaConf.register_new_resolver(SWEEP_DIR_RESOLVER, hydra_sweep_dir)

@@ -101,6 +101,16 @@ def run_path(location: str | RunPath) -> RunPath:
     return UPath(text)
 
 
+def hydra_sweep_dir(run_dir: str) -> str:
+    """``hydra.sweep.dir`` of a multirun: ``run.dir`` itself, or for a URL a local directory
+    under the temporary directory. Hydra makes the directory before a job starts, and one
+    named after the URL would be a local ``gs:/...``; the jobs themselves write to
+    ``<run.dir>/<job number>`` (``tpu_train.trainer.setup.resolve_run_dir``)."""
+    if not is_url(run_dir):
+        return run_dir
+    return str(Path(tempfile.gettempdir()) / "tpu-train-sweeps")
+
+
 def is_local(path: RunPath) -> bool:
     return not isinstance(path, UPath)
 
