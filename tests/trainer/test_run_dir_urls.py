@@ -152,3 +152,110 @@ def test_gs_without_gcsfs_is_one_line_naming_the_package(tmp_path):
         "tpu-train: error: run.dir='gs://bucket/runs/x': gs:// needs the gcsfs package: "
         "pip install gcsfs (or pip install 'tpu_train[gcs]')")
     assert list(tmp_path.iterdir()) == []  # above all, no ./gs:/ directory
+
+
+def test_an_interrupted_save_at_a_url_is_never_resumed_and_is_cleaned_up(tmp_path,
+                                                                         monkeypatch):
+    """An object store has no rename: a save that dies before its meta.json (written last)
+    leaves a step_N that is neither listed nor resumed, and the next writer deletes it."""
+    import torch
+
+    from tpu_train.trainer import checkpoint
+    from tpu_train.trainer.storage_urls import run_path
+
+    run_dir = run_path(f"memory://interrupted/{tmp_path.name}")
+    model = {"w": torch.arange(4.0)}
+    first = checkpoint.write_checkpoint(run_dir / "checkpoints", 1, model, {"n": 1})
+    assert checkpoint.verify_checkpoint(first) is None
+
+    def dies(*args, **kwargs):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies)  # after model.safetensors is up
+    with pytest.raises(OSError, match="connection reset"):
+        checkpoint.write_checkpoint(run_dir / "checkpoints", 2, model, {"n": 2})
+    monkeypatch.undo()
+    half = run_dir / "checkpoints" / "step_00000002"
+    assert (half / "model.safetensors").is_file() and not (half / "meta.json").exists()
+    assert checkpoint.checkpoint_dirs(run_dir) == [(1, first)]
+    assert checkpoint.latest_intact_checkpoint(run_dir) == (first, [])
+
+    manager = checkpoint.CheckpointManager(run_dir, keep_last=3)
+    manager.remove_stale_temporaries()
+    assert not half.exists() and first.exists()
+    manager.save(2, model, {"n": 2})  # the step written again, whole
+    assert checkpoint.checkpoint_dirs(run_dir) == [(1, first), (2, half)]
+    model_state, training_state, meta = checkpoint.read_checkpoint(half)
+    assert torch.equal(model_state["w"], model["w"]) and training_state == {"n": 2}
+    assert meta["step"] == 2 and checkpoint.verify_checkpoint(half) is None
+    MEMORY.rm(run_dir.path, recursive=True)
+
+
+def _gcs_emulator():
+    """A local GCS server (gcp-storage-emulator) with bucket ``runs``, and the environment that
+    points gcsfs at it; skipped where gcsfs or the emulator is not installed."""
+    import socket
+
+    pytest.importorskip("gcsfs")
+    server_module = pytest.importorskip("gcp_storage_emulator.server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = server_module.create_server("127.0.0.1", port, in_memory=True,
+                                         default_bucket="runs")
+    server.start()
+    # No hierarchical-namespace probe: gcsfs would ask a gRPC endpoint the emulator lacks.
+    return server, {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+@pytest.mark.host_cpu_run
+@pytest.mark.timeout(600)
+def test_a_gs_run_through_gcsfs_stops_resumes_with_its_command_and_exports(tmp_path):
+    """The real gcsfs client against a local GCS emulator, each run a fresh process: Ctrl-C
+    after the first step, then the printed command finishes the run and exports."""
+    import signal
+    import subprocess
+
+    from tests.platforms import cpu_child_env
+    from tests.trainer.cli_helpers import ROOT
+
+    server, variables = _gcs_emulator()
+    try:
+        # Anonymous: no credentials are looked for (nor a cloud metadata server asked).
+        env = cpu_child_env(ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                            FSSPEC_GS_TOKEN="anon", NO_GCE_CHECK="true", **variables)
+        steps = [*TINY, "trainer.max_steps=8", "checkpoint.every_n_steps=1000",
+                 "checkpoint.export_hf=true"]
+        first = subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *steps,
+                                  "run.dir=gs://runs/llama/x"], cwd=tmp_path, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        lines = []
+        for line in first.stdout:  # until the first step is logged
+            lines.append(line)
+            if line.startswith("step 1/8"):
+                break
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err[-3000:]
+        resume = _resume_command("".join(lines) + out)
+        assert resume[-1] == "run.dir=gs://runs/llama/x" and resume[:-1] == steps, resume
+
+        result = subprocess.run([sys.executable, "-m", "tpu_train.cli", *resume], cwd=tmp_path,
+                                capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "(resumed from step_" in result.stdout and "finished step 8/8" in result.stdout
+
+        import gcsfs
+
+        store = gcsfs.GCSFileSystem(token="anon",
+                                    endpoint_url=variables["STORAGE_EMULATOR_HOST"])
+        files = {p.removeprefix("runs/llama/x/") for p in store.find("runs/llama/x")}
+        for name in ("run_config.yaml", "train.log", "metrics.jsonl", "hf/config.json",
+                     "hf/model.safetensors", "checkpoints/step_00000008/meta.json"):
+            assert name in files, (name, sorted(files))
+        rows = [json.loads(line) for line in store.cat("runs/llama/x/metrics.jsonl").splitlines()]
+        assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 9))
+        assert list(tmp_path.iterdir()) == []  # no ./gs:/ directory
+    finally:
+        server.stop()
