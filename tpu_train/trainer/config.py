@@ -272,7 +272,8 @@ class TrainerConfig:
 class RunConfig:
     # A directory that already holds a checkpoint is resumed; "latest": the newest unfinished
     # run of the recipe under runs/<recipe>/ (trainer.run_dirs).  In a multirun each job gets
-    # <dir>/<job number>.
+    # <dir>/<job number>.  An fsspec URL works too (gs://bucket/runs/x, trainer.storage_urls;
+    # URL/latest looks among the runs under URL).
     dir: str = "runs/${recipe.name}/${now:%Y-%m-%d_%H-%M-%S}"
 
 
