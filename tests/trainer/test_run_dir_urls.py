@@ -212,8 +212,9 @@ def _gcs_emulator():
 @pytest.mark.host_cpu_run
 @pytest.mark.timeout(600)
 def test_a_gs_run_through_gcsfs_stops_resumes_with_its_command_and_exports(tmp_path):
-    """The real gcsfs client against a local GCS emulator, each run a fresh process: Ctrl-C
-    after the first step, then the printed command finishes the run and exports."""
+    """The real gcsfs client against a local GCS emulator, each run a fresh process: a missing
+    bucket is one line; Ctrl-C after the first step, then the printed command finishes the run
+    and exports."""
     import signal
     import subprocess
 
@@ -225,6 +226,14 @@ def test_a_gs_run_through_gcsfs_stops_resumes_with_its_command_and_exports(tmp_p
         # Anonymous: no credentials are looked for (nor a cloud metadata server asked).
         env = cpu_child_env(ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                             FSSPEC_GS_TOKEN="anon", NO_GCE_CHECK="true", **variables)
+        # A bucket that is not there: one line before the run starts.
+        missing = subprocess.run([sys.executable, "-m", "tpu_train.cli", *TINY,
+                                  "run.dir=gs://nosuchbucket/x"], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=300)
+        assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+        assert missing.stderr.startswith("tpu-train: error: run.dir='gs://nosuchbucket/x': "
+                                         "cannot write there (FileNotFoundError: "), missing.stderr
+
         steps = [*TINY, "trainer.max_steps=8", "checkpoint.every_n_steps=1000",
                  "checkpoint.export_hf=true"]
         first = subprocess.Popen([sys.executable, "-m", "tpu_train.cli", *steps,
@@ -259,3 +268,17 @@ def test_a_gs_run_through_gcsfs_stops_resumes_with_its_command_and_exports(tmp_p
         assert list(tmp_path.iterdir()) == []  # no ./gs:/ directory
     finally:
         server.stop()
+
+
+@pytest.mark.host_cpu_run
+def test_a_multirun_at_a_url_gives_each_job_its_own_directory_there(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = f"memory://multirun/{tmp_path.name}"
+    code, out, err = run_in_process("-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=1",
+                                    f"run.dir={root}")
+    assert code == 0, err
+    for job in (0, 1):
+        assert f"run dir: {root}/{job}" in out
+        assert MEMORY.isfile(f"/multirun/{tmp_path.name}/{job}/checkpoints/step_00000001/meta.json")
+    assert list(tmp_path.iterdir()) == []  # Hydra's own sweep directory is not ./memory:/...
+    MEMORY.rm(f"/multirun/{tmp_path.name}", recursive=True)

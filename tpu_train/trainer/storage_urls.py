@@ -108,7 +108,9 @@ def hydra_sweep_dir(run_dir: str) -> str:
     ``<run.dir>/<job number>`` (``tpu_train.trainer.setup.resolve_run_dir``)."""
     if not is_url(run_dir):
         return run_dir
-    return str(Path(tempfile.gettempdir()) / "tpu-train-sweeps")
+    import getpass
+
+    return str(Path(tempfile.gettempdir()) / f"tpu-train-sweeps-{getpass.getuser()}")
 
 
 def is_local(path: RunPath) -> bool:
