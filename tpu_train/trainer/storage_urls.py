@@ -15,9 +15,10 @@ rename nor append, so:
 * ``train.log``, ``metrics.jsonl`` and TensorBoard's event files are written in a local
   directory and uploaded whole by :class:`LocalMirror`, at most every
   :data:`SYNC_INTERVAL_S` and at every checkpoint and the end. Appending per line or per
-  event would rewrite the object each time, and GCS allows about one write per second to one
-  object; TensorBoard's own fsspec support (``tensorboard.compat.tensorflow_stub.io.gfile``)
-  does exactly that, one open-append-close per event, so it is not used.
+  event would rewrite the object each time (objects are immutable), and GCS allows about one
+  write per second to one object; TensorBoard's own fsspec support
+  (``tensorboard.compat.tensorflow_stub.io.gfile.FSSpecFileSystem``) opens the event file for
+  append at every write of its writer, so it is not used.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "
              "abfs": "adlfs", "abfss": "adlfs"}
 # tpu_train's extra that installs a protocol's package.
 _EXTRAS = {"gcsfs": "gcs"}
-# Seconds between two uploads of the run's logs (LocalMirror.sync without force).
+# Seconds between two uploads of the run's logs (LocalMirror.due without force).
 SYNC_INTERVAL_S = 30.0
 
 
@@ -114,6 +115,7 @@ def hydra_sweep_dir(run_dir: str) -> str:
 
 
 def is_local(path: RunPath) -> bool:
+    """True for a path on this host's filesystems (a :class:`Path`)."""
     return not isinstance(path, UPath)
 
 
