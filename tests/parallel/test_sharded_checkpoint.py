@@ -79,3 +79,35 @@ def test_saving_over_an_existing_checkpoint_is_refused(tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(FileExistsError, match="written once"):
         save_sharded(tmp_path / "ckpt", _train(MESHES["fsdp8"])[3])
+
+
+def test_a_checkpoint_at_a_url_is_written_in_place_and_restores():
+    """At a URL (an object store: no rename) the shards go straight there through DCP's
+    fsspec writer, and come back through the restricted reader onto another layout; the
+    trainer's meta.json, written last, marks the directory complete."""
+    import fsspec
+
+    from tpu_train.trainer.checkpoint import (SHARDED_DIR, checkpoint_dirs, verify_checkpoint,
+                                              write_sharded_checkpoint)
+    from tpu_train.trainer.storage_urls import run_path
+    from tpu_train.trainer.world import World
+
+    saved = _train(MESHES["fsdp8"])[3]
+    before = _host_values(saved)
+    run_dir = run_path(f"memory://sharded-{id(saved)}")
+    checkpoints = run_dir / "checkpoints"
+    final = write_sharded_checkpoint(checkpoints, 10, lambda path: save_sharded(path, saved),
+                                     {"note": torch.tensor([1])}, World(rank=0, size=1))
+    assert str(final) == f"{run_dir}/checkpoints/step_00000010"
+    memory = fsspec.filesystem("memory")
+    written = sorted(p.rsplit("/", 1)[1] for p in memory.find(final.path))
+    assert written == [".metadata", "__0_0.distcp", "meta.json", "training_state.pt"]
+    assert verify_checkpoint(final) is None and checkpoint_dirs(run_dir) == [(10, final)]
+    with pytest.raises(FileExistsError, match="written once"):
+        save_sharded(final / SHARDED_DIR, saved)
+
+    step = _fresh_step(MESHES["tp2_fsdp4"])
+    load_sharded(final / SHARDED_DIR, step)
+    for key, value in _host_values(step).items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+    memory.rm(final.path, recursive=True)

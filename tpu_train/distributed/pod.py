@@ -22,7 +22,8 @@ Every worker's output streams to ``<log dir>/worker-<i>.log`` here (``--log-dir`
 ``runs/pod/<run id>/workers``); worker 0's is also printed. When the command sets
 ``run.dir=...``, each worker also appends its output to ``<run.dir>/workers/worker-<i>.log``
 on its own filesystem: beside the run, all workers' logs together when the run directory is on
-storage the workers share (as a multi-host run's sharded checkpoints need).
+storage the workers share (as a multi-host run's sharded checkpoints need). A run directory at
+a URL (``gs://...``) gets no worker logs: a shell cannot append to an object.
 
 When a worker fails, or on Ctrl-C, the launcher stops the job everywhere: the launch step
 records its process group on each worker, and one more ssh per worker sends that group
@@ -139,14 +140,15 @@ def _validate(parser, args) -> None:
 
 def run_dir_of(command: str, run_id: str) -> str | None:
     """The ``run.dir=...`` the command sets (``$TPU_TRAIN_RUN_ID`` filled in), or None when it
-    sets none or one only the worker's shell could work out."""
+    sets none, one only the worker's shell could work out, or a URL (not a local directory)."""
     found = re.search(r"(?:^|\s)run\.dir=(\S+)", command)
     if not found:
         return None
     value = found.group(1).strip("'\"")
     for name in ("${TPU_TRAIN_RUN_ID}", "$TPU_TRAIN_RUN_ID"):
         value = value.replace(name, run_id)
-    return None if "$" in value or "`" in value or value == "latest" else value
+    local = "://" not in value
+    return None if "$" in value or "`" in value or value == "latest" or not local else value
 
 
 # --- the commands -------------------------------------------------------------------------

@@ -15,6 +15,9 @@ mesh: the layout of the saving job is not part of the format.
 Saving is atomic: all processes write into ``<path>.tmp``; once DCP has written the metadata
 (after every process finished its files), process 0 renames it to ``path``. A crash leaves
 either the previous state or a complete checkpoint, never a partial one under ``path``.
+A ``path`` that is a URL (``gs://...``: an object store, without rename) is written in place
+through fsspec (DCP's ``FsspecWriter``); the caller marks it complete (the trainer's
+``meta.json``, written last).
 
 Trust model: loading reads two kinds of files. The shard files are read by DCP with
 ``torch.load(weights_only=True)`` (tensors only, no code). The ``.metadata`` file is a pickle,
@@ -96,7 +99,10 @@ def read_metadata_safely(path: str | os.PathLike):
     """The DCP ``Metadata`` of checkpoint directory ``path`` (or of the metadata file
     ``path`` itself), read with the restricted unpickler."""
     source = Path(path) / ".metadata" if Path(path).is_dir() else Path(path)
-    data = source.read_bytes()
+    return _unpickle_metadata(source.read_bytes(), str(source))
+
+
+def _unpickle_metadata(data: bytes, source: str):
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), str(source)).load()
     except UnsafeCheckpointError:
@@ -112,17 +118,40 @@ def read_metadata_safely(path: str | os.PathLike):
     return metadata
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's ``FileSystemReader`` with ``.metadata`` read by the restricted unpickler."""
+class _SafeMetadata:
+    """``read_metadata`` by the restricted unpickler, for DCP's file readers."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        metadata = read_metadata_safely(self._get_metadata_path(kwargs.get("rank")))
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _unpickle_metadata(stream.read(), str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` with ``.metadata`` read by the restricted unpickler."""
+
+
+def _at_url(path) -> bool:
+    """A URL other than ``file://`` (``str()`` of a ``upath.UPath`` is its URL)."""
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def _fsspec_io():
+    """DCP's fsspec reader and writer. torch ships them in this module only (it is where
+    ``dcp.save(checkpoint_id=URL)`` finds them too)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    class SafeFsspecReader(_SafeMetadata, FsspecReader):
+        """DCP's ``FsspecReader`` with ``.metadata`` read by the restricted unpickler."""
+
+    return SafeFsspecReader, FsspecWriter
 
 _STEP_KEY = "optimizer.group{}.step"
 
@@ -276,12 +305,14 @@ def save_sharded(path: str | os.PathLike, step: Any) -> Path:
 
     Every process of the job calls it; each writes only its devices' shards. Returns ``path``.
     """
-    path = Path(path)
     step.settle()  # step counts of a skipped last update put back
     state: dict[str, Any] = {k: s.buffer for k, s in step_state(step).items()}
     for i, group in enumerate(step.optimizer.param_groups):
         state[_STEP_KEY.format(i)] = torch.tensor([step.adapter.step_count(group)])
     group = _coordination_group()
+    if _at_url(path):
+        return _save_at_url(str(path), state, group)
+    path = Path(path)
     rank = dist.get_rank() if group is not None else 0
     tmp = path.with_name(path.name + ".tmp")
     if path.exists():  # every process checks (shared storage), so none waits for a failed one
@@ -300,6 +331,38 @@ def save_sharded(path: str | os.PathLike, step: Any) -> Path:
     return path
 
 
+def _save_at_url(url: str, state: dict, group) -> str:
+    """:func:`save_sharded` into an object store: in place (no rename there)."""
+    from fsspec.core import url_to_fs
+
+    _, writer = _fsspec_io()
+    fs, root = url_to_fs(url)
+    if fs.exists(f"{root}/.metadata"):
+        raise FileExistsError(f"{url} exists: a checkpoint directory is written once")
+    # No fsync: an object is stored once its upload completes (fsync of such a stream would
+    # fall back to syncing the whole local disk).
+    dcp.save(state, storage_writer=writer(url, sync_files=False), planner=_ShardSavePlanner(),
+             process_group=group)
+    if group is not None:
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
+    return url
+
+
+def _reader(path: Any):
+    """The restricted DCP reader of checkpoint ``path`` (a local directory or a URL)."""
+    if _at_url(path):
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(str(path))
+        if not fs.isfile(f"{root}/.metadata"):
+            raise FileNotFoundError(f"{path} is not a sharded checkpoint (no .metadata)")
+        return _fsspec_io()[0](str(path))
+    if not (Path(path) / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a sharded checkpoint (no .metadata)")
+    return SafeFileSystemReader(Path(path))
+
+
 def load_sharded(path: str | os.PathLike, step: Any) -> None:
     """Restore a :func:`save_sharded` checkpoint into ``step`` *in its current layout*.
 
@@ -308,9 +371,7 @@ def load_sharded(path: str | os.PathLike, step: Any) -> None:
     ``.metadata`` pickle is read by a restricted unpickler (module docstring: trust model);
     :class:`UnsafeCheckpointError` when it names anything but DCP metadata.
     """
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a sharded checkpoint (no .metadata)")
+    reader = _reader(path)
     step.settle()  # nothing left to put back over the counts loaded here
     storages = step_state(step)
     state: dict[str, Any] = {k: s.buffer for k, s in storages.items()}
@@ -319,8 +380,7 @@ def load_sharded(path: str | os.PathLike, step: Any) -> None:
         state[_STEP_KEY.format(i)] = torch.zeros(1, dtype=torch.int64)
     planner = _ShardLoadPlanner()
     group = _coordination_group()
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=planner,
-             process_group=group)
+    dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
     if group is not None:
         dist.destroy_process_group(group)
     for key, storage in storages.items():

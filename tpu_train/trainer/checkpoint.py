@@ -16,7 +16,10 @@ process 0). Both layouts resume on any mesh and any number of processes.
 A checkpoint is written into a hidden temporary directory, every file and the directory are
 fsynced, and only then is it renamed to ``step_N``.  A crash at any point leaves either the
 complete checkpoint or a temporary directory that :meth:`CheckpointManager.latest` ignores and
-the next writer deletes.
+the next writer deletes. In a run directory at a URL (an object store: no rename,
+:mod:`tpu_train.trainer.storage_urls`) ``step_N`` is written in place and ``meta.json`` is
+its commit marker, written last: a ``step_N`` without it is an interrupted save, which is
+never listed and which the next writer deletes.
 
 Integrity: :func:`verify_checkpoint` re-hashes every file listed in ``meta.json`` and names
 what is wrong (a missing, truncated or altered file, an unreadable ``meta.json``); resuming
@@ -35,7 +38,7 @@ import json
 import math
 import os
 import re
-import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -46,6 +49,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import TrainingStopped
+from .storage_urls import (RunPath, is_local, local_file, move_tree, remove_tree, run_path,
+                           upload)
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
@@ -92,27 +97,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
-def is_checkpoint(path: Path) -> bool:
+def is_checkpoint(path: RunPath) -> bool:
     """True when ``path`` is a complete checkpoint directory of this format."""
+    path = run_path(path)
     return (path / META_FILE).is_file() and (
         (path / MODEL_FILE).is_file() or (path / SHARDED_DIR / ".metadata").is_file())
 
 
-def checkpoint_layout(path: Path) -> str:
+def checkpoint_layout(path: RunPath) -> str:
     """``full`` (one model file) or ``sharded`` (written by several processes)."""
-    return FULL_LAYOUT if (Path(path) / MODEL_FILE).is_file() else SHARDED_LAYOUT
+    return FULL_LAYOUT if (run_path(path) / MODEL_FILE).is_file() else SHARDED_LAYOUT
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: RunPath) -> str:
     """Hex SHA-256 of one file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with run_path(path).open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
-def checksums(directory: Path) -> dict[str, str]:
+def checksums(directory: RunPath) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``directory`` except ``meta.json``.
     The files are hashed side by side (hashlib and file reads release the GIL): a checkpoint is
     a few large files, or many shards, and one core hashes ~0.5-1.4 GB/s."""
@@ -124,10 +130,10 @@ def checksums(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory).as_posix()): digest for p, digest in zip(files, sums)}
 
 
-def read_meta(path: Path) -> dict:
+def read_meta(path: RunPath) -> dict:
     """``meta.json`` of checkpoint ``path``; ValueError naming the problem when unreadable."""
     try:
-        meta = json.loads((Path(path) / META_FILE).read_text())
+        meta = json.loads((run_path(path) / META_FILE).read_text())
     except FileNotFoundError:
         raise ValueError(f"{META_FILE} is missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -137,14 +143,14 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def verify_checkpoint(path: str | Path) -> str | None:
+def verify_checkpoint(path: str | RunPath) -> str | None:
     """None when checkpoint ``path`` is intact, else what is wrong with it (one line).
 
     Every file listed in ``meta.json`` must exist with its recorded SHA-256. A checkpoint
     written before the checksums existed has no ``files`` entry: only its files' presence is
     checked (it loads unverified).
     """
-    path = Path(path)
+    path = run_path(path)
     try:
         meta = read_meta(path)
     except ValueError as exc:
@@ -196,9 +202,9 @@ def non_finite_tensors(state: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+def list_checkpoints(run_dir: str | RunPath) -> list[tuple[int, RunPath]]:
     """Complete checkpoints under ``run_dir``, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS_SUBDIR
+    root = run_path(run_dir) / CHECKPOINTS_SUBDIR
     if not root.is_dir():
         return []
     found = []
@@ -209,26 +215,29 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | RunPath) -> RunPath | None:
     """The newest complete checkpoint under ``run_dir``, or None."""
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
-def checkpoint_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+def checkpoint_dirs(run_dir: str | RunPath) -> list[tuple[int, RunPath]]:
     """Every ``step_N`` directory under ``run_dir``, oldest first, damaged ones included.
 
-    A ``step_N`` name only ever appears by the rename that ends a complete save, so a
-    directory here that is not intact (:func:`verify_checkpoint`) was damaged afterwards.
+    A local ``step_N`` name only ever appears by the rename that ends a complete save, so a
+    directory here that is not intact (:func:`verify_checkpoint`) was damaged afterwards. At a
+    URL, a ``step_N`` is listed once its ``meta.json`` (written last) exists.
     """
-    root = Path(run_dir) / CHECKPOINTS_SUBDIR
+    root = run_path(run_dir) / CHECKPOINTS_SUBDIR
     if not root.is_dir():
         return []
     return sorted((int(match.group(1)), entry) for entry in root.iterdir()
-                  if (match := _STEP_DIR.match(entry.name)) and entry.is_dir())
+                  if (match := _STEP_DIR.match(entry.name)) and entry.is_dir()
+                  and (is_local(entry) or (entry / META_FILE).is_file()))
 
 
-def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+def latest_intact_checkpoint(run_dir: str | RunPath
+                             ) -> tuple[RunPath | None, list[tuple[RunPath, str]]]:
     """(the newest checkpoint that passes :func:`verify_checkpoint` or None, the newer damaged
     ones with what is wrong with each, newest first)."""
     damaged = []
@@ -243,7 +252,7 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tup
 SUPERSEDED_SUBDIR = "superseded"
 
 
-def supersede_later(run_dir: str | Path, step: int) -> list[Path]:
+def supersede_later(run_dir: str | RunPath, step: int) -> list[RunPath]:
     """Move the checkpoints after ``step`` to ``checkpoints/superseded/`` (a run resumed from an
     earlier step must never resume from them again, and nothing is deleted). Damaged ones
     included: a run resumed past a damaged checkpoint writes that step again."""
@@ -251,15 +260,17 @@ def supersede_later(run_dir: str | Path, step: int) -> list[Path]:
     for found_step, path in checkpoint_dirs(run_dir):
         if found_step > step:
             target = path.parent / SUPERSEDED_SUBDIR / f"{path.name}-{uuid.uuid4().hex[:8]}"
-            target.parent.mkdir(exist_ok=True)
-            os.rename(path, target)
+            move_tree(path, target)
             moved.append(target)
     return moved
 
 
-def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Tensor],
-                     training_state: dict) -> Path:
+def write_checkpoint(directory: RunPath, step: int, model_state: dict[str, torch.Tensor],
+                     training_state: dict) -> RunPath:
     """Write one checkpoint atomically into ``directory/step_N`` and return its path."""
+    if not is_local(directory):
+        return _write_checkpoint_in_place(directory / step_dir_name(step), step, model_state,
+                                          training_state)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / step_dir_name(step)
     if final.exists():
@@ -271,9 +282,36 @@ def write_checkpoint(directory: Path, step: int, model_state: dict[str, torch.Te
         save_file(model_state, str(temporary / MODEL_FILE))
         _finish(temporary, final, step, training_state, (MODEL_FILE,))
     except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
+        remove_tree(temporary)
         raise
     return final
+
+
+def _write_checkpoint_in_place(final: RunPath, step: int, model_state: dict,
+                               training_state: dict) -> RunPath:
+    """A checkpoint at a URL: each file written to a local temporary file, hashed and
+    uploaded (one at a time: the local disk holds one file at most), ``meta.json`` last."""
+    if is_checkpoint(final):
+        return final
+    remove_tree(final)  # an interrupted save of this step
+    writers = ((MODEL_FILE, lambda local: save_file(model_state, str(local))),
+               (TRAINING_STATE_FILE, lambda local: torch.save(training_state, local)))
+    sums = {}
+    with tempfile.TemporaryDirectory(prefix="tpu-train-checkpoint-") as staging:
+        for name, write in writers:
+            local = Path(staging) / name
+            write(local)
+            sums[name] = file_sha256(local)
+            upload(local, final / name)
+            local.unlink()
+    _write_meta(final, step, FULL_LAYOUT, sums)
+    return final
+
+
+def _write_meta(directory: RunPath, step: int, layout: str, sums: dict[str, str]) -> None:
+    meta = {"format": FORMAT_VERSION, "step": step, "layout": layout, "torch": torch.__version__,
+            "files": sums}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _finish(temporary: Path, final: Path, step: int, training_state: dict,
@@ -287,28 +325,29 @@ def _finish(temporary: Path, final: Path, step: int, training_state: dict,
             _fsync_file(temporary / name)
     # Hashed from the disk once every file (every process's shards included) is complete:
     # the sums describe what a resume will read back. meta.json is written last.
-    meta = {"format": FORMAT_VERSION, "step": step, "layout": layout, "torch": torch.__version__,
-            "files": checksums(temporary)}
-    (temporary / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _write_meta(temporary, step, layout, checksums(temporary))
     _fsync_file(temporary / META_FILE)
     _fsync_dir(temporary)
     os.rename(temporary, final)
     _fsync_dir(final.parent)
 
 
-def write_sharded_checkpoint(directory: Path, step: int, save_shards, training_state: dict,
-                             world) -> Path:
+def write_sharded_checkpoint(directory: RunPath, step: int, save_shards, training_state: dict,
+                             world) -> RunPath:
     """Every process of ``world`` calls this; ``save_shards(path)`` writes this process's shards
-    (a collective). Process 0 then adds the training state and renames the directory."""
+    (a collective). Process 0 then adds the training state and renames the directory (at a
+    URL: writes ``meta.json`` last, in place)."""
     from .world import barrier
 
     final = directory / step_dir_name(step)
+    if not is_local(directory):
+        return _write_sharded_in_place(final, step, save_shards, training_state, world)
     if final.exists():  # every process sees the same (shared) directory
         return final
     # One name all processes agree on; a leftover of a crashed save is removed first.
     temporary = directory / f"{_TEMP_PREFIX}{step_dir_name(step)}"
     if world.is_main:
-        shutil.rmtree(temporary, ignore_errors=True)
+        remove_tree(temporary)
         temporary.mkdir(parents=True)
     barrier(world)
     save_shards(temporary / SHARDED_DIR)
@@ -318,13 +357,33 @@ def write_sharded_checkpoint(directory: Path, step: int, save_shards, training_s
     return final
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor] | None, dict, dict]:
+def _write_sharded_in_place(final: RunPath, step: int, save_shards, training_state: dict,
+                            world) -> RunPath:
+    """:func:`write_sharded_checkpoint` at a URL: the shards straight to the store, then
+    process 0 writes the training state and, hashed from the store, ``meta.json`` last."""
+    from .world import barrier
+
+    if is_checkpoint(final):  # every process sees the same store
+        return final
+    if world.is_main:
+        remove_tree(final)  # an interrupted save of this step
+    barrier(world)
+    save_shards(final / SHARDED_DIR)
+    if world.is_main:
+        with (final / TRAINING_STATE_FILE).open("wb") as handle:
+            torch.save(training_state, handle)
+        _write_meta(final, step, SHARDED_LAYOUT, checksums(final))
+    barrier(world)
+    return final
+
+
+def read_checkpoint(path: str | RunPath) -> tuple[dict[str, torch.Tensor] | None, dict, dict]:
     """(model state, training state, meta) of a checkpoint; executes no code from the files.
 
     The model state is None for the sharded layout: its tensors are read into the placed
     step (``tpu_train.parallel.sharded_checkpoint.load_sharded(path / SHARDED_DIR, step)``).
     """
-    path = Path(path)
+    path = run_path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint (expected {META_FILE} and {MODEL_FILE})"
@@ -335,15 +394,23 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor] | None, d
             f"{path}: checkpoint format {meta.get('format')!r} is not supported "
             f"(this version reads format {FORMAT_VERSION})"
         )
-    model_state = (load_file(str(path / MODEL_FILE))
-                   if checkpoint_layout(path) == FULL_LAYOUT else None)
-    training_state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
-    return model_state, training_state, meta
+    model_state = (_load_model_file(path) if checkpoint_layout(path) == FULL_LAYOUT else None)
+    return model_state, _load_training_state(path), meta
 
 
-def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+def _load_model_file(checkpoint: RunPath) -> dict[str, torch.Tensor]:
+    with local_file(checkpoint / MODEL_FILE) as local:
+        return load_file(str(local))
+
+
+def _load_training_state(checkpoint: RunPath) -> dict:
+    with (checkpoint / TRAINING_STATE_FILE).open("rb") as handle:
+        return torch.load(handle, map_location="cpu", weights_only=True)
+
+
+def read_model_state(path: str | RunPath) -> dict[str, torch.Tensor]:
     """Parameters only (for fine-tuning from a training checkpoint)."""
-    path = Path(path)
+    path = run_path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META_FILE})")
     if checkpoint_layout(path) == SHARDED_LAYOUT:
@@ -353,7 +420,7 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     if problem is not None:
         raise ValueError(f"{path} is damaged ({problem}); choose another checkpoint")
     try:
-        return load_file(str(path / MODEL_FILE))
+        return _load_model_file(path)
     except Exception as exc:  # noqa: BLE001 - an unverified (older) checkpoint that is damaged
         detail = str(exc).splitlines()[0] if str(exc) else "no detail"
         raise ValueError(f"{path / MODEL_FILE} cannot be read ({type(exc).__name__}: {detail}); "
@@ -394,24 +461,27 @@ class CheckpointManager:
     that every process runs the same code path.
     """
 
-    def __init__(self, run_dir: str | Path, keep_last: int, async_save: bool = False,
+    def __init__(self, run_dir: str | RunPath, keep_last: int, async_save: bool = False,
                  is_writer: bool = True):
-        self.directory = Path(run_dir) / CHECKPOINTS_SUBDIR
+        self.directory = run_path(run_dir) / CHECKPOINTS_SUBDIR
         self.keep_last = keep_last
         self.async_save = async_save
         self.is_writer = is_writer
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_saved: Path | None = None
+        self.last_saved: RunPath | None = None
         self.times = SaveTimes()
 
     def remove_stale_temporaries(self) -> None:
-        """Delete the leftovers of saves that were interrupted by a crash."""
+        """Delete the leftovers of saves that were interrupted by a crash (at a URL: the
+        ``step_N`` without a ``meta.json``)."""
         if not self.is_writer or not self.directory.is_dir():
             return
         for entry in self.directory.iterdir():
-            if entry.name.startswith(_TEMP_PREFIX):
-                shutil.rmtree(entry, ignore_errors=True)
+            if entry.name.startswith(_TEMP_PREFIX) or (
+                    not is_local(entry) and _STEP_DIR.match(entry.name)
+                    and not (entry / META_FILE).is_file()):
+                remove_tree(entry)
 
     def save(self, step: int, model_state: dict[str, torch.Tensor], training_state: dict,
              owned: frozenset = frozenset()) -> None:
@@ -455,7 +525,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         found = list_checkpoints(self.directory.parent)
         for _, path in found[: max(0, len(found) - self.keep_last)]:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error, if any."""
@@ -467,7 +537,7 @@ class CheckpointManager:
             raise RuntimeError(f"saving a checkpoint failed: {error}") from error
 
 
-def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:
+def last_good_checkpoint(run_dir: RunPath, read_back: bool = True) -> str:
     """The newest intact checkpoint of ``run_dir`` (its SHA-256 sums verified), as text for a
     stop message. Checkpoints are only written from finite state; with ``read_back`` a full
     one is also read and checked to hold finite values (process 0 only: each would read it)."""
@@ -475,15 +545,15 @@ def last_good_checkpoint(run_dir: Path, read_back: bool = True) -> str:
     if path is None:
         return "none (no checkpoint was saved yet)"
     if read_back and checkpoint_layout(path) == FULL_LAYOUT:
-        state = torch.load(path / TRAINING_STATE_FILE, map_location="cpu", weights_only=True)
-        bad = non_finite_tensors(load_file(str(path / MODEL_FILE))) + \
+        state = _load_training_state(path)
+        bad = non_finite_tensors(_load_model_file(path)) + \
             non_finite_tensors(state.get("optimizer", {}), "optimizer")
         if bad:
             return f"{path} (WARNING: it holds non-finite values in {bad[0]})"
     return f"{path} (verified)"
 
 
-def refuse_non_finite(bad: list[str], step: int, run_dir: Path, read_back: bool) -> None:
+def refuse_non_finite(bad: list[str], step: int, run_dir: RunPath, read_back: bool) -> None:
     """Refuse to checkpoint NaN/inf parameters or optimizer state (``bad`` names them): stop
     naming the last good checkpoint instead (a run resumed from a non-finite checkpoint could
     never recover)."""

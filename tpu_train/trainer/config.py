@@ -284,7 +284,8 @@ class TrainerConfig:
 class RunConfig:
     # A directory that already holds a checkpoint is resumed; "latest": the newest unfinished
     # run of the recipe under runs/<recipe>/ (trainer.run_dirs).  In a multirun each job gets
-    # <dir>/<job number>.
+    # <dir>/<job number>.  An fsspec URL works too (gs://bucket/runs/x, trainer.storage_urls;
+    # URL/latest looks among the runs under URL).
     dir: str = "runs/${recipe.name}/${now:%Y-%m-%d_%H-%M-%S}"
 
 
@@ -372,6 +373,7 @@ class Config:
 
 SCHEMA_NAME = "schema"
 ASSET_RESOLVER = "asset"
+SWEEP_DIR_RESOLVER = "sweep_dir"  # configs/config.yaml: hydra.sweep.dir
 
 
 def asset_path(name: str) -> str:
@@ -385,3 +387,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     if not OmegaConf.has_resolver(ASSET_RESOLVER):
         OmegaConf.register_new_resolver(ASSET_RESOLVER, asset_path)
+    if not OmegaConf.has_resolver(SWEEP_DIR_RESOLVER):
+        from .storage_urls import hydra_sweep_dir
+
+        OmegaConf.register_new_resolver(SWEEP_DIR_RESOLVER, hydra_sweep_dir)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -12,6 +11,7 @@ from . import builders
 from .checkpoint import latest_intact_checkpoint, read_model_state
 from .errors import ConfigError
 from .lora import apply_lora, merge_lora
+from .storage_urls import RunPath, run_path
 
 
 def load_model_for_inference(cfg: DictConfig, tokenizer, device: torch.device):
@@ -39,9 +39,9 @@ def load_model_for_inference(cfg: DictConfig, tokenizer, device: torch.device):
     return model.to(device).eval(), str(found)
 
 
-def newest_run_checkpoint(cfg: DictConfig) -> Path:
+def newest_run_checkpoint(cfg: DictConfig) -> RunPath:
     """The newest intact checkpoint of ``run.dir`` (a damaged newer one is named in a warning)."""
-    recipe, run_dir = cfg.recipe.name, Path(cfg.run.dir)
+    recipe, run_dir = cfg.recipe.name, run_path(cfg.run.dir)
     needs = (f"recipe={recipe} needs a model: set model.checkpoint=DIR (a Hugging Face "
              "directory) or run.dir=<a run that holds checkpoints>")
     if not run_dir.is_dir():

@@ -32,6 +32,7 @@ from .rng import capture_rng_state
 from .run_dirs import SAVED_CONFIG_FILE, resume_command
 from .run import Run
 from .setup import Job
+from .storage_urls import is_local, staged_directory
 from .steady import SteadyRate
 from .step import BatchesAhead
 from .summary import (describe_compilation, describe_startup, final_summary, start_summary,
@@ -81,7 +82,7 @@ class _ProfileWindow:
         if self.steps and step == self.steps[0] and self.logger.enabled:
             from tpu_train.compile.profiling import profile
 
-            self._active = profile(str(self.logger.tensorboard_dir))
+            self._active = profile(str(self.logger.local_tensorboard_dir))
             self._active.__enter__()
 
     def after(self, step: int) -> None:
@@ -310,6 +311,7 @@ class _Loop:
         self.parallel.save(self.run, state)
         self.checkpointer.times.saves += 1
         self.checkpointer.times.blocking_s += time.perf_counter() - started
+        self.logger.sync()  # a run directory at a URL: the logs as far as this checkpoint
 
     def start_batches(self) -> None:
         """Start building batches ahead (``data.prefetch``) now, while the starting model is
@@ -472,7 +474,8 @@ def fit(run: Run) -> Path:
     # Everything is built and checked; from here on the run directory is written.
     superseded = []
     if job.world.is_main:
-        job.run_dir.mkdir(parents=True, exist_ok=True)
+        if is_local(job.run_dir):  # an object store has no directories to make
+            job.run_dir.mkdir(parents=True, exist_ok=True)
         _write_config(job)
         if run.resumed_from is not None:
             superseded = supersede_later(job.run_dir, run.step)
@@ -570,4 +573,5 @@ def _export(run: Run, directory: Path) -> None:
     model = run.model_to_export()
     state = run.layout.full_model_state(model)
     if run.job.world.is_main:
-        builders.export_pretrained(model, directory, run.tokenizer, state_dict=state)
+        with staged_directory(directory) as local:  # at a URL: written here, then uploaded
+            builders.export_pretrained(model, local, run.tokenizer, state_dict=state)

@@ -16,6 +16,8 @@ from typing import TextIO
 
 import torch
 
+from .storage_urls import LocalMirror, RunPath, run_path
+
 # Peak dense bf16 TFLOP/s per chip, from the vendors' published specifications.
 PEAK_BF16_TFLOPS: dict[str, float] = {
     "tpu v4": 275.0,
@@ -72,6 +74,8 @@ def detect_device_kind(device: torch.device) -> str | None:
 
 
 METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
+TENSORBOARD_SUBDIR = "tensorboard"
 
 
 def metrics_record(step: int, values: dict[str, float]) -> dict:
@@ -114,27 +118,30 @@ def format_log_line(step: int, max_steps: int, scalars: dict[str, float],
 class RunLogger:
     """Writes scalars to TensorBoard and lines to stdout and ``<run.dir>/train.log``.
 
-    Every method is a no-op on processes other than rank 0.
+    Every method is a no-op on processes other than rank 0. A run directory at a URL gets its
+    files from a local copy (:class:`~tpu_train.trainer.storage_urls.LocalMirror`), uploaded
+    every half minute or so, at every checkpoint (:meth:`sync`) and at :meth:`close`.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool, options, total_steps: int,
+    def __init__(self, run_dir: str | RunPath, enabled: bool, options, total_steps: int,
                  initial_step: int):
         """``options``: the ``logging`` config section (``tensorboard``, ``progress_bar``)."""
         tensorboard, progress_bar = bool(options.tensorboard), bool(options.progress_bar)
         self.enabled = enabled
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_path(run_dir)
         self._writer = None
         self._log_file: TextIO | None = None
         self._metrics_file: TextIO | None = None
         self._bar = None
+        self._mirror: LocalMirror | None = None
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.run_dir / "train.log", "a", encoding="utf-8")
+        self._mirror = LocalMirror(self.run_dir, (LOG_FILE, METRICS_FILE))
+        self._log_file = open(self._mirror.local / LOG_FILE, "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+            self._writer = SummaryWriter(log_dir=str(self.local_tensorboard_dir))
         # Only on a terminal: in a redirected file the bar's redraws would interleave with
         # the log lines.
         if progress_bar and total_steps > initial_step and sys.stderr.isatty():
@@ -144,12 +151,31 @@ class RunLogger:
                              dynamic_ncols=True, file=sys.stderr, leave=False)
 
     @property
-    def tensorboard_dir(self) -> Path:
-        return self.run_dir / "tensorboard"
+    def tensorboard_dir(self) -> RunPath:
+        """Where TensorBoard's files end up (``tensorboard --logdir`` reads URLs too)."""
+        return self.run_dir / TENSORBOARD_SUBDIR
+
+    @property
+    def local_tensorboard_dir(self) -> Path:
+        """Where they are written (the run directory's, or its local copy's)."""
+        return self._local_dir / TENSORBOARD_SUBDIR
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / METRICS_FILE
+        return self._local_dir / METRICS_FILE
+
+    @property
+    def _local_dir(self) -> RunPath:
+        return self._mirror.local if self._mirror is not None else self.run_dir
+
+    def sync(self, force: bool = True) -> None:
+        """Upload the logs to a run directory at a URL (without ``force``: only when the last
+        upload is half a minute old); nothing to do for a local one."""
+        if self._mirror is None or not self._mirror.due(force):
+            return
+        if self._writer is not None:
+            self._writer.flush()
+        self._mirror.sync()
 
     def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
         """TensorBoard scalars ``prefix/key``, and one exact, strict JSON line in
@@ -218,6 +244,7 @@ class RunLogger:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             self._log_file.write("".join(f"{stamp} {line}\n" for line in text.split("\n")))
             self._log_file.flush()
+            self.sync(force=False)
 
     def recorded(self, prefix: str, step: int) -> dict[str, float]:
         """The ``prefix/*`` values ``metrics.jsonl`` holds for ``step`` (a resumed run reads
@@ -286,3 +313,6 @@ class RunLogger:
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None

@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import ConfigError
+from .storage_urls import RunPath, is_local, is_url, modified_time, run_path, url_problem
 
 # Not config.yaml: ``--config-dir RUN --config-name config`` would then pick it instead of the
 # packaged primary config.
@@ -22,7 +23,7 @@ LATEST = "latest"
 _NOT_REPEATED = ("run.dir", "checkpoint.load_step")
 
 
-def unfinished_progress(run_dir: Path) -> tuple[int, int] | None:
+def unfinished_progress(run_dir: RunPath) -> tuple[int, int] | None:
     """(newest checkpoint step, its trainer.max_steps) of a run that stopped before its end;
     None for a finished run, one without a checkpoint or without a readable run_config.yaml."""
     # Here, not at the top: the command line resolves run.dir before it imports torch.
@@ -32,36 +33,62 @@ def unfinished_progress(run_dir: Path) -> tuple[int, int] | None:
     if not found:
         return None
     try:
-        max_steps = int(OmegaConf.load(run_dir / SAVED_CONFIG_FILE).trainer.max_steps)
+        saved = OmegaConf.create((run_dir / SAVED_CONFIG_FILE).read_text())
+        max_steps = int(saved.trainer.max_steps)
     except Exception:  # noqa: BLE001 - not a run directory of ours: not a candidate
         return None
     step = max(step for step, _ in found)
     return (step, max_steps) if step < max_steps else None
 
 
+def latest_root(run_dir: str) -> RunPath | None:
+    """Where ``run.dir=latest`` looks: ``runs/<recipe>`` for ``latest``, ``URL`` for
+    ``URL/latest`` (run directories at a URL); None for any other ``run.dir``."""
+    if run_dir == LATEST:
+        return None
+    head, _, tail = run_dir.rstrip("/").rpartition("/")
+    if tail != LATEST or not is_url(run_dir):
+        return None
+    problem = url_problem(run_dir)
+    if problem is not None:
+        raise ConfigError(f"run.dir={run_dir!r}: {problem}")
+    return run_path(head)
+
+
 def resolve_latest(cfg: DictConfig) -> str | None:
     """``run.dir=latest``: the newest unfinished run of this recipe under ``runs/<recipe>/``
-    (the one whose newest checkpoint was written last) becomes ``run.dir``. Returns the note
-    that says which, or None when ``run.dir`` is not ``latest``."""
-    if str(cfg.run.dir) != LATEST:
+    (the one whose newest checkpoint was written last) becomes ``run.dir``; likewise
+    ``run.dir=URL/latest`` among the run directories under ``URL``. Returns the note that says
+    which, or None when ``run.dir`` is neither."""
+    text = str(cfg.run.dir)
+    root = Path(RUNS_ROOT) / str(cfg.recipe.name) if text == LATEST else latest_root(text)
+    if root is None:
         return None
     from .checkpoint import checkpoint_dirs
 
-    root = Path(RUNS_ROOT) / str(cfg.recipe.name)
+    of_recipe = f"of recipe {cfg.recipe.name} " if text == LATEST else ""
     candidates = []
-    for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
+    for run_dir in sorted(root.iterdir(), key=str) if root.is_dir() else []:
         progress = unfinished_progress(run_dir) if run_dir.is_dir() else None
         if progress is not None:
-            newest = max(checkpoint_dirs(run_dir))[1]
-            candidates.append((newest.stat().st_mtime, str(run_dir), progress))
+            newest = max(checkpoint_dirs(run_dir), key=lambda found: found[0])[1]
+            candidates.append((_written_at(newest), str(run_dir), progress))
     if not candidates:
         raise ConfigError(
-            f"run.dir=latest: no unfinished run of recipe {cfg.recipe.name} under {root}/ (a run "
+            f"run.dir={text}: no unfinished run {of_recipe}under {root}/ (a run "
             "directory whose newest checkpoint is before its trainer.max_steps); give the run "
             "directory itself, run.dir=DIR")
     _, run_dir, (step, max_steps) = max(candidates)
     cfg.run.dir = run_dir
-    return f"note: run.dir=latest: resuming {run_dir} from step {step} of {max_steps}"
+    return f"note: run.dir={text}: resuming {run_dir} from step {step} of {max_steps}"
+
+
+def _written_at(checkpoint: RunPath) -> float:
+    """When a checkpoint was completed: its directory's time locally (renamed into place
+    complete), its ``meta.json``'s at a URL (written last; an object store has no directories)."""
+    from .checkpoint import META_FILE
+
+    return modified_time(checkpoint if is_local(checkpoint) else checkpoint / META_FILE)
 
 
 def _command_line_overrides() -> tuple[list[str], list[str]]:
@@ -80,7 +107,7 @@ def _command_line_overrides() -> tuple[list[str], list[str]]:
     return config_args, list(hydra.overrides.task)
 
 
-def resume_command(run_dir: Path, processes: int = 1) -> str:
+def resume_command(run_dir: RunPath, processes: int = 1) -> str:
     """The command that resumes this run: this one's overrides with ``run.dir`` concrete."""
     config_args, overrides = _command_line_overrides()
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _NOT_REPEATED]

@@ -31,6 +31,7 @@ from .layouts import Layout
 from .parallelism import setup_parallelism
 from .rng import seed_everything
 from .run_dirs import resolve_latest
+from .storage_urls import RunPath, is_local, run_path
 from .validation import remat_policy, resolve_model_checkpoint, resolve_seq_len, validate_config
 from .world import World, requested_world_size, start_processes
 
@@ -42,7 +43,7 @@ class Job:
     cfg: DictConfig
     world: World
     device: torch.device
-    run_dir: Path
+    run_dir: RunPath
     mode: StepMode
     precision: Precision
     # Lines for train.log found before it exists (e.g. a damaged checkpoint passed over).
@@ -61,14 +62,18 @@ class Data:
     exact_match_path: Any  # the same files when their records have prompts, else None
 
 
-def resolve_run_dir(cfg: DictConfig) -> Path:
-    """``run.dir``; in a Hydra multirun, the job's own ``<run.dir>/<job number>``."""
+def resolve_run_dir(cfg: DictConfig) -> RunPath:
+    """``run.dir`` (a local path, or a URL: :mod:`~tpu_train.trainer.storage_urls`); in a
+    Hydra multirun, the job's own ``<run.dir>/<job number>``."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    run_dir = run_path(cfg.run.dir)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().runtime.output_dir)
-    return Path(cfg.run.dir)
+        hydra = HydraConfig.get()
+        return (Path(hydra.runtime.output_dir) if is_local(run_dir)
+                else run_dir / str(hydra.job.num))
+    return run_dir
 
 
 def start(cfg: DictConfig) -> Job:

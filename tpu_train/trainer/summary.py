@@ -214,7 +214,7 @@ def final_summary(run, export_dir: Path | None, validation: dict,
     rows = [("run dir", str(run_dir)), ("started from", source),
             ("train log", str(run_dir / "train.log")),
             ("tensorboard", f"{logger.tensorboard_dir} (tensorboard --logdir {logger.tensorboard_dir})"
-             if logger.tensorboard_dir.is_dir() else "off (logging.tensorboard=false)"),
+             if logger.local_tensorboard_dir.is_dir() else "off (logging.tensorboard=false)"),
             ("checkpoint", str(checkpoint) if checkpoint else "none"),
             ("hf export", str(export_dir) if export_dir else "none")]
     if validation.get("step") == step and validation.get("values"):

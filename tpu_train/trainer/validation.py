@@ -77,10 +77,18 @@ def _validate_run_dir(cfg: DictConfig) -> None:
     anything is written (a file there, or a file or unwritable directory above it, fails)."""
     import os
 
+    from .storage_urls import run_path, url_problem
+
     raw = cfg.run.dir
     _require(raw is not None and str(raw).strip() != "",
              "run.dir is empty; name the directory the run writes into (e.g. run.dir=runs/ft)")
-    path = Path(str(raw)).expanduser().absolute()
+    problem = url_problem(str(raw))  # a URL: its filesystem must be installed (gcsfs, ...)
+    _require(problem is None, f"run.dir={str(raw)!r}: {problem}")
+    path = run_path(str(raw))
+    if not isinstance(path, Path):
+        _probe_url(path, str(raw))
+        return
+    path = path.expanduser().absolute()
     _require(not path.exists() or path.is_dir(),
              f"run.dir={str(raw)!r} is a file, not a directory; choose another run.dir")
     existing = path
@@ -104,6 +112,21 @@ def _validate_run_dir(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"run.dir={str(raw)!r}: no directory can be created under {str(existing)!r} "
                 f"({exc.strerror or exc}); choose a directory on a writable filesystem") from None
+
+
+def _probe_url(path, raw: str) -> None:
+    """A run directory at a URL must take a write: an object written and removed at once (a
+    missing bucket, no credentials or no permission fail here, before the run starts)."""
+    import uuid
+
+    probe = path / f".tpu-train-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except Exception as exc:  # noqa: BLE001 - each store raises its own errors
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
+        raise ConfigError(f"run.dir={raw!r}: cannot write there ({type(exc).__name__}: "
+                          f"{detail}); check the bucket's name and your access to it") from None
 
 
 def _validate_logging_and_checkpoint(cfg: DictConfig) -> None:
