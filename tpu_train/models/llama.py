@@ -114,7 +114,10 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 start_pos: int = 0, cache: KVCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache, mask)
+        # The mask only when there is one: plans that prepare the attention's inputs by
+        # position (torch's PrepareModuleInput) name five, as before packed rows.
+        extra = () if mask is None else (mask,)
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos, cache, *extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -174,8 +177,9 @@ class Llama(nn.Module):
             sin = self.rope_sin[position_ids].unsqueeze(1)
         mask = None if segment_ids is None else document_mask(segment_ids)
         h = self.tok_embeddings(tokens)
+        extra = () if mask is None else (mask,)
         for layer in self.layers:
-            h = layer(h, cos, sin, start_pos, cache, mask)
+            h = layer(h, cos, sin, start_pos, cache, *extra)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
