@@ -224,6 +224,15 @@ def loss_fn(params: dict, tokens, labels, cos, sin, cfg, *, precision: str = "fp
         prefix = f"layers.{i}."
         layer = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
         x = block(x, layer, cos, sin)
+    return head_loss(ops, params, x, labels)
+
+
+def head_loss(ops: _Ops, params: dict, x, labels):
+    """The final norm, the output head (the embedding's transpose when tied) and the mean
+    cross-entropy of the decoder's output ``x`` against ``labels``."""
+    import jax
+    import jax.numpy as jnp
+
     x = ops.rms_norm(x, params["norm.weight"])
     head = params["output.weight"] if "output.weight" in params \
         else params["tok_embeddings.weight"].T

@@ -131,12 +131,7 @@ def loss_fn(params: dict, tokens, labels, cos, sin, cfg, *, precision: str, rema
         return ops.block(x, layer, cos, sin), None
 
     x, _ = jax.lax.scan(jax.checkpoint(body, policy=_policy(remat)), x, params["layers"])
-    x = ops.rms_norm(x, params["norm.weight"])
-    head = params["output.weight"] if "output.weight" in params \
-        else params["tok_embeddings.weight"].T
-    logits = ops.linear(x, head).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+    return jax_llama.head_loss(ops, params, x, labels)
 
 
 def make_train_step(cfg, opt, *, precision: str, remat: str | None, splash: bool,

@@ -167,3 +167,22 @@ def test_trainer_compiled_step_matches_reference(precision):
         tol = F32_TOL[i] if precision == "fp32" else BF16_TOL
         assert math.isclose(got, want, rel_tol=tol), (i, got, want)
     assert compiled.stages["compilations"] == 1
+
+
+jax_llama_scan = _load_script("jax_llama_scan")
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_the_scanned_reference_trains_as_pytorch(torch_f32, remat):
+    """scripts/jax_llama_scan.py (layers under one scan, each under a remat policy) is the same
+    model and optimizer: the same fp32 losses and gradient norms as PyTorch step by step."""
+    import jax
+
+    ref = jax_llama_scan.ScanReference(_model(), TINY, HYPER, jax.devices("cpu")[0],
+                                       precision="fp32", remat=remat)
+    assert set(ref.params["layers"]["attention.wq.weight"].shape) == {2, 64}  # [L, in, out]
+    want_losses, want_norms = torch_f32
+    for i, batch in enumerate(_batches()):
+        loss, norm = ref.step(batch)
+        assert math.isclose(float(loss), want_losses[i], rel_tol=F32_TOL[i]), (i, loss)
+        assert math.isclose(float(norm), want_norms[i], rel_tol=F32_TOL[i] * 4), (i, norm)
