@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy
 import torch
 
+from tpu_train.compile import stored_moments
 from tpu_train.device.tensor import storage_of
 
 __all__ = ["OptimizerAdapter", "adapter_for", "UnsupportedOptimizerError"]
@@ -224,6 +225,9 @@ class AdamAdapter(OptimizerAdapter):
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self._counters = StepCounters(optimizer)
+        # Moments stored in this dtype, the update computed in float32
+        # (:mod:`.stored_moments`); None: torch's own, moments in the parameter's dtype.
+        self.state_dtype = getattr(optimizer, "state_dtype", None)
 
     def state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -238,7 +242,8 @@ class AdamAdapter(OptimizerAdapter):
         return (("betas", (beta1, beta2)), ("eps", _scalar(group["eps"])),
                 ("weight_decay", _scalar(group["weight_decay"])),
                 ("amsgrad", bool(group["amsgrad"])), ("maximize", bool(group["maximize"])),
-                ("decoupled_weight_decay", self._decoupled(group)))
+                ("decoupled_weight_decay", self._decoupled(group))) + (
+                    (("state_dtype", str(self.state_dtype)),) if self.state_dtype else ())
 
     def ensure_state(self, param, group):
         state = self.optimizer.state[param]
@@ -249,10 +254,9 @@ class AdamAdapter(OptimizerAdapter):
         # device layer (it reaches aten::_copy_from).
         step = torch.tensor(0.0, dtype=torch.float32)
         state["step"] = step.to(param.device) if on_device else step
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        for key in self.state_keys_for(group):
+            state[key] = torch.zeros_like(param, dtype=self.state_dtype,
+                                          memory_format=torch.preserve_format)
 
     def step_count(self, group):
         return self._counters.count(group)
@@ -272,8 +276,13 @@ class AdamAdapter(OptimizerAdapter):
         beta1, beta2 = settings["betas"]
         eps, wd = settings["eps"], settings["weight_decay"]
         decay, neg_step_size, bias_correction2_sqrt = scalars[1], scalars[2], scalars[3]
+        stored = settings.get("state_dtype")
         new_params, new_states = [], []
         for param, grad, state in zip(params, grads, states):
+            if stored:  # float32 arithmetic on moments stored narrower (:mod:`.stored_moments`)
+                param_dtype, state_dtype = param.dtype, state[0].dtype
+                param, grad = param.float(), grad.float()
+                state = [s.float() for s in state]
             exp_avg, exp_avg_sq = state[0], state[1]
             if settings["maximize"]:
                 grad = -grad
@@ -292,6 +301,9 @@ class AdamAdapter(OptimizerAdapter):
                 denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
                 new_states.append([exp_avg, exp_avg_sq])
             new_params.append(param + (exp_avg / denom) * neg_step_size)
+            if stored:
+                new_params[-1] = new_params[-1].to(param_dtype)
+                new_states[-1] = [s.to(state_dtype) for s in new_states[-1]]
         return new_params, new_states
 
 
@@ -402,7 +414,8 @@ def adapter_for(optimizer: torch.optim.Optimizer) -> OptimizerAdapter:
             "loss through a closure inside step() and SparseAdam needs sparse gradients. Use "
             "the eager step for it.")
     step = unhooked(type(optimizer).step)
-    if step in (unhooked(torch.optim.Adam.step), unhooked(torch.optim.AdamW.step)):
+    if step in (unhooked(torch.optim.Adam.step), unhooked(torch.optim.AdamW.step),
+                unhooked(stored_moments.AdamStoredMoments.step)):
         return AdamAdapter(optimizer)
     if step is unhooked(torch.optim.SGD.step):
         return SGDAdapter(optimizer)

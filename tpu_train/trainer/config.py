@@ -73,6 +73,14 @@ class ParamDtype(Enum):
     bf16 = "bf16"
 
 
+class StateDtype(Enum):
+    """How Adam/AdamW store their two moments (``tpu_train.compile.stored_moments``)."""
+
+    param = "param"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
 class OnNonFinite(Enum):
     """What a non-finite loss does: stop the run, or drop that update and continue."""
 
@@ -174,6 +182,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     momentum: float = 0.0
+    # Adam/AdamW moments: "param" (torch's own: in each parameter's dtype), "bf16" (2 bytes
+    # each instead of 4; the update still runs in float32) or "fp32" (for bf16 weights).
+    state_dtype: StateDtype = StateDtype.param
 
 
 # optim.name -> torch.optim class name: the optimizers the compiled step is tested with

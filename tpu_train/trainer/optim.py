@@ -7,8 +7,11 @@ import inspect
 
 import torch
 
-from .config import OPTIMIZERS, OptimConfig
+from tpu_train.compile.stored_moments import stored_moments_class
+
+from .config import OPTIMIZERS, OptimConfig, StateDtype
 from .errors import ConfigError
+from .validation import state_dtype_problem
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -37,13 +40,23 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """The ``torch.optim`` class ``cfg.name`` names in :data:`OPTIMIZERS`, over the trainable
     parameters of ``model``, given the ``optim`` fields its constructor takes (``beta1`` /
-    ``beta2`` as ``betas``, ``momentum`` where it has one)."""
+    ``beta2`` as ``betas``, ``momentum`` where it has one). With ``optim.state_dtype`` other
+    than ``param``, Adam/AdamW's variant that stores its moments in that dtype
+    (:mod:`tpu_train.compile.stored_moments`), in eager and compiled steps alike."""
     if cfg.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.name!r} is not supported; valid names: "
                           f"{', '.join(OPTIMIZERS)}")
     cls = getattr(torch.optim, OPTIMIZERS[cfg.name])
     offered = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
                "momentum": cfg.momentum}
+    state_dtype = StateDtype(cfg.state_dtype)
+    if state_dtype is not StateDtype.param:
+        problem = state_dtype_problem(cfg.name, state_dtype)
+        if problem:
+            raise ConfigError(problem)
+        offered["state_dtype"] = {StateDtype.bf16: torch.bfloat16,
+                                  StateDtype.fp32: torch.float32}[state_dtype]
+        cls = stored_moments_class(cls)
     accepted = inspect.signature(cls).parameters
     groups = parameter_groups(model, cfg.weight_decay)
     if not groups:

@@ -55,7 +55,7 @@ def _device_line(job, parallel: Layout) -> str:
 
 
 def _precision_line(job) -> str:
-    from .config import ParamDtype, Precision, StepMode
+    from .config import ParamDtype, Precision, StateDtype, StepMode
 
     if job.precision is not Precision.bf16:
         compute = "fp32"
@@ -65,7 +65,11 @@ def _precision_line(job) -> str:
     else:
         compute = "bf16 autocast (matmuls in bf16, reductions in fp32)"
     weights = ParamDtype(job.cfg.trainer.param_dtype).value
-    return f"{compute}; weights and optimizer state stored in {weights}"
+    moments = StateDtype(job.cfg.optim.get("state_dtype", "param"))
+    if moments is StateDtype.param:
+        return f"{compute}; weights and optimizer state stored in {weights}"
+    return (f"{compute}; weights stored in {weights}, Adam moments in {moments.value} "
+            "(updated in fp32)")
 
 
 def start_summary(run, state_bytes: int) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import OPTIMIZERS, ScheduleName, StepMode
+from .config import OPTIMIZERS, ScheduleName, StateDtype, StepMode
 from .errors import ConfigError
 
 DEVICES = ("cpu", "tpu")
@@ -310,6 +310,16 @@ def remat_policy(trainer) -> str:
         raise ConfigError(str(error)) from None
 
 
+def state_dtype_problem(name: str, state_dtype) -> str | None:
+    """Why ``optim.state_dtype`` cannot apply to ``optim.name`` (None: it can). Only Adam and
+    AdamW have the moments it stores (``tpu_train.compile.stored_moments``)."""
+    value = StateDtype(state_dtype).value
+    if value == StateDtype.param.value or name in ("adam", "adamw"):
+        return None
+    return (f"optim.state_dtype={value} sets the dtype of Adam/AdamW's moments; optim.name={name} "
+            "has none it stores: use optim.name=adamw (or adam), or optim.state_dtype=param")
+
+
 def _validate_optimizer(optim, sched) -> None:
     for key in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum"):
         _require(math.isfinite(optim[key]), f"optim.{key} must be a finite number, got {optim[key]}")
@@ -321,6 +331,8 @@ def _validate_optimizer(optim, sched) -> None:
     _require(optim.momentum >= 0, f"optim.momentum must be >= 0, got {optim.momentum}")
     _require(optim.name in OPTIMIZERS,
              f"optim.name={optim.name!r} is not supported; valid names: {', '.join(OPTIMIZERS)}")
+    problem = state_dtype_problem(optim.name, optim.get("state_dtype", "param"))
+    _require(problem is None, problem)
     _require(sched.warmup_steps >= 0,
              f"scheduler.warmup_steps must be >= 0, got {sched.warmup_steps}")
     _require(0 <= sched.min_lr_ratio <= 1,
