@@ -132,13 +132,11 @@ def test_compiled_step_stores_bf16_moments_and_matches_the_oracle():
     bounds = bf16_moments_loss_bound(oracle, _grad_norms(model, batches), n_params)
     for k, (m, e) in enumerate(zip(metrics, oracle)):
         assert abs(m["loss"] - e) <= rtol * abs(e) + bounds[k], f"step {k + 1}"
-    for p in opt.state:
-        for key in MOMENTS:
-            assert opt.state[p][key].dtype == torch.bfloat16
-    compiled_states = dict(zip(range(len(opt.state)), opt.state.values()))
-    for index, (state, oracle_state) in enumerate(zip(compiled_states.values(),
+    # Both dicts hold the parameters in the model's order (created by the first step).
+    for index, (state, oracle_state) in enumerate(zip(opt.state.values(),
                                                       oracle_opt.state.values())):
         for key in MOMENTS:
+            assert state[key].dtype == torch.bfloat16
             error = relative_error(state[key].cpu().float(), oracle_state[key])
             assert error <= 4 * unit_roundoff(torch.bfloat16), f"param {index} {key}: {error}"
 
@@ -158,3 +156,57 @@ def test_state_dict_round_trip_keeps_bf16_moments_exactly(cls):
             assert fresh.state[p][key].dtype == torch.bfloat16
             assert torch.equal(fresh.state[p][key], opt.state[p][key])
     assert isinstance(adapter_for(fresh), AdamAdapter)
+
+
+class Scale(torch.nn.Module):
+    """``loss = sum(weight * x)``: the gradient is ``x`` exactly, in the weight's dtype."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(3)
+        self.weight = torch.nn.Parameter(torch.randn(64, 16).to(dtype))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def scale_loss(model, batch):
+    return model(batch["x"])
+
+
+def _bf16_gradients(n: int) -> list[dict]:
+    torch.manual_seed(4)
+    return [{"x": torch.randn(64, 16).to(torch.bfloat16)} for _ in range(n)]
+
+
+def test_bf16_weights_with_fp32_moments_update_in_fp32():
+    """``state_dtype=torch.float32`` over bf16 weights: each step is torch's AdamW on a float32
+    copy of the weight, with float32 moments, rounded back to bf16 once (eager: exactly that;
+    compiled: within one bf16 rounding of it)."""
+    batches = _bf16_gradients(STEPS)
+    weight = Scale(torch.bfloat16).weight.detach().float()
+    oracle = torch.nn.Parameter(weight.clone())
+    oracle_opt = adamw([oracle])
+    for batch in batches:
+        oracle.grad = batch["x"].float()
+        oracle_opt.step()
+        with torch.no_grad():
+            oracle.copy_(oracle.to(torch.bfloat16))
+
+    def make(params):
+        return AdamWStoredMoments(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                                  state_dtype=torch.float32)
+
+    _, eager, eager_opt, _ = run_reference(Scale(torch.bfloat16), make, scale_loss, batches,
+                                           device="cpu")
+    assert eager.weight.dtype == torch.bfloat16
+    assert torch.equal(eager.weight.float(), oracle.detach())
+    assert eager_opt.state[eager.weight]["exp_avg"].dtype == torch.float32
+    _, compiled, compiled_opt, _ = run_compiled(Scale(torch.bfloat16), make, scale_loss, batches)
+    assert compiled_opt.state[compiled.weight]["exp_avg_sq"].dtype == torch.float32
+    ulp = oracle.detach().abs() * 2 * unit_roundoff(torch.bfloat16)
+    assert ((compiled.weight.cpu().float() - oracle.detach()).abs() <= ulp).all()
+    # Not the bf16 arithmetic of plain AdamW over bf16 weights (the option took effect).
+    _, plain, _, _ = run_reference(Scale(torch.bfloat16), adamw, scale_loss, batches,
+                                   device="cpu")
+    assert not torch.equal(plain.weight, eager.weight)
