@@ -54,8 +54,10 @@ def moment_bytes(optimizer) -> int:
     return sum(state[key].nbytes for state in optimizer.state.values() for key in MOMENTS)
 
 
-def bf16_moments_loss_bound(losses, grad_norms, n_params: int) -> list[float]:
-    """How far step k's loss may move when the moments are rounded to bf16 each step.
+def bf16_moments_loss_bound(grad_norms, n_params: int, lr: float = LR,
+                            betas: tuple[float, float] = BETAS) -> list[float]:
+    """How far step k's loss may move from the float32-moment run's when the moments are
+    rounded to bf16 each step (``grad_norms``: that run's gradient norm at each step).
 
     A stored moment differs from the float32 one by at most u (bf16's unit roundoff) of its
     magnitude per step, compounded over the steps: at step j the update's relative error is
@@ -66,11 +68,11 @@ def bf16_moments_loss_bound(losses, grad_norms, n_params: int) -> list[float]:
     the gradient norm measured at the float32 run's point: slack for the curvature between).
     """
     u = unit_roundoff(torch.bfloat16)
-    c = (1 - BETAS[0]) / (1 - BETAS[1]) ** 0.5
+    c = (1 - betas[0]) / (1 - betas[1]) ** 0.5
     bounds = []
-    for k, (loss, grad_norm) in enumerate(zip(losses, grad_norms)):
+    for k, grad_norm in enumerate(grad_norms):
         # Step k+1's loss is evaluated at the parameters after k updates.
-        per_element = LR * c * 1.5 * u * k * (k + 1) / 2
+        per_element = lr * c * 1.5 * u * k * (k + 1) / 2
         bounds.append(2 * grad_norm * per_element * n_params ** 0.5)
     return bounds
 
@@ -108,7 +110,7 @@ def test_bf16_moments_follow_fp32_moments_within_the_derived_bound_and_halve_the
     fp32, _, fp32_opt, _ = run_reference(model, adamw, mlp_loss, batches, device="cpu")
     bf16, _, bf16_opt, _ = run_reference(model, adamw_bf16, mlp_loss, batches, device="cpu")
     n_params = sum(p.numel() for p in model.parameters())
-    bounds = bf16_moments_loss_bound(fp32, _grad_norms(model, batches), n_params)
+    bounds = bf16_moments_loss_bound(_grad_norms(model, batches), n_params)
     for k, (a, e, bound) in enumerate(zip(bf16, fp32, bounds)):
         assert abs(a - e) <= bound, f"step {k + 1}: {a} vs {e}, bound {bound:.2e}"
     assert bf16 != fp32  # the option took effect: rounded moments change the trajectory
@@ -129,7 +131,7 @@ def test_compiled_step_stores_bf16_moments_and_matches_the_oracle():
     # at most u_bf16 of it, which the bound of the fp32-vs-bf16 test covers.
     rtol = loss_rtol(torch.float32, STEPS, MLP_N, functions=MLP_FUNCTIONS + ("sqrt",))
     n_params = sum(p.numel() for p in model.parameters())
-    bounds = bf16_moments_loss_bound(oracle, _grad_norms(model, batches), n_params)
+    bounds = bf16_moments_loss_bound(_grad_norms(model, batches), n_params)
     for k, (m, e) in enumerate(zip(metrics, oracle)):
         assert abs(m["loss"] - e) <= rtol * abs(e) + bounds[k], f"step {k + 1}"
     # Both dicts hold the parameters in the model's order (created by the first step).

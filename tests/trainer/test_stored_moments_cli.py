@@ -8,9 +8,13 @@ import shutil
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.trainer.cli_helpers import TINY, TINY_COMPILED, one_thread, read_metrics, run_in_process
+from tests.compile.test_stored_moments import bf16_moments_loss_bound
 from tpu_train.device import runtime
+from tpu_train.trainer.config import OptimConfig
+from tpu_train.trainer.optim import build_optimizer
 from tpu_train.trainer.checkpoint import TRAINING_STATE_FILE, list_checkpoints
 
 __all__ = ["one_thread"]  # a fixture, used by name
@@ -55,14 +59,32 @@ def test_compiled_run_keeps_bf16_moments_and_resumes_exactly(tmp_path):
     assert saved_moment_dtypes(resumed_dir, 4) == {torch.bfloat16}
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_eager_run_trains_with_bf16_moments(tmp_path):
-    code, out, err = run_in_process(*BF16, *TINY, "trainer.max_steps=2", f"run.dir={tmp_path}")
+def eager_losses(run_dir, state_dtype: str) -> tuple[dict, str]:
+    code, out, err = run_in_process(*BF16, *TINY, "trainer.max_steps=3",
+                                    f"optim.state_dtype={state_dtype}", f"run.dir={run_dir}")
     assert code == 0, err
+    return read_metrics(run_dir), out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eager_runs_store_the_moments_in_the_chosen_dtype(tmp_path):
+    torch_adamw, _ = eager_losses(tmp_path / "param", "param")
+    fp32, _ = eager_losses(tmp_path / "fp32", "fp32")
+    bf16, out = eager_losses(tmp_path / "bf16", "bf16")
     assert "Adam moments in bf16" in out
-    assert saved_moment_dtypes(tmp_path, 2) == {torch.bfloat16}
-    losses = [r["train/loss"] for _, r in sorted(read_metrics(tmp_path).items())]
-    assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert saved_moment_dtypes(tmp_path / "bf16", 2) == {torch.bfloat16}
+    assert saved_moment_dtypes(tmp_path / "fp32", 2) == {torch.float32}
+    # fp32 moments over fp32 weights: torch's AdamW step, with every optim.* setting reaching it.
+    assert [r["train/loss"] for r in fp32.values()] == \
+        [r["train/loss"] for r in torch_adamw.values()]
+    # bf16 moments: a different trajectory, within the bound derived from bf16's rounding.
+    assert bf16[3]["train/loss"] != torch_adamw[3]["train/loss"]
+    cfg = OmegaConf.load(tmp_path / "bf16" / "run_config.yaml").optim
+    n_params = 13.01 * 2 ** 20 / 4  # debug_tiny: 13.01 MiB of fp32 parameters
+    bounds = bf16_moments_loss_bound([torch_adamw[s]["train/grad_norm"] for s in (1, 2, 3)],
+                                     round(n_params), cfg.lr, (cfg.beta1, cfg.beta2))
+    for step, bound in zip((1, 2, 3), bounds):
+        assert abs(bf16[step]["train/loss"] - torch_adamw[step]["train/loss"]) <= bound, step
 
 
 def test_state_dtype_without_moments_is_a_one_line_error(tmp_path):
@@ -72,3 +94,17 @@ def test_state_dtype_without_moments_is_a_one_line_error(tmp_path):
     assert ("optim.state_dtype=bf16 sets the dtype of Adam/AdamW's moments; optim.name=sgd has "
             "none it stores: use optim.name=adamw (or adam), or optim.state_dtype=param") in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_every_optim_setting_reaches_the_stored_moments_variant(name):
+    cfg = OptimConfig(name=name, lr=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2,
+                      state_dtype="bf16")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    variant = build_optimizer(model, cfg)
+    plain = build_optimizer(model, OptimConfig(**{**vars(cfg), "state_dtype": "param"}))
+    assert variant.state_dtype == torch.bfloat16
+    assert isinstance(variant, type(plain))
+    for mine, torchs in zip(variant.param_groups, plain.param_groups):
+        assert {k: v for k, v in mine.items() if k != "params"} == \
+            {k: v for k, v in torchs.items() if k != "params"}

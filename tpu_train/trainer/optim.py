@@ -49,6 +49,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     cls = getattr(torch.optim, OPTIMIZERS[cfg.name])
     offered = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
                "momentum": cfg.momentum}
+    accepted = set(inspect.signature(cls).parameters)
     state_dtype = StateDtype(cfg.state_dtype)
     if state_dtype is not StateDtype.param:
         problem = state_dtype_problem(cfg.name, state_dtype)
@@ -56,8 +57,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
             raise ConfigError(problem)
         offered["state_dtype"] = {StateDtype.bf16: torch.bfloat16,
                                   StateDtype.fp32: torch.float32}[state_dtype]
+        accepted.add("state_dtype")  # the variant takes the torch class's arguments and this
         cls = stored_moments_class(cls)
-    accepted = inspect.signature(cls).parameters
     groups = parameter_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters; nothing to optimize")
