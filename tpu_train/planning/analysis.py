@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from tpu_train.compile import lower_train_step, memory_errors
 from tpu_train.compile.program import compiled_analysis
+from tpu_train.compile.stored_moments import AdamWStoredMoments
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
 from tpu_train.models import Llama
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -106,14 +107,22 @@ def pod_topology(chip: str, num_chips: int) -> str:
     return f"{generation}:{'x'.join(map(str, dims))}"
 
 
-def _build_step(cfg, *, batch: int, seq_len: int, remat: str):
-    """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them."""
+def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
+                param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None):
+    """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them
+    (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults)."""
     with torch.device("meta"):
         model = Llama(cfg)
         tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
                   "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
+    if param_dtype is not None:
+        model.to(param_dtype)
     apply_activation_checkpointing(model, remat)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if state_dtype is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    else:
+        optimizer = AdamWStoredMoments(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                       state_dtype=state_dtype)
 
     def loss_fn(m, b):
         logits = m(b["tokens"])
@@ -127,6 +136,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, remat: str | None = None,
                            compute_dtype: torch.dtype | None = None,
+                           param_dtype: torch.dtype | None = None,
+                           state_dtype: torch.dtype | None = None,
                            scan_layers: bool | None = None, grad_accum_steps: int = 1,
                            target: str | None = None,
                            dump_to: str | None = None,
@@ -140,7 +151,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
-    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked. ``dump_to`` (a directory): the compiler dumps its
+    ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked, and
+    so do ``param_dtype`` and ``state_dtype`` (``trainer.param_dtype``, ``optim.state_dtype``). ``dump_to`` (a directory): the compiler dumps its
     optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
     that only plans) the figures are read from that dump as soon as it is written, passed to
     ``on_dumped``, and the process ends without waiting for code generation
@@ -151,7 +163,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
-        remat=remat or ("full" if activation_checkpointing else "none"))
+        remat=remat or ("full" if activation_checkpointing else "none"),
+        param_dtype=param_dtype, state_dtype=state_dtype)
     program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
                                compute_dtype=compute_dtype, grad_accum_steps=grad_accum_steps,
                                scan_layers=scan_layers, runtime_options=False, compile=False)
@@ -269,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--child":
         args = json.loads(argv[1])
-        if isinstance(args.get("compute_dtype"), str):  # the name _dtype_name gave it
-            args["compute_dtype"] = getattr(torch, args["compute_dtype"])
+        for key in ("compute_dtype", "param_dtype", "state_dtype"):
+            if isinstance(args.get(key), str):  # the name _dtype_name gave it
+                args[key] = getattr(torch, args[key])
         if args.get("dump_to"):
             args["on_dumped"] = lambda figures: print(json.dumps(figures), flush=True)
         try:

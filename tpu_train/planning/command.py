@@ -79,12 +79,18 @@ def choose_compiler(chip: str | None, num_chips: int) -> tuple[str | None, str |
     return target, None
 
 
+def _stored(cfg: Any, key: str):
+    return estimate_mod.stored_dtype(estimate_mod.setting(cfg, key))
+
+
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
     rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
                 batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
                 remat=estimate_mod.remat_of(cfg),
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
+                param_dtype=_stored(cfg, "trainer.param_dtype"),
+                state_dtype=_stored(cfg, "optim.state_dtype"),
                 target=target, **degrees)
 
 

@@ -1,7 +1,7 @@
 """The analytic plan: per-chip memory, FLOPs and step time of a training configuration.
 
 :func:`estimate` is instantaneous, for any model size: the bytes each chip holds for
-parameters, gradients, AdamW's two float32 moments and activations (with or without
+parameters, gradients, AdamW's two moments and activations (with or without
 activation checkpointing) under the Llama plan's shardings, the FLOPs of one step from
 ``flops_per_token``, and a step time on a named TPU generation at an *assumed* MFU.
 :func:`estimate_from_config` reads the same from a composed ``tpu-train`` config. What XLA
@@ -224,7 +224,7 @@ def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
 def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
              batch: int, seq_len: int, activation_checkpointing: bool = False,
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
-             param_bytes: int = 4, act_bytes: int = 4,
+             param_bytes: int = 4, act_bytes: int = 4, state_bytes: int | None = None,
              flash_attention: bool = False, grad_accum_steps: int = 1,
              scan_layers: bool = False, remat: str | None = None) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
@@ -232,7 +232,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     ``batch`` is the global micro-batch (sequences per forward/backward), which must split
     evenly over ``data * fsdp``; a step runs ``grad_accum_steps`` of them (FLOPs scale, and
     a float32 gradient accumulator, sharded like the gradients, is added when it is > 1). Parameters and gradients take ``param_bytes`` each (fp32 master weights
-    by default), AdamW two float32 moments; activations ``act_bytes`` each (2 under bf16
+    by default), AdamW's two moments ``state_bytes`` each (None: ``param_bytes``, as
+    ``torch.optim`` keeps them; 2 for ``optim.state_dtype=bf16``); activations ``act_bytes`` each (2 under bf16
     autocast). ``flash_attention``: attention scores are not materialized. FSDP additionally
     needs the all-gathered (still tensor-sharded) weights: all of them without checkpointing
     (the backward reuses the forward's gathered weights) and one unreduced gradient in flight
@@ -263,7 +264,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     local, gathered, one_layer, largest = _param_shards(cfg, shape)
     params = local * param_bytes
     grads = local * param_bytes
-    optimizer = 2 * local * 4
+    optimizer = 2 * local * (param_bytes if state_bytes is None else state_bytes)
     fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes,
                                        remat != "none" or scan_layers)
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
@@ -356,6 +357,19 @@ def planned_model(name: str, checkpoint: str | None = None):
     return get_config(name)
 
 
+def stored_dtype(dtype_setting: Any) -> torch.dtype | None:
+    """The dtype ``trainer.param_dtype`` / ``optim.state_dtype`` stores values in (None:
+    unset, or ``param``: the parameters' own)."""
+    value = getattr(dtype_setting, "value", dtype_setting)
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(value)
+
+
+def stored_bytes(dtype_setting: Any) -> int | None:
+    """Bytes per value of :func:`stored_dtype` (None where that is None)."""
+    dtype = stored_dtype(dtype_setting)
+    return dtype.itemsize if dtype is not None else None
+
+
 def remat_of(config: Any) -> str:
     """The composed config's remat policy (``trainer.remat``, ``activation_checkpointing``)."""
     from tpu_train.parallel.activation_checkpointing import remat_setting
@@ -403,7 +417,8 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
 
     Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` and
     ``data.seq_len``, ``parallel.{data,fsdp,tensor}``, ``trainer.{remat,
-    activation_checkpointing,precision,grad_accum_steps,micro_batch_size,scan_layers}`` and
+    activation_checkpointing,precision,grad_accum_steps,micro_batch_size,scan_layers,
+    param_dtype}``, ``optim.state_dtype`` and
     ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed only when a degree is -1;
     otherwise it is their product. ``changes`` (dotted keys to values) replaces what the
     config says; ``remat`` and ``batch`` (the global micro-batch, rows run at once) replace
@@ -430,4 +445,6 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         remat=policy,
         chip=chip or config.plan.chip, mfu=mfu,
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
+        param_bytes=stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4,
+        state_bytes=stored_bytes(setting(config, "optim.state_dtype", changes)),
         scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))
