@@ -3,7 +3,8 @@ on the local disk (no ``./memory:/...`` or ``./gs:/...`` directory).
 
 ``memory://`` lives inside one process, so those runs go through the CLI in-process
 (``run_in_process``); ``gs://`` runs in child processes against a local GCS emulator, where
-gcsfs and the emulator are installed (the tpu extra and the test extra).
+gcsfs and the emulator are installed (the tpu extra and the test extra), in the slow set
+(``pytest -m slow tests/trainer/test_run_dir_urls.py``).
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def _gcs_emulator():
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
+@pytest.mark.slow  # three child processes through the emulator: 1-2 minutes on 2 cores
 @pytest.mark.host_cpu_run
 @pytest.mark.timeout(600)
 def test_a_gs_run_through_gcsfs_stops_resumes_with_its_command_and_exports(tmp_path):

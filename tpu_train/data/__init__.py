@@ -46,23 +46,38 @@ Errors
     line number.
 """
 
-from tpu_train.data.chat import FormattedChat, format_chat
-from tpu_train.data.corpus import default_corpus_dir
-from tpu_train.data.datasets import Example, Sample, encode_examples, read_records
-from tpu_train.data.errors import DataError
-from tpu_train.data.packing import IGNORE_INDEX, PackedLoader
-from tpu_train.data.padded import PaddedInstructionLoader
-from tpu_train.data.prefetch import DevicePrefetcher, Prefetcher, move_batch
-from tpu_train.data.random_tokens import RandomTokenLoader
-from tpu_train.data.synthetic import exact_match, extract_response, generate_examples, iter_examples, write_jsonl
-from tpu_train.data.tokenizer import (
-    HFTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    default_tokenizer_path,
-    load_tokenizer,
-)
-from tpu_train.data.worker import WorkerPrefetcher
+import importlib
+
+# Names load on first use (as in tpu_train.models): the command line checks data settings
+# (the templates' names, the sources' kinds) before it imports torch, which packing needs.
+_SOURCES = {
+    "DataError": "errors",
+    "DevicePrefetcher": "prefetch",
+    "Example": "datasets",
+    "FormattedChat": "chat",
+    "HFTokenizer": "tokenizer",
+    "IGNORE_INDEX": "packing",
+    "PackedLoader": "packing",
+    "PaddedInstructionLoader": "padded",
+    "Prefetcher": "prefetch",
+    "RandomTokenLoader": "random_tokens",
+    "Sample": "datasets",
+    "SentencePieceTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "WorkerPrefetcher": "worker",
+    "default_corpus_dir": "corpus",
+    "default_tokenizer_path": "tokenizer",
+    "encode_examples": "datasets",
+    "exact_match": "synthetic",
+    "extract_response": "synthetic",
+    "format_chat": "chat",
+    "generate_examples": "synthetic",
+    "iter_examples": "synthetic",
+    "load_tokenizer": "tokenizer",
+    "move_batch": "prefetch",
+    "read_records": "datasets",
+    "write_jsonl": "synthetic",
+}
 
 __all__ = [
     "DataError",
@@ -92,3 +107,10 @@ __all__ = [
     "read_records",
     "write_jsonl",
 ]
+
+
+def __getattr__(name: str):
+    module = _SOURCES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
