@@ -120,6 +120,30 @@ def test_estimate_from_the_tpu_train_config():
     assert estimate_from_config(config, num_devices=16)["mesh"]["data"] == 2
 
 
+def test_one_tpu_chip_keeps_no_attention_scores_from_the_kernels_length():
+    """On one TPU chip the step's attention runs the kernels from 1,024 tokens in bf16
+    (tpu_train.ops.attention_tpu): the estimate keeps no seq x seq scores there; partitioned
+    over several chips, at shorter lengths or in float32, it does."""
+    from omegaconf import OmegaConf
+
+    from tpu_train.trainer.config import Config
+
+    config = OmegaConf.structured(Config)
+    config.data.path = None
+    config.model.name, config.model.max_seq_len = "llama_1b", 8192
+    config.parallel.data = 1
+    config.data.batch_size, config.data.seq_len = 1, 8192
+    config.trainer.precision, config.plan.chip = "bf16", "v5e"
+    fused = estimate_from_config(config)
+    assert fused["flash_attention"]
+    config.data.seq_len = 512
+    assert not estimate_from_config(config)["flash_attention"]
+    config.data.seq_len, config.trainer.precision = 8192, "fp32"
+    assert not estimate_from_config(config)["flash_attention"]
+    config.trainer.precision, config.parallel.fsdp, config.data.batch_size = "bf16", 2, 2
+    assert not estimate_from_config(config)["flash_attention"]
+
+
 def test_alignment_flags_name_the_config_key():
     assert alignment_warnings(get_config("llama3_1_8b")) == []  # vocab 128256 = 1002 * 128
     warnings = alignment_warnings(get_config("debug_tiny", vocab_size=500))  # head_dim 64

@@ -126,6 +126,14 @@ def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
             and len(set(dtypes)) == 1 and dtypes[0] in allowed)
 
 
+def kernels_would_run(sequence: int, head_dim: int, *, bf16: bool, partitioned: bool) -> bool:
+    """:func:`supported`'s rule on plain numbers, for a causal call without dropout on a TPU:
+    would a step of ``sequence`` tokens per row, heads of ``head_dim``, computing in bf16 (or
+    not), on one device (or partitioned over several) run the kernels? The planner asks."""
+    return (not partitioned and bf16 and sequence >= MIN_SEQUENCE and sequence % _LANES == 0
+            and head_dim % _HEAD_DIM_MULTIPLE == 0)
+
+
 def may_be_document_mask(mask, batch: int, sequence: int) -> bool:
     """Could ``mask`` be a document mask of ``batch`` rows of ``sequence`` tokens (boolean,
     one for all heads)? Whether it is one is decided in the program (:func:`document_segments`)."""

@@ -86,6 +86,7 @@ def _stored(cfg: Any, key: str):
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
     rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
+                overrides=estimate_mod.architecture_overrides(cfg.model),
                 batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
                 remat=estimate_mod.remat_of(cfg),
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
@@ -190,8 +191,9 @@ def planning_config(cfg: Any, *, seq_len_given: bool = True) -> tuple[Any, list[
     planned = copy.deepcopy(cfg)
     notes = []
     def model_max() -> int:
-        return int(estimate_mod.planned_model(planned.model.name,
-                                              planned.model.checkpoint).max_seq_len)
+        return int(estimate_mod.planned_model(
+            planned.model.name, planned.model.checkpoint,
+            **estimate_mod.architecture_overrides(planned.model)).max_seq_len)
 
     if not seq_len_given:
         planned.data.seq_len = min(model_max(), PLAN_SEQ_LEN_CAP)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tpu_train.compile.layer_groups import scans
+from tpu_train.ops import attention_tpu
 from tpu_train.models import flops_per_token, get_config, num_params, param_shapes, read_config
 from tpu_train.parallel.llama_plan import llama_plan
 from tpu_train.parallel.mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
@@ -31,6 +32,7 @@ __all__ = [
     "estimate",
     "estimate_from_config",
     "get_chip",
+    "architecture_overrides",
     "planned_model",
     "compute_dtype_of",
     "pieces",
@@ -349,12 +351,25 @@ def compute_dtype_of(config: Any) -> torch.dtype | None:
     return torch.bfloat16 if name == "bf16" else None
 
 
-def planned_model(name: str, checkpoint: str | None = None):
+# The model section's fields that change the architecture its name or checkpoint gives.
+ARCHITECTURE_OVERRIDES = ("n_layers", "max_seq_len")
+
+
+def architecture_overrides(model_section: Any) -> dict[str, int]:
+    """``model.n_layers`` / ``model.max_seq_len`` where set, as ``LlamaConfig`` field changes."""
+    return {key: int(value) for key in ARCHITECTURE_OVERRIDES
+            if (value := getattr(model_section, key, None)) is not None}
+
+
+def planned_model(name: str, checkpoint: str | None = None, **overrides: int):
     """The architecture to plan: a Hugging Face checkpoint's config.json when ``checkpoint``
-    names one (as the trainer builds it), else the named preset."""
+    names one (as the trainer builds it), else the named preset; ``overrides``
+    (:func:`architecture_overrides`) applied."""
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
-        return read_config(checkpoint)[1]
-    return get_config(name)
+        config = read_config(checkpoint)[1]
+    else:
+        config = get_config(name)
+    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def stored_dtype(dtype_setting: Any) -> torch.dtype | None:
@@ -433,17 +448,24 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees)
     compute_dtype = compute_dtype_of(config)
-    cfg = planned_model(config.model.name, config.model.checkpoint)
+    cfg = planned_model(config.model.name, config.model.checkpoint,
+                        **architecture_overrides(config.model))
     shards = resolve_mesh_shape(num_devices, *degrees).batch_shards
     rows, splits = pieces(config, shards, changes)
     if batch is not None:  # a micro-batch of ``batch`` rows: the step's pieces follow
         splits, rows = splits * rows // batch, batch
     policy = remat or (changes or {}).get("trainer.remat") or remat_of(config)
+    chip = chip or config.plan.chip
+    seq_len = int(config.data.seq_len)
+    # On a TPU the attention kernels keep no seq x seq scores (tpu_train.ops.attention_tpu).
+    fused = chip is not None and attention_tpu.kernels_would_run(
+        seq_len, cfg.dim // cfg.n_heads, bf16=compute_dtype == torch.bfloat16,
+        partitioned=num_devices > 1)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0], fsdp=degrees[1], tensor=degrees[2],
-        batch=rows, seq_len=int(config.data.seq_len),
-        remat=policy,
-        chip=chip or config.plan.chip, mfu=mfu,
+        batch=rows, seq_len=seq_len,
+        remat=policy, flash_attention=fused,
+        chip=chip, mfu=mfu,
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
         param_bytes=stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4,
         state_bytes=stored_bytes(setting(config, "optim.state_dtype", changes)),

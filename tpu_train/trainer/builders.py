@@ -6,6 +6,8 @@ existing run untouched.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import torch
@@ -151,14 +153,17 @@ def model_config(cfg: DictConfig):
     """The architecture to build: a Hugging Face ``model.checkpoint``'s config.json, else the
     named preset ``model.name``. Bad checkpoint directories are one-line ConfigErrors."""
     from tpu_train.models import get_config, read_config
+    from tpu_train.planning.estimate import architecture_overrides
 
+    overrides = architecture_overrides(cfg.model)
     directory = hf_checkpoint(cfg)
     if directory is None:
-        return get_config(cfg.model.name)
+        return get_config(cfg.model.name, **overrides)
     try:
-        return read_config(directory)[1]
+        config = read_config(directory)[1]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
+    return dataclasses.replace(config, **overrides)
 
 
 def build_tokenizer(cfg: DictConfig):

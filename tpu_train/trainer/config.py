@@ -104,6 +104,12 @@ class ModelConfig:
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
     # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
     checkpoint: Optional[str] = None
+    # Changes to the architecture that model.name (or model.checkpoint's config.json) gives:
+    # ``n_layers`` keeps the first N decoder layers of a preset built from random weights (a
+    # shorter stack of a real width, for one chip); ``max_seq_len`` the positions the model
+    # takes (its RoPE tables), for sequences longer than its own context.
+    n_layers: Optional[int] = None
+    max_seq_len: Optional[int] = None
 
 
 class DataSource(Enum):

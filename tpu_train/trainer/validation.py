@@ -347,7 +347,14 @@ def _validate_model_and_data(cfg) -> None:
 
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
+    for key in ("n_layers", "max_seq_len"):
+        value = cfg.model.get(key)
+        _require(value is None or value >= 1,
+                 f"model.{key} must be >= 1 or null (the architecture's own), got {value}")
     resolve_model_checkpoint(cfg)
+    _require(cfg.model.checkpoint is None or cfg.model.get("n_layers") is None,
+             f"model.n_layers={cfg.model.get('n_layers')} shortens a model built from random "
+             "weights, but model.checkpoint's weights fix its layers; drop one of the two")
     if cfg.model.checkpoint is not None:
         _require(Path(cfg.model.checkpoint).is_dir(),
                  f"model.checkpoint={cfg.model.checkpoint!r} is not a directory; point it at a "
@@ -385,7 +392,8 @@ def _validate_seq_len_for_the_model(cfg) -> None:
              else cfg.model.name)
     _require(data.seq_len is None or data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
-             "lower it, or set data.seq_len=null for the model's maximum")
+             f"lower it, set model.max_seq_len={data.seq_len} to give the model that many "
+             "positions, or data.seq_len=null for the model's maximum")
 
 
 def resolve_model_checkpoint(cfg: DictConfig) -> str | None:
