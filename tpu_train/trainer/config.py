@@ -73,6 +73,15 @@ class ParamDtype(Enum):
     bf16 = "bf16"
 
 
+class BaseDtype(Enum):
+    """How a frozen base (the weights a LoRA run does not train) is stored: like the other
+    weights (``param``: ``trainer.param_dtype``), or its linear weights in ``int8`` with one
+    float32 scale per output channel, dequantized in the matmul (tpu_train.models.lora)."""
+
+    param = "param"
+    int8 = "int8"
+
+
 class StateDtype(Enum):
     """How Adam/AdamW store their two moments (``tpu_train.compile.stored_moments``)."""
 
@@ -104,6 +113,10 @@ class ModelConfig:
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
     # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
     checkpoint: Optional[str] = None
+    # int8: the frozen linear weights (LoRA's bases, the output head) in int8 with per-channel
+    # scales, quantized as the model is built; the rest of the model in trainer.param_dtype.
+    # Needs a recipe that freezes them (recipe=llama_lora).
+    base_dtype: BaseDtype = BaseDtype.param
 
 
 class DataSource(Enum):
