@@ -186,6 +186,18 @@ def quantize_frozen_linears(model: nn.Module) -> list[str]:
     return quantized
 
 
+def store_frozen_floats(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store the frozen floating parameters of ``model`` other than the int8 weights' scales
+    (embeddings, norms) in ``dtype``: under bfloat16 compute, a frozen float32 embedding would
+    keep the residual stream, and every matmul after it, in float32."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad or not param.is_floating_point() or name == "weight_scale":
+                continue
+            if param.dtype != dtype:
+                setattr(module, name, _frozen(param.detach().to(dtype)))
+
+
 def has_int8_base(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) or (isinstance(m, LoRALinear)
                                              and m.weight_scale is not None)

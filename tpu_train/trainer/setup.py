@@ -161,11 +161,13 @@ def int8_base(cfg: DictConfig) -> bool:
 
 def store_frozen_base(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module:
     """``model.base_dtype=int8``: the frozen linear weights of ``model`` (adapted by the
-    recipe) in int8 with per-channel scales, the rest back in float32 (``parallelize`` applies
-    ``trainer.param_dtype``); a ConfigError when the recipe trains every linear weight."""
+    recipe) in int8 with per-channel scales; the other frozen weights (embeddings, norms) in
+    the compute dtype (bfloat16 under ``trainer.precision=bf16``, else float32), the trained
+    ones in float32 (``parallelize`` applies ``trainer.param_dtype``). A ConfigError when the
+    recipe trains every linear weight."""
     if not int8_base(cfg):
         return model
-    from tpu_train.models.lora import quantize_frozen_linears
+    from tpu_train.models.lora import quantize_frozen_linears, store_frozen_floats
 
     if not quantize_frozen_linears(model):
         raise ConfigError(
@@ -175,6 +177,9 @@ def store_frozen_base(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Modul
     model.to(torch.float32)
     if hasattr(model, "reset_rope_tables"):  # built in bfloat16: the tables exact again
         model.reset_rope_tables()
+    compute = Precision(cfg.trainer.precision).compute_dtype
+    if compute is not None:
+        store_frozen_floats(model, compute)
     return model
 
 
