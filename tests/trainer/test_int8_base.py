@@ -205,12 +205,16 @@ def test_an_int8_base_run_resumes_exactly_from_adapters_only_checkpoints(tmp_pat
     assert {step: r["train/loss"] for step, r in read_metrics(run_dir).items()} == first
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["recipe=llama_finetune"], "model.base_dtype=int8 stores frozen weights in int8, but "
-                                "recipe=llama_finetune trains every linear weight"),
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["recipe=llama_finetune"], "1", "model.base_dtype=int8 stores frozen weights in int8, "
+                                     "but recipe=llama_finetune trains every linear weight"),
+    (["recipe=llama_lora", "trainer.mode=eager"], "2",
+     "model.base_dtype=int8 with trainer.mode=eager under a launcher"),
 ])
-def test_settings_an_int8_base_cannot_work_with_are_one_line_errors(tmp_path, overrides,
+def test_settings_an_int8_base_cannot_work_with_are_one_line_errors(tmp_path, monkeypatch,
+                                                                      overrides, world_size,
                                                                       message):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
     run_dir = tmp_path / "run"
     code, _, err = run_in_process(*overrides, "model.base_dtype=int8", *TINY,
                                   "trainer.max_steps=1", f"run.dir={run_dir}")
