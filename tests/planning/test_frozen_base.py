@@ -54,17 +54,21 @@ def test_llama_3_1_8b_lora_on_an_int8_base_fits_one_v5e_at_2048_tokens():
     assert not estimate_from_config(_config(*settings))["fits"]  # a float32 base: 30 GB
 
 
-@pytest.mark.devices(1)
+@pytest.mark.devices(8)
 def test_the_analysed_step_holds_int8_weights_and_adapter_moments_only():
     """XLA's argument bytes of the compiled step: the int8 base's linear weights take 1 byte
     (plus their scales) instead of 4, and no moments are held for them."""
-    args = dict(data=1, fsdp=1, tensor=1, batch=2, seq_len=32, overrides=SMALL,
+    args = dict(data=8, fsdp=1, tensor=1, batch=8, seq_len=32, overrides=SMALL,
                 compute_dtype=torch.bfloat16)
     lora = {"rank": 4, "targets": ["wq", "wv"], "int8": False}
+    full = compiled_step_analysis("debug_tiny", **args)
     float_base = compiled_step_analysis("debug_tiny", lora=lora, **args)
     int8_base = compiled_step_analysis("debug_tiny", lora={**lora, "int8": True}, **args)
     adapters, linear, rows, other = _counted(get_config("debug_tiny", **SMALL))
-    # Float base: 4 bytes per weight, the adapters' two moments. Int8: 1 byte + the scales,
-    # the other frozen weights in bf16.
-    assert float_base["argument_size_in_bytes"] == 4 * (linear + other + 3 * adapters)
-    assert int8_base["argument_size_in_bytes"] == linear + 4 * rows + 2 * other + 12 * adapters
+    n = linear + other
+    size = "argument_size_in_bytes"
+    # Full fine-tuning: weights and two moments for every parameter, 12 bytes each; LoRA on a
+    # float32 base: the base's 4 bytes and 12 bytes per adapter value.
+    assert full[size] - float_base[size] == 12 * n - (4 * n + 12 * adapters)
+    # Int8 base: 1 byte per linear weight, a float32 scale per row, the rest in bf16.
+    assert float_base[size] - int8_base[size] == 4 * n - (linear + 4 * rows + 2 * other)

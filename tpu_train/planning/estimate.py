@@ -300,7 +300,14 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     tokens = batch * seq_len * grad_accum_steps
     model_flops = flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
-    hardware_flops = model_flops * (4 / 3 if remat in ("full", "save_qkv_proj") else 1)
+    recompute = remat in ("full", "save_qkv_proj")
+    hardware_flops = model_flops * (4 / 3 if recompute else 1)
+    if frozen_base is not None:
+        # No gradients of the frozen weights: their matmuls cost 2 + 2 (+ 2 recomputed) of
+        # the 6 per weight and token; attention's products are all still needed.
+        attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens
+        hardware_flops = ((model_flops - attention) * (6 if recompute else 4) / 6
+                          + attention * (4 / 3 if recompute else 1))
     result: dict[str, Any] = {
         "mesh": shape.as_dict(), "num_devices": num_devices, "batch": batch,
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
