@@ -208,6 +208,10 @@ def test_an_int8_base_run_resumes_exactly_from_adapters_only_checkpoints(tmp_pat
     assert code == 0, err
     assert "(resumed from step_00000002)" in out
     assert {step: r["train/loss"] for step, r in read_metrics(run_dir).items()} == first
+    # Generating from such a checkpoint needs the base: the error names the merged export.
+    code, _, err = run_in_process("recipe=generate", f"run.dir={run_dir}",
+                                  "recipe.generate.max_new_tokens=2")
+    assert code != 0 and "holds LoRA adapters only" in err and f"{run_dir}/hf" in err, err
 
 
 @pytest.mark.parametrize("overrides, world_size, message", [
