@@ -78,6 +78,8 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
         # LoRA adapters (rank x in, out x rank) are small next to the frozen weight they adapt:
         # replicated, so their update needs no gather.
         (r"\.lora_[ab]$", P()),
+        # An int8 weight's per-output-channel scales (tpu_train.models.lora): a few KB each.
+        (r"\.weight_scale$", P()),
     ]
     acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
             for k, spec in LLAMA_ACTIVATIONS.items()}

@@ -49,6 +49,7 @@ from tpu_train.parallel.mesh import build_mesh
 
 from . import compiler_log, tpu_dump
 from .estimate import planned_model
+from .frozen_base import adapt_meta_model
 from .loop_flops import loop_flops
 
 __all__ = ["ANALYSIS_ONLY_XLA_FLAGS", "CHILD_TIMEOUT_S", "analyse_in_child",
@@ -108,20 +109,24 @@ def pod_topology(chip: str, num_chips: int) -> str:
 
 
 def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
-                param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None):
+                param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None,
+                lora: dict | None = None, compute_dtype: torch.dtype | None = None):
     """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them
-    (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults)."""
+    (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults; ``lora``: a LoRA
+    run's adapters and int8 base, :func:`.frozen_base.adapt_meta_model`)."""
     with torch.device("meta"):
         model = Llama(cfg)
         tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
                   "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
+        adapt_meta_model(model, lora, compute_dtype)
     if param_dtype is not None:
         model.to(param_dtype)
     apply_activation_checkpointing(model, remat)
+    trained = [p for p in model.parameters() if p.requires_grad]
     if state_dtype is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.1)
     else:
-        optimizer = AdamWStoredMoments(model.parameters(), lr=1e-4, weight_decay=0.1,
+        optimizer = AdamWStoredMoments(trained, lr=1e-4, weight_decay=0.1,
                                        state_dtype=state_dtype)
 
     def loss_fn(m, b):
@@ -138,6 +143,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            compute_dtype: torch.dtype | None = None,
                            param_dtype: torch.dtype | None = None,
                            state_dtype: torch.dtype | None = None,
+                           lora: dict | None = None,
                            scan_layers: bool | None = None, grad_accum_steps: int = 1,
                            target: str | None = None,
                            dump_to: str | None = None,
@@ -152,7 +158,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
     ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
     ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked, and
-    so do ``param_dtype`` and ``state_dtype`` (``trainer.param_dtype``, ``optim.state_dtype``). ``dump_to`` (a directory): the compiler dumps its
+    so do ``param_dtype`` and ``state_dtype`` (``trainer.param_dtype``, ``optim.state_dtype``)
+    and ``lora`` (a LoRA run's adapters and int8 base: :mod:`.frozen_base`). ``dump_to`` (a directory): the compiler dumps its
     optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
     that only plans) the figures are read from that dump as soon as it is written, passed to
     ``on_dumped``, and the process ends without waiting for code generation
@@ -164,7 +171,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"),
-        param_dtype=param_dtype, state_dtype=state_dtype)
+        param_dtype=param_dtype, state_dtype=state_dtype, lora=lora,
+        compute_dtype=compute_dtype)
     program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
                                compute_dtype=compute_dtype, grad_accum_steps=grad_accum_steps,
                                scan_layers=scan_layers, runtime_options=False, compile=False)

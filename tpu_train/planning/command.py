@@ -40,6 +40,7 @@ from tpu_train.compile.targets import GENERATIONS, TargetError, libtpu_available
 from . import estimate as estimate_mod
 from . import fit
 from .analysis import CHILD_TIMEOUT_S, analyse_in_child, pod_topology
+from .frozen_base import analysis_args, frozen_base_of
 from .report import format_fitting, format_report
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "FAST_MARGIN", "PLAN_SEQ_LEN_CAP", "choose_compiler",
@@ -85,6 +86,9 @@ def _stored(cfg: Any, key: str):
 
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
     rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
+    param_bytes = estimate_mod.stored_bytes(estimate_mod.setting(cfg, "trainer.param_dtype")) or 4
+    compute = estimate_mod.compute_dtype_of(cfg)
+    base = frozen_base_of(cfg, param_bytes, compute.itemsize if compute else None)
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
                 overrides=estimate_mod.architecture_overrides(cfg.model),
                 batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
@@ -92,7 +96,7 @@ def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dic
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
                 param_dtype=_stored(cfg, "trainer.param_dtype"),
                 state_dtype=_stored(cfg, "optim.state_dtype"),
-                target=target, **degrees)
+                target=target, **analysis_args(base), **degrees)
 
 
 def _compare(result: dict[str, Any]) -> None:

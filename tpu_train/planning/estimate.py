@@ -24,6 +24,9 @@ from tpu_train.models import flops_per_token, get_config, num_params, param_shap
 from tpu_train.parallel.llama_plan import llama_plan
 from tpu_train.parallel.mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
 
+from .frozen_base import FrozenBase, frozen_base_of
+from .frozen_base import weight_bytes as frozen_weight_bytes
+
 __all__ = [
     "ASSUMED_MFU",
     "CHIPS",
@@ -162,8 +165,8 @@ def _layer_elements(cfg: Any, t: int, seq_len: int, flash_attention: bool) -> tu
     return per_layer, kept
 
 
-def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, local: int,
-                  one_layer: int, largest: int, param_bytes: int, act_bytes: int,
+def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, grads: int,
+                  one_layer: int, largest: int, param_bytes: float, act_bytes: int,
                   flash_attention: bool) -> dict[str, Any]:
     """Memory rows of a scanned step (no checkpointing) at its peak: the larger of two phases.
 
@@ -187,7 +190,7 @@ def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, local
     head = {"bytes_grads": 0, "bytes_loss_head": loss_head, "bytes_activations": always,
             "bytes_fsdp_gathered": 2 * largest * param_bytes if sharded else 0,
             "peak_phase": "the head's backward"}
-    layer = {"bytes_grads": local * param_bytes, "bytes_loss_head": 0,
+    layer = {"bytes_grads": grads, "bytes_loss_head": 0,
              "bytes_activations": always + int(tokens * per_layer * act_bytes),
              "bytes_fsdp_gathered": 2 * one_layer * param_bytes if sharded else 0,
              "peak_phase": "the first layer's backward"}
@@ -228,7 +231,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
              param_bytes: int = 4, act_bytes: int = 4, state_bytes: int | None = None,
              flash_attention: bool = False, grad_accum_steps: int = 1,
-             scan_layers: bool = False, remat: str | None = None) -> dict[str, Any]:
+             scan_layers: bool = False, remat: str | None = None,
+             frozen_base: FrozenBase | None = None) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
     ``batch`` is the global micro-batch (sequences per forward/backward), which must split
@@ -249,6 +253,9 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     ``remat`` (``trainer.remat``): ``full`` is ``activation_checkpointing``; ``save_dots`` and
     ``save_qkv_proj`` keep part of each layer (:func:`activation_bytes`), gather weights as
     checkpointing does, and are costed at checkpointing's FLOPs (an upper bound).
+    ``frozen_base`` (a LoRA run, :mod:`.frozen_base`): the weights are the frozen base as
+    stored (int8 for an int8 base) plus the adapters, and only the adapters (replicated) have
+    gradients, moments and an accumulator.
     Returns a flat dict of figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
     remat = remat or ("full" if activation_checkpointing else "none")
@@ -264,13 +271,18 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     local, gathered, one_layer, largest = _param_shards(cfg, shape)
+    trained, weight_bytes = local, param_bytes
     params = local * param_bytes
-    grads = local * param_bytes
-    optimizer = 2 * local * (param_bytes if state_bytes is None else state_bytes)
-    fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes,
+    if frozen_base is not None:
+        frozen, trained, elements = frozen_weight_bytes(cfg, frozen_base, param_bytes)
+        weight_bytes = frozen / elements  # per weight, on average, for the gathered copies
+        params = int(frozen * local / elements) + trained * param_bytes
+    grads = trained * param_bytes
+    optimizer = 2 * trained * (param_bytes if state_bytes is None else state_bytes)
+    fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, weight_bytes,
                                        remat != "none" or scan_layers)
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
-    stacked = int(local * param_bytes * cfg.n_layers * one_layer / gathered) \
+    stacked = int(local * weight_bytes * cfg.n_layers * one_layer / gathered) \
         if scan_layers and gathered else 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
@@ -280,23 +292,31 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
             "bytes_activations": acts["layers"], "bytes_loss_head": acts["loss_head"],
             "peak_phase": None}
     if scan_layers and remat in ("none", "save_dots"):
-        rows = _scanned_peak(cfg, shape, batch, seq_len, local=local, one_layer=one_layer,
-                             largest=largest, param_bytes=param_bytes, act_bytes=act_bytes,
+        rows = _scanned_peak(cfg, shape, batch, seq_len, grads=grads, one_layer=one_layer,
+                             largest=largest, param_bytes=weight_bytes, act_bytes=act_bytes,
                              flash_attention=flash_attention)
-    accumulator = local * 4 if grad_accum_steps > 1 else 0
+    accumulator = trained * 4 if grad_accum_steps > 1 else 0
     total = (params + optimizer + accumulator + stacked
              + sum(v for k, v in rows.items() if k.startswith("bytes_")))
 
     tokens = batch * seq_len * grad_accum_steps
     model_flops = flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
-    hardware_flops = model_flops * (4 / 3 if remat in ("full", "save_qkv_proj") else 1)
+    recompute = remat in ("full", "save_qkv_proj")
+    hardware_flops = model_flops * (4 / 3 if recompute else 1)
+    if frozen_base is not None:
+        # No gradients of the frozen weights: their matmuls cost 2 + 2 (+ 2 recomputed) of
+        # the 6 per weight and token; attention's products are all still needed.
+        attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens
+        hardware_flops = ((model_flops - attention) * (6 if recompute else 4) / 6
+                          + attention * (4 / 3 if recompute else 1))
     result: dict[str, Any] = {
         "mesh": shape.as_dict(), "num_devices": num_devices, "batch": batch,
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
         "remat": remat,
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
-        "num_params": num_params(cfg),
+        "num_params": num_params(cfg), "trained_params": trained if frozen_base else None,
+        "base_dtype": ("int8" if frozen_base.int8 else "param") if frozen_base else None,
         "grad_accum_steps": grad_accum_steps,
         "bytes_params": params, "bytes_optimizer": optimizer,
         "bytes_grad_accumulator": accumulator, "bytes_stacked_layers": stacked,
@@ -312,7 +332,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     return result
 
 
-def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: int,
+def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: float,
                         gathered_at_use: bool) -> int:
     """Bytes of all-gathered weights and unreduced gradients FSDP holds at its peak."""
     if shape.fsdp == 1:
@@ -461,12 +481,15 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     fused = chip is not None and attention_tpu.kernels_would_run(
         seq_len, cfg.dim // cfg.n_heads, bf16=compute_dtype == torch.bfloat16,
         partitioned=num_devices > 1)
+    param_bytes = stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4
+    base = frozen_base_of(config, param_bytes, compute_dtype.itemsize if compute_dtype else None,
+                          changes)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0], fsdp=degrees[1], tensor=degrees[2],
         batch=rows, seq_len=seq_len,
         remat=policy, flash_attention=fused,
         chip=chip, mfu=mfu,
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
-        param_bytes=stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4,
+        param_bytes=param_bytes,
         state_bytes=stored_bytes(setting(config, "optim.state_dtype", changes)),
-        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers))
+        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers), frozen_base=base)

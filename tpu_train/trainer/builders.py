@@ -248,13 +248,15 @@ def first_record_kind(files) -> str | None:
     return kind(files)
 
 
-def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True):
+def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True,
+                dtype: torch.dtype = torch.float32):
     """The Llama on the CPU: the architecture of a Hugging Face ``model.checkpoint`` (its
     config.json) or of the named preset ``model.name``; loaded from ``model.checkpoint`` when
     set and ``allow_checkpoint``, else seeded random initialization.
 
     ``model.checkpoint`` may be a Hugging Face directory or one of our ``step_N`` checkpoints
     (of the ``model.name`` architecture); either way only the parameters are loaded.
+    ``dtype``: the weights' (float32; bfloat16 for a base about to be quantized).
     """
     from tpu_train.models import Llama, from_pretrained
 
@@ -270,11 +272,12 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
     checkpoint = cfg.model.checkpoint if allow_checkpoint else None
     if checkpoint is not None and directory is not None:
         try:
-            return from_pretrained(directory, dtype=torch.float32, device="cpu")
+            return from_pretrained(directory, dtype=dtype, device="cpu",
+                                   max_seq_len=cfg.model.get("max_seq_len"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config).to(dtype)
     model.init_weights(seed=cfg.trainer.seed, device="cpu")
     if checkpoint is not None:
         try:

@@ -73,6 +73,15 @@ class ParamDtype(Enum):
     bf16 = "bf16"
 
 
+class BaseDtype(Enum):
+    """How a frozen base (the weights a LoRA run does not train) is stored: like the other
+    weights (``param``: ``trainer.param_dtype``), or its linear weights in ``int8`` with one
+    float32 scale per output channel, dequantized in the matmul (tpu_train.models.lora)."""
+
+    param = "param"
+    int8 = "int8"
+
+
 class StateDtype(Enum):
     """How Adam/AdamW store their two moments (``tpu_train.compile.stored_moments``)."""
 
@@ -110,6 +119,10 @@ class ModelConfig:
     # takes (its RoPE tables), for sequences longer than its own context.
     n_layers: Optional[int] = None
     max_seq_len: Optional[int] = None
+    # int8: the frozen linear weights (LoRA's bases, the output head) in int8 with per-channel
+    # scales, quantized as the model is built; the rest of the model in trainer.param_dtype.
+    # Needs a recipe that freezes them (recipe=llama_lora).
+    base_dtype: BaseDtype = BaseDtype.param
 
 
 class DataSource(Enum):

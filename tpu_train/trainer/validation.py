@@ -253,6 +253,7 @@ def validate_config(cfg: DictConfig) -> None:
     the data files' readers."""
     validate_settings(cfg)
     _validate_trainer_for_the_runtime(cfg.trainer)
+    _validate_base_dtype(cfg)
     _validate_seq_len_for_the_model(cfg)
     _validate_data_sources(cfg.data)
 
@@ -297,6 +298,22 @@ def _validate_trainer_for_the_runtime(trainer) -> None:
                  "trainer.max_minutes stops a job of one process; under a launcher set "
                  "trainer.max_steps instead (or stop the job with SIGTERM: it saves and resumes)")
     remat_policy(trainer)
+
+
+def _validate_base_dtype(cfg: DictConfig) -> None:
+    """An int8 base lives in one program's arguments or in one process's model: FSDP2 and
+    DTensor (eager modes under a launcher) shard float parameters only."""
+    from .config import BaseDtype
+
+    if BaseDtype(cfg.model.base_dtype) is not BaseDtype.int8 \
+            or StepMode(cfg.trainer.mode) is StepMode.compiled:
+        return
+    from .world import requested_world_size
+
+    _require(requested_world_size() == 1,
+             f"model.base_dtype=int8 with trainer.mode={StepMode(cfg.trainer.mode).value} under a "
+             "launcher: the per-process layout (FSDP2) does not shard int8 weights; use "
+             "trainer.mode=compiled (one program over every device) or model.base_dtype=param")
 
 
 def remat_policy(trainer) -> str:
