@@ -13,7 +13,8 @@ __all__ = ["KVCache"]
 class KVCache:
     """Pre-allocated per-layer keys and values, ``[batch, n_kv_heads, max_seq_len, head_dim]``.
 
-    Keys are stored after RoPE, so a cached position never needs re-rotating. The caller
+    Keys are stored after RoPE, so a cached position never needs re-rotating. Every position
+    is kept, also under a sliding window (the attention masks the older ones). The caller
     passes ``start_pos`` to each forward; the cache itself does not track a cursor, so one
     cache can be rewound by simply decoding from an earlier position again.
     """
@@ -72,13 +73,15 @@ class StaticKVCache:
     returns the *whole* cache (all ``length`` slots): the caller must mask attention with
     :meth:`attention_mask` (unwritten slots and padding hold no real keys).
     Everything is a tensor operation on ``slot``/``pad``, so one traced graph serves every
-    position (:func:`tpu_train.models.generation.static_cache_step`).
+    position (:func:`tpu_train.models.generation.static_cache_step`). With a sliding
+    ``window`` (Mistral), a query sees only the last ``window`` slots up to its own.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 slot: torch.Tensor, pad: torch.Tensor):
+                 slot: torch.Tensor, pad: torch.Tensor, window: int | None = None):
         self.keys, self.values = list(keys), list(values)
         self.slot, self.pad = slot, pad
+        self.window = window
         self.length = keys[0].shape[2]
 
     @staticmethod
@@ -100,10 +103,13 @@ class StaticKVCache:
         """``[batch, 1, seq, length]`` booleans: may query ``slot + i`` of row ``b`` see key
         slot ``j``? Causal (``j <= slot + i``) and not padding (``j >= pad[b]``). A padding
         query always sees itself: a query that sees nothing would give NaN in eager
-        attention, and its NaN values would reach real queries through ``0 * NaN``."""
+        attention, and its NaN values would reach real queries through ``0 * NaN``. Padding
+        shifts a row's positions and slots alike, so the window counts slots."""
         device = self.pad.device
         queries = (self.slot + torch.arange(seq, device=device))[:, None]
         keys = torch.arange(self.length, device=device)[None, :]
         causal = keys <= queries
+        if self.window is not None:
+            causal = causal & (keys > queries - self.window)
         real = keys[None] >= self.pad[:, None, None]
         return (causal[None] & (real | (keys == queries)[None]))[:, None]
