@@ -203,7 +203,8 @@ class Llama(nn.Module):
             return document_mask(segment_ids, window)
         seq = tokens.shape[1]
         if cache is None and window is not None and seq > window:
-            return local_causal_mask(seq, seq, window, tokens.device)
+            # [1, 1, seq, seq]: one mask for every row and head, as a document mask is.
+            return local_causal_mask(seq, seq, window, tokens.device)[None, None]
         return None
 
     def reset_rope_tables(self) -> None:
