@@ -2,7 +2,8 @@
 tokenizer) through `tpu-train recipe=llama_finetune model.checkpoint=DIR`: the run takes the
 family from config.json, trains, and its `hf/` export reloads in transformers as the same
 architecture with our logits. Mistral's 8-token window is shorter than the 32-token rows, so
-training sees it cut, eagerly on the CPU and in the compiled step on the tpu device."""
+training sees it cut, eagerly on the CPU and in the compiled step on the tpu device; Qwen2's
+biases train under tensor parallelism too."""
 
 from __future__ import annotations
 
@@ -36,8 +37,15 @@ def train_file(tmp_path_factory) -> Path:
     return path
 
 
+# Eager on the CPU; compiled on the tpu device over 8 virtual devices, Qwen2's biases split
+# with their weights' heads over parallel.tensor=2.
+MODES = {"eager": TINY, "compiled": TINY_COMPILED,
+         "compiled_tensor_parallel": [*TINY_COMPILED, "parallel.tensor=2"]}
+
+
 @pytest.mark.parametrize("family,mode", [("qwen2", "eager"), ("mistral", "eager"),
-                                         ("mistral", "compiled")])
+                                         ("mistral", "compiled"),
+                                         ("qwen2", "compiled_tensor_parallel")])
 def test_finetunes_and_exports_a_family_checkpoint(family, mode, checkpoints, train_file,
                                                    tmp_path, one_thread):
     from tpu_train.data import load_tokenizer
@@ -47,10 +55,12 @@ def test_finetunes_and_exports_a_family_checkpoint(family, mode, checkpoints, tr
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(
         "recipe=llama_finetune", f"model.checkpoint={checkpoint}", "data=jsonl",
-        f"data.path={train_file}", *(TINY if mode == "eager" else TINY_COMPILED),
+        f"data.path={train_file}", *MODES[mode],
         "trainer.max_steps=3", "checkpoint.export_hf=true", f"run.dir={run_dir}")
     assert code == 0, err
     assert "step 3/3" in out
+    if mode == "compiled_tensor_parallel":
+        assert "mesh data=4 fsdp=1 tensor=2" in out
     export = run_dir / "hf"
     source_config = json.loads((checkpoint / "config.json").read_text())
     config = json.loads((export / "config.json").read_text())
