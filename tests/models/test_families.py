@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from tpu_train.models import (KVCache, Llama, LlamaConfig, config_from_hf, config_to_hf,
-                              from_pretrained, get_config, save_pretrained)
+                              from_pretrained, generate, get_config, save_pretrained)
 from tpu_train.models.generation import StaticCacheDecoding
 
 from tests.tolerances import assert_rel_close, rtol_for
@@ -109,12 +109,25 @@ def test_decoding_through_a_kv_cache_keeps_the_window(checkpoints):
     model = from_pretrained(directory).eval()
     tokens = random_tokens(2, SEQ, seed=3)
     cache = KVCache.for_model(model, batch_size=2, max_seq_len=SEQ)
+    # A ring of one window: no query sees further back.
+    assert cache.keys[0].shape[2] == MISTRAL_WINDOW < SEQ
     with torch.no_grad():
         expected = reference(tokens).logits
         pieces = [model(tokens[:, :8], start_pos=0, cache=cache),
                   model(tokens[:, 8:23], start_pos=8, cache=cache)]
         pieces += [model(tokens[:, i:i + 1], start_pos=i, cache=cache) for i in range(23, SEQ)]
     _assert_logits(torch.cat(pieces, dim=1), expected)
+
+
+def test_greedy_generation_past_the_window_is_transformers(checkpoints):
+    reference, directory = checkpoints["mistral"]
+    model = from_pretrained(directory).eval()
+    prompt = random_tokens(2, 5, seed=6)
+    ours = generate(model, prompt, max_new_tokens=SEQ - 5)
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=SEQ - 5, do_sample=False,
+                                      attention_mask=torch.ones_like(prompt))
+    assert torch.equal(ours, expected)
 
 
 def test_a_static_cache_with_left_padding_keeps_the_window(checkpoints):
