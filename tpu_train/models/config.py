@@ -117,8 +117,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
                              f"{window!r}")
         if self.hf_model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"LlamaConfig.hf_model_type must be one of {', '.join(HF_MODEL_TYPES)}, "
-                             f"got {self.hf_model_type!r}")
+            raise ValueError(f"LlamaConfig.hf_model_type must be one of "
+                             f"{', '.join(HF_MODEL_TYPES)}, got {self.hf_model_type!r}")
         if self.qkv_bias and self.hf_model_type not in _ALLOWS_QKV_BIAS:
             raise ValueError(f"LlamaConfig.qkv_bias=True cannot be written as a Hugging Face "
                              f"{self.hf_model_type!r} model; set hf_model_type='qwen2'")
@@ -280,10 +280,11 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token, for MFU.
 
     ``6 * N_matmul + 12 * n_layers * dim * seq_len``: ``N_matmul`` counts the weights that take
-    part in a matmul (every linear layer and the output head, tied or not; the embedding lookup
-    and norms are not matmuls; nor are q/k/v biases, one add per output), and the second term is the attention score and value products,
-    counted over the full ``seq_len x seq_len`` square as is customary (causal masking is not
-    subtracted), so MFU figures compare with published ones.
+    part in a matmul (every linear layer and the output head, tied or not; the embedding lookup,
+    norms and q/k/v biases are not matmuls), and the second term is the attention score and
+    value products, counted over the full ``seq_len x seq_len`` square as is customary (causal
+    masking and a sliding window are not subtracted), so MFU figures compare with published
+    ones.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")

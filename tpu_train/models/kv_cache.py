@@ -78,13 +78,13 @@ class KVCache:
         kept = min(start_pos, self.window - 1)
         device = keys.device
         earlier = torch.arange(start_pos - kept, start_pos, device=device) % self.slots
+        # Only the block's last `slots` positions outlive it.
+        last = min(seq, self.slots)
+        written = torch.arange(start_pos + seq - last, start_pos + seq, device=device) % self.slots
         out = []
         for store, new in ((self.keys[layer], keys), (self.values[layer], values)):
             out.append(torch.cat([store.index_select(2, earlier), new], dim=2))
-            # Only the block's last `slots` positions outlive it.
-            last = min(seq, self.slots)
-            slots = torch.arange(start_pos + seq - last, start_pos + seq, device=device) % self.slots
-            store.index_copy_(2, slots, new[:, :, seq - last:].to(store.dtype))
+            store.index_copy_(2, written, new[:, :, seq - last:].to(store.dtype))
         return out[0], out[1]
 
 

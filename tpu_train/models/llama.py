@@ -222,8 +222,8 @@ class Llama(nn.Module):
 def local_causal_mask(seq: int, total: int, window: int | None,
                       device: torch.device | str | None = None) -> torch.Tensor:
     """``[seq, total]`` booleans for ``seq`` queries at the last positions of ``total`` keys:
-    query ``i`` (position ``total - seq + i``) may see key ``j`` when ``j`` is at most its
-    position and, with a ``window``, more than ``window`` positions back from it no longer."""
+    query ``i`` (at position ``total - seq + i``) may see key ``j`` when ``j`` is at most that
+    position and, with a ``window``, fewer than ``window`` positions before it."""
     offset = total - seq
     mask = torch.ones(seq, total, dtype=torch.bool, device=device).tril(offset)
     if window is not None:
@@ -284,9 +284,10 @@ def init_weights(model: Llama, seed: int = 0,
     parameter at a time in ``named_parameters`` order, then copied to the parameter's device
     and dtype: the same seed gives the same weights on every device and in every dtype.
     Linear and embedding weights are N(0, 0.02), the residual output projections (``wo``,
-    ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one, q/k/v biases zero. A model on the meta device is
-    first moved with ``to_empty(device=device or "cpu")``; otherwise ``device`` must be None
-    or the model's device.
+    ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one, q/k/v biases zero (drawing
+    nothing, so a Llama's weights are the same with or without them). A model on the meta
+    device is first moved with ``to_empty(device=device or "cpu")``; otherwise ``device``
+    must be None or the model's device.
     """
     tensors = list(model.parameters()) + list(model.buffers())
     if any(t.is_meta for t in tensors):
