@@ -48,6 +48,22 @@ def test_every_llama_parameter_has_the_documented_spec(tiny_model):
                                                for n, p in tiny_model.named_parameters()}
 
 
+@pytest.mark.devices(8)
+def test_qkv_biases_are_split_as_their_weights_rows():
+    """Qwen2's q/k/v biases are split as their weights' rows: each device holds the bias of
+    the output rows it computes."""
+    with torch.device("meta"):
+        model = Llama(get_config("qwen2_5_0_5b", n_layers=1))
+    specs = llama_plan().specs(model.named_parameters())
+    assert specs["layers.0.attention.wk.bias"] == P(("tensor", "fsdp"))
+    shardings = llama_plan().shardings(model.named_parameters(), build_mesh(1, 4, 2))
+    # wq: 896 rows split 8 ways; wk: 128 rows (2 kv heads of 64) split 8 ways too.
+    for name, rows in (("wq", 896), ("wk", 128)):
+        weight = shardings[f"layers.0.attention.{name}.weight"].shard_shape((rows, 896))
+        bias = shardings[f"layers.0.attention.{name}.bias"].shard_shape((rows,))
+        assert bias == (weight[0],) == (rows // 8,)
+
+
 @pytest.mark.parametrize("fsdp, tensor, wq, wo, norm", [
     (True, False, P(("fsdp",), None), P("fsdp", None), P("fsdp")),
     (False, True, P(("tensor",), None), P(None, "tensor"), P(None)),

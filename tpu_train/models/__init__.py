@@ -1,5 +1,9 @@
 """Llama models in plain PyTorch, with Hugging Face interop and KV-cache generation.
 
+Qwen2 / Qwen2.5 (q/k/v biases) and Mistral (a sliding attention window) are options of the same
+decoder: ``LlamaConfig(qkv_bias=, sliding_window=, hf_model_type=)``, read from and written to
+their Hugging Face ``config.json``.
+
 The model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
 module runs eagerly on the CPU or the ``tpu`` device and traces with ``make_fx`` for compiled
 training steps.
@@ -8,7 +12,7 @@ Configurations::
 
     from tpu_train.models import get_config, CONFIGS, num_params, flops_per_token
     cfg = get_config("llama3_1_8b", max_seq_len=8192)   # named config + field overrides
-    sorted(CONFIGS)    # debug_tiny, llama2_7b, llama3_1_70b, llama3_1_8b, llama3_2_1b, llama3_2_3b
+    sorted(CONFIGS)    # debug_tiny, llama2_7b, llama3_1_8b, ..., qwen2_5_0_5b, mistral_7b
     num_params(cfg)                # 8_030_261_248
     flops_per_token(cfg, 8192)     # 6 * matmul params + 12 * n_layers * dim * seq_len
 
@@ -54,14 +58,15 @@ import importlib
 # CONFIGS (config.py, no torch) before it imports torch.
 _SOURCES = {
     "CONFIGS": "config", "LlamaConfig": "config", "RopeScaling": "config",
-    "flops_per_token": "config", "get_config": "config", "num_params": "config",
+    "HF_MODEL_TYPES": "config", "flops_per_token": "config", "get_config": "config",
+    "num_params": "config",
     "param_shapes": "config",
     "generate": "generation", "sample_next_token": "generation",
     "config_from_hf": "hf", "config_to_hf": "hf", "from_pretrained": "hf", "hf_name": "hf",
     "read_config": "hf", "save_pretrained": "hf",
     "KVCache": "kv_cache",
     "Attention": "llama", "FeedForward": "llama", "Llama": "llama", "RMSNorm": "llama",
-    "TransformerBlock": "llama", "init_weights": "llama",
+    "TransformerBlock": "llama", "init_weights": "llama", "local_causal_mask": "llama",
     "apply_rotary": "rope", "inverse_frequencies": "rope", "rope_tables": "rope",
 }
 

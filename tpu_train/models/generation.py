@@ -173,7 +173,8 @@ class StaticCacheDecoding:
              caches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(last logits ``[batch, vocab]``, the caches with ``tokens``' keys and values)."""
         layers = len(caches) // 2
-        cache = StaticKVCache(caches[:layers], caches[layers:], slot, pad)
+        cache = StaticKVCache(caches[:layers], caches[layers:], slot, pad,
+                              window=model.config.sliding_window)
         logits = static_cache_step(model, tokens, cache)
         return logits, cache.keys + cache.values
 

@@ -7,6 +7,7 @@ parameter                       spec                    why
 ==============================  ======================  =======================================
 ``tok_embeddings.weight``       ``((tensor, fsdp),)``   vocabulary-parallel embedding rows
 ``attention.w{q,k,v}.weight``   ``((tensor, fsdp),)``   column-parallel: heads split on tensor
+``attention.w{q,k,v}.bias``     ``((tensor, fsdp),)``   as its weight's rows (Qwen2)
 ``attention.wo.weight``         ``(fsdp, tensor)``      row-parallel: its input (heads) split
 ``feed_forward.w{1,3}.weight``  ``((tensor, fsdp),)``   column-parallel: hidden units split
 ``feed_forward.w2.weight``      ``(fsdp, tensor)``      row-parallel
@@ -70,6 +71,8 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
     rules = [
         (r"(^|\.)tok_embeddings\.weight$", column),
         (r"(^|\.)attention\.w[qkv]\.weight$", column),
+        # A column-parallel layer's bias (Qwen2's q/k/v) is split as its weight's rows.
+        (r"(^|\.)attention\.w[qkv]\.bias$", [P(tuple(a for a in (t, f) if a) or None), P(t)]),
         (r"(^|\.)attention\.wo\.weight$", row),
         (r"(^|\.)feed_forward\.w[13]\.weight$", column),
         (r"(^|\.)feed_forward\.w2\.weight$", row),
