@@ -1,27 +1,27 @@
-"""The sharding plan of ``tpu_train.models.Llama`` (FSDP, tensor parallel, both, or neither).
+"""The SPMD sharding plan of a model family, derived from its table of parameter roles.
 
-Weights are stored the PyTorch way, ``[out_features, in_features]``. The plan:
+A family (:class:`tpu_train.models.ModelFamily`, handed down by the layer above: this layer
+does not import ``models``) names each parameter's role by regex; every role has one layout
+over the ``(data, fsdp, tensor)`` mesh:
 
-==============================  ======================  =======================================
-parameter                       spec                    why
-==============================  ======================  =======================================
-``tok_embeddings.weight``       ``((tensor, fsdp),)``   vocabulary-parallel embedding rows
-``attention.w{q,k,v}.weight``   ``((tensor, fsdp),)``   column-parallel: heads split on tensor
-``attention.wo.weight``         ``(fsdp, tensor)``      row-parallel: its input (heads) split
-``feed_forward.w{1,3}.weight``  ``((tensor, fsdp),)``   column-parallel: hidden units split
-``feed_forward.w2.weight``      ``(fsdp, tensor)``      row-parallel
-``*norm.weight``                ``(fsdp,)``             small; sharded to keep FSDP uniform
-``output.weight``               ``((tensor, fsdp),)``   vocabulary-parallel logits
-==============================  ======================  =======================================
+==============  ========================================  =====================================
+role            spec (in order of preference)             why
+==============  ========================================  =====================================
+``embedding``   ``((tensor, fsdp),)``, ``(tensor, fsdp)``  vocabulary-parallel rows
+``column``      ``((tensor, fsdp),)``, ``(tensor, fsdp)``  outputs (heads, hidden units) split
+``row``         ``(fsdp, tensor)``                        inputs split; partial sums reduced
+``output``      ``((tensor, fsdp),)``, ``(tensor, fsdp)``  vocabulary-parallel logits
+``replicated``  ``(fsdp,)``                               small; sharded to keep FSDP uniform
+==============  ========================================  =====================================
 
 FSDP shards the leading dimension of every weight: the output dimension of column-parallel
-weights (within each tensor shard) and the model width ``dim`` of row-parallel ones. Keeping
-the shards on the leading dimension makes them contiguous blocks of the flat storage buffer
-(see ``flat_storage_sharding``). With Megatron-style column → row pairs, each attention and MLP
+weights (within each tensor shard) and the model width of row-parallel ones. Keeping the
+shards on the leading dimension makes them contiguous blocks of the flat storage buffer (see
+``flat_storage_sharding``). With Megatron-style column -> row pairs, each attention and MLP
 block needs one reduction over ``tensor`` in the forward and one in the backward; XLA inserts
 them from these specs. Activations: the batch is split over ``(data, fsdp)``, heads and the
-feed-forward hidden dimension over ``tensor``; the residual stream is replicated on
-``tensor``.
+hidden widths the family names (:class:`ActivationRule`) over ``tensor``; the residual stream
+is replicated on ``tensor``.
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from .mesh import BATCH_AXES
-from .plans import ShardingPlan
+from .plans import PlanError, ShardingPlan
 
-__all__ = ["LLAMA_ACTIVATIONS", "LlamaActivationRule", "llama_plan"]
+__all__ = ["DECODER_ACTIVATIONS", "ROLES", "ActivationRule", "role_specs", "sharding_plan"]
 
 _B = BATCH_AXES
 _U = P.UNCONSTRAINED
 
-# Activation layouts by role; shapes are those of the Llama forward.
-LLAMA_ACTIVATIONS: dict[str, P] = {
+ROLES = ("embedding", "column", "row", "output", "replicated")
+
+# Activation layouts of a decoder language model, by kind.
+DECODER_ACTIVATIONS: dict[str, P] = {
     "tokens": P(_B, None),                  # [batch, seq] token ids and labels
     "hidden": P(_B, None, None),            # [batch, seq, dim] residual stream
     "heads": P(_B, "tensor", None, None),   # [batch, heads, seq, head_dim] q/k/v, scores
@@ -48,13 +50,8 @@ LLAMA_ACTIVATIONS: dict[str, P] = {
 }
 
 
-def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
-    """The Llama plan; ``fsdp=False``/``tensor=False`` drop that axis from every spec.
-
-    Dropping an axis is only needed to *keep parameters replicated* on a mesh whose axis is
-    larger than 1 (e.g. ZeRO-1-like experiments); on a mesh where the axis has size 1 the full
-    plan already degenerates to the smaller layout.
-    """
+def role_specs(*, fsdp: bool = True, tensor: bool = True) -> dict[str, Any]:
+    """``{role: spec or list of specs in order of preference}`` (module docstring)."""
     f = "fsdp" if fsdp else None
     t = "tensor" if tensor else None
     # Column-parallel weights keep both splits on their leading (output) dimension, tensor
@@ -66,51 +63,62 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
     # Where tensor x fsdp does not divide the rows (Llama 3's vocabulary, 128256 = 2^8 x 501,
     # over more than 256 chips), the plan falls back to FSDP on `in`.
     column = [P(tuple(a for a in (t, f) if a) or None, None), P(t, f)]
-    row = P(f, t)
-    rules = [
-        (r"(^|\.)tok_embeddings\.weight$", column),
-        (r"(^|\.)attention\.w[qkv]\.weight$", column),
-        (r"(^|\.)attention\.wo\.weight$", row),
-        (r"(^|\.)feed_forward\.w[13]\.weight$", column),
-        (r"(^|\.)feed_forward\.w2\.weight$", row),
-        (r"(^|\.)(attention_norm|ffn_norm|norm)\.weight$", P(f)),
-        (r"(^|\.)output\.weight$", column),
-        # LoRA adapters (rank x in, out x rank) are small next to the frozen weight they adapt:
-        # replicated, so their update needs no gather.
-        (r"\.lora_[ab]$", P()),
-    ]
+    return {"embedding": column, "column": column, "row": P(f, t), "output": column,
+            "replicated": P(f)}
+
+
+def sharding_plan(family: Any, *, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
+    """The plan of ``family`` (its ``name``, ``param_roles``, ``split_sizes(config)``);
+    ``fsdp=False``/``tensor=False`` drop that axis from every spec.
+
+    Dropping an axis is only needed to *keep parameters replicated* on a mesh whose axis is
+    larger than 1 (e.g. ZeRO-1-like experiments); on a mesh where the axis has size 1 the full
+    plan already degenerates to the smaller layout.
+    """
+    specs = role_specs(fsdp=fsdp, tensor=tensor)
+    rules = []
+    for pattern, role in family.param_roles:
+        role = getattr(role, "value", role)
+        if role not in specs:
+            raise PlanError(f"family {family.name}: {pattern!r} has role {role!r}, which this "
+                            f"version cannot shard; roles: {', '.join(ROLES)}")
+        rules.append((pattern, specs[role]))
+    # LoRA adapters (rank x in, out x rank) are small next to the frozen weight they adapt:
+    # replicated, so their update needs no gather.
+    rules.append((r"\.lora_[ab]$", P()))
     acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
-            for k, spec in LLAMA_ACTIVATIONS.items()}
-    name = "llama_plan" + ("" if fsdp and tensor else f"(fsdp={fsdp}, tensor={tensor})")
+            for k, spec in DECODER_ACTIVATIONS.items()}
+    name = f"{family.name}_plan" + ("" if fsdp and tensor else
+                                    f"(fsdp={fsdp}, tensor={tensor})")
 
     def activation_rule(model, batch_shape):
         config = getattr(model, "config", None)
         if config is None or len(batch_shape) != 2:
-            return None  # not a Llama over [batch, seq] tokens: leave activations to XLA
-        return LlamaActivationRule(config, *batch_shape, tensor=tensor)
+            return None  # not a decoder over [batch, seq] tokens: leave activations to XLA
+        return ActivationRule(family.split_sizes(config), *batch_shape, tensor=tensor)
 
     return ShardingPlan(rules, activations=acts, activation_rule=activation_rule, name=name)
 
 
-class LlamaActivationRule:
+class ActivationRule:
     """Pick an activation spec from an array's shape, for a traced graph without module names.
 
     A traced step only sees aten ops and shapes, so this classifies conservatively: a value
     whose leading dimension is the (micro-)batch, or batch x seq after a flatten, is split on
     the batch axes; a 4-D ``[batch, heads, ...]`` value also on ``tensor``; a last dimension
-    equal to the feed-forward width or vocabulary (when distinct from ``dim``) on ``tensor``.
-    Every other dimension is left ``UNCONSTRAINED`` so a wrong guess never forces a reshard
-    beyond the batch split. Returns ``None`` for anything else (weights, scalars).
+    equal to one of the family's hidden widths (feed-forward, vocabulary; when distinct from
+    the model width) on ``tensor``. Every other dimension is left ``UNCONSTRAINED`` so a wrong
+    guess never forces a reshard beyond the batch split. Returns ``None`` for anything else
+    (weights, scalars). ``sizes``: the family's ``split_sizes(config)``.
     """
 
-    def __init__(self, config: Any, batch: int, seq_len: int, *, tensor: bool = True):
-        self.config = config
+    def __init__(self, sizes: Any, batch: int, seq_len: int, *, tensor: bool = True):
+        self.sizes = sizes
         self.batch = int(batch)
         self.seq_len = int(seq_len)
         self._tensor = "tensor" if tensor else _U
-        widths = {config.ffn_hidden_dim, config.vocab_size} - {config.dim}
-        self._tensor_last = widths
-        self._heads = {config.n_heads, config.n_kv_heads}
+        self._tensor_last = set(sizes.hidden.values()) - set(sizes.width.values())
+        self._heads = set(sizes.heads.values())
 
     def __call__(self, shape) -> P | None:
         shape = tuple(shape)
