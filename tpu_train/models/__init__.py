@@ -80,6 +80,7 @@ _SOURCES = {
     "checkpoint_family": "registry", "config_names": "registry", "families": "registry",
     "family_for_hf": "registry", "family_named": "registry", "family_of": "registry",
     "named_config": "registry", "register_family": "registry",
+    "unregister_family": "registry",
 }
 
 __all__ = sorted(_SOURCES)

@@ -16,7 +16,7 @@ from typing import Any
 from .spec import ModelFamily
 
 __all__ = ["checkpoint_family", "config_names", "families", "family_for_hf", "family_named",
-           "family_of", "named_config", "register_family"]
+           "family_of", "named_config", "register_family", "unregister_family"]
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
@@ -58,6 +58,14 @@ def register_family(family: ModelFamily) -> ModelFamily:
     _registered()
     _add(family)
     return family
+
+
+def unregister_family(name: str) -> None:
+    """Forget the family called ``name`` (a built-in one comes back on the next lookup only
+    if no family is left)."""
+    if _registered().pop(name, None) is None:
+        raise KeyError(f"no model family named {name!r}; families: "
+                       f"{', '.join(f.name for f in families())}")
 
 
 def families() -> tuple[ModelFamily, ...]:
