@@ -10,9 +10,10 @@ name, model or Hugging Face ``model_type``, and takes families of the user's own
     family.param_shapes(family.config("llama3_1_8b"))
     register_family(MY_FAMILY)                     # then: tpu-train model.name=<its config>
 
-The model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
+A model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
 module runs eagerly on the CPU or the ``tpu`` device and traces with ``make_fx`` for compiled
-training steps.
+training steps. The Llama names below are importable from here as well as from
+``tpu_train.models.llama``.
 
 Configurations::
 
