@@ -264,9 +264,8 @@ def test_a_partitioned_bf16_stack_whose_attention_could_take_the_kernels():
     import jax
 
     from tpu_train.compile import lower_train_step
-    from tpu_train.models import Llama, LlamaConfig
+    from tpu_train.models import LLAMA, Llama, LlamaConfig
     from tpu_train.ops import attention_tpu
-    from tpu_train.models import LLAMA
     from tpu_train.parallel import sharding_plan
     from tpu_train.parallel.mesh import build_mesh
 
