@@ -173,7 +173,7 @@ def main(argv=None) -> None:
 
     from train_step_modes import device_facts
 
-    from tpu_train.models.config import flops_per_token
+    from tpu_train.models import flops_per_token
 
     config, batch, seq, option = model_shape(args)
     rng = np.random.default_rng(0)

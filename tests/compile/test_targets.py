@@ -100,12 +100,13 @@ def test_a_mesh_is_laid_over_the_target_chips():
     import jax
     from jax.sharding import Mesh
 
-    from tpu_train.parallel.llama_plan import llama_plan
+    from tpu_train.models import LLAMA
+    from tpu_train.parallel import sharding_plan
 
     model, optimizer, batch = _meta_step(batch=4)
     # Any 4 devices: only the mesh's axes count, laid over the target's chips.
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
-    program = lower_train_step(model, optimizer, _loss, batch, mesh=mesh, plan=llama_plan(),
+    program = lower_train_step(model, optimizer, _loss, batch, mesh=mesh, plan=sharding_plan(LLAMA),
                                target="v5e:2x2")
     shardings = program.lowered.compile().input_shardings[0]
     devices = {d for s in jax.tree.leaves(shardings) for d in s.device_set}

@@ -5,8 +5,8 @@ import pytest
 
 from tests.parallel import jax_reference as ref
 from tpu_train.compile.program import compiled_analysis
-from tpu_train.models import flops_per_token, get_config, num_params
-from tpu_train.parallel import build_mesh, llama_plan
+from tpu_train.models import LLAMA, flops_per_token, get_config, num_params
+from tpu_train.parallel import build_mesh, sharding_plan
 from tpu_train.parallel.mesh import MeshError
 from tpu_train.planning import (CHIPS, alignment_warnings, estimate, estimate_from_config,
                                 format_report)
@@ -160,8 +160,8 @@ def test_alignment_flags_name_the_config_key():
 @pytest.mark.parametrize("degrees", [(1, 8, 1), (1, 4, 2)])
 def test_analytic_memory_within_10_percent_of_xla(degrees):
     batch, seq = 32, 64
-    mesh = build_mesh(*degrees, model_config=SMALL)
-    plan = llama_plan()
+    mesh = build_mesh(*degrees, split_sizes=LLAMA.split_sizes(SMALL))
+    plan = sharding_plan(LLAMA)
     step = ref.make_train_step(SMALL, mesh, plan)
     xla = compiled_analysis(step.lower(*ref.abstract_inputs(SMALL, batch, seq, mesh, plan))
                             .compile())

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kv_cache import KVCache, StaticKVCache
-from .llama import Llama
+from .llama.kv_cache import KVCache, StaticKVCache
+from .llama.model import Llama
 
 __all__ = ["StaticCacheDecoding", "check_sampling", "generate", "sample_next_token",
            "static_cache_step"]

@@ -42,9 +42,9 @@ from tpu_train.compile import lower_train_step, memory_errors
 from tpu_train.compile.program import compiled_analysis
 from tpu_train.compile.stored_moments import AdamWStoredMoments
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
-from tpu_train.models import Llama
+from tpu_train.models import family_of
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
-from tpu_train.parallel.llama_plan import llama_plan
+from tpu_train.parallel.family_plans import sharding_plan
 from tpu_train.parallel.mesh import build_mesh
 
 from . import compiler_log, tpu_dump
@@ -114,14 +114,16 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
     """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them
     (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults; ``lora``: a LoRA
     run's adapters and int8 base, :func:`.frozen_base.adapt_meta_model`)."""
+    family = family_of(cfg)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = family.build(cfg)
         tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
                   "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
         adapt_meta_model(model, lora, compute_dtype)
     if param_dtype is not None:
         model.to(param_dtype)
-    apply_activation_checkpointing(model, remat)
+    apply_activation_checkpointing(model, remat, blocks=family.blocks(model),
+                                   qkv_projections=family.qkv_projections)
     trained = [p for p in model.parameters() if p.requires_grad]
     if state_dtype is None:
         optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.1)
@@ -148,7 +150,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            target: str | None = None,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    """XLA's memory and cost analysis of the compiled PyTorch Llama step.
+    """XLA's memory and cost analysis of the compiled PyTorch step of a named model config.
 
     ``remat`` (``trainer.remat``; ``activation_checkpointing``: ``full``). ``batch``: the
     step's rows, run ``batch / grad_accum_steps`` at a time (the trainer's split of a step).
@@ -167,15 +169,17 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     """
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     devices = resolve_target(target).devices if target is not None else None
-    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
+    family = family_of(cfg)
+    mesh = build_mesh(data, fsdp, tensor, devices=devices, split_sizes=family.split_sizes(cfg))
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"),
         param_dtype=param_dtype, state_dtype=state_dtype, lora=lora,
         compute_dtype=compute_dtype)
-    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
-                               compute_dtype=compute_dtype, grad_accum_steps=grad_accum_steps,
-                               scan_layers=scan_layers, runtime_options=False, compile=False)
+    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh,
+                               plan=sharding_plan(family), compute_dtype=compute_dtype,
+                               grad_accum_steps=grad_accum_steps, scan_layers=scan_layers,
+                               runtime_options=False, compile=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
                            "compiler": "TPU" if target is not None else "CPU"}
     if target is not None:

@@ -2,8 +2,10 @@
 
 :func:`estimate` is instantaneous, for any model size: the bytes each chip holds for
 parameters, gradients, AdamW's two moments and activations (with or without
-activation checkpointing) under the Llama plan's shardings, the FLOPs of one step from
-``flops_per_token``, and a step time on a named TPU generation at an *assumed* MFU.
+activation checkpointing) under the shardings of the model family's plan, the FLOPs of one
+step from the family's ``flops_per_token``, and a step time on a named TPU generation at an
+*assumed* MFU. The activation model is that of a decoder config with Llama's fields (``dim``,
+``n_layers``, ``n_heads``, ``n_kv_heads``, ``ffn_hidden_dim``, ``vocab_size``).
 :func:`estimate_from_config` reads the same from a composed ``tpu-train`` config. What XLA
 says about the compiled step is :mod:`tpu_train.planning.analysis`; ``tpu-train plan`` puts
 the two side by side.
@@ -19,10 +21,10 @@ from typing import Any
 import torch
 
 from tpu_train.compile.layer_groups import scans
+from tpu_train.models import checkpoint_family, family_of, named_config
 from tpu_train.ops import attention_tpu
-from tpu_train.models import flops_per_token, get_config, num_params, param_shapes, read_config
-from tpu_train.parallel.llama_plan import llama_plan
-from tpu_train.parallel.mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
+from tpu_train.parallel.family_plans import sharding_plan
+from tpu_train.parallel.mesh import MeshShape, check_divisibility, resolve_mesh_shape
 
 from .frozen_base import FrozenBase, frozen_base_of
 from .frozen_base import weight_bytes as frozen_weight_bytes
@@ -89,10 +91,11 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
 
     "Gathered" means after the FSDP all-gather: still split over ``tensor``.
     """
-    plan = llama_plan()
+    family = family_of(cfg)
+    plan = sharding_plan(family)
     sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
     local = gathered = layer0 = largest = 0
-    for name, dims in param_shapes(cfg).items():
+    for name, dims in family.param_shapes(cfg).items():
         spec = plan.spec_for(name, dims)
         entries = tuple(spec) + (None,) * (len(dims) - len(spec))
         n = n_gathered = 1
@@ -207,14 +210,14 @@ def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
             padded = -(-value // ALIGN) * ALIGN
             # Only the vocabulary can be padded without changing the model: the extra rows
             # are ids the tokenizer never produces. dim and ffn_hidden_dim are the model's own.
-            fix = (f"set LlamaConfig.vocab_size to {padded} (the extra rows are ids the tokenizer "
+            fix = (f"set {type(cfg).__name__}.vocab_size to {padded} (the extra rows are ids the tokenizer "
                    "never produces)" if key == "vocab_size" else "fixed by the checkpoint")
             out.append(f"model.{key}={value} is not a multiple of {ALIGN}: XLA pads it to "
                        f"{padded} on TPU ({100 * (padded - value) / value:.1f} % wasted; {fix})")
     if cfg.head_dim % ALIGN:
         out.append(f"head_dim = dim / n_heads = {cfg.head_dim} is not a multiple of {ALIGN}: "
                    f"attention score matmuls contract over it and fill the MXU only partly "
-                   f"(set by LlamaConfig.n_heads; usually fixed by the checkpoint)")
+                   f"(set by {type(cfg).__name__}.n_heads; usually fixed by the checkpoint)")
     if shape is not None:
         local = {"dim / fsdp": (cfg.dim, shape.fsdp),
                  "ffn_hidden_dim / tensor": (cfg.ffn_hidden_dim, shape.tensor),
@@ -261,7 +264,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     remat = remat or ("full" if activation_checkpointing else "none")
     activation_checkpointing = remat == "full"
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices)
-    check_model_divisibility(cfg, shape)
+    family = family_of(cfg)
+    check_divisibility(family.split_sizes(cfg), shape)
     if batch % shape.batch_shards:
         raise ValueError(f"global batch {batch} must be a multiple of data * fsdp = "
                          f"{shape.batch_shards}")
@@ -300,7 +304,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              + sum(v for k, v in rows.items() if k.startswith("bytes_")))
 
     tokens = batch * seq_len * grad_accum_steps
-    model_flops = flops_per_token(cfg, seq_len) * tokens
+    model_flops = family.flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
     recompute = remat in ("full", "save_qkv_proj")
     hardware_flops = model_flops * (4 / 3 if recompute else 1)
@@ -315,7 +319,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
         "remat": remat,
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
-        "num_params": num_params(cfg), "trained_params": trained if frozen_base else None,
+        "num_params": family.num_params(cfg),
+        "trained_params": trained if frozen_base else None,
         "base_dtype": ("int8" if frozen_base.int8 else "param") if frozen_base else None,
         "grad_accum_steps": grad_accum_steps,
         "bytes_params": params, "bytes_optimizer": optimizer,
@@ -386,9 +391,9 @@ def planned_model(name: str, checkpoint: str | None = None, **overrides: int):
     names one (as the trainer builds it), else the named preset; ``overrides``
     (:func:`architecture_overrides`) applied."""
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
-        config = read_config(checkpoint)[1]
+        config = checkpoint_family(checkpoint).hf.read_config(checkpoint)[1]
     else:
-        config = get_config(name)
+        config = named_config(name)
     return dataclasses.replace(config, **overrides) if overrides else config
 
 

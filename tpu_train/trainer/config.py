@@ -107,7 +107,8 @@ class ScheduleName(Enum):
 
 @dataclass
 class ModelConfig:
-    """Which Llama to build, and optionally a Hugging Face directory to load weights from."""
+    """Which model to build (a named config of a registered family), and optionally a Hugging
+    Face directory to load weights from."""
 
     name: str = "debug_tiny"
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files

@@ -147,7 +147,7 @@ def _data_notes(cfg: DictConfig, train, val) -> list[str]:
 
 
 def build_model(job: Job, tokenizer, from_checkpoint: bool = True) -> torch.nn.Module:
-    """The configured Llama on the CPU (``model.checkpoint`` loaded when set). With an int8
+    """The configured model on the CPU (``model.checkpoint`` loaded when set). With an int8
     base (``model.base_dtype=int8``) it is built in bfloat16, so that an 8B's weights take
     16 GB of host memory until :func:`store_frozen_base` quantizes them."""
     dtype = torch.bfloat16 if int8_base(job.cfg) else torch.float32
@@ -193,11 +193,14 @@ def parallelize(job: Job, model: torch.nn.Module) -> Layout:
     (``trainer.remat``; here, so that no recipe can leave it out), the weights stored in
     ``trainer.param_dtype``, the model on the device (sharded per device for
     ``trainer.mode=eager`` under a launcher)."""
+    from tpu_train.models import family_of
     from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 
     remat = remat_policy(job.cfg.trainer)
     if remat != "none":
-        apply_activation_checkpointing(model, remat)
+        family = family_of(model)
+        apply_activation_checkpointing(model, remat, blocks=family.blocks(model),
+                                       qkv_projections=family.qkv_projections)
     if ParamDtype(job.cfg.trainer.param_dtype) is ParamDtype.bf16:
         model.to(torch.bfloat16)
     parallel = setup_parallelism(job.cfg, model, job.world, job.device)

@@ -360,10 +360,14 @@ def _validate_optimizer(optim, sched) -> None:
 
 
 def _validate_model_and_data(cfg) -> None:
-    from tpu_train.models.config import CONFIGS
+    from tpu_train.models import config_names, family_named
 
-    _require(cfg.model.name in CONFIGS,
-             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
+    names = config_names()
+    _require(cfg.model.name in names,
+             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(names)}")
+    _require(not cfg.checkpoint.export_hf or family_named(cfg.model.name).hf is not None,
+             f"checkpoint.export_hf=true, but model family {family_named(cfg.model.name).name} "
+             "has no Hugging Face format; set checkpoint.export_hf=false")
     for key in ("n_layers", "max_seq_len"):
         value = cfg.model.get(key)
         _require(value is None or value >= 1,

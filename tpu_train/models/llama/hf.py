@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import LlamaConfig, RopeScaling
-from .llama import Llama
+from .model import Llama
 
 __all__ = [
     "config_from_hf",
