@@ -55,6 +55,7 @@ class Target:
     generation: str
     shape: tuple[int, ...]  # chips along each axis
     devices: tuple
+    num_slices: int = 1  # slices joined by the data-center network (DCN)
 
     @property
     def num_chips(self) -> int:

@@ -50,6 +50,7 @@ from tpu_train.parallel.mesh import build_mesh
 from . import compiler_log, tpu_dump
 from .estimate import planned_model
 from .loop_flops import loop_flops
+from .step_time import predict_step_time
 
 __all__ = ["ANALYSIS_ONLY_XLA_FLAGS", "CHILD_TIMEOUT_S", "analyse_in_child",
            "compiled_step_analysis", "pod_topology", "virtual_devices_env"]
@@ -179,7 +180,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         def report(figures: dict, text: str) -> None:
             seconds["compile_until_buffer_assignment"] = time.perf_counter() - started
             on_dumped({**out, **figures, **loop_flops(text, figures["flops_per_device"]),
-                       "seconds": seconds})
+                       **_step_time(text, target), "seconds": seconds})
 
         watcher = tpu_dump.report_when_dumped(dump_to, report)
     try:
@@ -198,9 +199,24 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         return {**out, **_out_of_memory_figures(found), "seconds": seconds}
     seconds["compile"] = time.perf_counter() - started
     out.update(compiled_analysis(compiled))
-    out.update(loop_flops(compiled.as_text(), out["flops_per_device"]))
+    text = compiled.as_text()
+    out.update(loop_flops(text, out["flops_per_device"]))
+    if target is not None:
+        out.update(_step_time(text, target))
     out["seconds"] = seconds
     return out
+
+
+def _step_time(text: str, target: str) -> dict[str, Any]:
+    """``{"step_time": ...}``: the step's time predicted from its TPU program
+    (:mod:`tpu_train.planning.step_time`), or ``step_time_error`` saying why there is none."""
+    resolved = resolve_target(target)
+    try:
+        return {"step_time": predict_step_time(text, resolved.generation,
+                                               num_chips=resolved.num_chips,
+                                               num_slices=resolved.num_slices)}
+    except (ValueError, KeyError) as error:  # a program this model cannot read: said, not fatal
+        return {"step_time_error": f"{type(error).__name__}: {error}"}
 
 
 def _out_of_memory_figures(error: memory_errors.ProgramOutOfMemoryError) -> dict[str, Any]:

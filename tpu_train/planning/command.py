@@ -41,6 +41,7 @@ from . import estimate as estimate_mod
 from . import fit
 from .analysis import CHILD_TIMEOUT_S, analyse_in_child, pod_topology
 from .report import format_fitting, format_report
+from .step_time import get_rates
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "FAST_MARGIN", "PLAN_SEQ_LEN_CAP", "choose_compiler",
            "command_line", "plan_job", "planning_config", "run_plan", "verdict", "write_plan"]
@@ -111,6 +112,17 @@ def _compare(result: dict[str, Any]) -> None:
                                            / result["hardware_flops_per_chip"] - 1)
 
 
+def _step_time_figures(result: dict[str, Any]) -> None:
+    """The MFU and tokens/s/chip at the step time predicted from the compiled program."""
+    predicted = (result.get("xla") or {}).get("step_time")
+    if not predicted or predicted["step_time_s"] <= 0:
+        return
+    chips, seconds = result["num_devices"], predicted["step_time_s"]
+    predicted["mfu"] = (result["model_flops_per_step"] / chips / seconds
+                        / get_rates(predicted["chip"]).bf16_flops)
+    predicted["tokens_per_s_per_chip"] = result["tokens_per_step"] / chips / seconds
+
+
 def verdict(result: dict[str, Any]) -> dict[str, Any] | None:
     """Whether the step fits on ``result``'s chip, by one figure, and which (``basis``): XLA's
     TPU compiler's where it compiled the step for the chip (its executable's own total, its
@@ -170,6 +182,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
             result["xla"] = {"xla_error": f"the compiled step could not be analysed "
                                           f"({' '.join(str(err).split())[-300:]})"}
         _compare(result)
+        _step_time_figures(result)
     result["verdict"] = verdict(result)
     if result["verdict"] is not None:
         result["fits"] = result["verdict"]["fits"]
