@@ -88,6 +88,18 @@ def test_v5e_compiler_figures_with_scanned_layers_counted_per_layer(tmp_path):
     # Per-chip memory holds at least the FSDP shards of the parameters and AdamW's moments.
     assert scanned["argument_size_in_bytes"] >= 3 * 4 * num_params(cfg) / 4
     assert scanned["bytes_peak_estimate"] > scanned["argument_size_in_bytes"]
+    # The step-time model walks the same programs: its kernels' matrix FLOPs, each loop body's
+    # times its trips, are XLA's whole-program count less the elementwise FLOPs (under 2 %).
+    for figures in (scanned, unrolled):
+        predicted = figures["step_time"]
+        assert 0.98 * figures["flops_per_device"] <= predicted["flops_per_chip"] \
+            <= figures["flops_per_device"]
+        # FSDP over 4 chips: every float32 weight is all-gathered and its gradient
+        # reduce-scattered, 3/4 of it each way crossing the links, at the least.
+        assert predicted["ici_bytes_per_chip"] >= 2 * 0.75 * 4 * num_params(cfg)
+        assert predicted["dcn_bytes_per_chip"] == 0 and predicted["collectives_run"] > 0
+        assert predicted["step_time_s"] >= sum(
+            predicted[k] for k in ("compute_bound_s", "memory_bound_s", "vector_bound_s"))
 
 
 def test_loops_and_their_trip_counts_are_read_from_the_program():
@@ -136,6 +148,13 @@ def test_the_plan_reads_the_buffer_assignment_as_a_lower_bound_by_default(tmp_pa
         result["xla"]["bytes_peak_estimate"] * 1.07)
     assert result["fits"] and "its buffer assignment + 7 % (the most the compiler's own total" \
         in out
+    # The step time read from the same program, with where it goes and its basis.
+    predicted = result["xla"]["step_time"]
+    assert 0 < predicted["mfu"] < 1 and predicted["tokens_per_s_per_chip"] > 0
+    assert f"step time predicted from the compiled program: " \
+           f"{1e3 * predicted['step_time_s']:.1f} ms, MFU {100 * predicted['mfu']:.1f} %" in out
+    assert "  where it goes: compute-bound kernels " in out
+    assert "cloud.google.com/tpu/docs/v5e" in out
 
 
 # libtpu's account of a compile (v5e, the default job's step), as its INFO log has it.

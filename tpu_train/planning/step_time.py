@@ -426,7 +426,8 @@ class _Walker:
             if op in _COPY_STARTS:
                 moved = sum(a.nbytes for o in inst.operands
                             for a in arrays(self.costs.shapes.get(o, "")) if a.in_hbm)
-                moved += sum(a.nbytes for a in inst.results[1:2] if a.in_hbm)
+                # (destination, source, context): the source is the operand, counted above.
+                moved += sum(a.nbytes for a in inst.results[:1] if a.in_hbm)
                 tally.total("copy_bytes", moved)
                 pending[inst.name] = ("copy", tally.seconds, tally.hbm_idle_s,
                                       moved / (self.rates.hbm_bytes_per_s * HBM_EFFICIENCY))
