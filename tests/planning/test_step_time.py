@@ -86,7 +86,7 @@ def test_the_module_is_read_as_computations_in_schedule_order():
 
 
 def test_each_part_of_the_program_costs_what_the_chip_rates_say():
-    out = predict_step_time(PROGRAM, "v5e", num_chips=8)
+    out = predict_step_time(PROGRAM, "v5e")
     # The matmul: 2 x 128 x 256 x 512 FLOPs (XLA's count) against its 458,752 HBM bytes:
     # memory-bound, 0.56 us, above its 100 compiler cycles.
     flops = 2 * 128 * 256 * 512
@@ -114,10 +114,11 @@ def test_each_part_of_the_program_costs_what_the_chip_rates_say():
 def test_a_group_spanning_slices_crosses_dcn_and_one_inside_a_slice_does_not():
     # Two slices of 4 chips: devices 0-3 and 4-7 of the row-major 4 x 2 mesh. The group
     # along axis_0 (devices 0, 2, 4, 6) spans both, the one along axis_1 (0, 1) one slice.
-    out = predict_step_time(PROGRAM, "v5e", num_chips=8, num_slices=2)
+    out = predict_step_time(PROGRAM, "v5e", device_slices=[0, 0, 0, 0, 1, 1, 1, 1])
     assert out["dcn_bytes_per_chip"] == pytest.approx(0.75 * 1024 * 256 * 4)
     assert out["ici_bytes_per_chip"] == pytest.approx(0.5 * 512 * 256 * 4)
     assert out["exposed_dcn_s"] == pytest.approx(0.75 * 1024 * 256 * 4 / V5E.dcn_bytes_per_s)
+    assert out["collectives_by_link"] == {"dcn": {"all-gather": 1}, "ici": {"all-gather": 1}}
 
 
 def _gather_around_matmul(overlapped: bool) -> str:
@@ -145,10 +146,10 @@ def _gather_around_matmul(overlapped: bool) -> str:
 def test_an_asynchronous_collective_overlaps_the_kernels_between_its_halves():
     gather = 0.75 * 1024 * 256 * 4 / V5E.ici_bytes_per_s
     matmul = (128 * 256 + 256 * 512 + 128 * 512) * 2 / V5E.hbm_bytes_per_s
-    apart = predict_step_time(_gather_around_matmul(False), "v5e", num_chips=8)
+    apart = predict_step_time(_gather_around_matmul(False), "v5e")
     assert apart["exposed_ici_s"] == pytest.approx(gather)
     assert apart["step_time_s"] == pytest.approx(gather + matmul)
-    around = predict_step_time(_gather_around_matmul(True), "v5e", num_chips=8)
+    around = predict_step_time(_gather_around_matmul(True), "v5e")
     assert around["exposed_ici_s"] == pytest.approx(gather - matmul)
     assert around["step_time_s"] == pytest.approx(gather)
     assert around["ici_bytes_per_chip"] == apart["ici_bytes_per_chip"] == 0.75 * 1024 * 256 * 4

@@ -41,7 +41,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .hlo_program import Computation, Instruction, arrays, parse_module
 from .loop_flops import while_loops
@@ -127,9 +127,10 @@ def get_rates(name: str) -> ChipRates:
 
 
 def _group(inst: Instruction) -> list[int]:
-    """The device ids of a collective's first group (those of the mesh written
-    ``mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``: the devices that differ along the named axes,
-    device ids numbering the mesh row-major), or ``[0]`` where the groups are not written."""
+    """The devices of a collective's first group, by their position in the program's device
+    order (for a group of the mesh written ``mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``: the
+    devices that differ along the named axes, the mesh numbered row-major), or ``[0]`` where
+    the groups are not written."""
     mesh = _GROUPS_MESH.search(inst.attributes)
     if mesh:
         sizes = {name: int(size) for name, size in _MESH_AXIS.findall(mesh.group(1))}
@@ -344,11 +345,12 @@ def _op_name(inst: Instruction) -> str:
 
 
 class _Walker:
-    def __init__(self, costs: _Costs, rates: ChipRates, num_slices: int, chips: int):
+    def __init__(self, costs: _Costs, rates: ChipRates, device_slices: Sequence[int]):
         self.costs = costs
         self.rates = rates
-        self.num_slices = num_slices
-        self.chips_per_slice = max(1, chips // max(1, num_slices))
+        self.device_slices = list(device_slices)
+        # {link: {collective kind: how many the program has}} (not per run: per site).
+        self.kinds: dict[str, dict[str, int]] = {}
         self.memo: dict[str, _Tally] = {}
 
     def kernel(self, inst: Instruction, tally: _Tally) -> float:
@@ -394,9 +396,9 @@ class _Walker:
         record[1] += seconds
         return seconds
 
-    def collective(self, inst: Instruction) -> tuple[str, float, float]:
-        """``(link, bytes per chip, seconds)`` of a collective, or of the collective inside a
-        collective fusion (``link``: ici, or dcn where its group spans slices)."""
+    def collective(self, inst: Instruction, tally: _Tally) -> tuple[str, float]:
+        """``(link, seconds)`` of a collective, or of the collective inside a collective
+        fusion (``link``: ici, or dcn where its group spans slices); its bytes counted."""
         inner = self.costs.collective_inside(inst) or inst
         kind = inner.opcode.removesuffix("-start")
         called = inst.called("calls") or ""
@@ -409,16 +411,30 @@ class _Walker:
             max((a.nbytes for a in results), default=0)
         group = _group(inner)
         wire = collective_wire_bytes(kind, operand, result, len(group))
-        crosses = self.num_slices > 1 and \
-            len({d // self.chips_per_slice for d in group}) > 1
+        slices = self.device_slices
+        crosses = len({slices[d] if d < len(slices) else 0 for d in group}) > 1
         rate = self.rates.dcn_bytes_per_s if crosses else self.rates.ici_bytes_per_s
-        return ("dcn" if crosses else "ici"), wire, wire / rate
+        link = "dcn" if crosses else "ici"
+        self.kinds.setdefault(link, {}).setdefault(kind, 0)
+        self.kinds[link][kind] += 1
+        tally.total(f"{link}_bytes", wire)
+        tally.total("collectives", 1)
+        return link, wire / rate
 
     def walk(self, name: str) -> _Tally:
         if name in self.memo:
             return self.memo[name]
         tally = _Tally()
-        pending: dict[str, tuple[str, float, float, float]] = {}
+        # Asynchronous transfers by link: each link (HBM's time left idle by the kernels for
+        # copies; ICI and DCN for collectives) serves them in the order they start.
+        queues: dict[str, float] = {}
+        pending: dict[str, tuple[str, float]] = {}
+
+        def start(kind: str, seconds: float) -> float:
+            now = tally.hbm_idle_s if kind == "copy" else tally.seconds
+            queues[kind] = max(now, queues.get(kind, 0.0)) + seconds
+            return queues[kind]
+
         for inst in self.costs.computations[name].instructions:
             op = inst.opcode
             if op in _FREE or (op == "custom-call" and _custom_target(inst) in _FREE_CUSTOM_CALLS):
@@ -429,38 +445,32 @@ class _Walker:
                 # (destination, source, context): the source is the operand, counted above.
                 moved += sum(a.nbytes for a in inst.results[:1] if a.in_hbm)
                 tally.total("copy_bytes", moved)
-                pending[inst.name] = ("copy", tally.seconds, tally.hbm_idle_s,
-                                      moved / (self.rates.hbm_bytes_per_s * HBM_EFFICIENCY))
+                seconds = moved / (self.rates.hbm_bytes_per_s * HBM_EFFICIENCY)
+                pending[inst.name] = ("copy", start("copy", seconds))
             elif op.endswith("-start") and (op.removesuffix("-start") in _COLLECTIVES
                                             or op == "async-start"):
-                link, wire, seconds = self.collective(inst)
-                tally.total(f"{link}_bytes", wire)
-                tally.total("collectives", 1)
-                pending[inst.name] = (link, tally.seconds, tally.hbm_idle_s, seconds)
+                link, seconds = self.collective(inst, tally)
+                pending[inst.name] = (link, start(link, seconds))
             elif op.endswith("-done") or "collective-done" in inst.name:
                 operands = [self.costs.sources.get(o, o) for o in inst.operands]
                 started = next((pending.pop(o) for o in operands if o in pending), None)
                 if started is not None:
-                    self._finish(started, tally)
+                    self._finish(*started, tally)
+            elif op in _COLLECTIVES:
+                link, seconds = self.collective(inst, tally)
+                self._finish(link, start(link, seconds), tally)
             elif self.costs.collective_inside(inst) is not None:
-                link, wire, seconds = self.collective(inst)
-                tally.total(f"{link}_bytes", wire)
-                tally.total("collectives", 1)
+                link, seconds = self.collective(inst, tally)
                 # Its own work (a matmul the compiler fused with a reduce-scatter) runs
                 # while it transfers.
-                own = self.kernel(inst, tally)
+                at = tally.seconds
+                self.kernel(inst, tally)
                 if "collective-start" in inst.name:
-                    pending[inst.name] = (link, tally.seconds, tally.hbm_idle_s, seconds)
+                    queues[link] = max(at, queues.get(link, 0.0)) + seconds
+                    pending[inst.name] = (link, queues[link])
                 else:
-                    exposed = max(0.0, seconds - own)
-                    tally.seconds += exposed
-                    tally.part(f"exposed_{link}_s", exposed)
-            elif op in _COLLECTIVES:
-                link, wire, seconds = self.collective(inst)
-                tally.total(f"{link}_bytes", wire)
-                tally.total("collectives", 1)
-                tally.seconds += seconds
-                tally.part(f"exposed_{link}_s", seconds)
+                    queues[link] = max(at, queues.get(link, 0.0)) + seconds
+                    self._finish(link, queues[link], tally)
             elif op == "while":
                 body = self.walk(inst.called("body"))
                 trips = self.costs.trips.get(inst.called("body")) or 1
@@ -473,20 +483,19 @@ class _Walker:
             else:
                 self.kernel(inst, tally)
         for started in pending.values():  # never waited for inside: exposed at the end
-            self._finish(started, tally)
+            self._finish(*started, tally)
         self.memo[name] = tally
         return tally
 
     @staticmethod
-    def _finish(started: tuple[str, float, float, float], tally: _Tally) -> None:
-        """An asynchronous transfer's end: what did not overlap the ops since its start."""
-        kind, at, idle_at, seconds = started
-        available = (tally.hbm_idle_s - idle_at) if kind == "copy" else (tally.seconds - at)
-        exposed = max(0.0, seconds - available)
+    def _finish(kind: str, done_at: float, tally: _Tally) -> None:
+        """An asynchronous transfer's end, due at ``done_at`` on its link's clock: the wait,
+        if it is not done yet, is exposed (no kernel runs meanwhile: HBM is idle too)."""
+        now = tally.hbm_idle_s if kind == "copy" else tally.seconds
+        exposed = max(0.0, done_at - now)
         tally.seconds += exposed
+        tally.hbm_idle_s += exposed
         tally.part(f"exposed_{kind}_s", exposed)
-        if kind == "copy":  # the HBM time it took is no longer idle for the next transfer
-            tally.hbm_idle_s -= min(seconds, available)
 
 
 def _custom_target(inst: Instruction) -> str:
@@ -494,21 +503,23 @@ def _custom_target(inst: Instruction) -> str:
     return found.group(1) if found else ""
 
 
-def predict_step_time(text: str, chip: str, *, num_chips: int = 1, num_slices: int = 1,
+def predict_step_time(text: str, chip: str, *, device_slices: Sequence[int] = (),
                       model_flops_per_chip: float | None = None,
                       flops_of: Callable[[str], float] | None = None,
                       top: int = 8) -> dict[str, Any]:
     """The predicted time of one run of the program ``text`` (an optimized HLO module) on
     one chip of generation ``chip`` (module docstring), with where it goes.
 
-    ``num_chips`` and ``num_slices``: the target's (a collective whose device group spans
-    slices crosses DCN). ``model_flops_per_chip`` (the model's FLOPs a step, per chip): the
+    ``device_slices``: the slice of each of the program's devices, in its device order (the
+    mesh's devices, row-major): a collective whose group spans slices crosses DCN; empty,
+    one slice. ``model_flops_per_chip`` (the model's FLOPs a step, per chip): the
     MFU at the predicted time. ``flops_of`` (tests): HLO text -> FLOPs, XLA's cost analysis
     on this host's CPU client by default.
     """
     rates = get_rates(chip)
     costs = _Costs(text, flops_of or hlo_flops)
-    tally = _Walker(costs, rates, num_slices, num_chips).walk(costs.entry)
+    walker = _Walker(costs, rates, device_slices)
+    tally = walker.walk(costs.entry)
     parts = {key: tally.parts.get(key, 0.0) for key in
              ("compute_bound_s", "memory_bound_s", "vector_bound_s", "exposed_copy_s",
               "exposed_ici_s", "exposed_dcn_s", "above_roofline_s")}
@@ -522,6 +533,7 @@ def predict_step_time(text: str, chip: str, *, num_chips: int = 1, num_slices: i
         "dcn_bytes_per_chip": tally.totals.get("dcn_bytes", 0.0),
         "kernels_run": int(tally.totals.get("kernels", 0)),
         "collectives_run": int(tally.totals.get("collectives", 0)),
+        "collectives_by_link": walker.kinds,
         "top_kernels": [{"bound": bound, "op": op, "runs": int(count), "seconds": seconds}
                         for (bound, op), (count, seconds) in kernels],
         "efficiency": {"mxu": MXU_EFFICIENCY, "hbm": HBM_EFFICIENCY},
