@@ -440,10 +440,7 @@ class _Walker:
             if op in _FREE or (op == "custom-call" and _custom_target(inst) in _FREE_CUSTOM_CALLS):
                 continue
             if op in _COPY_STARTS:
-                moved = sum(a.nbytes for o in inst.operands
-                            for a in arrays(self.costs.shapes.get(o, "")) if a.in_hbm)
-                # (destination, source, context): the source is the operand, counted above.
-                moved += sum(a.nbytes for a in inst.results[:1] if a.in_hbm)
+                moved = self._copied_bytes(inst)
                 tally.total("copy_bytes", moved)
                 seconds = moved / (self.rates.hbm_bytes_per_s * HBM_EFFICIENCY)
                 pending[inst.name] = ("copy", start("copy", seconds))
@@ -486,6 +483,18 @@ class _Walker:
             self._finish(*started, tally)
         self.memo[name] = tally
         return tally
+
+    def _copied_bytes(self, inst: Instruction) -> float:
+        """HBM bytes an asynchronous copy moves: what it writes, once for each of its two
+        ends in HBM. A copy-start's result is ``(destination, source, context)``, a
+        slice-start's ``((source,), slice, context)``: the slice alone moves."""
+        source = next((a for o in inst.operands
+                       for a in arrays(self.costs.shapes.get(o, ""))), None)
+        results = inst.results
+        if source is None or len(results) < 2:
+            return 0.0
+        written = results[0] if inst.opcode == "copy-start" else results[-2]
+        return written.nbytes * (int(source.in_hbm) + int(written.in_hbm))
 
     @staticmethod
     def _finish(kind: str, done_at: float, tally: _Tally) -> None:
