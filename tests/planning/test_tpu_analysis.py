@@ -102,6 +102,22 @@ def test_v5e_compiler_figures_with_scanned_layers_counted_per_layer(tmp_path):
             predicted[k] for k in ("compute_bound_s", "memory_bound_s", "vector_bound_s"))
 
 
+@needs_libtpu
+def test_two_slices_compile_and_only_gradient_reductions_cross_dcn():
+    # data=2 across two slices of v5e:2x2, fsdp=4 inside each: a chip's gradient shard is
+    # all-reduced with its twin in the other slice; the weights' all-gathers stay on ICI.
+    two = compiled_step_analysis("debug_tiny", scan_layers=True, target="v5e:2x2",
+                                 num_slices=2, **{**FSDP4, "data": 2})
+    assert two["compiled_for"] == "v5e:2x2 x 2 slices"
+    links = two["step_time"]["collectives_by_link"]
+    assert set(links["dcn"]) == {"all-reduce"}
+    assert "all-gather" in links["ici"]
+    # A ring of two sends each chip's whole gradient shard once (float32, 1/4 of the model).
+    shard = 4 * num_params(get_config("debug_tiny", **SMALL)) / 4
+    assert shard <= two["step_time"]["dcn_bytes_per_chip"] <= 1.5 * shard
+    assert two["step_time"]["exposed_dcn_s"] > 0
+
+
 def test_loops_and_their_trip_counts_are_read_from_the_program():
     text = (
         "HloModule m\n\n"

@@ -97,7 +97,11 @@ CAUSAL_FRACTION = 0.5
 
 # Ops that move no data and compute nothing on the chip.
 _FREE = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all",
-         "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain", "iota"}
+         "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain", "iota",
+         "recv", "recv-done"}
+# A collective across slices: the TPU compiler hands it to the multi-slice runtime as a host
+# transfer, a ``send`` whose attributes name the collective (``ALL_REDUCE``, ...).
+_DCN_TRANSFER = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 # Custom calls that are layout bookkeeping, not kernels.
 _FREE_CUSTOM_CALLS = {"ConcatBitcast", "AssumeGatherIndicesInBound", "Sharding",
                       "SPMDFullToShardShape", "SPMDShardToFullShape", "MoveToHost",
@@ -448,6 +452,11 @@ class _Walker:
                                             or op == "async-start"):
                 link, seconds = self.collective(inst, tally)
                 pending[inst.name] = (link, start(link, seconds))
+            elif op == "send":
+                transfer = _DCN_TRANSFER.search(inst.attributes)
+                if transfer:
+                    seconds = self.dcn_transfer(inst, transfer.group(1), tally)
+                    pending[inst.name] = ("dcn", start("dcn", seconds))
             elif op.endswith("-done") or "collective-done" in inst.name:
                 operands = [self.costs.sources.get(o, o) for o in inst.operands]
                 started = next((pending.pop(o) for o in operands if o in pending), None)
@@ -483,6 +492,18 @@ class _Walker:
             self._finish(*started, tally)
         self.memo[name] = tally
         return tally
+
+    def dcn_transfer(self, inst: Instruction, transfer: str, tally: _Tally) -> float:
+        """Seconds of a collective the multi-slice runtime runs across slices (``transfer``:
+        ``ALL_REDUCE``, ...), its bytes counted: this chip's operand, a ring over the slices."""
+        kind = transfer.lower().replace("_", "-")
+        sent = sum(a.nbytes for o in inst.operands[:1] for a in arrays(self.costs.shapes.get(o, "")))
+        wire = collective_wire_bytes(kind, sent, sent, max(2, len(set(self.device_slices))))
+        self.kinds.setdefault("dcn", {}).setdefault(kind, 0)
+        self.kinds["dcn"][kind] += 1
+        tally.total("dcn_bytes", wire)
+        tally.total("collectives", 1)
+        return wire / self.rates.dcn_bytes_per_s
 
     def _copied_bytes(self, inst: Instruction) -> float:
         """HBM bytes an asynchronous copy moves: what it writes, once for each of its two
