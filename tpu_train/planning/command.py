@@ -84,9 +84,15 @@ def _stored(cfg: Any, key: str):
     return estimate_mod.stored_dtype(estimate_mod.setting(cfg, key))
 
 
+def _num_slices(cfg: Any) -> int:
+    return int(estimate_mod.setting(cfg, "plan.num_slices") or 1)
+
+
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
     rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
-    return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
+    slices = {"num_slices": _num_slices(cfg)} if target is not None and _num_slices(cfg) > 1 \
+        else {}
+    return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint, **slices,
                 batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
                 remat=estimate_mod.remat_of(cfg),
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
@@ -168,7 +174,9 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
         result["fits_analytic"] = result.pop("fits")
     if xla:
         degrees = {axis: int(result["mesh"][axis]) for axis in ("data", "fsdp", "tensor")}
-        target, note = choose_compiler(cfg.plan.chip, result["num_devices"])
+        # A multi-slice plan compiles for plan.num_slices slices of one slice's topology.
+        target, note = choose_compiler(cfg.plan.chip,
+                                       result["num_devices"] // _num_slices(cfg))
         if note:
             result["compiler_note"] = note
         try:

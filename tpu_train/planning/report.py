@@ -89,13 +89,19 @@ def _step_time_lines(x: dict[str, Any]) -> list[str]:
                  f"{p['tokens_per_s_per_chip']:,.0f} tokens/s/chip")
     comms = ""
     if p["ici_bytes_per_chip"] or p["dcn_bytes_per_chip"]:
-        comms = (f"; per chip a step sends {p['ici_bytes_per_chip'] / 1e9:.2f} GB over ICI, "
-                 f"{p['dcn_bytes_per_chip'] / 1e9:.2f} GB over DCN")
+        comms = (f"; per chip a step sends {p['ici_bytes_per_chip'] / 1e6:,.1f} MB over ICI, "
+                 f"{p['dcn_bytes_per_chip'] / 1e6:,.1f} MB over DCN")
     lines = [head,
              f"  where it goes: compute-bound kernels {ms(p['compute_bound_s'])}, memory-bound "
              f"{ms(p['memory_bound_s'])}, vector-bound {ms(p['vector_bound_s'])}, exposed "
              f"copies {ms(p['exposed_copy_s'])}, exposed collectives ICI "
              f"{ms(p['exposed_ici_s'])} DCN {ms(p['exposed_dcn_s'])}{comms}"]
+    links = p.get("collectives_by_link") or {}
+    if links.get("dcn"):
+        named = {link: ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
+                 for link, kinds in links.items()}
+        lines.append(f"  across slices (DCN): {named['dcn']}; inside a slice (ICI): "
+                     f"{named.get('ici') or 'none'}")
     costliest = ", ".join(f"{k['op']} ({k['bound']}, {k['runs']} runs) {ms(k['seconds'])}"
                           for k in p["top_kernels"][:4])
     lines.append(f"  costliest kernels: {costliest}")
