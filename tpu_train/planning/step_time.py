@@ -43,7 +43,7 @@ import math
 import re
 from typing import Any, Callable, Sequence
 
-from .hlo_program import Computation, Instruction, arrays, parse_module
+from .hlo_program import Instruction, arrays, parse_module
 from .loop_flops import while_loops
 from .tpu_dump import hlo_flops
 
@@ -497,7 +497,8 @@ class _Walker:
         """Seconds of a collective the multi-slice runtime runs across slices (``transfer``:
         ``ALL_REDUCE``, ...), its bytes counted: this chip's operand, a ring over the slices."""
         kind = transfer.lower().replace("_", "-")
-        sent = sum(a.nbytes for o in inst.operands[:1] for a in arrays(self.costs.shapes.get(o, "")))
+        sent = sum(a.nbytes for o in inst.operands[:1]
+                   for a in arrays(self.costs.shapes.get(o, "")))
         wire = collective_wire_bytes(kind, sent, sent, max(2, len(set(self.device_slices))))
         self.kinds.setdefault("dcn", {}).setdefault(kind, 0)
         self.kinds["dcn"][kind] += 1
