@@ -266,7 +266,7 @@ class _Costs:
     def collective_inside(self, inst: Instruction) -> Instruction | None:
         """The collective a fusion wraps (the TPU's asynchronous collective fusions and
         all-reduce-scatter fusions), or None."""
-        if inst.opcode != "fusion":
+        if inst.opcode not in ("fusion", "async-start"):
             return None
         if inst.name not in self._inner:
             self._inner[inst.name] = next(
@@ -448,8 +448,8 @@ class _Walker:
                 tally.total("copy_bytes", moved)
                 seconds = moved / (self.rates.hbm_bytes_per_s * HBM_EFFICIENCY)
                 pending[inst.name] = ("copy", start("copy", seconds))
-            elif op.endswith("-start") and (op.removesuffix("-start") in _COLLECTIVES
-                                            or op == "async-start"):
+            elif (op.endswith("-start") and op.removesuffix("-start") in _COLLECTIVES) or (
+                    op == "async-start" and self.costs.collective_inside(inst) is not None):
                 link, seconds = self.collective(inst, tally)
                 pending[inst.name] = (link, start(link, seconds))
             elif op == "send":
