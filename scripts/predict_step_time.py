@@ -11,14 +11,17 @@ by kernel (``tpu_train.planning.step_time``). Compiles take 1-2 minutes (W1) to 
 1B) on a 2-core host. Usage::
 
     python scripts/predict_step_time.py [--size w1 --size 350m ...] [--target v5e]
-                                        [--hlo-dir DIR] [--from-hlo DIR]
+                                        [--program ours|jax] [--hlo-dir DIR] [--from-hlo DIR]
+
+``--program jax`` predicts the table's other column instead: the hand-written JAX step
+(``scripts/jax_llama.py`` at bf16, its batch put at its call), measured beside ours.
 
 Prints ONE JSON line per size: the predicted step seconds and where they go (compute-,
 memory- and vector-bound kernels, exposed copies and collectives), FLOPs and bytes per chip,
 the MFU at the predicted time (the TPU table's definition, ``bench_train_step.step_flops``),
 the costliest kernels and the model's basis; with the step measured on the chip where the
 table has it (``MEASURED``) and the relative error. ``--hlo-dir`` writes each optimized
-program there (``<size>.hlo``); ``--from-hlo`` costs the programs written there before
+program there (``<size>.hlo``, ``<size>.jax.hlo``); ``--from-hlo`` costs the programs written there before
 instead of compiling again.
 """
 
@@ -50,6 +53,28 @@ MEASURED = {
     "350m": {"fastest_s": 125.2e-3, "median_s": 125.5e-3, "when": "2026-12-07, 79e2ca9"},
     "1b": {"fastest_s": 446.0e-3, "median_s": 446.6e-3, "when": "2026-12-07, 4843f15"},
 }
+# The JAX column of the same table (the 1B reference was not run).
+MEASURED_JAX = {
+    "w1": {"fastest_s": 3.2e-3, "median_s": 3.6e-3, "when": "2026-12-07, 79e2ca9"},
+    "350m": {"fastest_s": 151.7e-3, "median_s": 152.1e-3, "when": "2026-12-07, 79e2ca9"},
+}
+
+
+def reference_text(size_name: str, target: str) -> tuple[str, float]:
+    """``(optimized HLO text, compile seconds)`` of the JAX reference's bf16 step."""
+    import jax
+
+    import jax_llama
+    from tpu_train.compile.targets import resolve_target
+
+    size, hyper = jax_llama.SIZES[size_name], jax_llama.Hyper()
+    cfg = size.config()
+    sharding = jax.sharding.SingleDeviceSharding(resolve_target(target).devices[0])
+    args = jax_llama.abstract_arguments(cfg, size, hyper, sharding)
+    step = jax_llama.make_train_step(cfg, jax_llama.optimizer(args[0], hyper), precision="bf16")
+    started = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    return compiled.as_text(), time.perf_counter() - started
 
 
 def compiled_text(size_name: str, target: str) -> tuple[str, float]:
@@ -82,7 +107,7 @@ def compiled_text(size_name: str, target: str) -> tuple[str, float]:
     return program.executable.as_text(), time.perf_counter() - started
 
 
-def predict(size_name: str, text: str, target: str) -> dict:
+def predict(size_name: str, text: str, target: str, program: str = "ours") -> dict:
     import jax_llama
     import train_step_modes
     from tpu_train.planning.step_time import predict_step_time
@@ -90,13 +115,17 @@ def predict(size_name: str, text: str, target: str) -> dict:
     size = jax_llama.SIZES[size_name]
     model_flops = train_step_modes.step_flops(size)
     report = predict_step_time(text, target, model_flops_per_chip=model_flops)
-    out = {"size": size_name, "batch": size.batch, "seq": size.seq, "target": target,
-           "model_flops": model_flops, **report}
-    measured = MEASURED.get(size_name)
+    out = {"size": size_name, "program": program, "batch": size.batch, "seq": size.seq,
+           "target": target, "model_flops": model_flops, **report}
+    measured = (MEASURED if program == "ours" else MEASURED_JAX).get(size_name)
     if measured and target.partition(":")[0] == "v5e":
         out["measured"] = measured
         out["error_vs_fastest"] = report["step_time_s"] / measured["fastest_s"] - 1
     return out
+
+
+def _hlo_name(size_name: str, program: str) -> str:
+    return f"{size_name}.hlo" if program == "ours" else f"{size_name}.{program}.hlo"
 
 
 def main(argv=None) -> list[dict]:
@@ -104,6 +133,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--size", action="append", choices=SIZES,
                         help=f"a size to predict (repeatable; default: {' '.join(SIZES)})")
     parser.add_argument("--target", default="v5e", help="a one-chip TPU name: v5e, v5p, v6e")
+    parser.add_argument("--program", choices=("ours", "jax"), default="ours",
+                        help="the trainer's step, or the hand-written JAX reference")
     parser.add_argument("--hlo-dir", help="write each optimized program here (<size>.hlo)")
     parser.add_argument("--from-hlo", help="cost the programs --hlo-dir wrote here instead")
     args = parser.parse_args(argv)
@@ -120,19 +151,20 @@ def main(argv=None) -> list[dict]:
     reports = []
     for name in dict.fromkeys(args.size or SIZES):
         if args.from_hlo:
-            path = os.path.join(args.from_hlo, f"{name}.hlo")
+            path = os.path.join(args.from_hlo, _hlo_name(name, args.program))
             if not os.path.isfile(path):
-                parser.error(f"--from-hlo {args.from_hlo}: no {name}.hlo there (write it with "
-                             f"--hlo-dir)")
+                parser.error(f"--from-hlo {args.from_hlo}: no {_hlo_name(name, args.program)} "
+                             f"there (write it with --hlo-dir)")
             with open(path) as f:
                 text, seconds = f.read(), None
         else:
-            text, seconds = compiled_text(name, args.target)
+            build = compiled_text if args.program == "ours" else reference_text
+            text, seconds = build(name, args.target)
         if args.hlo_dir:
             os.makedirs(args.hlo_dir, exist_ok=True)
-            with open(os.path.join(args.hlo_dir, f"{name}.hlo"), "w") as f:
+            with open(os.path.join(args.hlo_dir, _hlo_name(name, args.program)), "w") as f:
                 f.write(text)
-        report = predict(name, text, args.target)
+        report = predict(name, text, args.target, args.program)
         report["compile_s"] = None if seconds is None else round(seconds, 1)
         print(json.dumps(report), flush=True)
         reports.append(report)
