@@ -21,8 +21,8 @@ memory- and vector-bound kernels, exposed copies and collectives), FLOPs and byt
 the MFU at the predicted time (the TPU table's definition, ``bench_train_step.step_flops``),
 the costliest kernels and the model's basis; with the step measured on the chip where the
 table has it (``MEASURED``) and the relative error. ``--hlo-dir`` writes each optimized
-program there (``<size>.hlo``, ``<size>.jax.hlo``); ``--from-hlo`` costs the programs written there before
-instead of compiling again.
+program there (``<size>.hlo``, ``<size>.jax.hlo``); ``--from-hlo`` costs the programs written
+there before instead of compiling again.
 """
 
 from __future__ import annotations
