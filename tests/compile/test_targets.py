@@ -68,6 +68,15 @@ def test_named_topologies_give_compile_only_devices(name, canonical, chips, kind
 
 
 @needs_libtpu
+def test_several_slices_give_each_device_its_slice():
+    two = resolve_target("v5e:2x2", num_slices=2)
+    assert (two.name, two.num_slices, two.num_chips, len(two.devices)) == ("v5e:2x2", 2, 8, 8)
+    assert sorted(d.slice_index for d in two.devices) == [0] * 4 + [1] * 4
+    with pytest.raises(TargetError, match="num_slices must be a positive int, got 0"):
+        resolve_target("v5e:2x2", num_slices=0)
+
+
+@needs_libtpu
 def test_a_topology_libtpu_rejects_is_one_line():
     with pytest.raises(TargetError, match=r"TPU target 'v5e:3x3': libtpu cannot build it \("):
         resolve_target("v5e:3x3")

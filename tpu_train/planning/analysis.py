@@ -51,6 +51,7 @@ from . import compiler_log, tpu_dump
 from .estimate import planned_model
 from .frozen_base import adapt_meta_model
 from .loop_flops import loop_flops
+from .step_time import predict_step_time
 
 __all__ = ["ANALYSIS_ONLY_XLA_FLAGS", "CHILD_TIMEOUT_S", "analyse_in_child",
            "compiled_step_analysis", "pod_topology", "virtual_devices_env"]
@@ -147,7 +148,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            state_dtype: torch.dtype | None = None,
                            lora: dict | None = None,
                            scan_layers: bool | None = None, grad_accum_steps: int = 1,
-                           target: str | None = None,
+                           target: str | None = None, num_slices: int = 1,
+                           dcn_fsdp: int = 1,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """XLA's memory and cost analysis of the compiled PyTorch step of a named model config.
@@ -158,7 +160,10 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     XLA's out-of-memory compile says (``out_of_memory``: its message).
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
-    ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
+    ``len(jax.devices())`` equals the mesh size). ``num_slices`` (TPU targets): that many
+    slices of ``target`` joined by DCN, the mesh's ``data`` degree split across them (``dcn_fsdp``
+    of the slices' ways on ``fsdp`` instead); each slice holds ``data * fsdp * tensor /
+    num_slices`` chips, so ``target`` names one slice. The trainer's activation checkpointing and
     ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked, and
     so do ``param_dtype`` and ``state_dtype`` (``trainer.param_dtype``, ``optim.state_dtype``)
     and ``lora`` (a LoRA run's adapters and int8 base: :mod:`.frozen_base`). ``dump_to`` (a directory): the compiler dumps its
@@ -168,9 +173,11 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     (:mod:`tpu_train.planning.tpu_dump`).
     """
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
-    devices = resolve_target(target).devices if target is not None else None
+    devices = resolve_target(target, num_slices).devices if target is not None else None
     family = family_of(cfg)
-    mesh = build_mesh(data, fsdp, tensor, devices=devices, split_sizes=family.split_sizes(cfg))
+    mesh = build_mesh(data, fsdp, tensor, devices=devices, split_sizes=family.split_sizes(cfg),
+                      dcn_fsdp=dcn_fsdp)
+    device_slices = [getattr(d, "slice_index", 0) for d in mesh.devices.flat]
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"),
@@ -183,7 +190,8 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
                            "compiler": "TPU" if target is not None else "CPU"}
     if target is not None:
-        out["compiled_for"] = resolve_target(target).name
+        out["compiled_for"] = resolve_target(target).name + (
+            f" x {num_slices} slices" if num_slices > 1 else "")
     seconds = {stage: s for stage, s in program.seconds.items() if stage != "compile"}
     started = time.perf_counter()
     watcher = None
@@ -191,7 +199,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         def report(figures: dict, text: str) -> None:
             seconds["compile_until_buffer_assignment"] = time.perf_counter() - started
             on_dumped({**out, **figures, **loop_flops(text, figures["flops_per_device"]),
-                       "seconds": seconds})
+                       **_step_time(text, target, device_slices), "seconds": seconds})
 
         watcher = tpu_dump.report_when_dumped(dump_to, report)
     try:
@@ -210,9 +218,23 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         return {**out, **_out_of_memory_figures(found), "seconds": seconds}
     seconds["compile"] = time.perf_counter() - started
     out.update(compiled_analysis(compiled))
-    out.update(loop_flops(compiled.as_text(), out["flops_per_device"]))
+    text = compiled.as_text()
+    out.update(loop_flops(text, out["flops_per_device"]))
+    if target is not None:
+        out.update(_step_time(text, target, device_slices))
     out["seconds"] = seconds
     return out
+
+
+def _step_time(text: str, target: str, device_slices: list[int]) -> dict[str, Any]:
+    """``{"step_time": ...}``: the step's time predicted from its TPU program
+    (:mod:`tpu_train.planning.step_time`; ``device_slices``: each mesh device's slice), or
+    ``step_time_error`` saying why there is none."""
+    try:
+        return {"step_time": predict_step_time(text, parse_target(target)[0],
+                                               device_slices=device_slices)}
+    except (ValueError, KeyError) as error:  # a program this model cannot read: said, not fatal
+        return {"step_time_error": f"{type(error).__name__}: {error}"}
 
 
 def _out_of_memory_figures(error: memory_errors.ProgramOutOfMemoryError) -> dict[str, Any]:

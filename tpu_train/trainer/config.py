@@ -323,6 +323,9 @@ class RunConfig:
 @dataclass
 class PlanConfig:
     chip: Optional[str] = None  # target chip for ahead-of-time planning, e.g. "v5e"
+    # Slices joined by DCN (a multi-slice job): plan.chip's topology is one slice's, and
+    # parallel.data is split across the slices (only gradient reductions cross DCN).
+    num_slices: int = 1
     # With XLA's TPU compiler: read its buffer assignment and stop before code generation
     # (tens of seconds instead of minutes; per-chip memory is then a lower bound, a few percent
     # under the compiler's own total: tpu_train.planning). False: the whole executable's.
