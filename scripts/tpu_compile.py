@@ -18,6 +18,7 @@ entry parameters against the arguments the step passes (they must be equal). Usa
                                   [--seq N] [--batch N] [--layers N]
                                   [--remat none|full|save_dots|save_qkv_proj]
                                   [--scan-layers auto|true|false] [--state-dtype param|bf16]
+                                  [--param-dtype fp32|bf16]
                                   [--compile-log]
                                   [--program ours|jax|jax_scan]
 
@@ -93,6 +94,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--state-dtype", choices=("param", "bf16"), default="param",
                         help="AdamW's moments in the parameters' dtype or bf16 "
                              "(optim.state_dtype)")
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the stored weights' dtype (trainer.param_dtype)")
     parser.add_argument("--compile-log", action="store_true",
                         help="report the TPU compiler's stages and slowest kernels")
     parser.add_argument("--program", choices=("ours", "jax", "jax_scan"), default="ours",
@@ -123,6 +126,8 @@ def main(argv=None) -> dict:
         parser.error('libtpu is not installed: pip install -c constraints.txt -e ".[tpu]"')
     set_matmul_precision(args.matmul_precision)
     model, batch = build(args.size, args.seq, args.batch, args.layers)
+    if args.param_dtype == "bf16":
+        model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, args.remat)
     scan_layers = {"auto": None, "true": True, "false": False}[args.scan_layers]
     if args.state_dtype == "bf16":
@@ -146,7 +151,7 @@ def main(argv=None) -> dict:
     report = {"size": args.size, "batch": tokens[0], "seq": tokens[1],
               "layers": model.config.n_layers, "precision": args.precision,
               "remat": args.remat, "scan_layers": args.scan_layers,
-              "state_dtype": args.state_dtype,
+              "state_dtype": args.state_dtype, "param_dtype": args.param_dtype,
               "matmul_precision": args.matmul_precision, "target": args.target,
               "date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(),
               "seconds": {k: round(v, 2) for k, v in program.seconds.items()},
