@@ -75,6 +75,8 @@ VALUES = {
     "val_every_negative": (["trainer.val_every_n_steps=-1"], "trainer.val_every_n_steps"),
     "val_batches_zero": (["trainer.val_batches=0"], "trainer.val_batches"),
     "cpu_threads_zero": (["trainer.cpu_threads=0"], "trainer.cpu_threads must be >= 1 or null"),
+    "loss_chunk_tokens_zero": (["trainer.loss_chunk_tokens=0"],
+                               "trainer.loss_chunk_tokens must be >= 1 or null"),
     "bad_device": (["trainer.device=gpu"], "valid devices: cpu, tpu"),
     "indexed_device": (["trainer.device=tpu:9"], "trainer.device"),
     "compiled_on_cpu": (["trainer.mode=compiled"], "trainer.mode=compiled needs trainer.device=tpu"),

@@ -30,6 +30,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tpu_train.compile import shared_layers, tracing
 
 AUTODIFF_CHOICES = ("jax", "torch")
+# autograd.Functions whose forward lowers to JAX functions that JAX differentiates as their
+# backward would (a ``custom_vjp``): the loss graph records their forward and keeps going.
+# Each also needs its forward to run under functionalize
+# (``checkpointing.FORWARD_UNDER_FUNCTIONALIZE``).
+DIFFERENTIATED_BY_JAX: set = set()
 
 
 class TorchAutogradNeeded(Exception):
@@ -47,6 +52,8 @@ def _differentiable(value) -> bool:
 def _cutting_feature(func, args, kwargs) -> str | None:
     """What autograd-only behaviour this call has, if any."""
     if isinstance(func, torch._ops.HigherOrderOperator):  # autograd.Function, checkpoint
+        if args and isinstance(args[0], type) and args[0] in DIFFERENTIATED_BY_JAX:
+            return None
         return f"{getattr(func, '__name__', func)} (a custom autograd.Function or checkpoint)"
     if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
                 torch.Tensor.retain_grad):

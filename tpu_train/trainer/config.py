@@ -288,6 +288,10 @@ class TrainerConfig:
     # of a shard's rows at once.
     micro_batch_size: Optional[int] = None
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
+    # Tokens per chunk of the loss, which never holds all tokens' float32 logits at once
+    # (docs/compile.md, "The loss over chunks of tokens"); null: as many as keep a chunk's
+    # float32 logits within 256 MiB (2,097 tokens for a 32,000 vocabulary).
+    loss_chunk_tokens: Optional[int] = None
     # What each layer keeps for its backward (Remat above): less memory for recomputation.
     remat: Remat = Remat.none
     # The older switch: true is trainer.remat=full.

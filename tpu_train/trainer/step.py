@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from tpu_train.compile.cross_entropy import linear_cross_entropy_sum
+
 from .config import Precision
 
 IGNORE_INDEX = -100
@@ -31,9 +33,37 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     whole step, which makes N micro-batches equivalent to one batch N times larger.
     """
     inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    weight = output_weight(model)
+    if weight is not None:
+        hidden = model.hidden_states(batch["tokens"], **inputs)
+        return linear_cross_entropy_sum(hidden, weight, batch["labels"],
+                                        ignore_index=IGNORE_INDEX)
     logits = model(batch["tokens"], **inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of ``model``'s output layer where the loss can take the model's final hidden
+    states and this weight (:func:`~tpu_train.compile.cross_entropy.linear_cross_entropy_sum`,
+    which never holds the full float32 logits): a model with ``hidden_states`` whose output
+    is a plain bias-free ``nn.Linear`` or the tied embedding. None for any other model, and
+    where the weight is a DTensor (FSDP2 / tensor parallelism per device: their module hooks
+    gather it around ``forward``): the loss then takes the logits."""
+    from torch.distributed.tensor import DTensor
+
+    if not callable(getattr(model, "hidden_states", None)):
+        return None
+    output = getattr(model, "output", None)
+    if output is None:
+        embeddings = getattr(model, "tok_embeddings", None)
+        weight = getattr(embeddings, "weight", None) if type(embeddings) is torch.nn.Embedding \
+            else None
+    elif type(output) is torch.nn.Linear and output.bias is None:
+        weight = output.weight
+    else:
+        weight = None
+    return None if weight is None or isinstance(weight, DTensor) else weight
 
 
 def causal_lm_loss_sum_and_count(model: torch.nn.Module,

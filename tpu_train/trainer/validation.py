@@ -273,6 +273,9 @@ def _validate_trainer(trainer) -> None:
     _require(trainer.micro_batch_size is None or trainer.micro_batch_size >= 1,
              f"trainer.micro_batch_size must be >= 1 or null (all of a device's rows at once), "
              f"got {trainer.micro_batch_size}")
+    _require(trainer.loss_chunk_tokens is None or trainer.loss_chunk_tokens >= 1,
+             f"trainer.loss_chunk_tokens must be >= 1 or null (from the vocabulary: a chunk's "
+             f"float32 logits within 256 MiB), got {trainer.loss_chunk_tokens}")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_minutes is None or trainer.max_minutes > 0,

@@ -160,7 +160,19 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, *, start_pos: int = 0,
                 cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` at positions
+        """Logits ``[batch, seq, vocab]``: the :meth:`hidden_states` times the output weight
+        (``tok_embeddings.weight`` with ``tie_embeddings``)."""
+        h = self.hidden_states(tokens, start_pos=start_pos, cache=cache,
+                               position_ids=position_ids, segment_ids=segment_ids)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def hidden_states(self, tokens: torch.Tensor, *, start_pos: int = 0,
+                      cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output ``[batch, seq, dim]``, which the output layer turns into
+        logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` at positions
         ``start_pos ... start_pos + seq - 1``; with ``cache``, attention also covers the
         cached positions before ``start_pos``.
 
@@ -190,10 +202,7 @@ class Llama(nn.Module):
         extra = () if mask is None else (mask,)
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos, cache, *extra)
-        h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return self.norm(h)
 
     def _attention_mask(self, tokens, segment_ids, cache) -> torch.Tensor | None:
         """The mask every layer shares, or None where attention is plain causal (or, with a
