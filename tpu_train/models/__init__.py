@@ -38,6 +38,12 @@ the file and tensor at fault. ``save_pretrained`` output loads with
 ids unless others are given. ``config_from_hf`` / ``config_to_hf``
 translate config dicts; ``read_config(dir)`` reads and checks a directory's config.json.
 
+Mixtral (``mixtral_tiny``, ``mixtral_8x7b``; ``MixtralConfig`` adds ``n_experts``, ``top_k``,
+``router_aux_loss_coef``, ``moe_impl``): ``Mixtral(cfg)`` replaces each MLP with a
+:class:`MoEFeedForward`; ``model(tokens, return_aux_loss=True)`` also returns the
+load-balancing loss. ``from_pretrained`` / ``save_pretrained`` read and write
+``MixtralForCausalLM`` directories (config.json's ``model_type`` decides).
+
 Generation::
 
     out = generate(model, prompt_tokens, max_new_tokens=64)               # greedy
@@ -53,7 +59,8 @@ import importlib
 # Names load on first use (the trainer's pattern): the command line checks model.name against
 # CONFIGS (config.py, no torch) before it imports torch.
 _SOURCES = {
-    "CONFIGS": "config", "LlamaConfig": "config", "RopeScaling": "config",
+    "CONFIGS": "config", "LlamaConfig": "config", "MixtralConfig": "config",
+    "RopeScaling": "config",
     "flops_per_token": "config", "get_config": "config", "num_params": "config",
     "param_shapes": "config",
     "generate": "generation", "sample_next_token": "generation",
@@ -62,6 +69,8 @@ _SOURCES = {
     "KVCache": "kv_cache",
     "Attention": "llama", "FeedForward": "llama", "Llama": "llama", "RMSNorm": "llama",
     "TransformerBlock": "llama", "init_weights": "llama",
+    "Mixtral": "mixtral", "MixtralBlock": "mixtral",
+    "MoEFeedForward": "moe", "load_balancing_loss": "moe",
     "apply_rotary": "rope", "inverse_frequencies": "rope", "rope_tables": "rope",
 }
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 __all__ = [
     "CONFIGS",
     "LlamaConfig",
+    "MOE_IMPLS",
+    "MixtralConfig",
     "RopeScaling",
     "flops_per_token",
     "get_config",
@@ -96,6 +98,43 @@ class LlamaConfig:
         return self.dim // self.n_heads
 
 
+# How the experts' matmuls are computed (tpu_train.models.moe): every expert on every token,
+# weighted by the router (``dense``), or the tokens sorted by expert and one grouped matmul
+# (``grouped``). The two compute the same outputs.
+MOE_IMPLS = ("dense", "grouped")
+
+
+@dataclass(frozen=True)
+class MixtralConfig(LlamaConfig):
+    """A Mixtral decoder: Llama attention, and a mixture of ``n_experts`` SwiGLU experts of
+    width ``ffn_hidden_dim`` in place of the MLP, ``top_k`` of them per token.
+
+    ``router_aux_loss_coef`` weighs the load-balancing loss added to the training loss
+    (Hugging Face's ``router_aux_loss_coef``); ``moe_impl`` picks the expert computation.
+    """
+
+    n_experts: int = 8
+    top_k: int = 2
+    router_aux_loss_coef: float = 0.02
+    moe_impl: str = "dense"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field in ("n_experts", "top_k"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MixtralConfig.{field} must be a positive int, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"MixtralConfig.top_k ({self.top_k}) must be at most n_experts "
+                             f"({self.n_experts})")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError("MixtralConfig.router_aux_loss_coef must be >= 0, got "
+                             f"{self.router_aux_loss_coef}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"MixtralConfig.moe_impl must be one of {', '.join(MOE_IMPLS)}, "
+                             f"got {self.moe_impl!r}")
+
+
 _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                             original_max_seq_len=8192)
 _LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -146,6 +185,16 @@ CONFIGS: dict[str, LlamaConfig] = {
         ffn_hidden_dim=28672, norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
         max_seq_len=131072,
     ),
+    # Mixtral: tiny for tests and CPU runs, and Mixtral-8x7B's published shape.
+    "mixtral_tiny": MixtralConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=96,
+        max_seq_len=256, n_experts=8, top_k=2,
+    ),
+    "mixtral_8x7b": MixtralConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+        ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
+        n_experts=8, top_k=2, router_aux_loss_coef=0.02,
+    ),
 }
 
 
@@ -161,20 +210,26 @@ def get_config(name: str, **overrides) -> LlamaConfig:
         )
     config = CONFIGS[name]
     if overrides:
-        valid = {f.name for f in dataclasses.fields(LlamaConfig)}
+        valid = {f.name for f in dataclasses.fields(config)}
         unknown = sorted(set(overrides) - valid)
         if unknown:
             raise TypeError(
-                f"unknown LlamaConfig field(s) {unknown}; valid fields are: {', '.join(sorted(valid))}"
+                f"unknown {type(config).__name__} field(s) {unknown}; valid fields are: "
+                f"{', '.join(sorted(valid))}"
             )
         config = dataclasses.replace(config, **overrides)
     return config
 
 
-def _layer_matmul_params(cfg: LlamaConfig) -> int:
+def _layer_matmul_params(cfg: LlamaConfig, *, active: bool = False) -> int:
+    """Matmul weights of one layer; with ``active``, those one token uses (``top_k`` of a
+    Mixtral's experts, and its router)."""
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     attention = cfg.dim * cfg.dim * 2 + cfg.dim * kv_dim * 2  # wq, wo, wk, wv
     mlp = 3 * cfg.dim * cfg.ffn_hidden_dim  # w1, w2, w3
+    if isinstance(cfg, MixtralConfig):
+        experts = cfg.top_k if active else cfg.n_experts
+        mlp = mlp * experts + cfg.dim * cfg.n_experts  # the experts and the router
     return attention + mlp
 
 
@@ -194,6 +249,14 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "attention.wv.weight": (kv, cfg.dim),
             p + "attention.wo.weight": (cfg.dim, q),
             p + "ffn_norm.weight": (cfg.dim,),
+        })
+        if isinstance(cfg, MixtralConfig):
+            e, f, d = cfg.n_experts, cfg.ffn_hidden_dim, cfg.dim
+            shapes.update({p + "feed_forward.gate.weight": (e, d),
+                           p + "feed_forward.w1": (e, f, d), p + "feed_forward.w2": (e, d, f),
+                           p + "feed_forward.w3": (e, f, d)})
+            continue
+        shapes.update({
             p + "feed_forward.w1.weight": (cfg.ffn_hidden_dim, cfg.dim),
             p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_hidden_dim),
             p + "feed_forward.w3.weight": (cfg.ffn_hidden_dim, cfg.dim),
@@ -219,9 +282,11 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
     part in a matmul (every linear layer and the output head, tied or not; the embedding lookup
     and norms are not matmuls), and the second term is the attention score and value products,
     counted over the full ``seq_len x seq_len`` square as is customary (causal masking is not
-    subtracted), so MFU figures compare with published ones.
+    subtracted), so MFU figures compare with published ones. A Mixtral counts its active
+    parameters: the ``top_k`` experts a token is routed to (and the router), not all of them.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
-    matmul_params = cfg.n_layers * _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim
+    matmul_params = (cfg.n_layers * _layer_matmul_params(cfg, active=True)
+                     + cfg.vocab_size * cfg.dim)
     return 6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len

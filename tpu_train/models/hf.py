@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import LlamaConfig, RopeScaling
+from .config import LlamaConfig, MixtralConfig, RopeScaling
 from .llama import Llama
 
 __all__ = [
@@ -77,6 +77,36 @@ def _our_name(hf: str) -> str | None:
     if match and match.group(2) in _HF_LAYER_NAMES:
         return f"layers.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}"
     return None
+
+
+class TensorNames:
+    """How a family's parameters are stored in Hugging Face files: Llama's one tensor per
+    parameter; a family that splits a parameter over several tensors (Mixtral's experts)
+    overrides both methods."""
+
+    model_class = Llama
+
+    def locate(self, hf: str) -> tuple[str, int | None] | None:
+        """``(our parameter name, index along its first dimension or None)`` of HF tensor
+        ``hf``, or None if the family has no such tensor."""
+        ours = _our_name(hf)
+        return None if ours is None else (ours, None)
+
+    def stored(self, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``[(hf name, tensor)]`` holding parameter ``name`` (value ``value``)."""
+        return [(hf_name(name), value)]
+
+    def config_to_hf(self, cfg, **kwargs) -> dict:
+        return config_to_hf(cfg, **kwargs)
+
+
+def tensor_names_for(cfg: LlamaConfig) -> TensorNames:
+    """The :class:`TensorNames` of ``cfg``'s family."""
+    if isinstance(cfg, MixtralConfig):
+        from .mixtral_hf import MixtralTensorNames
+
+        return MixtralTensorNames()
+    return TensorNames()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +199,8 @@ def _read_json(path: Path) -> dict:
 
 
 def read_config(path: str | Path) -> tuple[dict, LlamaConfig]:
-    """(the raw config.json dict, its :class:`LlamaConfig`) of a Hugging Face directory.
+    """(the raw config.json dict, its :class:`LlamaConfig`) of a Hugging Face directory
+    (a :class:`MixtralConfig` for a Mixtral checkpoint).
 
     Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the file: no
     config.json, unreadable JSON, another architecture (its ``architectures``), a missing
@@ -182,8 +213,11 @@ def read_config(path: str | Path) -> tuple[dict, LlamaConfig]:
             "config.json and safetensors weights"
         )
     hf = _read_json(config_path)
+    translate = config_from_hf
+    if hf.get("model_type") == "mixtral":
+        from .mixtral_hf import config_from_hf as translate
     try:
-        cfg = config_from_hf(hf, source=str(config_path))
+        cfg = translate(hf, source=str(config_path))
     except (TypeError, ValueError) as err:
         if str(err).startswith(str(config_path)):
             raise
@@ -279,28 +313,29 @@ def _dtype_from_hf(hf: dict, source: Path) -> torch.dtype:
 
 @torch.no_grad()
 def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
-                    config_path: Path) -> None:
+                    config_path: Path, names: TensorNames) -> None:
     """Copy the tensors of one safetensors file into ``params`` (checked by name, shape and
     finiteness), recording their names in ``loaded``."""
     with safe_open(str(file), framework="pt", device="cpu") as reader:
         for hf_key in reader.keys():
-            ours = _our_name(hf_key)
-            if ours is None:
+            located = names.locate(hf_key)
+            if located is None:
                 if hf_key.endswith(_IGNORED_HF_SUFFIXES):
                     continue
                 raise ValueError(
-                    f"{file}: unexpected tensor {hf_key!r}, not part of a Llama model with "
-                    f"this config.json"
+                    f"{file}: unexpected tensor {hf_key!r}, not part of a "
+                    f"{names.model_class.__name__} model with this config.json"
                 )
+            ours, index = located
             if ours == "output.weight" and cfg.tie_embeddings:
                 continue  # some tied exports store the shared matrix twice
-            if ours not in params:
+            if ours not in params or (index is not None and index >= params[ours].shape[0]):
                 raise ValueError(
                     f"{file}: tensor {hf_key!r} does not fit the config in {config_path} "
                     f"(num_hidden_layers={cfg.n_layers}, "
                     f"tie_word_embeddings={cfg.tie_embeddings})"
                 )
-            param = params[ours]
+            param = params[ours] if index is None else params[ours][index]
             shape = tuple(reader.get_slice(hf_key).get_shape())
             if shape != tuple(param.shape):
                 raise ValueError(
@@ -308,7 +343,7 @@ def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
                     f"{config_path} requires {list(param.shape)}"
                 )
             param.copy_(reader.get_tensor(hf_key))
-            loaded.add(ours)
+            loaded.add(hf_key)
             if not bool(torch.isfinite(param).all()):
                 raise ValueError(f"{file}: tensor {hf_key!r} holds NaN or inf values")
 
@@ -333,19 +368,21 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
     dtype = dtype if dtype is not None else _dtype_from_hf(hf, config_path)
     weight_map, files, blame = _weight_locations(directory)
+    names = tensor_names_for(cfg)
 
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = names.model_class(cfg)
     model.to(dtype=dtype).to_empty(device=device if device is not None else "cpu")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
         try:
-            _load_file_into(file, params, loaded, cfg, config_path)
+            _load_file_into(file, params, loaded, cfg, config_path, names)
         except SafetensorError as err:
             raise ValueError(f"{file}: not a readable safetensors file ({err}): it is truncated "
                              "or damaged; copy or download it again") from None
-    missing = [hf_name(n) for n in params if n not in loaded]
+    missing = [key for n, p in params.items() for key, _ in names.stored(n, p)
+               if key not in loaded]
     if missing:
         where = blame
         if weight_map is not None and missing[0] in weight_map:
@@ -435,7 +472,9 @@ def save_pretrained(model: Llama, path: str | Path,
     if state_dict is not None:
         params = {name: state_dict[name] for name in params}
     dtype = model.tok_embeddings.weight.dtype
-    hf_config = config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
+    names = tensor_names_for(model.config)
+    params = dict(pair for n, p in params.items() for pair in names.stored(n, p))
+    hf_config = names.config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
                              eos_token_id=eos_token_id)
     if pad_token_id is not None:
         hf_config["pad_token_id"] = pad_token_id
@@ -448,13 +487,13 @@ def save_pretrained(model: Llama, path: str | Path,
     shards = _plan_shards(sizes, max_shard_bytes)
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        tensors = {hf_name(n): params[n].detach().to("cpu").contiguous() for n in shards[0]}
+        tensors = {n: params[n].detach().to("cpu").contiguous() for n in shards[0]}
         save_file(tensors, str(directory / SINGLE_WEIGHTS_FILE), metadata=metadata)
         return
     weight_map = {}
-    for i, names in enumerate(shards, start=1):
+    for i, shard in enumerate(shards, start=1):
         file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {hf_name(n): params[n].detach().to("cpu").contiguous() for n in names}
+        tensors = {n: params[n].detach().to("cpu").contiguous() for n in shard}
         save_file(tensors, str(directory / file_name), metadata=metadata)
         weight_map.update({key: file_name for key in tensors})
         del tensors
