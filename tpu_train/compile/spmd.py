@@ -11,7 +11,8 @@ state tensor belongs to:
 * a state tensor shaped like its parameter (AdamW moments) → the parameter's sharding; any
   other state (step counts, scalars) → replicated;
 * constants → replicated (small, read-only);
-* batch tensors → leading (batch) dimension split over ``(data, fsdp)``, the rest replicated.
+* batch tensors → leading (batch) dimension split over ``(data, fsdp, expert)``, the rest
+  replicated.
 
 Arrays must keep their natural shapes: a flattened ``[out * in]`` buffer cannot carry a
 ``[tensor, fsdp]`` tiling; :func:`flat_storage_sharding` says how the flat storage buffers
@@ -36,8 +37,12 @@ __all__ = ["BATCH_AXES", "PlanError", "StepShardings", "activation_constraint",
            "compute_sharding", "flat_storage_sharding", "place_global", "place_step_inputs",
            "PlacingExecutable", "step_shardings"]
 
-# The batch dimension of activations is split over both data-parallel mesh axes.
-BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+# The batch dimension of activations is split over the data-parallel mesh axes, and over the
+# expert axis (its devices each hold some experts, and each a share of the tokens).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+# The axes a stored parameter is gathered over where it is used (FSDP's all-gather); a weight
+# split over ``expert`` (or ``tensor``) is used split.
+GATHERED_AXES: tuple[str, ...] = ("data", "fsdp")
 
 
 class PlanError(ValueError):
@@ -68,7 +73,7 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
 
     ``state_owners[j]`` is the index (into ``param_names``) of the parameter state tensor
     ``j`` belongs to, or ``None``. Raises :class:`PlanError` for a batch whose leading dimension
-    does not split over ``data * fsdp``, or lists of mismatched lengths.
+    does not split over ``data * fsdp * expert``, or lists of mismatched lengths.
     """
     if len(param_names) != len(param_shapes):
         raise PlanError(f"{len(param_names)} parameter names but {len(param_shapes)} shapes")
@@ -97,14 +102,15 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
         if shape[0] % ways:
             raise PlanError(
                 f"batch tensor {i} has leading dimension {shape[0]}, which does not split over "
-                f"data * fsdp = {ways} devices; make the (micro-)batch a multiple of {ways}")
+                f"data * fsdp * expert = {ways} devices; make the (micro-)batch a multiple of "
+                f"{ways}")
         batch.append(NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
     return StepShardings(params, tuple(states), (replicated,) * num_consts, tuple(batch),
                          replicated, tuple(compute_sharding(p) for p in params))
 
 
 def compute_sharding(sharding: NamedSharding) -> NamedSharding:
-    """The layout a parameter stored with ``sharding`` is used in: the batch axes removed.
+    """The layout a parameter stored with ``sharding`` is used in: :data:`GATHERED_AXES` removed.
 
     FSDP stores a weight split over ``fsdp`` but computes with it whole (all-gathered) on a
     batch split over ``fsdp``. Left to XLA's sharding propagation, a weight split on its
@@ -120,7 +126,7 @@ def compute_sharding(sharding: NamedSharding) -> NamedSharding:
     def without_batch_axes(entry):
         axes = () if entry is None or entry is PartitionSpec.UNCONSTRAINED else \
             (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
-        kept = tuple(a for a in axes if a not in BATCH_AXES)
+        kept = tuple(a for a in axes if a not in GATHERED_AXES)
         return None if not kept else (kept[0] if len(kept) == 1 else kept)
 
     return NamedSharding(sharding.mesh,

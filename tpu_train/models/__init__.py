@@ -74,7 +74,16 @@ _SOURCES = {
     "apply_rotary": "rope", "inverse_frequencies": "rope", "rope_tables": "rope",
 }
 
-__all__ = sorted(_SOURCES)
+__all__ = sorted(_SOURCES) + ["model_class"]
+
+
+def model_class(config):
+    """The module class that builds ``config``: :class:`Mixtral` for a ``MixtralConfig``,
+    else :class:`Llama`."""
+    from .config import MixtralConfig
+
+    name = "Mixtral" if isinstance(config, MixtralConfig) else "Llama"
+    return __getattr__(name)
 
 
 def __getattr__(name: str):

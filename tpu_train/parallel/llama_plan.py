@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from .mesh import BATCH_AXES
 from .plans import ShardingPlan
 
-__all__ = ["LLAMA_ACTIVATIONS", "LlamaActivationRule", "llama_plan"]
+__all__ = ["LLAMA_ACTIVATIONS", "LlamaActivationRule", "llama_plan", "llama_rules"]
 
 _B = BATCH_AXES
 _U = P.UNCONSTRAINED
@@ -55,6 +55,22 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
     larger than 1 (e.g. ZeRO-1-like experiments); on a mesh where the axis has size 1 the full
     plan already degenerates to the smaller layout.
     """
+    rules = llama_rules(fsdp=fsdp, tensor=tensor)
+    acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
+            for k, spec in LLAMA_ACTIVATIONS.items()}
+    name = "llama_plan" + ("" if fsdp and tensor else f"(fsdp={fsdp}, tensor={tensor})")
+
+    def activation_rule(model, batch_shape):
+        config = getattr(model, "config", None)
+        if config is None or len(batch_shape) != 2:
+            return None  # not a Llama over [batch, seq] tokens: leave activations to XLA
+        return LlamaActivationRule(config, *batch_shape, tensor=tensor)
+
+    return ShardingPlan(rules, activations=acts, activation_rule=activation_rule, name=name)
+
+
+def llama_rules(*, fsdp: bool = True, tensor: bool = True) -> list[tuple[str, Any]]:
+    """The ``(regex, spec or specs)`` rules of :func:`llama_plan` (for plans that extend it)."""
     f = "fsdp" if fsdp else None
     t = "tensor" if tensor else None
     # Column-parallel weights keep both splits on their leading (output) dimension, tensor
@@ -67,7 +83,7 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
     # over more than 256 chips), the plan falls back to FSDP on `in`.
     column = [P(tuple(a for a in (t, f) if a) or None, None), P(t, f)]
     row = P(f, t)
-    rules = [
+    return [
         (r"(^|\.)tok_embeddings\.weight$", column),
         (r"(^|\.)attention\.w[qkv]\.weight$", column),
         (r"(^|\.)attention\.wo\.weight$", row),
@@ -79,17 +95,6 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
         # replicated, so their update needs no gather.
         (r"\.lora_[ab]$", P()),
     ]
-    acts = {k: P(*[(None if (e == "tensor" and not tensor) else e) for e in spec])
-            for k, spec in LLAMA_ACTIVATIONS.items()}
-    name = "llama_plan" + ("" if fsdp and tensor else f"(fsdp={fsdp}, tensor={tensor})")
-
-    def activation_rule(model, batch_shape):
-        config = getattr(model, "config", None)
-        if config is None or len(batch_shape) != 2:
-            return None  # not a Llama over [batch, seq] tokens: leave activations to XLA
-        return LlamaActivationRule(config, *batch_shape, tensor=tensor)
-
-    return ShardingPlan(rules, activations=acts, activation_rule=activation_rule, name=name)
 
 
 class LlamaActivationRule:

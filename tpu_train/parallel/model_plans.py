@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from .llama_plan import llama_plan
 from .mesh import MeshShape, check_model_divisibility
+from .mixtral_plan import mixtral_plan
 from .plans import PlanError, ShardingPlan
 
 __all__ = ["ModelPlan", "plan_for_model", "register_plan"]
@@ -48,3 +49,4 @@ def plan_for_model(model: Any) -> ModelPlan:
 
 
 register_plan("Llama", llama_plan, check_model_divisibility)
+register_plan("Mixtral", mixtral_plan, check_model_divisibility)

@@ -251,7 +251,7 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
     ``model.checkpoint`` may be a Hugging Face directory or one of our ``step_N`` checkpoints
     (of the ``model.name`` architecture); either way only the parameters are loaded.
     """
-    from tpu_train.models import Llama, from_pretrained
+    from tpu_train.models import from_pretrained, model_class
 
     config = model_config(cfg)
     directory = hf_checkpoint(cfg)
@@ -269,7 +269,7 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
     with torch.device("meta"):
-        model = Llama(config)
+        model = model_class(config)(config)
     model.init_weights(seed=cfg.trainer.seed, device="cpu")
     if checkpoint is not None:
         try:

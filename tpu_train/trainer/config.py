@@ -214,6 +214,9 @@ class ParallelConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # Expert parallelism (a mixture-of-experts model, trainer.mode=compiled): the experts and
+    # the batch split over this many devices.
+    expert: int = 1
 
 
 @dataclass

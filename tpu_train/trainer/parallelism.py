@@ -32,8 +32,8 @@ LAUNCH_HINT = ("torchrun --nproc-per-node {n} -m tpu_train.cli ... or "
 def _degrees(cfg: DictConfig) -> dict[str, int]:
     """``parallel.*``; ``data=-1`` (the default) yields to an explicit ``fsdp=-1`` or
     ``tensor=-1``, so ``parallel.fsdp=-1`` alone means "FSDP over every device"."""
-    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "tensor")}
-    if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["tensor"]):
+    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "expert", "tensor")}
+    if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["expert"], degrees["tensor"]):
         degrees["data"] = 1
     return degrees
 
@@ -50,8 +50,8 @@ def _check_batch(cfg: DictConfig, shape: MeshShape) -> None:
     if cfg.data.batch_size % ways:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} (the global batch) does not split over "
-            f"parallel.data * fsdp = {shape.data} * {shape.fsdp} = {ways} ways; make it a "
-            f"multiple of {ways}")
+            f"parallel.data * fsdp * expert = {shape.data} * {shape.fsdp} * {shape.expert} = "
+            f"{ways} ways; make it a multiple of {ways}")
 
 
 def _check_model(model: torch.nn.Module, shape: MeshShape):
@@ -87,7 +87,8 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
         _check_batch(cfg, shape)
         from tpu_train.parallel.mesh import build_mesh
 
-        mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices)
+        mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices,
+                          expert=shape.expert)
         plan = model_plan.make_plan()
         layout = Spmd(shape, world, device, mesh, plan)
         layout.plan_name = getattr(plan, "name", model_plan.family)
@@ -95,6 +96,9 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
     if world.size > 1 and device.type != "tpu":
         raise ConfigError(f"{world.size} processes need trainer.device=tpu (one device each); "
                           "got trainer.device=cpu")
+    if degrees["expert"] != 1:
+        raise ConfigError(f"parallel.expert={degrees['expert']} (expert parallelism) needs "
+                          "trainer.mode=compiled; set parallel.expert=1 for eager steps")
     try:
         shape = resolve_mesh_shape(world.size, **degrees)
     except MeshError as exc:
