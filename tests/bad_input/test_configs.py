@@ -144,6 +144,14 @@ VALUES = {
                                   "multiply to 3, which does not divide the 8 devices"),
     "tensor_not_dividing_kv_heads": ([*_COMPILED, "parallel.data=1", "parallel.fsdp=2",
                                       "parallel.tensor=4"], "does not divide n_kv_heads=2"),
+    "expert_parallel_without_experts": ([*_COMPILED, "parallel.expert=2"],
+                                        "parallel.expert=2 splits a mixture of experts"),
+    "expert_not_dividing_devices": ([*_COMPILED, "model=mixtral_tiny", "parallel.expert=3"],
+                                    "= 3, which does not divide the 8 devices"),
+    "expert_parallel_in_eager_mode": (["model=mixtral_tiny", "parallel.expert=2"],
+                                      "parallel.expert=2 (expert parallelism) needs "
+                                      "trainer.mode=compiled"),
+    "bad_parallel_expert": (["parallel.expert=0"], "parallel.expert must be -1 (infer) or >= 1"),
     "batch_not_splitting_over_mesh": ([*_COMPILED, "data.batch_size=4"],
                                       "data.batch_size=4 (the global batch) does not split over "
                                       "parallel.data * fsdp = 8 * 1 = 8 ways"),

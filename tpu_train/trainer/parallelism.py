@@ -45,13 +45,19 @@ def _resolve(num_devices: int, degrees: dict[str, int], what: str) -> MeshShape:
         raise ConfigError(f"{exc} ({what})") from exc
 
 
+def _batch_axes(shape: MeshShape) -> str:
+    """``data * fsdp = 8 * 1 = 8`` (with ``expert`` where it is above 1)."""
+    axes = ("data", "fsdp", "expert") if shape.expert > 1 else ("data", "fsdp")
+    return (f"{' * '.join(axes)} = {' * '.join(str(getattr(shape, a)) for a in axes)} = "
+            f"{shape.batch_shards}")
+
+
 def _check_batch(cfg: DictConfig, shape: MeshShape) -> None:
     ways = shape.batch_shards
     if cfg.data.batch_size % ways:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} (the global batch) does not split over "
-            f"parallel.data * fsdp * expert = {shape.data} * {shape.fsdp} * {shape.expert} = "
-            f"{ways} ways; make it a multiple of {ways}")
+            f"parallel.{_batch_axes(shape)} ways; make it a multiple of {ways}")
 
 
 def _check_model(model: torch.nn.Module, shape: MeshShape):

@@ -62,14 +62,15 @@ def _dataclass_of(schema, key: str):
 
 
 def _validate_parallel(cfg: DictConfig) -> None:
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in ("data", "fsdp", "expert", "tensor"):
         degree = cfg.parallel[axis]
         _require(degree == -1 or degree >= 1,
                  f"parallel.{axis} must be -1 (infer) or >= 1, got {degree}")
     # data=-1 (the default) yields to an explicit fsdp=-1 or tensor=-1 (trainer.parallelism).
-    _require(not (cfg.parallel.fsdp == -1 and cfg.parallel.tensor == -1),
-             "at most one of parallel.fsdp and parallel.tensor may be -1 (infer from the device "
-             "count); set the other explicitly")
+    inferred = [a for a in ("fsdp", "expert", "tensor") if cfg.parallel[a] == -1]
+    _require(len(inferred) <= 1,
+             f"at most one of parallel.{' and parallel.'.join(inferred)} may be -1 (infer from "
+             "the device count); set the others explicitly")
 
 
 def _validate_run_dir(cfg: DictConfig) -> None:
