@@ -7,8 +7,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpu_train.models import (CONFIGS, Llama, LlamaConfig, flops_per_token, get_config, num_params,
-                              param_shapes)
+from tpu_train.models import (CONFIGS, Llama, LlamaConfig, flops_per_token, get_config,
+                              model_class, num_params, param_shapes)
 
 # Parameter counts of the published checkpoints (safetensors total_size / 2 bytes in bf16).
 PUBLISHED_PARAMS = {
@@ -27,8 +27,9 @@ def test_named_configs_have_published_sizes(name):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_num_params_counts_the_built_model(name):
+    config = get_config(name)
     with torch.device("meta"):
-        model = Llama(get_config(name))
+        model = model_class(config)(config)
     assert sum(p.numel() for p in model.parameters()) == num_params(model.config)
     # The shape table, names, order and layout, without building the model.
     assert param_shapes(model.config) == {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["BATCH_AXES", "PlanError", "StepShardings", "activation_constraint",
+__all__ = ["BATCH_AXES", "GATHERED_AXES", "PlanError", "batch_axes", "on_mesh", "StepShardings", "activation_constraint",
            "compute_sharding", "flat_storage_sharding", "place_global", "place_step_inputs",
            "PlacingExecutable", "step_shardings"]
 
@@ -43,6 +43,25 @@ BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 # The axes a stored parameter is gathered over where it is used (FSDP's all-gather); a weight
 # split over ``expert`` (or ``tensor``) is used split.
 GATHERED_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The :data:`BATCH_AXES` that ``mesh`` has (a mesh built by hand may lack ``expert``)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.shape)
+
+
+def on_mesh(spec: PartitionSpec, mesh) -> PartitionSpec:
+    """``spec`` without the mesh axes ``mesh`` lacks (the plans name every axis of a
+    ``tpu_train`` mesh; one built by hand may have fewer)."""
+
+    def kept(entry):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            return entry
+        axes = tuple(a for a in (entry if isinstance(entry, (tuple, list)) else (entry,))
+                     if a in mesh.shape)
+        return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    return PartitionSpec(*(kept(e) for e in spec))
 
 
 class PlanError(ValueError):
@@ -92,7 +111,7 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
         same = tuple(shape) == tuple(param_shapes[owner])
         states.append(params[owner] if same else replicated)
     ways = 1
-    for axis in BATCH_AXES:
+    for axis in batch_axes(mesh):
         ways *= mesh.shape[axis]
     batch = []
     for i, shape in enumerate(batch_shapes):
@@ -102,9 +121,9 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
         if shape[0] % ways:
             raise PlanError(
                 f"batch tensor {i} has leading dimension {shape[0]}, which does not split over "
-                f"data * fsdp * expert = {ways} devices; make the (micro-)batch a multiple of "
-                f"{ways}")
-        batch.append(NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+                f"{' * '.join(batch_axes(mesh))} = {ways} devices; make the (micro-)batch a "
+                f"multiple of {ways}")
+        batch.append(NamedSharding(mesh, PartitionSpec(batch_axes(mesh))))
     return StepShardings(params, tuple(states), (replicated,) * num_consts, tuple(batch),
                          replicated, tuple(compute_sharding(p) for p in params))
 
@@ -231,7 +250,7 @@ def activation_constraint(plan, mesh, model, batch_fakes):
         if shape not in cache:
             spec = rule(shape)
             cache[shape] = None if spec is None else \
-                jax.sharding.NamedSharding(jax_mesh, spec)
+                jax.sharding.NamedSharding(jax_mesh, on_mesh(spec, jax_mesh))
         sharding = cache[shape]
         return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 

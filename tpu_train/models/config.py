@@ -252,9 +252,9 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         })
         if isinstance(cfg, MixtralConfig):
             e, f, d = cfg.n_experts, cfg.ffn_hidden_dim, cfg.dim
-            shapes.update({p + "feed_forward.gate.weight": (e, d),
-                           p + "feed_forward.w1": (e, f, d), p + "feed_forward.w2": (e, d, f),
-                           p + "feed_forward.w3": (e, f, d)})
+            shapes.update({p + "feed_forward.w1": (e, f, d), p + "feed_forward.w2": (e, d, f),
+                           p + "feed_forward.w3": (e, f, d),
+                           p + "feed_forward.gate.weight": (e, d)})
             continue
         shapes.update({
             p + "feed_forward.w1.weight": (cfg.ffn_hidden_dim, cfg.dim),

@@ -42,7 +42,7 @@ from tpu_train.compile import lower_train_step, memory_errors
 from tpu_train.compile.program import compiled_analysis
 from tpu_train.compile.stored_moments import AdamWStoredMoments
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
-from tpu_train.models import Llama
+from tpu_train.models import model_class
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 from tpu_train.parallel.llama_plan import llama_plan
 from tpu_train.parallel.mesh import build_mesh
@@ -112,7 +112,7 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
     """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them
     (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults)."""
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = model_class(cfg)(cfg)
         tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
                   "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
     if param_dtype is not None:
