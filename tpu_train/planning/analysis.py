@@ -44,7 +44,7 @@ from tpu_train.compile.stored_moments import AdamWStoredMoments
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
 from tpu_train.models import model_class
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
-from tpu_train.parallel.llama_plan import llama_plan
+from tpu_train.parallel.model_plans import plan_for_model
 from tpu_train.parallel.mesh import build_mesh
 
 from . import compiler_log, tpu_dump
@@ -132,6 +132,7 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
 
 
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
+                           expert: int = 1,
                            seq_len: int, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, remat: str | None = None,
@@ -160,12 +161,13 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     """
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     devices = resolve_target(target).devices if target is not None else None
-    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
+    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg, expert=expert)
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"),
         param_dtype=param_dtype, state_dtype=state_dtype)
-    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
+    plan = plan_for_model(model).make_plan()
+    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=plan,
                                compute_dtype=compute_dtype, grad_accum_steps=grad_accum_steps,
                                scan_layers=scan_layers, runtime_options=False, compile=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",

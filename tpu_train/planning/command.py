@@ -84,7 +84,8 @@ def _stored(cfg: Any, key: str):
 
 
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
-    rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
+    rows, splits = estimate_mod.pieces(
+        cfg, degrees["data"] * degrees["fsdp"] * degrees.get("expert", 1))
     return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
                 batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
                 remat=estimate_mod.remat_of(cfg),
@@ -155,7 +156,8 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     if "fits" in result:
         result["fits_analytic"] = result.pop("fits")
     if xla:
-        degrees = {axis: int(result["mesh"][axis]) for axis in ("data", "fsdp", "tensor")}
+        degrees = {axis: int(result["mesh"][axis])
+                   for axis in ("data", "fsdp", "expert", "tensor")}
         target, note = choose_compiler(cfg.plan.chip, result["num_devices"])
         if note:
             result["compiler_note"] = note
