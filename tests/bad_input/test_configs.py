@@ -147,7 +147,7 @@ VALUES = {
     "expert_parallel_without_experts": ([*_COMPILED, "parallel.expert=2"],
                                         "parallel.expert=2 splits a mixture of experts"),
     "expert_not_dividing_devices": ([*_COMPILED, "model=mixtral_tiny", "parallel.expert=3"],
-                                    "= 3, which does not divide the 8 devices"),
+                                    "multiply to 3, which does not divide the 8 devices"),
     "expert_parallel_in_eager_mode": (["model=mixtral_tiny", "parallel.expert=2"],
                                       "parallel.expert=2 (expert parallelism) needs "
                                       "trainer.mode=compiled"),
