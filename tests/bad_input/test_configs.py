@@ -152,6 +152,11 @@ VALUES = {
                                       "parallel.expert=2 (expert parallelism) needs "
                                       "trainer.mode=compiled"),
     "bad_parallel_expert": (["parallel.expert=0"], "parallel.expert must be -1 (infer) or >= 1"),
+    "bad_moe_impl": (["model.moe_impl=sparse"], "model.moe_impl must be one of dense, grouped"),
+    "moe_impl_without_experts": ([*_COMPILED, "model.moe_impl=grouped"],
+                                 "model=debug_tiny has no experts"),
+    "grouped_experts_recomputed": ([*_COMPILED, "model=mixtral_tiny", "model.moe_impl=grouped",
+                                    "trainer.remat=full"], "no PyTorch backward"),
     "batch_not_splitting_over_mesh": ([*_COMPILED, "data.batch_size=4"],
                                       "data.batch_size=4 (the global batch) does not split over "
                                       "parallel.data * fsdp = 8 * 1 = 8 ways"),

@@ -109,6 +109,20 @@ def test_grouped_matmul_lowering_matches_cpu_kernel():
     np.testing.assert_allclose(np.asarray(got), expected.numpy(), atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_matmul_op_refuses_pytorch_backward():
+    # Without a PyTorch backward, torch's default would drop the experts' gradient silently.
+    from tpu_train.ops.grouped_matmul import GROUPED_MM, differentiated_by_jax
+
+    x, w = torch.randn(6, 4), torch.randn(2, 4, 3, requires_grad=True)
+    sizes = torch.tensor([2, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="grouped_mm has no PyTorch backward"):
+        torch.func.grad(lambda w: GROUPED_MM(x, w, sizes).sum())(w.detach())
+    with torch.no_grad():
+        assert GROUPED_MM(x, w, sizes).shape == (6, 3)
+    with differentiated_by_jax():  # where JAX differentiates the traced forward
+        assert GROUPED_MM(x, w, sizes).shape == (6, 3)
+
+
 def test_counts_all_experts_in_memory_and_active_ones_in_flops():
     cfg = get_config("mixtral_8x7b")
     assert round(num_params(cfg) / 1e9, 1) == 46.7  # Mixtral-8x7B's published size

@@ -50,9 +50,12 @@ def one_device(tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("layout", [["parallel.data=-1", "parallel.expert=2"],
-                                    ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=4"]],
-                         ids=["expert2_data4", "expert4_fsdp2"])
+@pytest.mark.parametrize("layout", [
+    ["parallel.data=-1", "parallel.expert=2"],
+    ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=4"],
+    # the grouped expert form (ragged_dot, differentiated by JAX) against the dense one
+    ["model.moe_impl=grouped", "parallel.data=-1", "parallel.expert=2"],
+], ids=["expert2_data4", "expert4_fsdp2", "grouped_expert2_data4"])
 def test_expert_parallel_losses_match_one_device(one_device, layout, tmp_path):
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(*COMPILED, *layout, f"run.dir={run_dir}")

@@ -9,6 +9,8 @@ layer's routing (:func:`~.moe.load_balancing_loss`), which a training loss adds 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,13 @@ class Mixtral(Llama):
         if not isinstance(config, MixtralConfig):
             raise TypeError(f"Mixtral needs a MixtralConfig, got {type(config).__name__}")
         super().__init__(config)
+
+    def use_moe_impl(self, impl: str) -> "Mixtral":
+        """Compute the experts in form ``impl`` (``dense`` or ``grouped``) from now on."""
+        self.config = dataclasses.replace(self.config, moe_impl=impl)  # checks the name
+        for layer in self.layers:
+            layer.feed_forward.impl = impl
+        return self
 
     @property
     def aux_loss_weight(self) -> float:

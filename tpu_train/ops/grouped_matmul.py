@@ -9,12 +9,16 @@ one such call, with no capacity limit and no padding (``tpu_train.models.moe``).
 PyTorch's own ``aten._grouped_mm`` cannot stand in: its shape checks (the meta kernel the
 compiled step traces with) accept bfloat16 only. The op is defined here, beside its lowering,
 with a CPU kernel (a loop over the groups) and a shape-only kernel for tracing. It has no
-autograd formula of its own: the compiled step traces the forward and JAX differentiates the
-lowering (``ragged_dot``'s derivative is a ``ragged_dot`` for ``x`` and a grouped ``x^T dy``
-for ``w``); on the CPU the model calls a differentiable loop instead.
+PyTorch backward: the compiled step traces the forward and JAX differentiates the lowering
+(``ragged_dot``'s derivative is a ``ragged_dot`` for ``x`` and a grouped ``x^T dy`` for
+``w``), within :func:`differentiated_by_jax`. Anywhere else a call whose inputs require grad
+raises (PyTorch's default for an op without a backward would drop the gradient silently);
+on the CPU the model calls a differentiable loop instead.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +60,32 @@ def _(x, w, group_sizes):
 
 
 GROUPED_MM = getattr(torch.ops, NAMESPACE).grouped_mm.default
+_JAX_DIFFERENTIATES = [0]
+
+
+@contextlib.contextmanager
+def differentiated_by_jax():
+    """Within the block, forward traces are differentiated by JAX (the compiled step's loss
+    graph and layer bodies): ``grouped_mm`` may then take inputs that require grad."""
+    _JAX_DIFFERENTIATES[0] += 1
+    try:
+        yield
+    finally:
+        _JAX_DIFFERENTIATES[0] -= 1
+
+
+def _autograd(x, w, group_sizes):
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad) \
+            and not _JAX_DIFFERENTIATES[0]:
+        raise RuntimeError(
+            f"{NAMESPACE}::grouped_mm has no PyTorch backward: the grouped expert form trains "
+            "in a compiled step that JAX differentiates (not with PyTorch's backward, "
+            "trainer.remat=full, or eager on the tpu device); use moe_impl='dense' there")
+    with torch._C._AutoDispatchBelowAutograd():
+        return GROUPED_MM(x, w, group_sizes)
+
+
+_LIBRARY.impl("grouped_mm", _autograd, "Autograd")
 
 
 @lowers(GROUPED_MM)

@@ -6,6 +6,7 @@ existing run untouched.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -153,12 +154,18 @@ def model_config(cfg: DictConfig):
     from tpu_train.models import get_config, read_config
 
     directory = hf_checkpoint(cfg)
-    if directory is None:
-        return get_config(cfg.model.name)
     try:
-        return read_config(directory)[1]
+        config = get_config(cfg.model.name) if directory is None else read_config(directory)[1]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
+    impl = cfg.model.get("moe_impl")
+    if impl is None:
+        return config
+    if not hasattr(config, "moe_impl"):
+        what = "model.checkpoint" if directory is not None else f"model={cfg.model.name}"
+        raise ConfigError(f"model.moe_impl={impl} applies to a mixture-of-experts model; "
+                          f"{what} has no experts: drop model.moe_impl")
+    return dataclasses.replace(config, moe_impl=impl)
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -265,9 +272,12 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
     checkpoint = cfg.model.checkpoint if allow_checkpoint else None
     if checkpoint is not None and directory is not None:
         try:
-            return from_pretrained(directory, dtype=torch.float32, device="cpu")
+            model = from_pretrained(directory, dtype=torch.float32, device="cpu")
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
+        if getattr(config, "moe_impl", None) is not None:
+            model.use_moe_impl(config.moe_impl)
+        return model
     with torch.device("meta"):
         model = model_class(config)(config)
     model.init_weights(seed=cfg.trainer.seed, device="cpu")

@@ -104,6 +104,9 @@ class ModelConfig:
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
     # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
     checkpoint: Optional[str] = None
+    # A mixture-of-experts model's expert computation, dense or grouped (null: the model's
+    # own, MixtralConfig.moe_impl; docs/models.md).
+    moe_impl: Optional[str] = None
 
 
 class DataSource(Enum):

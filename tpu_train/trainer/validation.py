@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import OPTIMIZERS, ScheduleName, StateDtype, StepMode
+from .config import OPTIMIZERS, Remat, ScheduleName, StateDtype, StepMode
 from .errors import ConfigError
 
 DEVICES = ("cpu", "tpu")
@@ -344,8 +344,23 @@ def _validate_optimizer(optim, sched) -> None:
 
 
 def _validate_model_and_data(cfg) -> None:
-    from tpu_train.models.config import CONFIGS
+    from tpu_train.models.config import CONFIGS, MOE_IMPLS
 
+    _require(cfg.model.moe_impl in (None, *MOE_IMPLS),
+             f"model.moe_impl must be one of {', '.join(MOE_IMPLS)} or null, got "
+             f"{cfg.model.moe_impl!r}")
+    # The grouped form has no PyTorch backward (tpu_train.ops.grouped_matmul): eager steps on
+    # the tpu device and fully recomputed layers (whose backward PyTorch traces) need dense.
+    eager_on_tpu = StepMode(cfg.trainer.mode) is not StepMode.compiled \
+        and cfg.trainer.device == "tpu"
+    _require(not (cfg.model.moe_impl == "grouped" and eager_on_tpu),
+             "model.moe_impl=grouped trains in the compiled step (or on the CPU); use "
+             "trainer.mode=compiled or model.moe_impl=dense")
+    recomputed = Remat(cfg.trainer.remat) is Remat.full or cfg.trainer.activation_checkpointing
+    _require(not (cfg.model.moe_impl == "grouped" and recomputed
+                  and StepMode(cfg.trainer.mode) is StepMode.compiled),
+             "model.moe_impl=grouped has no PyTorch backward, which trainer.remat=full layers "
+             "use; choose trainer.remat=save_dots (or none), or model.moe_impl=dense")
     _require(cfg.model.name in CONFIGS,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
     resolve_model_checkpoint(cfg)
