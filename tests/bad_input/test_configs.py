@@ -154,7 +154,7 @@ VALUES = {
     "bad_parallel_expert": (["parallel.expert=0"], "parallel.expert must be -1 (infer) or >= 1"),
     "bad_moe_impl": (["model.moe_impl=sparse"], "model.moe_impl must be one of dense, grouped"),
     "moe_impl_without_experts": ([*_COMPILED, "model.moe_impl=grouped"],
-                                 "model=debug_tiny has no experts"),
+                                 "has no experts: drop model.moe_impl"),
     "grouped_experts_recomputed": ([*_COMPILED, "model=mixtral_tiny", "model.moe_impl=grouped",
                                     "trainer.remat=full"], "no PyTorch backward"),
     "batch_not_splitting_over_mesh": ([*_COMPILED, "data.batch_size=4"],
