@@ -12,7 +12,7 @@ under bf16 autocast (``--precision fp32`` for float32), timed until its loss is 
 host. Step 1 (which compiles) is excluded.
 
 Prints ONE JSON line: per form the fastest and median step seconds, tokens/s and MFU at the
-median (active parameters: ``tpu_train.models.flops_per_token``, 2 of the 8 experts; null
+median (active parameters: ``tpu_train.models.mixtral.flops_per_token``, 2 of the 8 experts; null
 where the chip's peak is unknown), compile seconds, first and last loss; the grouped/dense
 median ratio, and the largest difference of the two forms' losses (the same training: it
 should stay at the precision's rounding). Usage::
@@ -46,10 +46,10 @@ SIZES = {
 
 
 def _config(size: str):
-    from tpu_train.models import MixtralConfig, get_config
+    from tpu_train.models import MixtralConfig, named_config
 
     fields, batch, seq = SIZES[size]
-    config = get_config("mixtral_tiny") if fields is None else MixtralConfig(**fields)
+    config = named_config("mixtral_tiny") if fields is None else MixtralConfig(**fields)
     return dataclasses.replace(config, max_seq_len=seq), batch, seq
 
 
@@ -94,7 +94,8 @@ def main() -> None:
     import torch
 
     import tpu_train
-    from tpu_train.models import Mixtral, flops_per_token
+    from tpu_train.models import Mixtral
+    from tpu_train.models.mixtral import flops_per_token
     from train_step_modes import device_facts
 
     config, batch, seq = _config(args.size)

@@ -7,8 +7,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpu_train.models import (CONFIGS, Llama, LlamaConfig, flops_per_token, get_config,
-                              model_class, num_params, param_shapes)
+from tpu_train.models import (Llama, LlamaConfig, config_names, family_named, flops_per_token,
+                              get_config, named_config, num_params)
 
 # Parameter counts of the published checkpoints (safetensors total_size / 2 bytes in bf16).
 PUBLISHED_PARAMS = {
@@ -17,6 +17,10 @@ PUBLISHED_PARAMS = {
     "llama3_2_3b": 3_212_749_824,
     "llama3_1_8b": 8_030_261_248,
     "llama3_1_70b": 70_553_706_496,
+    "qwen2_5_0_5b": 494_032_768,
+    "qwen2_5_1_5b": 1_543_714_304,
+    "qwen2_5_7b": 7_615_616_512,
+    "mistral_7b": 7_241_732_096,
 }
 
 
@@ -25,15 +29,16 @@ def test_named_configs_have_published_sizes(name):
     assert num_params(get_config(name)) == PUBLISHED_PARAMS[name]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", config_names())
 def test_num_params_counts_the_built_model(name):
-    config = get_config(name)
+    family, config = family_named(name), named_config(name)
     with torch.device("meta"):
-        model = model_class(config)(config)
-    assert sum(p.numel() for p in model.parameters()) == num_params(model.config)
+        model = family.build(config)
+    assert sum(p.numel() for p in model.parameters()) == family.num_params(model.config)
     # The shape table, names, order and layout, without building the model.
-    assert param_shapes(model.config) == {n: tuple(p.shape) for n, p in model.named_parameters()}
-    assert list(param_shapes(model.config)) == [n for n, _ in model.named_parameters()]
+    shapes = family.param_shapes(model.config)
+    assert shapes == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert list(shapes) == [n for n, _ in model.named_parameters()]
 
 
 def test_debug_tiny_is_the_documented_cpu_default():

@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 
-from tpu_train.models import Mixtral, flops_per_token, from_pretrained, get_config, num_params, \
+from tpu_train.models import MIXTRAL, Mixtral, checkpoint_family, family_of
+from tpu_train.models.mixtral import flops_per_token, from_pretrained, param_shapes, \
     save_pretrained
-from tpu_train.models.config import param_shapes
-from tpu_train.models.moe import MoEFeedForward, load_balancing_loss
+from tpu_train.models.mixtral.moe import MoEFeedForward, load_balancing_loss
 
 ATOL = 1e-4  # float32, tiny widths: the acceptance bound on logits and the aux loss
 
@@ -41,8 +41,10 @@ def checkpoint(tmp_path_factory):
 
 def test_logits_and_aux_loss_match_transformers(checkpoint):
     path, reference = checkpoint
-    model = from_pretrained(path)
+    assert checkpoint_family(path) is MIXTRAL  # config.json's model_type "mixtral"
+    model = MIXTRAL.hf.load(path)
     assert isinstance(model, Mixtral) and model.config.n_experts == 4
+    assert family_of(model) is MIXTRAL  # not Llama's, whose config MixtralConfig extends
     assert model.config.router_aux_loss_coef == 0.02
     tokens = _tokens()
     with torch.no_grad():
@@ -120,7 +122,8 @@ def test_grouped_matmul_op_refuses_pytorch_backward():
 
 
 def test_counts_all_experts_in_memory_and_active_ones_in_flops():
-    cfg = get_config("mixtral_8x7b")
+    cfg = MIXTRAL.config("mixtral_8x7b")
+    num_params = MIXTRAL.num_params
     assert round(num_params(cfg) / 1e9, 1) == 46.7  # Mixtral-8x7B's published size
     shapes = param_shapes(cfg)
     assert shapes["layers.0.feed_forward.w1"] == (8, 14336, 4096)

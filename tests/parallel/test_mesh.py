@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from tpu_train.models import get_config
+from tpu_train.models import LLAMA, get_config
 from tpu_train.parallel.mesh import (AXES, MeshError, MeshShape, build_mesh,
-                                     check_model_divisibility, device_grid, mesh_from_config,
+                                     check_divisibility, device_grid, mesh_from_config,
                                      resolve_mesh_shape)
 from tpu_train.trainer.config import ParallelConfig
 
@@ -26,17 +26,17 @@ def test_resolve_infers_the_missing_degree(degrees, expected):
 
 
 def test_expert_axis_splits_the_batch_and_checks_the_experts():
-    from tpu_train.models import get_config
-    from tpu_train.parallel.mesh import check_model_divisibility
+    from tpu_train.models import MIXTRAL
+    from tpu_train.parallel.mesh import check_divisibility
 
+    experts = MIXTRAL.split_sizes(MIXTRAL.config("mixtral_tiny"))
     shape = resolve_mesh_shape(8, data=-1, fsdp=1, tensor=1, expert=4)
     assert shape.sizes == (2, 1, 4, 1) and shape.batch_shards == 8
-    check_model_divisibility(get_config("mixtral_tiny"), shape)  # 8 experts over 4
+    check_divisibility(experts, shape)  # 8 experts over 4
     with pytest.raises(MeshError, match="parallel.expert=16 must divide the model's n_experts=8"):
-        check_model_divisibility(get_config("mixtral_tiny"),
-                                 resolve_mesh_shape(16, data=1, expert=16))
+        check_divisibility(experts, resolve_mesh_shape(16, data=1, expert=16))
     with pytest.raises(MeshError, match="has no experts"):
-        check_model_divisibility(get_config("debug_tiny"), shape)
+        check_divisibility(LLAMA.split_sizes(get_config("debug_tiny")), shape)
 
 
 @pytest.mark.parametrize("degrees, message", [
@@ -64,14 +64,15 @@ def test_multi_slice_puts_slices_on_data_by_default():
 
 
 def test_model_divisibility_names_the_offending_dimension():
-    cfg = get_config("llama3_1_8b")  # 32 heads, 8 kv heads, ffn 14336, dim 4096
-    check_model_divisibility(cfg, MeshShape(1, 64, 8))
+    # 32 heads, 8 kv heads, ffn 14336, dim 4096
+    sizes = LLAMA.split_sizes(get_config("llama3_1_8b"))
+    check_divisibility(sizes, MeshShape(1, 64, 8))
     with pytest.raises(MeshError, match=r"does not divide n_kv_heads=8"):
-        check_model_divisibility(cfg, MeshShape(1, 4, 16))
+        check_divisibility(sizes, MeshShape(1, 4, 16))
     with pytest.raises(MeshError, match=r"tensor=3 .* n_heads=32, n_kv_heads=8"):
-        check_model_divisibility(cfg, MeshShape(1, 1, 3))
+        check_divisibility(sizes, MeshShape(1, 1, 3))
     with pytest.raises(MeshError, match=r"fsdp=3 must divide the model width dim=4096"):
-        check_model_divisibility(cfg, MeshShape(1, 3, 1))
+        check_divisibility(sizes, MeshShape(1, 3, 1))
 
 
 @pytest.mark.devices(8)
@@ -82,7 +83,7 @@ def test_build_mesh_on_eight_virtual_devices():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     with pytest.raises(MeshError, match="tensor=8 .* n_kv_heads=2"):
-        build_mesh(1, 1, 8, model_config=get_config("debug_tiny"))
+        build_mesh(1, 1, 8, split_sizes=LLAMA.split_sizes(get_config("debug_tiny")))
 
 
 @pytest.mark.devices(8)

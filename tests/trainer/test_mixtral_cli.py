@@ -69,14 +69,13 @@ def test_expert_parallel_losses_match_one_device(one_device, layout, tmp_path):
 def test_expert_weights_are_split_over_the_expert_axis():
     import jax
 
-    from tpu_train.models import get_config
-    from tpu_train.models.config import param_shapes
+    from tpu_train.models import MIXTRAL
+    from tpu_train.parallel.family_plans import sharding_plan
     from tpu_train.parallel.mesh import build_mesh
-    from tpu_train.parallel.mixtral_plan import mixtral_plan
 
     mesh = build_mesh(data=2, fsdp=1, tensor=1, expert=4, devices=jax.devices()[:8])
-    shapes = param_shapes(get_config("mixtral_tiny"))
-    shardings = mixtral_plan().shardings(
+    shapes = MIXTRAL.param_shapes(MIXTRAL.config("mixtral_tiny"))
+    shardings = sharding_plan(MIXTRAL).shardings(
         {n: jax.ShapeDtypeStruct(s, "float32") for n, s in shapes.items()}, mesh)
     w1 = shardings["layers.0.feed_forward.w1"]
     assert w1.shard_shape(shapes["layers.0.feed_forward.w1"]) == (2, 96, 64)  # 8 experts / 4
@@ -84,7 +83,7 @@ def test_expert_weights_are_split_over_the_expert_axis():
 
 
 def test_finetunes_a_transformers_mixtral_and_exports_it(tmp_path, one_thread):
-    from tpu_train.models import from_pretrained
+    from tpu_train.models.mixtral import from_pretrained
 
     checkpoint = tmp_path / "mixtral"
     original = hf_mixtral_dir(checkpoint, vocab_size=512)

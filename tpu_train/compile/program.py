@@ -453,10 +453,19 @@ def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdL
     return jitted, args, in_shardings
 
 
-def _attention_form(partitioned: bool):
-    """A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does not
-    split a Pallas kernel (tpu_train.ops.attention_tpu)."""
-    return attention_tpu.xla_form() if partitioned else contextlib.nullcontext()
+def _attention_form(mesh, model=None):
+    """A program partitioned over several devices keeps attention in its XLA form: XLA's SPMD
+    partitioner does not split a Pallas kernel (tpu_train.ops.attention_tpu). A mesh of one
+    device (the planner's one-chip step) partitions nothing: it keeps the kernels, as the
+    trainer's step on one chip does. A model whose config declares a ``sliding_window`` has
+    its attention masks checked against that window for the kernels."""
+    forms = contextlib.ExitStack()
+    if mesh is not None and mesh.devices.size > 1:
+        forms.enter_context(attention_tpu.xla_form())
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        forms.enter_context(attention_tpu.sliding_window(window))
+    return forms
 
 
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
@@ -479,7 +488,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     platform = device.platform if mesh is None else mesh.devices.flat[0].platform
     # Traced and lowered with the same attention form: a scanned layer's residuals are found
     # while tracing (the layer_scan node's outputs) and must be the lowering's.
-    with _attention_form(partitioned=mesh is not None), \
+    with _attention_form(mesh, model=step.model), \
             shared_layers.recomputation_fenced(platform == "cpu"):
         traced = trace_step(step, st, scalars, stages,
                              autodiff or getattr(step, "autodiff", "jax"), natural)
@@ -495,7 +504,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                                         values, scalars, device,
                                                         own_norm=step_function.own_norm)
     try:
-        with _attention_form(partitioned=layout is not None), \
+        with _attention_form(mesh, model=step.model), \
                 shared_layers.recomputation_fenced(platform == "cpu"):
             lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001

@@ -4,7 +4,7 @@
 multiplies consecutive row blocks of ``x`` by one matrix each: rows
 ``sum(group_sizes[:g]) ... sum(group_sizes[:g + 1]) - 1`` by ``w[g]`` (rows past the last group
 give zeros). A mixture-of-experts layer sorts its tokens by expert and computes every expert in
-one such call, with no capacity limit and no padding (``tpu_train.models.moe``).
+one such call, with no capacity limit and no padding (``tpu_train.models.mixtral.moe``).
 
 PyTorch's own ``aten._grouped_mm`` cannot stand in: its shape checks (the meta kernel the
 compiled step traces with) accept bfloat16 only. The op is defined here, beside its lowering,

@@ -254,6 +254,7 @@ def validate_config(cfg: DictConfig) -> None:
     the data files' readers."""
     validate_settings(cfg)
     _validate_trainer_for_the_runtime(cfg.trainer)
+    _validate_base_dtype(cfg)
     _validate_seq_len_for_the_model(cfg)
     _validate_data_sources(cfg.data)
 
@@ -300,6 +301,22 @@ def _validate_trainer_for_the_runtime(trainer) -> None:
     remat_policy(trainer)
 
 
+def _validate_base_dtype(cfg: DictConfig) -> None:
+    """An int8 base lives in one program's arguments or in one process's model: FSDP2 and
+    DTensor (eager modes under a launcher) shard float parameters only."""
+    from .config import BaseDtype
+
+    if BaseDtype(cfg.model.base_dtype) is not BaseDtype.int8 \
+            or StepMode(cfg.trainer.mode) is StepMode.compiled:
+        return
+    from .world import requested_world_size
+
+    _require(requested_world_size() == 1,
+             f"model.base_dtype=int8 with trainer.mode={StepMode(cfg.trainer.mode).value} under a "
+             "launcher: the per-process layout (FSDP2) does not shard int8 weights; use "
+             "trainer.mode=compiled (one program over every device) or model.base_dtype=param")
+
+
 def remat_policy(trainer) -> str:
     """``trainer.remat`` as a policy name, ``trainer.activation_checkpointing=true`` read as
     ``full``; both set, differently, is a :class:`ConfigError`."""
@@ -343,8 +360,8 @@ def _validate_optimizer(optim, sched) -> None:
                  f"scheduler.decay_fraction must be in (0, 1], got {sched.decay_fraction}")
 
 
-def _validate_model_and_data(cfg) -> None:
-    from tpu_train.models.config import CONFIGS, MOE_IMPLS
+def _validate_moe_impl(cfg) -> None:
+    from tpu_train.models import MOE_IMPLS
 
     _require(cfg.model.moe_impl in (None, *MOE_IMPLS),
              f"model.moe_impl must be one of {', '.join(MOE_IMPLS)} or null, got "
@@ -361,9 +378,26 @@ def _validate_model_and_data(cfg) -> None:
                   and StepMode(cfg.trainer.mode) is StepMode.compiled),
              "model.moe_impl=grouped has no PyTorch backward, which trainer.remat=full layers "
              "use; choose trainer.remat=save_dots (or none), or model.moe_impl=dense")
-    _require(cfg.model.name in CONFIGS,
-             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
+
+
+def _validate_model_and_data(cfg) -> None:
+    from tpu_train.models import config_names, family_named
+
+    _validate_moe_impl(cfg)
+    names = config_names()
+    _require(cfg.model.name in names,
+             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(names)}")
+    _require(not cfg.checkpoint.export_hf or family_named(cfg.model.name).hf is not None,
+             f"checkpoint.export_hf=true, but model family {family_named(cfg.model.name).name} "
+             "has no Hugging Face format; set checkpoint.export_hf=false")
+    for key in ("n_layers", "max_seq_len"):
+        value = cfg.model.get(key)
+        _require(value is None or value >= 1,
+                 f"model.{key} must be >= 1 or null (the architecture's own), got {value}")
     resolve_model_checkpoint(cfg)
+    _require(cfg.model.checkpoint is None or cfg.model.get("n_layers") is None,
+             f"model.n_layers={cfg.model.get('n_layers')} shortens a model built from random "
+             "weights, but model.checkpoint's weights fix its layers; drop one of the two")
     if cfg.model.checkpoint is not None:
         _require(Path(cfg.model.checkpoint).is_dir(),
                  f"model.checkpoint={cfg.model.checkpoint!r} is not a directory; point it at a "
@@ -401,7 +435,8 @@ def _validate_seq_len_for_the_model(cfg) -> None:
              else cfg.model.name)
     _require(data.seq_len is None or data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
-             "lower it, or set data.seq_len=null for the model's maximum")
+             f"lower it, set model.max_seq_len={data.seq_len} to give the model that many "
+             "positions, or data.seq_len=null for the model's maximum")
 
 
 def resolve_model_checkpoint(cfg: DictConfig) -> str | None:

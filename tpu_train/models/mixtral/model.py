@@ -1,6 +1,6 @@
 """The Mixtral decoder: Llama's attention and norms, a mixture of experts in place of the MLP.
 
-Module names follow :mod:`.llama`, with ``layers.N.feed_forward`` a
+Module names follow :mod:`tpu_train.models.llama.model`, with ``layers.N.feed_forward`` a
 :class:`~.moe.MoEFeedForward` (``gate.weight``, stacked ``w1``/``w2``/``w3``). The forward
 returns the logits, and with ``return_aux_loss=True`` also the load-balancing loss over every
 layer's routing (:func:`~.moe.load_balancing_loss`), which a training loss adds weighted by
@@ -14,9 +14,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ..llama.kv_cache import KVCache
+from ..llama.model import Llama, TransformerBlock
 from .config import MixtralConfig
-from .kv_cache import KVCache
-from .llama import Llama, TransformerBlock
 from .moe import MoEFeedForward, load_balancing_loss
 
 __all__ = ["Mixtral", "MixtralBlock"]
@@ -41,7 +41,7 @@ class MixtralBlock(TransformerBlock):
 
 class Mixtral(Llama):
     """Mixtral (``MixtralForCausalLM``) decoder-only language model; built and initialised
-    like :class:`~.llama.Llama` (:func:`~.llama.init_weights`: the experts' weights are
+    like :class:`~tpu_train.models.llama.Llama` (:func:`~tpu_train.models.llama.init_weights`: the experts' weights are
     N(0, 0.02), ``w2`` scaled down with depth like Llama's)."""
 
     block_class = MixtralBlock

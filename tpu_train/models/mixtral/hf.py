@@ -1,8 +1,7 @@
 """Hugging Face ``MixtralForCausalLM`` checkpoints: config translation and tensor names.
 
-Loading and saving go through :func:`tpu_train.models.hf.from_pretrained` /
-:func:`~tpu_train.models.hf.save_pretrained`, which read ``model_type`` and pick the names
-here. Attention, norms, embeddings and head are named as in Llama; each layer's mixture is
+Loading and saving are Llama's (:mod:`tpu_train.models.llama.hf`) with the names and config
+translation here (:class:`MixtralTensorNames`). Attention, norms, embeddings and head are named as in Llama; each layer's mixture is
 ``block_sparse_moe.gate.weight`` (the router, ``[n_experts, dim]``) and
 ``block_sparse_moe.experts.E.w{1,2,3}.weight``, one ``nn.Linear`` weight per expert, which are
 the slices ``E`` of our stacked ``feed_forward.w{1,2,3}``. transformers 5 keeps this layout
@@ -16,12 +15,15 @@ import re
 
 import torch
 
+from ..llama.hf import CONFIG_FILE, TensorNames, from_pretrained as _llama_from_pretrained, \
+    read_config as _llama_read_config, save_pretrained as _llama_save_pretrained
+from ..llama.hf import config_from_hf as llama_config_from_hf
+from ..llama.hf import config_to_hf as llama_config_to_hf
 from .config import MixtralConfig
-from .hf import CONFIG_FILE, TensorNames, config_to_hf as llama_config_to_hf, \
-    config_from_hf as llama_config_from_hf
-from .mixtral import Mixtral
+from .model import Mixtral
 
-__all__ = ["MixtralTensorNames", "config_from_hf", "config_to_hf"]
+__all__ = ["MixtralTensorNames", "config_from_hf", "config_to_hf", "from_pretrained",
+           "read_config", "save_pretrained"]
 
 _MOE = "block_sparse_moe"
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
@@ -77,6 +79,7 @@ class MixtralTensorNames(TensorNames):
     """Mixtral's names: Llama's, with the experts stored one tensor per expert."""
 
     model_class = Mixtral
+    model_type = "mixtral"
 
     def locate(self, hf: str) -> tuple[str, int | None] | None:
         expert = _EXPERT.fullmatch(hf)
@@ -102,3 +105,23 @@ class MixtralTensorNames(TensorNames):
 
     def config_to_hf(self, cfg, **kwargs) -> dict:
         return config_to_hf(cfg, **kwargs)
+
+    def config_from_hf(self, hf: dict, *, source: str) -> MixtralConfig:
+        return config_from_hf(hf, source=source)
+
+
+def read_config(path) -> tuple[dict, MixtralConfig]:
+    """(config.json's dict, its :class:`MixtralConfig`) of a Hugging Face Mixtral directory."""
+    return _llama_read_config(path, MixtralTensorNames())
+
+
+def from_pretrained(path, dtype=None, device=None, *, max_seq_len=None) -> Mixtral:
+    """Load a Hugging Face Mixtral directory (as :func:`tpu_train.models.llama.from_pretrained`)."""
+    return _llama_from_pretrained(path, dtype, device, max_seq_len=max_seq_len,
+                                  names=MixtralTensorNames())
+
+
+def save_pretrained(model: Mixtral, path, **options) -> None:
+    """Write ``model`` as a ``MixtralForCausalLM`` directory (options as
+    :func:`tpu_train.models.llama.save_pretrained`)."""
+    _llama_save_pretrained(model, path, names=MixtralTensorNames(), **options)

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "CONFIGS",
+    "HF_MODEL_TYPES",
     "LlamaConfig",
-    "MOE_IMPLS",
-    "MixtralConfig",
     "RopeScaling",
     "flops_per_token",
     "get_config",
@@ -44,13 +43,27 @@ class RopeScaling:
             )
 
 
+# The Hugging Face architectures a config can be written as, and what each one's decoder has
+# beyond Llama's: q/k/v projection biases (Qwen2), a sliding attention window (Mistral).
+HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_ALLOWS_QKV_BIAS = ("qwen2",)
+_ALLOWS_SLIDING_WINDOW = ("mistral",)
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama 2 / 3 / 3.1 / 3.2 decoder.
+    """Shape of a Llama-style decoder: Llama 2 / 3 / 3.1 / 3.2, Qwen2 / Qwen2.5, Mistral.
 
     ``max_seq_len`` bounds the positions the model can see (it sizes the RoPE tables); recipes
     may lower it to the training sequence length with ``dataclasses.replace``.
     ``head_dim`` is always ``dim // n_heads``.
+
+    The other families are options of the same decoder: ``qkv_bias`` gives the q/k/v
+    projections a bias (Qwen2), ``sliding_window`` lets a token attend only to itself and the
+    ``sliding_window - 1`` tokens before it (Mistral; ``None``: the whole causal prefix).
+    ``hf_model_type`` is the Hugging Face ``model_type`` the weights are exported as; a config
+    must be expressible in it (Llama has neither option, Mistral no bias, Qwen2 no window), so
+    a run fails at its start rather than at its export.
     """
 
     dim: int
@@ -64,6 +77,9 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    hf_model_type: str = "llama"
 
     def __post_init__(self) -> None:
         for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
@@ -89,50 +105,30 @@ class LlamaConfig:
                 f"LlamaConfig.norm_eps and rope_theta must be > 0, got norm_eps={self.norm_eps}, "
                 f"rope_theta={self.rope_theta}"
             )
+        self._check_family_options()
         if isinstance(self.rope_scaling, dict):
             # Hydra/OmegaConf hand nested configs over as plain mappings.
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
+    def _check_family_options(self) -> None:
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                   or window <= 0):
+            raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
+                             f"{window!r}")
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"LlamaConfig.hf_model_type must be one of "
+                             f"{', '.join(HF_MODEL_TYPES)}, got {self.hf_model_type!r}")
+        if self.qkv_bias and self.hf_model_type not in _ALLOWS_QKV_BIAS:
+            raise ValueError(f"LlamaConfig.qkv_bias=True cannot be written as a Hugging Face "
+                             f"{self.hf_model_type!r} model; set hf_model_type='qwen2'")
+        if window is not None and self.hf_model_type not in _ALLOWS_SLIDING_WINDOW:
+            raise ValueError(f"LlamaConfig.sliding_window={window} cannot be written as a Hugging "
+                             f"Face {self.hf_model_type!r} model; set hf_model_type='mistral'")
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-# How the experts' matmuls are computed (tpu_train.models.moe): every expert on every token,
-# weighted by the router (``dense``), or the tokens sorted by expert and one grouped matmul
-# (``grouped``). The two compute the same outputs.
-MOE_IMPLS = ("dense", "grouped")
-
-
-@dataclass(frozen=True)
-class MixtralConfig(LlamaConfig):
-    """A Mixtral decoder: Llama attention, and a mixture of ``n_experts`` SwiGLU experts of
-    width ``ffn_hidden_dim`` in place of the MLP, ``top_k`` of them per token.
-
-    ``router_aux_loss_coef`` weighs the load-balancing loss added to the training loss
-    (Hugging Face's ``router_aux_loss_coef``); ``moe_impl`` picks the expert computation.
-    """
-
-    n_experts: int = 8
-    top_k: int = 2
-    router_aux_loss_coef: float = 0.02
-    moe_impl: str = "dense"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for field in ("n_experts", "top_k"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"MixtralConfig.{field} must be a positive int, got {value!r}")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"MixtralConfig.top_k ({self.top_k}) must be at most n_experts "
-                             f"({self.n_experts})")
-        if self.router_aux_loss_coef < 0:
-            raise ValueError("MixtralConfig.router_aux_loss_coef must be >= 0, got "
-                             f"{self.router_aux_loss_coef}")
-        if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"MixtralConfig.moe_impl must be one of {', '.join(MOE_IMPLS)}, "
-                             f"got {self.moe_impl!r}")
 
 
 _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -185,15 +181,28 @@ CONFIGS: dict[str, LlamaConfig] = {
         ffn_hidden_dim=28672, norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
         max_seq_len=131072,
     ),
-    # Mixtral: tiny for tests and CPU runs, and Mixtral-8x7B's published shape.
-    "mixtral_tiny": MixtralConfig(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=96,
-        max_seq_len=256, n_experts=8, top_k=2,
+    # Qwen2.5 (Hugging Face Qwen/Qwen2.5-*): q/k/v biases, RoPE base 1e6, tied embeddings at
+    # the small sizes. max_seq_len is max_position_embeddings (32768).
+    "qwen2_5_0_5b": LlamaConfig(
+        dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936,
+        ffn_hidden_dim=4864, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+        tie_embeddings=True, qkv_bias=True, hf_model_type="qwen2",
     ),
-    "mixtral_8x7b": MixtralConfig(
+    "qwen2_5_1_5b": LlamaConfig(
+        dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, vocab_size=151936,
+        ffn_hidden_dim=8960, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+        tie_embeddings=True, qkv_bias=True, hf_model_type="qwen2",
+    ),
+    "qwen2_5_7b": LlamaConfig(
+        dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+        ffn_hidden_dim=18944, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768,
+        qkv_bias=True, hf_model_type="qwen2",
+    ),
+    # Mistral 7B v0.1 (Hugging Face mistralai/Mistral-7B-v0.1): a 4096-token sliding window.
+    "mistral_7b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-        ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
-        n_experts=8, top_k=2, router_aux_loss_coef=0.02,
+        ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768,
+        sliding_window=4096, hf_model_type="mistral",
     ),
 }
 
@@ -210,26 +219,24 @@ def get_config(name: str, **overrides) -> LlamaConfig:
         )
     config = CONFIGS[name]
     if overrides:
-        valid = {f.name for f in dataclasses.fields(config)}
+        valid = {f.name for f in dataclasses.fields(LlamaConfig)}
         unknown = sorted(set(overrides) - valid)
         if unknown:
             raise TypeError(
-                f"unknown {type(config).__name__} field(s) {unknown}; valid fields are: "
-                f"{', '.join(sorted(valid))}"
+                f"unknown LlamaConfig field(s) {unknown}; valid fields are: {', '.join(sorted(valid))}"
             )
         config = dataclasses.replace(config, **overrides)
     return config
 
 
-def _layer_matmul_params(cfg: LlamaConfig, *, active: bool = False) -> int:
-    """Matmul weights of one layer; with ``active``, those one token uses (``top_k`` of a
-    Mixtral's experts, and its router)."""
+def _layer_bias_params(cfg: LlamaConfig) -> int:
+    return (cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim) if cfg.qkv_bias else 0
+
+
+def _layer_matmul_params(cfg: LlamaConfig) -> int:
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     attention = cfg.dim * cfg.dim * 2 + cfg.dim * kv_dim * 2  # wq, wo, wk, wv
     mlp = 3 * cfg.dim * cfg.ffn_hidden_dim  # w1, w2, w3
-    if isinstance(cfg, MixtralConfig):
-        experts = cfg.top_k if active else cfg.n_experts
-        mlp = mlp * experts + cfg.dim * cfg.n_experts  # the experts and the router
     return attention + mlp
 
 
@@ -242,21 +249,14 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim)}
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (cfg.dim,)
+        for name, rows in (("wq", q), ("wk", kv), ("wv", kv)):
+            shapes[p + f"attention.{name}.weight"] = (rows, cfg.dim)
+            if cfg.qkv_bias:
+                shapes[p + f"attention.{name}.bias"] = (rows,)
         shapes.update({
-            p + "attention_norm.weight": (cfg.dim,),
-            p + "attention.wq.weight": (q, cfg.dim),
-            p + "attention.wk.weight": (kv, cfg.dim),
-            p + "attention.wv.weight": (kv, cfg.dim),
             p + "attention.wo.weight": (cfg.dim, q),
             p + "ffn_norm.weight": (cfg.dim,),
-        })
-        if isinstance(cfg, MixtralConfig):
-            e, f, d = cfg.n_experts, cfg.ffn_hidden_dim, cfg.dim
-            shapes.update({p + "feed_forward.w1": (e, f, d), p + "feed_forward.w2": (e, d, f),
-                           p + "feed_forward.w3": (e, f, d),
-                           p + "feed_forward.gate.weight": (e, d)})
-            continue
-        shapes.update({
             p + "feed_forward.w1.weight": (cfg.ffn_hidden_dim, cfg.dim),
             p + "feed_forward.w2.weight": (cfg.dim, cfg.ffn_hidden_dim),
             p + "feed_forward.w3.weight": (cfg.ffn_hidden_dim, cfg.dim),
@@ -269,7 +269,8 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def num_params(cfg: LlamaConfig) -> int:
     """Number of distinct parameters (tied embeddings counted once)."""
-    per_layer = _layer_matmul_params(cfg) + 2 * cfg.dim  # plus two RMSNorm weights
+    # Plus two RMSNorm weights and the q/k/v biases, if any.
+    per_layer = _layer_matmul_params(cfg) + 2 * cfg.dim + _layer_bias_params(cfg)
     embedding = cfg.vocab_size * cfg.dim
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     return cfg.n_layers * per_layer + embedding + output + cfg.dim  # final norm
@@ -279,14 +280,13 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token, for MFU.
 
     ``6 * N_matmul + 12 * n_layers * dim * seq_len``: ``N_matmul`` counts the weights that take
-    part in a matmul (every linear layer and the output head, tied or not; the embedding lookup
-    and norms are not matmuls), and the second term is the attention score and value products,
-    counted over the full ``seq_len x seq_len`` square as is customary (causal masking is not
-    subtracted), so MFU figures compare with published ones. A Mixtral counts its active
-    parameters: the ``top_k`` experts a token is routed to (and the router), not all of them.
+    part in a matmul (every linear layer and the output head, tied or not; the embedding lookup,
+    norms and q/k/v biases are not matmuls), and the second term is the attention score and
+    value products, counted over the full ``seq_len x seq_len`` square as is customary (causal
+    masking and a sliding window are not subtracted), so MFU figures compare with published
+    ones.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
-    matmul_params = (cfg.n_layers * _layer_matmul_params(cfg, active=True)
-                     + cfg.vocab_size * cfg.dim)
+    matmul_params = cfg.n_layers * _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim
     return 6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len
