@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tpu_train.compile import shared_layers, tracing
+from tpu_train.ops.grouped_matmul import differentiated_by_jax
 
 AUTODIFF_CHOICES = ("jax", "torch")
 # autograd.Functions whose forward lowers to JAX functions that JAX differentiates as their
@@ -98,7 +99,7 @@ def _probed(run: Callable, requires: Sequence[bool]) -> Callable:
             full = list(flat)
             for i, value in zip(wanted, differentiated):
                 full[i] = value
-            with _AutogradProbe():
+            with _AutogradProbe(), differentiated_by_jax():
                 return run(*full)
 
         if not wanted:
@@ -128,7 +129,7 @@ def trace_loss_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         batch = tree_unflatten(list(flat[n_diff + n_const:]), batch_spec)
 
         def probed(diff_values):
-            with _AutogradProbe():
+            with _AutogradProbe(), differentiated_by_jax():
                 return loss_of(diff_values, const, batch)
 
         loss, _, weight = torch.func.vjp(probed, diff, has_aux=True)

@@ -23,7 +23,8 @@ def format_bytes(n: float) -> str:
 
 def _setting_line(result: dict[str, Any]) -> str:
     m = result["mesh"]
-    return (f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} "
+    expert = f" expert={m['expert']}" if m.get("expert", 1) > 1 else ""
+    return (f"mesh data={m['data']} fsdp={m['fsdp']}{expert} tensor={m['tensor']} "
             f"({result['num_devices']} chips), batch {result['batch']} x seq "
             f"{result['seq_len']}, remat {result.get('remat', 'none')}, activations "
             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "

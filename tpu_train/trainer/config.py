@@ -114,6 +114,9 @@ class ModelConfig:
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
     # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
     checkpoint: Optional[str] = None
+    # A mixture-of-experts model's expert computation, dense or grouped (null: the model's
+    # own, MixtralConfig.moe_impl; docs/models.md).
+    moe_impl: Optional[str] = None
     # Changes to the architecture that model.name (or model.checkpoint's config.json) gives:
     # ``n_layers`` keeps the first N decoder layers of a preset built from random weights (a
     # shorter stack of a real width, for one chip); ``max_seq_len`` the positions the model
@@ -234,6 +237,9 @@ class ParallelConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # Expert parallelism (a mixture-of-experts model, trainer.mode=compiled): the experts and
+    # the batch split over this many devices.
+    expert: int = 1
 
 
 @dataclass

@@ -66,11 +66,27 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor | None:
     return None if weight is None or isinstance(weight, DTensor) else weight
 
 
+def training_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`causal_lm_loss_sum`, plus the model's auxiliary loss where it has one (a
+    Mixtral's load-balancing loss, weighted by its ``aux_loss_weight``) counted once per
+    label, so that dividing by the token count gives ``cross-entropy + weight * aux`` (what
+    transformers' ``MixtralForCausalLM`` returns as its loss with router logits on)."""
+    weight = getattr(model, "aux_loss_weight", 0.0)
+    if not weight:
+        return causal_lm_loss_sum(model, batch)
+    inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    logits, aux_loss = model(batch["tokens"], return_aux_loss=True, **inputs)
+    labels = batch["labels"].flatten()
+    cross_entropy = F.cross_entropy(logits.float().flatten(0, 1), labels,
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+    return cross_entropy + weight * aux_loss.float() * (labels != IGNORE_INDEX).sum()
+
+
 def causal_lm_loss_sum_and_count(model: torch.nn.Module,
                                  batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, number of non-ignored labels): the compiled step divides the sums of all
-    micro-batches by their total count, the same token weighting as :class:`EagerStep`."""
-    return causal_lm_loss_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum()
+    """(summed training loss, number of non-ignored labels): the compiled step divides the sums
+    of all micro-batches by their total count, the same token weighting as :class:`EagerStep`."""
+    return training_loss_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum()
 
 
 def autocast_context(device: torch.device, precision: Precision):
@@ -151,7 +167,7 @@ class EagerStep:
         for batch in micro_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with autocast_context(self.device, self.precision):
-                loss_sum = causal_lm_loss_sum(self.model, batch)
+                loss_sum = training_loss_sum(self.model, batch)
             (loss_sum * self.data_parallel_size / total_tokens).backward()
             loss_total = loss_total + loss_sum.detach()
         loss = self._sum_over_processes(loss_total).float() / total_tokens
