@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from tpu_train.compile import interpreter, layer_scan, loss_graph, memory_errors, shared_layers
+from tpu_train.compile import (context_parallel, interpreter, layer_scan, loss_graph, memory_errors,
+                               shared_layers)
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
@@ -453,10 +454,16 @@ def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdL
     return jitted, args, in_shardings
 
 
-def _attention_form(partitioned: bool):
+@contextlib.contextmanager
+def _attention_form(mesh, batch_shapes):
     """A partitioned program keeps attention in its XLA form: XLA's SPMD partitioner does not
-    split a Pallas kernel (tpu_train.ops.attention_tpu)."""
-    return attention_tpu.xla_form() if partitioned else contextlib.nullcontext()
+    split a Pallas kernel (tpu_train.ops.attention_tpu). Over a ``context`` axis, causal
+    attention is the per-shard attention of the split sequence (``context_parallel``)."""
+    if mesh is None:
+        yield
+        return
+    with attention_tpu.xla_form(), context_parallel.sequence_split(mesh, batch_shapes):
+        yield
 
 
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
@@ -479,7 +486,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     platform = device.platform if mesh is None else mesh.devices.flat[0].platform
     # Traced and lowered with the same attention form: a scanned layer's residuals are found
     # while tracing (the layer_scan node's outputs) and must be the lowering's.
-    with _attention_form(partitioned=mesh is not None), \
+    batch_shapes = [tuple(b.shape) for b in st.batch_leaves]
+    with _attention_form(mesh, batch_shapes), \
             shared_layers.recomputation_fenced(platform == "cpu"):
         traced = trace_step(step, st, scalars, stages,
                              autodiff or getattr(step, "autodiff", "jax"), natural)
@@ -495,7 +503,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                                         values, scalars, device,
                                                         own_norm=step_function.own_norm)
     try:
-        with _attention_form(partitioned=layout is not None), \
+        with _attention_form(mesh if layout is not None else None, batch_shapes), \
                 shared_layers.recomputation_fenced(platform == "cpu"):
             lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001

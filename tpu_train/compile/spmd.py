@@ -209,12 +209,23 @@ def activation_constraint(plan, mesh, model, batch_fakes):
     classifies intermediates by shape; values it does not name are left to XLA.
     """
     factory = getattr(plan, "activation_rule", None)
+    jax_mesh = getattr(mesh, "jax_mesh", mesh)
+    context = int(dict(jax_mesh.shape).get("context", 1))
     if factory is None or not batch_fakes:
+        if context > 1:
+            raise PlanError(f"{getattr(plan, 'name', 'the plan')} has no activation rule, so "
+                            f"it cannot split sequences over parallel.context={context}")
         return None
-    rule = factory(model, tuple(batch_fakes[0].shape))
+    if context == 1:
+        rule = factory(model, tuple(batch_fakes[0].shape))
+    else:  # the sequence dimension split over `context` (tpu_train.compile.context_parallel)
+        try:
+            rule = factory(model, tuple(batch_fakes[0].shape), context=context)
+        except TypeError:
+            raise PlanError(f"{getattr(plan, 'name', 'the plan')} does not support context "
+                            f"parallelism; set parallel.context=1") from None
     if rule is None:
         return None
-    jax_mesh = getattr(mesh, "jax_mesh", mesh)
     cache: dict = {}
 
     def constrain(value):
@@ -225,8 +236,21 @@ def activation_constraint(plan, mesh, model, batch_fakes):
         if shape not in cache:
             spec = rule(shape)
             cache[shape] = None if spec is None else \
-                jax.sharding.NamedSharding(jax_mesh, spec)
+                jax.sharding.NamedSharding(jax_mesh, _on_mesh_axes(spec, jax_mesh))
         sharding = cache[shape]
         return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
     return constrain
+
+
+def _on_mesh_axes(spec: PartitionSpec, mesh) -> PartitionSpec:
+    """``spec`` without the axes ``mesh`` lacks (a mesh built without ``context``, say)."""
+
+    def kept(entry):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            return entry
+        axes = tuple(a for a in (entry if isinstance(entry, (tuple, list)) else (entry,))
+                     if a in mesh.shape)
+        return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    return PartitionSpec(*(kept(e) for e in spec))

@@ -83,11 +83,11 @@ def llama_plan(*, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:
             for k, spec in LLAMA_ACTIVATIONS.items()}
     name = "llama_plan" + ("" if fsdp and tensor else f"(fsdp={fsdp}, tensor={tensor})")
 
-    def activation_rule(model, batch_shape):
+    def activation_rule(model, batch_shape, context: int = 1):
         config = getattr(model, "config", None)
         if config is None or len(batch_shape) != 2:
             return None  # not a Llama over [batch, seq] tokens: leave activations to XLA
-        return LlamaActivationRule(config, *batch_shape, tensor=tensor)
+        return LlamaActivationRule(config, *batch_shape, tensor=tensor, context=context)
 
     return ShardingPlan(rules, activations=acts, activation_rule=activation_rule, name=name)
 
@@ -101,12 +101,19 @@ class LlamaActivationRule:
     equal to the feed-forward width or vocabulary (when distinct from ``dim``) on ``tensor``.
     Every other dimension is left ``UNCONSTRAINED`` so a wrong guess never forces a reshard
     beyond the batch split. Returns ``None`` for anything else (weights, scalars).
+
+    With ``context > 1`` (sequences split over the ``context`` axis) the first dimension after
+    the batch (after the heads, for a 4-D value) of the sequence's length is split on
+    ``context``; a flattened ``[batch * seq, ...]`` value is left to XLA, as no single spec
+    of its leading dimension matches ``[batch, seq]`` split on both.
     """
 
-    def __init__(self, config: Any, batch: int, seq_len: int, *, tensor: bool = True):
+    def __init__(self, config: Any, batch: int, seq_len: int, *, tensor: bool = True,
+                 context: int = 1):
         self.config = config
         self.batch = int(batch)
         self.seq_len = int(seq_len)
+        self.context = int(context)
         self._tensor = "tensor" if tensor else _U
         widths = {config.ffn_hidden_dim, config.vocab_size} - {config.dim}
         self._tensor_last = widths
@@ -119,9 +126,16 @@ class LlamaActivationRule:
         lead = shape[0]
         if lead not in (self.batch, self.batch * self.seq_len):
             return None
+        if lead != self.batch and self.context > 1:
+            return None
         rest = [_U] * (len(shape) - 1)
-        if lead == self.batch and len(shape) == 4 and shape[1] in self._heads:
+        heads = lead == self.batch and len(shape) == 4 and shape[1] in self._heads
+        if heads:
             rest[0] = self._tensor
         elif shape[-1] in self._tensor_last:
             rest[-1] = self._tensor
+        if self.context > 1:
+            sequence = [i for i in range(1 + heads, len(rest)) if shape[i + 1] == self.seq_len]
+            if sequence:
+                rest[sequence[0]] = "context"
         return P(_B, *rest)

@@ -214,6 +214,9 @@ class ParallelConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # Devices each sequence is split over (context parallelism, trainer.mode=compiled): the
+    # sequence in 2 x context chunks, attention over the gathered keys and values.
+    context: int = 1
 
 
 @dataclass

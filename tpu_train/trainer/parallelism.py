@@ -32,7 +32,7 @@ LAUNCH_HINT = ("torchrun --nproc-per-node {n} -m tpu_train.cli ... or "
 def _degrees(cfg: DictConfig) -> dict[str, int]:
     """``parallel.*``; ``data=-1`` (the default) yields to an explicit ``fsdp=-1`` or
     ``tensor=-1``, so ``parallel.fsdp=-1`` alone means "FSDP over every device"."""
-    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "tensor")}
+    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "tensor", "context")}
     if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["tensor"]):
         degrees["data"] = 1
     return degrees
@@ -87,7 +87,11 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
         _check_batch(cfg, shape)
         from tpu_train.parallel.mesh import build_mesh
 
-        mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices)
+        from .validation import check_context_seq_len
+
+        check_context_seq_len(cfg.data.seq_len, shape.context)  # data.seq_len=null resolved
+        mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices,
+                          context=shape.context)
         plan = model_plan.make_plan()
         layout = Spmd(shape, world, device, mesh, plan)
         layout.plan_name = getattr(plan, "name", model_plan.family)
