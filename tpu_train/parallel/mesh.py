@@ -138,9 +138,9 @@ def resolve_mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: 
     if inferred:
         if num_devices % known:
             raise MeshError(
-                f"cannot infer parallel.{inferred[0]}: the other degrees multiply to {known}, "
-                f"{'' if context == 1 else f'(with context={context}) '}"
-                f"which does not divide the {num_devices} devices")
+                f"cannot infer parallel.{inferred[0]}: the other degrees "
+                f"{'' if context == 1 else f'(context={context} among them) '}multiply to "
+                f"{known}, which does not divide the {num_devices} devices")
         degrees[inferred[0]] = num_devices // known
     product = math.prod(degrees.values()) * context
     if product != num_devices:
