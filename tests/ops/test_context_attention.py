@@ -64,8 +64,8 @@ def test_split_attention_matches_causal_attention(context, tensor):
     rtol = rtol_for(torch.float32, reduction=s, depth=3, functions=("exp",))
     assert abs(float(value) - float(expected)) <= rtol * abs(float(expected))
     for name, got, want in zip("qkv", grads, expected_grads):
-        assert_rel_close(torch.from_numpy(np.asarray(got)),
-                         torch.from_numpy(np.asarray(want)[:, :, order]), rtol, f"d{name}")
+        assert_rel_close(torch.from_numpy(np.array(got)),
+                         torch.from_numpy(np.array(want)[:, :, order]), rtol, f"d{name}")
 
 
 def test_without_a_context_axis_nothing_is_split():

@@ -9,12 +9,15 @@ over tokens) nor the gradients see, so the losses agree to float rounding.
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from tpu_train.ops.context_attention import KEY_BLOCK
 
 from tests.platforms import cpu_child_env
 from tests.tolerances import loss_rtol
@@ -26,7 +29,7 @@ LONG_SEQ = 4096
 
 
 def _common(seq: int) -> list[str]:
-    return ["recipe=llama_pretrain", "model=debug_tiny_long", "data=synthetic_tokens",
+    return ["recipe=llama_pretrain", "model=debug_tiny_long",
             "data.batch_size=4", f"data.seq_len={seq}", "trainer.val_every_n_steps=0",
             "logging.progress_bar=false", "logging.every_n_steps=1",
             "checkpoint.export_hf=false", "scheduler.warmup_steps=1",
@@ -100,8 +103,9 @@ def test_context_parallel_matches_one_device_at_4096_tokens(layout, one_device_l
 
 @pytest.mark.devices(8)
 def test_each_device_attends_at_its_shards_length(tmp_path):
-    """The lowered program's attention: per device, [S / 4] queries against the S gathered
-    keys (the shard_map body's scores), and no [S, S] scores anywhere."""
+    """The lowered program's attention: per device, each of its two chunks of S / 8 queries
+    against blocks of the S gathered keys (the shard_map body's score tiles), and no scores
+    over the whole sequence anywhere."""
     from hydra import compose, initialize_config_dir
 
     from tpu_train import cli, trainer
@@ -118,12 +122,13 @@ def test_each_device_attends_at_its_shards_length(tmp_path):
     assert float(step(next(iter(run.data.train)))["loss"]) > 0
     (program,) = step.compiled.cache.entries.values()
     text = program.lowered.as_text()
-    # Scores: [batch, kv heads / tensor, group, queries, keys]; batch 4 (no data split), one of
-    # the 2 kv heads per tensor shard, 2 query heads per kv head.
-    local_scores = f"tensor<4x1x2x{SEQ // 4}x{SEQ}xf32>"
+    # Score tiles: [batch, kv heads / tensor, query heads per kv head, queries, keys]; batch 4
+    # (no data split), one of the 2 kv heads per tensor shard, a chunk of S / 8 queries.
+    block = math.gcd(SEQ, SEQ // 8, KEY_BLOCK)
+    tile = f"tensor<4x1x2x{SEQ // 8}x{block}xf32>"
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-    assert any(line.rstrip().endswith(f"-> {local_scores}") for line in dots), \
-        [d for d in dots if str(SEQ) in d][:6]
-    assert not any(f"x{SEQ}x{SEQ}x" in line for line in dots)
+    assert any(line.rstrip().endswith(f"-> {tile}") for line in dots), \
+        [d for d in dots if "x2x" in d][:6]
+    assert not any(re.search(rf"x{SEQ}xf32>$", line.rstrip()) for line in dots)
     gathers = [line for line in text.splitlines() if "all_gather" in line]
     assert gathers, "the keys and values are gathered over the context axis"

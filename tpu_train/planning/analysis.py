@@ -125,14 +125,15 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
                                        state_dtype=state_dtype)
 
     def loss_fn(m, b):
-        logits = m(b["tokens"])
+        # position_ids: added by a context-parallel step (tpu_train.compile.context_parallel)
+        logits = m(b["tokens"], position_ids=b.get("position_ids"))
         return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
 
     return model, optimizer, loss_fn, tokens
 
 
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
-                           seq_len: int, overrides: dict | None = None,
+                           seq_len: int, context: int = 1, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, remat: str | None = None,
                            compute_dtype: torch.dtype | None = None,
@@ -160,7 +161,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     """
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
     devices = resolve_target(target).devices if target is not None else None
-    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg)
+    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg, context=context)
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"),

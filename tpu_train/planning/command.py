@@ -155,7 +155,8 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     if "fits" in result:
         result["fits_analytic"] = result.pop("fits")
     if xla:
-        degrees = {axis: int(result["mesh"][axis]) for axis in ("data", "fsdp", "tensor")}
+        degrees = {axis: int(result["mesh"][axis])
+                   for axis in ("data", "fsdp", "tensor", "context")}
         target, note = choose_compiler(cfg.plan.chip, result["num_devices"])
         if note:
             result["compiler_note"] = note
