@@ -156,8 +156,8 @@ VALUES = {
     "context_not_dividing_seq_len": ([*_COMPILED, "parallel.context=4", "data.seq_len=36"],
                                      "data.seq_len=36 does not split into 2 x "
                                      "parallel.context = 8 equal chunks"),
-    "context_not_dividing_devices": ([*_COMPILED, "parallel.context=3"],
-                                     "(context=3 among them) multiply to 3, which does not "
+    "context_not_dividing_devices": ([*_COMPILED, "parallel.context=16"],
+                                     "(context=16 among them) multiply to 16, which does not "
                                      "divide the 8 devices"),
 }
 

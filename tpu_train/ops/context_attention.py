@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 from tpu_train.ops.matmul import dot_general
 
 __all__ = ["SequenceSplit", "active", "applies", "attention", "blockwise_attention",
-           "lowering_key", "sequence_split", "zigzag_positions"]
+           "lowering_key", "sequence_split", "shard_attention", "zigzag_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +125,22 @@ def attention(query, key, value, scale):
         keys = lax.all_gather(k, axis, axis=2, tiled=True)
         values = lax.all_gather(v, axis, axis=2, tiled=True)
         mine = lax.dynamic_slice_in_dim(positions, lax.axis_index(axis) * local_len, local_len)
-        # The shard's two chunks one after the other: each skips the key blocks after it.
-        halves = [blockwise_attention(q[:, :, c * local_len // 2:(c + 1) * local_len // 2],
-                                      keys, values,
-                                      mine[c * local_len // 2:(c + 1) * local_len // 2],
-                                      positions, scale) for c in range(2)]
-        return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*halves))
+        return shard_attention(q, keys, values, mine, positions, scale)
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec),
                          out_specs=(spec, PartitionSpec(batch, heads, axis)),
                          check_vma=False)(query, key, value)
+
+
+def shard_attention(query, keys, values, query_positions, key_positions, scale):
+    """One shard's ``(out, logsumexp)``: its queries (two chunks, positions
+    ``query_positions``) against the whole sequence's keys and values (``key_positions``).
+    The chunks run one after the other, so each skips the key blocks after it."""
+    half = query.shape[2] // 2
+    halves = [blockwise_attention(query[:, :, c * half:(c + 1) * half], keys, values,
+                                  query_positions[c * half:(c + 1) * half], key_positions,
+                                  scale) for c in range(2)]
+    return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*halves))
 
 
 # Keys per block of the blockwise attention: a [b, h, queries, KEY_BLOCK] f32 score tile.

@@ -28,8 +28,14 @@ def _setting_line(result: dict[str, Any]) -> str:
             f"({result['num_devices']} chips), batch {result['batch']} x seq "
             f"{result['seq_len']}, remat {result.get('remat', 'none')}, activations "
             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
-            f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}"
+            f"{_scores(result)}"
             + (", layers scanned" if result.get("scan_layers") else ""))
+
+
+def _scores(result: dict[str, Any]) -> str:
+    if result["mesh"].get("context", 1) > 1:
+        return "not kept (blockwise, context parallel)"
+    return "not kept (fused kernel)" if result["flash_attention"] else "materialized"
 
 
 def _chip_line(result: dict[str, Any]) -> str:
