@@ -25,6 +25,7 @@ re-exports these names), so that compiling a step never imports ``tpu_train.para
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -218,12 +219,12 @@ def activation_constraint(plan, mesh, model, batch_fakes):
         return None
     if context == 1:
         rule = factory(model, tuple(batch_fakes[0].shape))
-    else:  # the sequence dimension split over `context` (tpu_train.compile.context_parallel)
-        try:
-            rule = factory(model, tuple(batch_fakes[0].shape), context=context)
-        except TypeError:
-            raise PlanError(f"{getattr(plan, 'name', 'the plan')} does not support context "
-                            f"parallelism; set parallel.context=1") from None
+    elif "context" in inspect.signature(factory).parameters:
+        # the sequence dimension split over `context` (tpu_train.compile.context_parallel)
+        rule = factory(model, tuple(batch_fakes[0].shape), context=context)
+    else:
+        raise PlanError(f"{getattr(plan, 'name', 'the plan')} does not support context "
+                        f"parallelism; set parallel.context=1")
     if rule is None:
         return None
     cache: dict = {}

@@ -23,6 +23,7 @@ from tpu_train.parallel.plans import PlanError
 from .config import StepMode
 from .errors import ConfigError
 from .layouts import Layout, PerDevice, SingleDevice, Spmd
+from .validation import check_context_seq_len
 from .world import World
 
 LAUNCH_HINT = ("torchrun --nproc-per-node {n} -m tpu_train.cli ... or "
@@ -86,8 +87,6 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
         model_plan = _check_model(model, shape)
         _check_batch(cfg, shape)
         from tpu_train.parallel.mesh import build_mesh
-
-        from .validation import check_context_seq_len
 
         check_context_seq_len(cfg.data.seq_len, shape.context)  # data.seq_len=null resolved
         mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices,
