@@ -19,11 +19,13 @@ shape and form: compile seconds, fastest and median milliseconds; the xla / spla
 the gradients' normwise difference between the two forms. With ``--documents N`` every row
 is packed with N samples of random lengths and attention takes their *document mask* (causal
 within each sample, a boolean ``[B, 1, S, S]`` argument of the program): the XLA form applies
-it densely, the kernels with the segment ids read from it. Prints ONE JSON line. Run from the
-repository root::
+it densely, the kernels with the segment ids read from it. With ``--window W`` a token sees
+only the last W positions (a sliding window, Mistral's): the mask is also banded, and the
+kernels run under ``attention_tpu.sliding_window(W)`` with the splash library's ``LocalMask``.
+Prints ONE JSON line. Run from the repository root::
 
     python scripts/bench_attention.py [--rounds 30] [--shapes 8x16(8)x1024,...] [--interpret]
-                                      [--documents 4]
+                                      [--documents 4] [--window 256]
 """
 
 from __future__ import annotations
@@ -60,21 +62,24 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
-def document_mask(batch: int, seq: int, documents: int, seed: int = 0):
+def document_mask(batch: int, seq: int, documents: int, seed: int = 0,
+                  window: int | None = None):
     """A ``[batch, 1, seq, seq]`` boolean document mask of ``documents`` samples of random
-    lengths per row (at least one token each)."""
+    lengths per row (at least one token each; 0: one sample), within ``window`` positions."""
     import numpy
 
     rng = numpy.random.default_rng(seed)
-    segments = numpy.empty((batch, seq), numpy.int32)
-    for row in range(batch):
+    segments = numpy.zeros((batch, seq), numpy.int32)
+    for row in range(batch if documents else 0):
         cuts = numpy.sort(rng.choice(numpy.arange(1, seq), documents - 1, replace=False))
         segments[row] = numpy.searchsorted(cuts, numpy.arange(seq), side="right")
     causal = numpy.tri(seq, dtype=bool)
+    if window:
+        causal &= ~numpy.tri(seq, k=-window, dtype=bool)
     return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
 
 
-def _programs(shape, device, interpret: bool, documents: int = 0):
+def _programs(shape, device, interpret: bool, documents: int = 0, window: int = 0):
     """``{form: (compiled, compile seconds)}`` and the arguments they take."""
     import jax
     import jax.numpy as jnp
@@ -85,9 +90,10 @@ def _programs(shape, device, interpret: bool, documents: int = 0):
     keys = jax.random.split(jax.random.key(0), 4)
     q, dout = (jax.random.normal(k, (b, h, s, HEAD_DIM), jnp.bfloat16) for k in keys[::3])
     k, v = (jax.random.normal(key, (b, kv, s, HEAD_DIM), jnp.bfloat16) for key in keys[1:3])
-    mask = jnp.asarray(document_mask(b, s, documents)) if documents else None
+    masked = bool(documents or window)
+    mask = jnp.asarray(document_mask(b, s, documents, window=window)) if masked else None
     args = [jax.device_put(x, device) for x in (q, k, v, dout)] + (
-        [jax.device_put(mask, device)] if documents else [])
+        [jax.device_put(mask, device)] if masked else [])
 
     def loss(q_, k_, v_, dout_, mask_=None):
         out = attention.attention(q_, k_, v_, mask_, mask_ is None, None)[0]
@@ -102,7 +108,7 @@ def _programs(shape, device, interpret: bool, documents: int = 0):
         started = time.perf_counter()
         # The choice is made while tracing: ahead of time, once, and each form traces its own
         # function (JAX would reuse the trace of one function object for the other form).
-        with context():
+        with context(), attention_tpu.sliding_window(window or None):
             compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
         programs[name] = (compiled, time.perf_counter() - started)
     return programs, args
@@ -115,13 +121,14 @@ def _relative(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def bench_shape(shape, device, rounds: int, interpret: bool, documents: int = 0) -> dict:
+def bench_shape(shape, device, rounds: int, interpret: bool, documents: int = 0,
+                window: int = 0) -> dict:
     import jax
 
     from tpu_train.ops import attention_tpu
 
     b, h, kv, s = shape
-    programs, args = _programs(shape, device, interpret, documents)
+    programs, args = _programs(shape, device, interpret, documents, window)
     results = {name: program(*args) for name, (program, _) in programs.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in programs}
     order = list(programs)
@@ -132,9 +139,10 @@ def bench_shape(shape, device, rounds: int, interpret: bool, documents: int = 0)
             times[name].append((time.perf_counter() - started) * 1e3)
     query, key = jax.ShapeDtypeStruct((b, h, s, HEAD_DIM), "bfloat16"), \
         jax.ShapeDtypeStruct((b, kv, s, HEAD_DIM), "bfloat16")
-    mask = jax.ShapeDtypeStruct((b, 1, s, s), "bool") if documents else None
+    masked = bool(documents or window)
+    mask = jax.ShapeDtypeStruct((b, 1, s, s), "bool") if masked else None
     report = {"shape": f"{b}x{h}({kv})x{s}", "batch": b, "heads": h, "kv_heads": kv, "seq": s,
-              "rule_takes_kernels": attention_tpu.supported(query, key, key, mask, not documents),
+              "rule_takes_kernels": attention_tpu.supported(query, key, key, mask, not masked),
               "compile_s": {n: round(p[1], 2) for n, p in programs.items()}}
     for name in ("xla", "splash"):
         report[f"{name}_ms"] = None if name not in times else {
@@ -161,6 +169,8 @@ def main(argv=None) -> dict:
                         help=f"comma-separated BxH(KV)xS (default {DEFAULT_SHAPES})")
     parser.add_argument("--documents", type=int, default=0,
                         help="packed rows of this many samples: a document mask (0: causal)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="a sliding window of this many positions (0: none)")
     parser.add_argument("--interpret", action="store_true",
                         help="off a TPU, run the kernels in Pallas' interpret mode (not a timing)")
     args = parser.parse_args(argv)
@@ -168,6 +178,8 @@ def main(argv=None) -> dict:
         parser.error("--rounds must be >= 1")
     if args.documents < 0:
         parser.error("--documents must be >= 0 (0: causal attention, no document mask)")
+    if args.window < 0:
+        parser.error("--window must be >= 0 (0: no sliding window)")
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as error:
@@ -181,12 +193,13 @@ def main(argv=None) -> dict:
               "device_kind": device.device_kind, "host_cores": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d"), "commit": provenance.commit(), "dtype": "bfloat16",
               "head_dim": HEAD_DIM, "causal": True, "rounds": args.rounds,
-              "documents_per_row": args.documents,
+              "documents_per_row": args.documents, "window": args.window or None,
               "min_sequence_rule": attention_tpu.MIN_SEQUENCE,
               "splash": ("kernels" if device.platform == "tpu" else
                          "interpret mode (not a timing)" if args.interpret else
                          "not run: the kernels need a TPU (--interpret to check the script)"),
-              "shapes": [bench_shape(shape, device, args.rounds, args.interpret, args.documents)
+              "shapes": [bench_shape(shape, device, args.rounds, args.interpret, args.documents,
+                                     args.window)
                          for shape in shapes]}
     print(json.dumps(report))
     return report

@@ -112,6 +112,7 @@ def main(argv=None) -> dict:
     from tpu_train.compile import lower_train_step
     from tpu_train.compile.targets import TargetError, libtpu_available
     from tpu_train.ops.matmul import set_matmul_precision
+    from tpu_train.models import LLAMA
     from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
     from tpu_train.trainer.step import causal_lm_loss_sum_and_count
 
@@ -119,7 +120,7 @@ def main(argv=None) -> dict:
         parser.error('libtpu is not installed: pip install -c constraints.txt -e ".[tpu]"')
     set_matmul_precision(args.matmul_precision)
     model, batch = build(args.size, args.seq, args.batch, args.layers)
-    apply_activation_checkpointing(model, args.remat)
+    apply_activation_checkpointing(model, args.remat, qkv_projections=LLAMA.qkv_projections)
     scan_layers = {"auto": None, "true": True, "false": False}[args.scan_layers]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     bf16 = torch.bfloat16 if args.precision == "bf16" else None

@@ -243,7 +243,7 @@ def device_memory() -> dict | None:
 
 def step_flops(size) -> int:
     """Model FLOPs of one step: (6 N_matmul + 12 layers seq dim) per token x tokens."""
-    from tpu_train.models.config import flops_per_token
+    from tpu_train.models.llama.config import flops_per_token
 
     return flops_per_token(size.config(), size.seq) * size.tokens
 

@@ -161,16 +161,40 @@ def test_recipe_plan_is_the_plan_command(monkeypatch):
     assert seen[0]["parallel"]["fsdp"] == 8 and seen[0]["plan"]["chip"] == "v5e"
 
 
+def _analysing_each_setting_once(monkeypatch) -> list[str]:
+    """XLA's analysis of a plan (a child process that compiles the step) is a function of the
+    settings it is given: record each one's, and hand a setting analysed before its recorded
+    figures. Returns the keys of the settings that were read back from the record."""
+    from tpu_train.planning import command
+
+    analysed, reused = {}, []
+    real = command.analyse_in_child
+
+    def analyse_in_child(args, **options):
+        key = repr((sorted(args.items()), sorted(options.items())))
+        if key in analysed:
+            reused.append(key)
+        else:
+            analysed[key] = real(args, **options)
+        return analysed[key]
+
+    monkeypatch.setattr(command, "analyse_in_child", analyse_in_child)
+    return reused
+
+
 @pytest.mark.timeout(900)
-def test_a_plan_that_does_not_fit_names_a_command_line_that_does(tmp_path):
+def test_a_plan_that_does_not_fit_names_a_command_line_that_does(tmp_path, monkeypatch):
     """8,192 rows of 256 tokens on eight v5e chips need more than a chip's HBM (with libtpu,
     XLA's TPU compiler stops with an out-of-memory error after its buffer assignment, whose
     figures the plan reads). The plan says so once and prints tpu-train command lines that
-    would fit; the first, run as printed, fits."""
+    would fit; the first, run as printed, fits: it asks XLA for the very setting the plan
+    compiled to check it, whose figures are not compiled a second time."""
     import shlex
 
+    reused = _analysing_each_setting_once(monkeypatch)
     code, out, err, result = plan(tmp_path, "plan", "model=debug_tiny", "parallel.fsdp=8",
                                   "plan.chip=v5e", "data.batch_size=8192")
+    assert reused == []  # the plan and each of its checks: another setting each
     assert code == 0, err
     assert not result["fits"] and result["verdict"]["needed_bytes"] > \
         result["verdict"]["usable_bytes"]
@@ -188,6 +212,7 @@ def test_a_plan_that_does_not_fit_names_a_command_line_that_does(tmp_path):
     assert "data.seq_len=256" in args and "data.batch_size=8192" in args
     code, out, err, checked = plan(tmp_path, *args[1:])
     assert code == 0, err
+    assert len(reused) == 1  # the printed line is the setting whose check fitted
     assert checked["fits"] and checked["verdict"]["basis"] == result["verdict"]["basis"]
     assert [line for line in out.splitlines() if "FIT" in line][0].startswith(
         "verdict: FITS on v5e: ")

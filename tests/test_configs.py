@@ -98,3 +98,22 @@ def test_recipe_overrides_other_groups():
     assert _compose(["recipe=llama_lora", "model=llama3_2_1b"]).optim.lr == pytest.approx(1e-3)
     assert _compose(["recipe=llama_lora", "optim.lr=5e-4"]).optim.lr == pytest.approx(5e-4)
     assert _compose(["recipe=llama_pretrain"]).scheduler.name.name == "wsd"
+
+
+def test_model_n_layers_and_max_seq_len_change_what_is_built_and_planned():
+    """``model.n_layers`` shortens a preset and ``model.max_seq_len`` lengthens its context,
+    for the model the trainer builds and the one the planner plans."""
+    from tpu_train.planning.estimate import estimate_from_config
+    from tpu_train.trainer.builders import model_config
+
+    cfg = _compose(["model=llama3_1_8b", "model.n_layers=2", "model.max_seq_len=16384",
+                    "data.seq_len=16384", "data.batch_size=1"])
+    built = model_config(cfg)
+    assert (built.n_layers, built.max_seq_len, built.dim) == (2, 16384, 4096)
+    full = _compose(["model=llama3_1_8b", "data.seq_len=4096", "data.batch_size=1"])
+    short = _compose(["model=llama3_1_8b", "model.n_layers=2", "data.seq_len=4096",
+                      "data.batch_size=1"])
+    # A layer: q, k, v, o (8 kv heads of 128), the SwiGLU's three 4096 x 14336, two norms.
+    per_layer = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
+    params = [estimate_from_config(c, num_devices=1)["num_params"] for c in (full, short)]
+    assert params[0] - params[1] == 30 * per_layer

@@ -27,10 +27,10 @@ Entry shims:
 for a named model config) sits above ``parallel`` and ``models``, whose plans and models it
 plans, and below the trainer.
 
-One documented exception, :data:`ALLOWED`: ``parallel/per_device.py`` maps the ``Llama``
-class to its per-device FSDP units and tensor-parallel plan, so ``parallel`` imports
-``tpu_train.models`` there (one lazy import). That cannot form a cycle because ``models`` is
-pure PyTorch and imports no other layer, which this file asserts as well.
+No exceptions: ``parallel`` derives plans from a model family's table of parameter roles
+without importing ``models``; the family (``tpu_train.models.ModelFamily``) reaches it as a
+value from the layers above (the trainer, the planner). ``models`` stays pure PyTorch and
+imports no other layer, which this file asserts as well.
 """
 
 from __future__ import annotations
@@ -61,10 +61,7 @@ LAYERS: dict[str, int] = {
     "launch": 8,
 }
 
-# (importing layer, imported layer): edges allowed against the order, with the reason above.
-ALLOWED = {("parallel", "models")}
-
-# Layers that must import nothing else from the package (what makes ALLOWED safe).
+# Layers that must import nothing else from the package.
 LEAVES = ("models",)
 
 
@@ -119,7 +116,7 @@ def upward_edges(root: Path = ROOT) -> list[str]:
     found = []
     for path, line, source, target in import_edges(root):
         src, dst = layer_of(source), layer_of(target)
-        if src == dst or (src, dst) in ALLOWED:
+        if src == dst:
             continue
         if src not in LAYERS or dst not in LAYERS:
             found.append(f"{path.relative_to(root.parent)}:{line}: {source} -> {target} "

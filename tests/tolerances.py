@@ -241,7 +241,7 @@ def loss_rtol(dtype: torch.dtype, steps: int, reduction: int, depth: int = 1,
 CROSS_ENTROPY_FUNCTIONS = ("exp", "log")
 
 
-# The elementwise functions of one Llama decoder layer (tpu_train/models/llama.py): the two
+# The elementwise functions of one Llama decoder layer (tpu_train/models/llama/model.py): the two
 # RMSNorms' rsqrt, the attention softmax's exp and SiLU's sigmoid; the model adds its final norm.
 LLAMA_LAYER_FUNCTIONS = ("rsqrt", "exp", "sigmoid", "rsqrt")
 

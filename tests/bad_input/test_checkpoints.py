@@ -111,6 +111,16 @@ CASES = {
     "other_architecture": (_edit_json("config.json", model_type="gpt2",
                                       architectures=["GPT2LMHeadModel"]), [],
                            "architectures=['GPT2LMHeadModel']"),
+    # Settings no attention path here can honour: Qwen2's window on some layers only, and a
+    # Mistral window that is no number of positions.
+    "qwen2_window_on_some_layers": (_edit_json("config.json", model_type="qwen2",
+                                               architectures=["Qwen2ForCausalLM"],
+                                               use_sliding_window=True), [],
+                                    "Qwen2 with use_sliding_window=true"),
+    "mistral_window_not_positive": (_edit_json("config.json", model_type="mistral",
+                                               architectures=["MistralForCausalLM"],
+                                               sliding_window=0), [],
+                                    "sliding_window must be a positive integer or null, got 0"),
     "config_without_hidden_size": (_edit_json("config.json", hidden_size=None), [], "hidden_size"),
     "heads_not_dividing_hidden": (_edit_json("config.json", num_attention_heads=7,
                                              head_dim=None), [], "config.json"),

@@ -86,11 +86,29 @@ def test_a_partitioned_step_keeps_the_xla_form():
     """Over a v5e:2x2 mesh the program is partitioned by XLA, which does not split a Pallas
     kernel: attention stays in its XLA form (lowered only). The mesh is laid over the target's
     own compile-only devices: the host's (one chip on a v5e-1) need not be four."""
-    from tpu_train.parallel.llama_plan import llama_plan
+    from tpu_train.models import LLAMA
+    from tpu_train.parallel import sharding_plan
 
     model, optimizer, batch = _meta_llama(1024, 4)
     mesh = targets.resolve_target("v5e:2x2").mesh((4, 1, 1), ("data", "fsdp", "tensor"))
-    program = lower_train_step(model, optimizer, lm_loss, batch, mesh=mesh, plan=llama_plan(),
+    program = lower_train_step(model, optimizer, lm_loss, batch, mesh=mesh,
+                               plan=sharding_plan(LLAMA),
                                target="v5e:2x2", autocast_dtype=torch.bfloat16,
                                compute_dtype=torch.bfloat16, compile=False)
     assert "tpu_custom_call" not in program.lowered.as_text()
+
+
+@needs_libtpu
+def test_a_one_device_mesh_keeps_the_kernels():
+    """The planner compiles a one-chip step over a mesh of one device: nothing is partitioned,
+    so attention takes the kernels, as the trainer's step on that chip does (lowered only)."""
+    from tpu_train.models import LLAMA
+    from tpu_train.parallel import sharding_plan
+
+    model, optimizer, batch = _meta_llama(1024, 1)
+    mesh = targets.resolve_target("v5e:1x1").mesh((1, 1, 1), ("data", "fsdp", "tensor"))
+    program = lower_train_step(model, optimizer, lm_loss, batch, mesh=mesh,
+                               plan=sharding_plan(LLAMA),
+                               target="v5e:1x1", autocast_dtype=torch.bfloat16,
+                               compute_dtype=torch.bfloat16, compile=False)
+    assert program.lowered.as_text().count("tpu_custom_call") == 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 from jax.sharding import Mesh
 
-from tpu_train.compile.context_parallel import ContextParallelError, zigzag_batch
+from tpu_train.compile.context_parallel import ContextParallelError, sequence_split, zigzag_batch
 from tpu_train.compile.spmd import PlanError, activation_constraint
 from tpu_train.ops.context_attention import zigzag_positions
 
@@ -47,3 +47,14 @@ def test_a_plan_without_a_sequence_rule_is_refused():
     batch = [torch.empty(4, 16, device="meta")]
     with pytest.raises(PlanError, match="other_plan does not support context parallelism"):
         activation_constraint(Plan(), mesh, None, batch)
+
+
+@pytest.mark.devices(8)
+def test_a_sliding_window_shorter_than_the_sequence_is_refused():
+    devices = np.asarray(jax.devices()[:8]).reshape(1, 4, 2, 1)
+    mesh = Mesh(devices, ("data", "fsdp", "context", "tensor"))
+    # Its mask follows the tokens' order, which the zig-zag layout changes.
+    with pytest.raises(ContextParallelError, match="sliding window of 8"):
+        sequence_split(mesh, [(4, 16)], window=8)
+    with sequence_split(mesh, [(4, 16)], window=16):  # the window cuts nothing
+        pass

@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpu_train.compile import lower_train_step, targets
+from tpu_train.models import LLAMA
 from tpu_train.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                          remat_setting)
 
@@ -54,7 +55,7 @@ def _compiled_figures(scan: bool) -> dict:
         with torch.device("meta"):
             model = Llama(config)
             tokens = torch.empty(8, 128, dtype=torch.int64)
-        apply_activation_checkpointing(model, remat)
+        apply_activation_checkpointing(model, remat, qkv_projections=LLAMA.qkv_projections)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         program = lower_train_step(model, optimizer, lm_loss,
                                    {"tokens": tokens, "labels": tokens.clone()},
@@ -102,7 +103,7 @@ def test_compiled_gradients_match_autograd(remat, scan):
     model, batch = tiny_llama(), lm_batches(1)[0]
     expected = _cpu_gradients(model, batch)
     trained = copy.deepcopy(model)
-    apply_activation_checkpointing(trained, remat)
+    apply_activation_checkpointing(trained, remat, qkv_projections=LLAMA.qkv_projections)
     trained.to(DEVICE)
     before = {name: p.detach().cpu().clone() for name, p in trained.named_parameters()}
     # One SGD step at a learning rate that moves each parameter by far more than its size,
@@ -142,8 +143,9 @@ def test_eager_policies(device):
     matmuls = {}
     for remat in POLICIES:
         checkpointed = copy.deepcopy(model)
-        assert apply_activation_checkpointing(checkpointed, remat) == (0 if remat == "none"
-                                                                      else 2)
+        wrapped = apply_activation_checkpointing(checkpointed, remat,
+                                                 qkv_projections=LLAMA.qkv_projections)
+        assert wrapped == (0 if remat == "none" else 2)
         checkpointed.to(device)
         loss = lm_loss(checkpointed, {k: v.to(device) for k, v in batch.items()})
         with _CountMatmuls() as counter:
@@ -181,7 +183,10 @@ def test_save_qkv_proj_needs_projections():
             super().__init__()
             self.layers = torch.nn.ModuleList([Layer(), Layer()])
 
-    with pytest.raises(ValueError, match="layer 0 of Model has another set: choose "
+    with pytest.raises(ValueError, match="layer 0 of Model has no q: choose "
+                                         "trainer.remat=save_dots"):
+        apply_activation_checkpointing(Model(), "save_qkv_proj", qkv_projections=("q", "k", "v"))
+    with pytest.raises(ValueError, match="which its model family does not name: choose "
                                          "trainer.remat=save_dots"):
         apply_activation_checkpointing(Model(), "save_qkv_proj")
 

@@ -264,9 +264,9 @@ def test_a_partitioned_bf16_stack_whose_attention_could_take_the_kernels():
     import jax
 
     from tpu_train.compile import lower_train_step
-    from tpu_train.models import Llama, LlamaConfig
+    from tpu_train.models import LLAMA, Llama, LlamaConfig
     from tpu_train.ops import attention_tpu
-    from tpu_train.parallel.llama_plan import llama_plan
+    from tpu_train.parallel import sharding_plan
     from tpu_train.parallel.mesh import build_mesh
 
     seq = 128
@@ -276,11 +276,11 @@ def test_a_partitioned_bf16_stack_whose_attention_could_take_the_kernels():
         model = Llama(config)
         tokens = torch.empty(2, seq, dtype=torch.int64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mesh = build_mesh(1, 2, 1, devices=jax.devices()[:2], model_config=config)
+    mesh = build_mesh(1, 2, 1, devices=jax.devices()[:2], split_sizes=LLAMA.split_sizes(config))
     with attention_tpu.interpreted(min_sequence=seq):
         program = lower_train_step(model, optimizer, lm_loss,
                                    {"tokens": tokens, "labels": tokens.clone()}, mesh=mesh,
-                                   plan=llama_plan(), compute_dtype=torch.bfloat16,
+                                   plan=sharding_plan(LLAMA), compute_dtype=torch.bfloat16,
                                    scan_layers=True, runtime_options=False, compile=False)
     scans = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_SCAN]
     assert len(scans) == 1 and len(scans[0].args[1]) == 2 * 9 + 3

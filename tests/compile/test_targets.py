@@ -68,6 +68,15 @@ def test_named_topologies_give_compile_only_devices(name, canonical, chips, kind
 
 
 @needs_libtpu
+def test_several_slices_give_each_device_its_slice():
+    two = resolve_target("v5e:2x2", num_slices=2)
+    assert (two.name, two.num_slices, two.num_chips, len(two.devices)) == ("v5e:2x2", 2, 8, 8)
+    assert sorted(d.slice_index for d in two.devices) == [0] * 4 + [1] * 4
+    with pytest.raises(TargetError, match="num_slices must be a positive int, got 0"):
+        resolve_target("v5e:2x2", num_slices=0)
+
+
+@needs_libtpu
 def test_a_topology_libtpu_rejects_is_one_line():
     with pytest.raises(TargetError, match=r"TPU target 'v5e:3x3': libtpu cannot build it \("):
         resolve_target("v5e:3x3")
@@ -100,12 +109,13 @@ def test_a_mesh_is_laid_over_the_target_chips():
     import jax
     from jax.sharding import Mesh
 
-    from tpu_train.parallel.llama_plan import llama_plan
+    from tpu_train.models import LLAMA
+    from tpu_train.parallel import sharding_plan
 
     model, optimizer, batch = _meta_step(batch=4)
     # Any 4 devices: only the mesh's axes count, laid over the target's chips.
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
-    program = lower_train_step(model, optimizer, _loss, batch, mesh=mesh, plan=llama_plan(),
+    program = lower_train_step(model, optimizer, _loss, batch, mesh=mesh, plan=sharding_plan(LLAMA),
                                target="v5e:2x2")
     shardings = program.lowered.compile().input_shardings[0]
     devices = {d for s in jax.tree.leaves(shardings) for d in s.device_set}

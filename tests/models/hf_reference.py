@@ -1,4 +1,5 @@
-"""Tiny random `transformers` Llama models used as the reference implementation."""
+"""Tiny random `transformers` Llama, Qwen2 and Mistral models used as the reference
+implementation."""
 
 from __future__ import annotations
 
@@ -46,7 +47,42 @@ def hf_llama(style: str, seed: int = 0) -> transformers.LlamaForCausalLM:
     kwargs.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config = transformers.LlamaConfig(**kwargs)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return randomized(transformers.LlamaForCausalLM(config), seed)
+
+
+# Qwen2.5's and Mistral's options at a tiny size: Qwen2's q/k/v biases, RoPE base 1e6 and
+# tied embeddings; Mistral's sliding window, shorter than the sequences the tests run.
+FAMILY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=160, vocab_size=VOCAB,
+                    max_position_embeddings=128)
+MISTRAL_WINDOW = 12
+
+
+def hf_qwen2(seed: int = 0) -> transformers.Qwen2ForCausalLM:
+    """A random float32 Qwen2ForCausalLM (biases random too, not HF's zeros)."""
+    config = transformers.Qwen2Config(**FAMILY_SHAPE, rms_norm_eps=1e-6, rope_theta=1e6,
+                                      tie_word_embeddings=True, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    return randomized(transformers.Qwen2ForCausalLM(config), seed)
+
+
+def hf_mistral(seed: int = 0, sliding_window: int | None = MISTRAL_WINDOW,
+               attn_implementation: str = "sdpa") -> transformers.MistralForCausalLM:
+    """A random float32 MistralForCausalLM whose attention sees the last ``sliding_window``
+    positions."""
+    config = transformers.MistralConfig(**FAMILY_SHAPE, head_dim=16, rms_norm_eps=1e-5,
+                                        rope_theta=10000.0, sliding_window=sliding_window,
+                                        tie_word_embeddings=False, bos_token_id=None,
+                                        eos_token_id=None, pad_token_id=None,
+                                        attn_implementation=attn_implementation)
+    torch.manual_seed(seed)
+    return randomized(transformers.MistralForCausalLM(config), seed)
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` in eval mode with every weight random (see :func:`hf_llama`)."""
+    model.eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -202,7 +202,7 @@ def test_unexpected_tensor_names_tensor_and_file(tmp_path):
 
 
 @pytest.mark.parametrize("change,expected", [
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "mistral"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "gemma"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "yarn"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "gelu"),

@@ -8,7 +8,7 @@ from torch.func import functional_call, functionalize, grad
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tpu_train.models import KVCache, Llama, LlamaConfig, RopeScaling, init_weights, num_params
-from tpu_train.models.rope import rope_tables
+from tpu_train.models.llama.rope import rope_tables
 
 from tests.tolerances import SAFETY, assert_rel_close, rtol_for, unit_roundoff
 

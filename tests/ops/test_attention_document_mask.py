@@ -134,3 +134,60 @@ def test_jax_derivative_with_a_document_mask_runs_the_backward_kernels(kernel_ca
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(to_torch(got, dtype), want,
                                    **tolerance(dtype, S, 6, 6, largest(want)))
+
+
+WINDOW = 100  # not a multiple of the 128-token blocks: partly masked blocks on both edges
+
+
+def _window_mask(segments, window=WINDOW):
+    band = ~torch.ones(S, S, dtype=torch.bool).tril(-window)
+    return _document_mask(segments) & band
+
+
+def test_under_a_sliding_window_the_check_takes_the_window():
+    segments = _segments()
+    mask = to_jax(_window_mask(segments))
+    assert not bool(attention_tpu.document_segments(mask, 2)[1])
+    ids, is_document = attention_tpu.document_segments(mask, 2, WINDOW)
+    assert bool(is_document)
+    numpy.testing.assert_array_equal(numpy.asarray(ids), segments.numpy())
+    # A plain document mask is no sliding-window one where a segment is longer than it.
+    assert not bool(attention_tpu.document_segments(to_jax(_document_mask(segments)), 2,
+                                                    WINDOW)[1])
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        with attention_tpu.sliding_window(0):
+            pass
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_sample", "packed"])
+def test_a_sliding_window_mask_on_the_local_kernels_matches_torch(packed, kernel_calls,
+                                                                  monkeypatch):
+    """Under attention_tpu.sliding_window the kernels run with the splash library's LocalMask
+    (and the segment ids of packed rows), forward and backward, and give PyTorch's dense
+    masked attention; the causal kernels alone would not."""
+    dtype = torch.bfloat16
+    q, k, v = rand(2, 4, S, 64, dtype=dtype), rand(2, 2, S, 64, dtype=dtype, seed=1), \
+        rand(2, 2, S, 64, dtype=dtype, seed=2)
+    grad = rand(2, 4, S, 64, dtype=dtype, seed=5)
+    segments = _segments() if packed else _segments(((S,), (S,)))
+    mask = _window_mask(segments)
+    if not packed:
+        mask = mask[:1]  # one [1, 1, S, S] mask for every row, as the model passes it
+    expected, expected_grads = _reference(q, k, v, mask, grad)
+    built = []
+    make_kernel = attention_tpu._kernel
+    monkeypatch.setattr(attention_tpu, "_kernel",
+                        lambda *args: built.append(args) or make_kernel(*args))
+    with attention_tpu.interpreted(), attention_tpu.sliding_window(WINDOW):
+        out, grads = _fused(q, k, v, mask, grad)
+    assert kernel_calls == {"forward": 1, "backward": 1}
+    # (sequence, group, is_causal, interpret, window): the local kernels, both directions.
+    assert built == [(S, 2, True, True, WINDOW)] * 2
+    torch.testing.assert_close(to_torch(out, dtype), expected,
+                               **tolerance(dtype, S, 3, 3, largest(expected)))
+    for got, want in zip(grads[:3], expected_grads):
+        torch.testing.assert_close(to_torch(got, dtype), want,
+                                   **tolerance(dtype, S, 6, 6, largest(want)))
+    causal, _ = _reference(q, k, v, _document_mask(segments), grad)
+    assert (causal - expected).abs().max() > 0.1
+

@@ -1,6 +1,7 @@
 """The compiled PyTorch step under SPMD equals the single-device step; FSDP divides memory.
 
-``compile_train_step(model, AdamW, loss, mesh=..., plan=llama_plan())`` on a tiny Llama, on the
+``compile_train_step(model, AdamW, loss, mesh=..., plan=sharding_plan(LLAMA))`` on a tiny Llama,
+on the
 8 virtual CPU devices of the test session, against the same step compiled for one device.
 """
 
@@ -16,7 +17,8 @@ import torch
 import tpu_train
 from tpu_train.compile import compile_train_step
 from tpu_train.device import storage_of
-from tpu_train.parallel import (build_mesh, flat_storage_sharding, llama_plan, place_for_step,
+from tpu_train.models import LLAMA
+from tpu_train.parallel import (build_mesh, flat_storage_sharding, place_for_step, sharding_plan,
                                 storage_bytes_per_device)
 
 from tests.compile.helpers import assert_params_within, param_bound
@@ -54,8 +56,8 @@ def _train(degrees):
     if degrees is None:
         step = compile_train_step(model, opt, _loss)
     else:
-        mesh = build_mesh(*degrees, model_config=CFG)
-        step = compile_train_step(model, opt, _loss, mesh=mesh, plan=llama_plan())
+        mesh = build_mesh(*degrees, split_sizes=LLAMA.split_sizes(CFG))
+        step = compile_train_step(model, opt, _loss, mesh=mesh, plan=sharding_plan(LLAMA))
         place_for_step(step)
     losses = []
     for batch in _batches():
@@ -105,9 +107,10 @@ def _train_stack(degrees, scan_layers):
     model.init_weights(seed=0, device="cpu")
     model = model.to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    mesh = None if degrees is None else build_mesh(*degrees, model_config=STACK_CFG)
+    mesh = None if degrees is None else build_mesh(*degrees,
+                                                   split_sizes=LLAMA.split_sizes(STACK_CFG))
     step = compile_train_step(model, opt, _loss, mesh=mesh,
-                              plan=None if mesh is None else llama_plan(),
+                              plan=None if mesh is None else sharding_plan(LLAMA),
                               scan_layers=scan_layers)
     if mesh is not None:
         place_for_step(step)
@@ -142,8 +145,9 @@ def test_activation_checkpointing_under_fsdp_matches_one_device():
     model = copy.deepcopy(_base()).to(DEVICE)
     assert apply_activation_checkpointing(model) == CFG.n_layers
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = compile_train_step(model, opt, _loss, mesh=build_mesh(1, 8, 1, model_config=CFG),
-                              plan=llama_plan())
+    step = compile_train_step(model, opt, _loss,
+                              mesh=build_mesh(1, 8, 1, split_sizes=LLAMA.split_sizes(CFG)),
+                              plan=sharding_plan(LLAMA))
     place_for_step(step)
     losses = [float(step({k: v.to(DEVICE) for k, v in b.items()})["loss"])
               for b in _batches()[:steps]]
@@ -192,7 +196,7 @@ def test_fsdp_gathers_under_checkpointing_do_not_pile_up():
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_parameters_are_global_arrays_split_per_plan(layout):
     _, model, opt, step = _train(MESHES[layout])
-    plan = llama_plan()
+    plan = sharding_plan(LLAMA)
     for name, p in model.named_parameters():
         buffer = storage_of(p).buffer
         assert len(buffer.sharding.device_set) == 8, name
@@ -243,7 +247,7 @@ def test_activations_are_pinned_by_the_plans_rule():
 def test_mesh_without_plan_is_an_error():
     model = copy.deepcopy(_base()).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mesh = build_mesh(1, 8, 1, model_config=CFG)
+    mesh = build_mesh(1, 8, 1, split_sizes=LLAMA.split_sizes(CFG))
     step = compile_train_step(model, opt, _loss, mesh=mesh)
     batch = {k: v.to(DEVICE) for k, v in _batches()[0].items()}
     with pytest.raises(ValueError, match="both mesh= and plan="):

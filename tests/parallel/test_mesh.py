@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from tpu_train.models import get_config
+from tpu_train.models import LLAMA, get_config
 from tpu_train.parallel.mesh import (AXES, MeshError, MeshShape, build_mesh,
-                                     check_model_divisibility, device_grid, mesh_from_config,
+                                     check_divisibility, device_grid, mesh_from_config,
                                      resolve_mesh_shape)
 from tpu_train.trainer.config import ParallelConfig
 
@@ -49,14 +49,15 @@ def test_multi_slice_puts_slices_on_data_by_default():
 
 
 def test_model_divisibility_names_the_offending_dimension():
-    cfg = get_config("llama3_1_8b")  # 32 heads, 8 kv heads, ffn 14336, dim 4096
-    check_model_divisibility(cfg, MeshShape(1, 64, 8))
+    # 32 heads, 8 kv heads, ffn 14336, dim 4096
+    sizes = LLAMA.split_sizes(get_config("llama3_1_8b"))
+    check_divisibility(sizes, MeshShape(1, 64, 8))
     with pytest.raises(MeshError, match=r"does not divide n_kv_heads=8"):
-        check_model_divisibility(cfg, MeshShape(1, 4, 16))
+        check_divisibility(sizes, MeshShape(1, 4, 16))
     with pytest.raises(MeshError, match=r"tensor=3 .* n_heads=32, n_kv_heads=8"):
-        check_model_divisibility(cfg, MeshShape(1, 1, 3))
+        check_divisibility(sizes, MeshShape(1, 1, 3))
     with pytest.raises(MeshError, match=r"fsdp=3 must divide the model width dim=4096"):
-        check_model_divisibility(cfg, MeshShape(1, 3, 1))
+        check_divisibility(sizes, MeshShape(1, 3, 1))
 
 
 @pytest.mark.devices(8)
@@ -67,7 +68,7 @@ def test_build_mesh_on_eight_virtual_devices():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     with pytest.raises(MeshError, match="tensor=8 .* n_kv_heads=2"):
-        build_mesh(1, 1, 8, model_config=get_config("debug_tiny"))
+        build_mesh(1, 1, 8, split_sizes=LLAMA.split_sizes(get_config("debug_tiny")))
 
 
 @pytest.mark.devices(8)

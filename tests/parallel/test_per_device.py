@@ -4,7 +4,7 @@ Four processes under ``torchrun``, one virtual CPU device each, train the tiny L
 ``spmd_model`` for 3 AdamW steps in eager mode with fsdp=4 and with tensor=2 x fsdp=2; the
 losses must be the single-process eager run's, FSDP must really shard the parameters, and full
 state dicts must round trip onto a freshly sharded model. The validation errors (wrong degrees,
-no launcher, indivisible heads, unknown model) run here in one process.
+no launcher, indivisible heads) run here in one process.
 """
 
 import json
@@ -19,7 +19,7 @@ import torch
 from tests.distributed.harness import ROOT, free_port_pair
 from tests.platforms import python_path
 from tests.tolerances import loss_rtol
-from tpu_train.models import Llama, LlamaConfig
+from tpu_train.models import LLAMA, Llama, LlamaConfig
 from tpu_train.parallel.mesh import MeshError
 from tpu_train.parallel.per_device import parallelize_per_device, resolve_per_device_shape
 
@@ -114,14 +114,9 @@ def test_degrees_without_a_launcher_say_what_to_launch():
 def test_one_process_without_degrees_is_a_no_op():
     model = Llama(TINY)
     before = [p for p in model.parameters()]
-    par = parallelize_per_device(model, data=-1, fsdp=1, tensor=1)
+    par = parallelize_per_device(model, LLAMA, data=-1, fsdp=1, tensor=1)
     assert par.shape.sizes == (1, 1, 1, 1) and par.mesh is None and par.batch_rank == 0
     assert [p for p in model.parameters()] == before
-
-
-def test_unknown_model_names_its_type():
-    with pytest.raises(MeshError, match=r"no per-device parallel plan for model type Linear"):
-        parallelize_per_device(torch.nn.Linear(2, 2), data=1, fsdp=1, tensor=1)
 
 
 def test_degrees_are_checked_against_the_world_and_the_model(monkeypatch):
@@ -132,9 +127,10 @@ def test_degrees_are_checked_against_the_world_and_the_model(monkeypatch):
     with pytest.raises(MeshError, match=r"1 \* 2 \* 1 = 2, but there are 4 devices.*world size 4"):
         resolve_per_device_shape(data=1, fsdp=2, tensor=1)
     with pytest.raises(MeshError, match=r"parallel.tensor=4 .* n_kv_heads=2"):
-        resolve_per_device_shape(data=1, fsdp=1, tensor=4, model_config=TINY)
+        resolve_per_device_shape(data=1, fsdp=1, tensor=4, split_sizes=LLAMA.split_sizes(TINY))
     # FSDP2 pads uneven shards: fsdp need not divide the width
     odd = LlamaConfig(dim=40, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64,
                       ffn_hidden_dim=48, max_seq_len=8)
     monkeypatch.setattr(per_device, "_world_size", lambda: 8)
-    assert resolve_per_device_shape(data=1, fsdp=8, tensor=1, model_config=odd).fsdp == 8
+    assert resolve_per_device_shape(data=1, fsdp=8, tensor=1,
+                                    split_sizes=LLAMA.split_sizes(odd)).fsdp == 8

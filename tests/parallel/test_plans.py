@@ -1,4 +1,5 @@
-"""The Llama sharding plan: specs per parameter, shardings per layout, placement and errors."""
+"""The Llama family's sharding plan (derived from its parameter roles): specs per parameter,
+shardings per layout, placement and errors."""
 
 import jax
 import numpy as np
@@ -7,10 +8,9 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_train.models import Llama, get_config
-from tpu_train.parallel import (LlamaActivationRule, PlanError, ShardingPlan, build_mesh,
-                                constrain, llama_plan, per_device_bytes)
-from tpu_train.models import param_shapes
+from tpu_train.models import LLAMA, Llama, get_config, param_shapes
+from tpu_train.parallel import (ActivationRule, PlanError, ShardingPlan, build_mesh, constrain,
+                                per_device_bytes, sharding_plan)
 
 COLUMN = P(("tensor", "fsdp"), None)
 ROW = P("fsdp", "tensor")
@@ -37,15 +37,31 @@ def tiny_model():
 
 
 def test_every_llama_parameter_has_the_documented_spec(tiny_model):
-    specs = llama_plan().specs(tiny_model.named_parameters())
+    specs = sharding_plan(LLAMA).specs(tiny_model.named_parameters())
     assert set(specs) == {n for n, _ in tiny_model.named_parameters()}
     for name, spec in EXPECTED.items():
         assert specs[name] == spec, name
     # A wrapper's prefix (torch.compile's _orig_mod., a parent module) does not matter.
-    assert llama_plan().spec_for("_orig_mod.layers.3.feed_forward.w2.weight") == ROW
+    assert sharding_plan(LLAMA).spec_for("_orig_mod.layers.3.feed_forward.w2.weight") == ROW
     # The reference JAX step uses exactly the model's names and shapes.
     assert param_shapes(tiny_model.config) == {n: tuple(p.shape)
                                                for n, p in tiny_model.named_parameters()}
+
+
+@pytest.mark.devices(8)
+def test_qkv_biases_are_split_as_their_weights_rows():
+    """Qwen2's q/k/v biases are split as their weights' rows: each device holds the bias of
+    the output rows it computes."""
+    with torch.device("meta"):
+        model = Llama(get_config("qwen2_5_0_5b", n_layers=1))
+    specs = sharding_plan(LLAMA).specs(model.named_parameters())
+    assert specs["layers.0.attention.wk.bias"] == P(("tensor", "fsdp"))
+    shardings = sharding_plan(LLAMA).shardings(model.named_parameters(), build_mesh(1, 4, 2))
+    # wq: 896 rows split 8 ways; wk: 128 rows (2 kv heads of 64) split 8 ways too.
+    for name, rows in (("wq", 896), ("wk", 128)):
+        weight = shardings[f"layers.0.attention.{name}.weight"].shard_shape((rows, 896))
+        bias = shardings[f"layers.0.attention.{name}.bias"].shard_shape((rows,))
+        assert bias == (weight[0],) == (rows // 8,)
 
 
 @pytest.mark.parametrize("fsdp, tensor, wq, wo, norm", [
@@ -54,7 +70,7 @@ def test_every_llama_parameter_has_the_documented_spec(tiny_model):
     (False, False, P(None, None), P(None, None), P(None)),
 ])
 def test_layouts_drop_axes(fsdp, tensor, wq, wo, norm):
-    plan = llama_plan(fsdp=fsdp, tensor=tensor)
+    plan = sharding_plan(LLAMA, fsdp=fsdp, tensor=tensor)
     assert plan.spec_for("layers.1.attention.wq.weight") == wq
     assert plan.spec_for("layers.1.attention.wo.weight") == wo
     assert plan.spec_for("norm.weight") == norm
@@ -70,7 +86,7 @@ def test_layouts_drop_axes(fsdp, tensor, wq, wo, norm):
 ])
 def test_shardings_per_layout(tiny_model, degrees, local_wq, local_wo):
     mesh = build_mesh(*degrees)
-    shardings = llama_plan().shardings(tiny_model.named_parameters(), mesh)
+    shardings = sharding_plan(LLAMA).shardings(tiny_model.named_parameters(), mesh)
     wq = shardings["layers.0.attention.wq.weight"]
     assert wq.shard_shape((256, 256)) == local_wq
     assert shardings["layers.0.attention.wo.weight"].shard_shape((256, 256)) == local_wo
@@ -83,7 +99,7 @@ def test_place_gives_inspectable_global_arrays_and_divides_memory():
         model = Llama(cfg)
     model.init_weights(seed=0, device="cpu")
     host = {n: p.detach() for n, p in model.named_parameters()}
-    plan = llama_plan()
+    plan = sharding_plan(LLAMA)
     placed = plan.place(host, build_mesh(1, 8, 1))
     wq = placed["layers.0.attention.wq.weight"]
     assert wq.shape == (256, 256) and wq.sharding.spec == COLUMN
@@ -100,7 +116,7 @@ def test_place_gives_inspectable_global_arrays_and_divides_memory():
 
 @pytest.mark.devices(8)
 def test_clear_errors_for_uncovered_or_indivisible_parameters():
-    plan = llama_plan()
+    plan = sharding_plan(LLAMA)
     # (LoRA adapters have a rule now: an adapter the plan does not know stands in.)
     with pytest.raises(PlanError, match="no rule matches parameter 'layers.0.prefix_tokens'"):
         plan.spec_for("layers.0.prefix_tokens")
@@ -125,7 +141,7 @@ def test_clear_errors_for_uncovered_or_indivisible_parameters():
 @pytest.mark.devices(8)
 def test_state_shardings_follow_parameters():
     mesh = build_mesh(1, 4, 2)
-    plan = llama_plan()
+    plan = sharding_plan(LLAMA)
     ps = plan.shardings({"output.weight": np.zeros((512, 256))}, mesh)
     state = {"output.weight": {"exp_avg": np.zeros((512, 256)), "step": np.zeros(())}}
     out = plan.state_shardings(ps, state)["output.weight"]
@@ -145,13 +161,26 @@ def test_constrain_is_a_no_op_without_a_mesh_and_pins_with_one():
 
 def test_activation_rule_classifies_by_shape():
     cfg = get_config("debug_tiny")  # dim 256, heads 4/2, ffn 768, vocab 512
-    rule = LlamaActivationRule(cfg, batch=8, seq_len=64)
+    rule = ActivationRule(LLAMA.split_sizes(cfg), batch=8, seq_len=64)
     u = P.UNCONSTRAINED
     assert rule((8, 64, 256)) == P(("data", "fsdp"), u, u)
     assert rule((8, 4, 64, 64)) == P(("data", "fsdp"), "tensor", u, u)
     assert rule((8 * 64, 768)) == P(("data", "fsdp"), "tensor")
     assert rule((8, 64, 512)) == P(("data", "fsdp"), u, "tensor")
     assert rule((256, 256)) is None and rule((8,)) is None
+
+
+def test_activation_rule_splits_the_sequence_over_context():
+    cfg = get_config("debug_tiny")
+    rule = ActivationRule(LLAMA.split_sizes(cfg), batch=8, seq_len=64, context=2)
+    u, b = P.UNCONSTRAINED, ("data", "fsdp")
+    assert rule((8, 64, 256)) == P(b, "context", u)
+    assert rule((8, 4, 64, 64)) == P(b, "tensor", "context", u)  # queries' rows, not keys
+    assert rule((8, 64, 512)) == P(b, "context", "tensor")
+    assert rule((8 * 64, 768)) is None  # [batch * seq]: no one spec of it splits both
+    plan_rule = sharding_plan(LLAMA).activation_rule
+    model = type("Model", (), {"config": cfg})()
+    assert plan_rule(model, (8, 64), context=2)((8, 64, 256)) == P(b, "context", u)
 
 
 @pytest.mark.devices(8)
@@ -161,7 +190,7 @@ def test_step_shardings_for_a_compiled_step():
     mesh = build_mesh(2, 2, 2)
     names = ["layers.0.attention.wq.weight", "norm.weight"]
     shapes = [(256, 256), (256,)]
-    out = step_shardings(llama_plan(), mesh, param_names=names, param_shapes=shapes,
+    out = step_shardings(sharding_plan(LLAMA), mesh, param_names=names, param_shapes=shapes,
                          state_owners=[0, 0, 1, None], state_shapes=[(256, 256), (256, 256),
                                                                      (256,), ()],
                          num_consts=1, batch_shapes=[(8, 64), ()])
@@ -170,10 +199,10 @@ def test_step_shardings_for_a_compiled_step():
     assert out.states[3].spec == P() and out.consts[0].spec == P()
     assert out.batch[0].shard_shape((8, 64)) == (2, 64)
     with pytest.raises(PlanError, match="does not split over data \\* fsdp = 4 devices"):
-        step_shardings(llama_plan(), mesh, param_names=[], param_shapes=[],
+        step_shardings(sharding_plan(LLAMA), mesh, param_names=[], param_shapes=[],
                        batch_shapes=[(6, 64)])
     with pytest.raises(PlanError, match="names parameter index 5"):
-        step_shardings(llama_plan(), mesh, param_names=names, param_shapes=shapes,
+        step_shardings(sharding_plan(LLAMA), mesh, param_names=names, param_shapes=shapes,
                        state_owners=[5], state_shapes=[(1,)])
 
 

@@ -15,7 +15,8 @@ import torch
 import tpu_train
 from tpu_train.compile import compile_train_step
 from tpu_train.device import storage_of
-from tpu_train.parallel import build_mesh, llama_plan, place_for_step
+from tpu_train.models import LLAMA
+from tpu_train.parallel import build_mesh, place_for_step, sharding_plan
 from tpu_train.parallel.sharded_checkpoint import load_sharded, save_sharded, step_state
 
 from tests.parallel.spmd_model import CFG, batches, init_model, loss_fn
@@ -31,8 +32,9 @@ DEVICE = tpu_train.device(0)
 def _fresh_step(degrees):
     model = copy.deepcopy(init_model()).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = compile_train_step(model, opt, loss_fn, mesh=build_mesh(*degrees, model_config=CFG),
-                              plan=llama_plan())
+    step = compile_train_step(model, opt, loss_fn,
+                              mesh=build_mesh(*degrees, split_sizes=LLAMA.split_sizes(CFG)),
+                              plan=sharding_plan(LLAMA))
     place_for_step(step)
     return step
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from jax.sharding import NamedSharding
 
-from tpu_train.models import get_config
-from tpu_train.parallel import build_mesh, llama_plan, per_device_bytes
+from tpu_train.models import LLAMA, get_config
+from tpu_train.parallel import build_mesh, sharding_plan, per_device_bytes
 from tests.parallel import jax_reference as ref
 
 from tests.tolerances import loss_rtol, param_atol
@@ -43,14 +43,15 @@ def _batch():
 @functools.lru_cache(maxsize=None)
 def _train_on(degrees):
     """``_train`` on a mesh of these degrees (None: one device), once per test session."""
-    return _train(None if degrees is None else build_mesh(*degrees, model_config=CFG))
+    return _train(None if degrees is None
+                  else build_mesh(*degrees, split_sizes=LLAMA.split_sizes(CFG)))
 
 
 def _train(mesh):
     """Losses of STEPS AdamW steps, and the final parameters and optimizer state."""
     host = ref.init_params(CFG, seed=0)
     tokens, labels = _batch()
-    plan = llama_plan()
+    plan = sharding_plan(LLAMA)
     if mesh is None:
         params = {n: jax.device_put(v, jax.devices()[0]) for n, v in host.items()}
         step = ref.make_train_step(CFG)
@@ -82,7 +83,7 @@ def test_sharded_step_matches_one_device(single_device, degrees):
         assert abs(a - b) <= REL * abs(b), (got, want)
     assert want[-1] < want[0]  # it trains: the comparison is not between constants
     for name, value in params.items():
-        assert value.sharding.spec == llama_plan().spec_for(name)  # outputs keep the plan
+        assert value.sharding.spec == sharding_plan(LLAMA).spec_for(name)  # outputs keep the plan
         got_value, want_value = np.asarray(value, np.float64), np.asarray(want_params[name],
                                                                         np.float64)
         rms = float(np.sqrt(np.mean((got_value - want_value) ** 2)))

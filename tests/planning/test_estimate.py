@@ -5,8 +5,8 @@ import pytest
 
 from tests.parallel import jax_reference as ref
 from tpu_train.compile.program import compiled_analysis
-from tpu_train.models import flops_per_token, get_config, num_params
-from tpu_train.parallel import build_mesh, llama_plan
+from tpu_train.models import LLAMA, flops_per_token, get_config, num_params
+from tpu_train.parallel import build_mesh, sharding_plan
 from tpu_train.parallel.mesh import MeshError
 from tpu_train.planning import (CHIPS, alignment_warnings, estimate, estimate_from_config,
                                 format_report)
@@ -120,6 +120,30 @@ def test_estimate_from_the_tpu_train_config():
     assert estimate_from_config(config, num_devices=16)["mesh"]["data"] == 2
 
 
+def test_one_tpu_chip_keeps_no_attention_scores_from_the_kernels_length():
+    """On one TPU chip the step's attention runs the kernels from 1,024 tokens in bf16
+    (tpu_train.ops.attention_tpu): the estimate keeps no seq x seq scores there; partitioned
+    over several chips, at shorter lengths or in float32, it does."""
+    from omegaconf import OmegaConf
+
+    from tpu_train.trainer.config import Config
+
+    config = OmegaConf.structured(Config)
+    config.data.path = None
+    config.model.name, config.model.max_seq_len = "llama_1b", 8192
+    config.parallel.data = 1
+    config.data.batch_size, config.data.seq_len = 1, 8192
+    config.trainer.precision, config.plan.chip = "bf16", "v5e"
+    fused = estimate_from_config(config)
+    assert fused["flash_attention"]
+    config.data.seq_len = 512
+    assert not estimate_from_config(config)["flash_attention"]
+    config.data.seq_len, config.trainer.precision = 8192, "fp32"
+    assert not estimate_from_config(config)["flash_attention"]
+    config.trainer.precision, config.parallel.fsdp, config.data.batch_size = "bf16", 2, 2
+    assert not estimate_from_config(config)["flash_attention"]
+
+
 def test_alignment_flags_name_the_config_key():
     assert alignment_warnings(get_config("llama3_1_8b")) == []  # vocab 128256 = 1002 * 128
     warnings = alignment_warnings(get_config("debug_tiny", vocab_size=500))  # head_dim 64
@@ -136,8 +160,8 @@ def test_alignment_flags_name_the_config_key():
 @pytest.mark.parametrize("degrees", [(1, 8, 1), (1, 4, 2)])
 def test_analytic_memory_within_10_percent_of_xla(degrees):
     batch, seq = 32, 64
-    mesh = build_mesh(*degrees, model_config=SMALL)
-    plan = llama_plan()
+    mesh = build_mesh(*degrees, split_sizes=LLAMA.split_sizes(SMALL))
+    plan = sharding_plan(LLAMA)
     step = ref.make_train_step(SMALL, mesh, plan)
     xla = compiled_analysis(step.lower(*ref.abstract_inputs(SMALL, batch, seq, mesh, plan))
                             .compile())

@@ -88,6 +88,34 @@ def test_v5e_compiler_figures_with_scanned_layers_counted_per_layer(tmp_path):
     # Per-chip memory holds at least the FSDP shards of the parameters and AdamW's moments.
     assert scanned["argument_size_in_bytes"] >= 3 * 4 * num_params(cfg) / 4
     assert scanned["bytes_peak_estimate"] > scanned["argument_size_in_bytes"]
+    # The step-time model walks the same programs: its kernels' matrix FLOPs, each loop body's
+    # times its trips, are XLA's whole-program count less the elementwise FLOPs (under 2 %).
+    for figures in (scanned, unrolled):
+        predicted = figures["step_time"]
+        assert 0.98 * figures["flops_per_device"] <= predicted["flops_per_chip"] \
+            <= figures["flops_per_device"]
+        # FSDP over 4 chips: every float32 weight is all-gathered and its gradient
+        # reduce-scattered, 3/4 of it each way crossing the links, at the least.
+        assert predicted["ici_bytes_per_chip"] >= 2 * 0.75 * 4 * num_params(cfg)
+        assert predicted["dcn_bytes_per_chip"] == 0 and predicted["collectives_run"] > 0
+        assert predicted["step_time_s"] >= sum(
+            predicted[k] for k in ("compute_bound_s", "memory_bound_s", "vector_bound_s"))
+
+
+@needs_libtpu
+def test_two_slices_compile_and_only_gradient_reductions_cross_dcn():
+    # data=2 across two slices of v5e:2x2, fsdp=4 inside each: a chip's gradient shard is
+    # all-reduced with its twin in the other slice; the weights' all-gathers stay on ICI.
+    two = compiled_step_analysis("debug_tiny", scan_layers=True, target="v5e:2x2",
+                                 num_slices=2, **{**FSDP4, "data": 2})
+    assert two["compiled_for"] == "v5e:2x2 x 2 slices"
+    links = two["step_time"]["collectives_by_link"]
+    assert set(links["dcn"]) == {"all-reduce"}
+    assert "all-gather" in links["ici"]
+    # A ring of two sends each chip's whole gradient shard once (float32, 1/4 of the model).
+    shard = 4 * num_params(get_config("debug_tiny", **SMALL)) / 4
+    assert shard <= two["step_time"]["dcn_bytes_per_chip"] <= 1.5 * shard
+    assert two["step_time"]["exposed_dcn_s"] > 0
 
 
 def test_loops_and_their_trip_counts_are_read_from_the_program():
@@ -136,6 +164,13 @@ def test_the_plan_reads_the_buffer_assignment_as_a_lower_bound_by_default(tmp_pa
         result["xla"]["bytes_peak_estimate"] * 1.07)
     assert result["fits"] and "its buffer assignment + 7 % (the most the compiler's own total" \
         in out
+    # The step time read from the same program, with where it goes and its basis.
+    predicted = result["xla"]["step_time"]
+    assert 0 < predicted["mfu"] < 1 and predicted["tokens_per_s_per_chip"] > 0
+    assert f"step time predicted from the compiled program: " \
+           f"{1e3 * predicted['step_time_s']:.1f} ms, MFU {100 * predicted['mfu']:.1f} %" in out
+    assert "  where it goes: compute-bound kernels " in out
+    assert "cloud.google.com/tpu/docs/v5e" in out
 
 
 # libtpu's account of a compile (v5e, the default job's step), as its INFO log has it.

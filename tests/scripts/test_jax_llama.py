@@ -143,7 +143,7 @@ def test_param_shapes_match_the_torch_model():
 
 
 def test_1b_size_has_over_0_8b_parameters():
-    from tpu_train.models.config import num_params
+    from tpu_train.models.llama.config import num_params
 
     assert num_params(jax_llama.SIZES["1b"].config()) >= 0.8e9
     assert jax_llama.SIZES["1b"].seq == 2048

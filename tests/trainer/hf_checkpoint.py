@@ -51,22 +51,42 @@ def _train_tokenizer():
 
 
 
-def save_custom_llama(directory: Path) -> Path:
-    """Write the tokenizer and a seeded random LlamaForCausalLM into ``directory``."""
+# The options of the other families at this size: Qwen2's biases (random here, so that they
+# matter), RoPE base and tied embeddings; Mistral's sliding window, shorter than a 32-token row.
+FAMILY_OPTIONS = {
+    "llama": dict(rope_theta=20000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2": dict(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    sliding_window=8, head_dim=HIDDEN // HEADS),
+}
+
+
+def save_custom_llama(directory: Path, family: str = "llama") -> Path:
+    """Write the tokenizer and a seeded random LlamaForCausalLM (or Qwen2ForCausalLM,
+    MistralForCausalLM) into ``directory``."""
     import transformers
 
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(),
                                                 bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(directory)
-    config = transformers.LlamaConfig(
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    config = config_class(
         hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=len(fast),
-        max_position_embeddings=64, rope_theta=20000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+        max_position_embeddings=64, bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, **FAMILY_OPTIONS[family])
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # transformers starts them at zero
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
     return directory
 
 

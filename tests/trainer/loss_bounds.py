@@ -1,5 +1,5 @@
 """How far the trainer's losses may be apart between two implementations: tests/tolerances'
-``loss_atol`` for the debug_tiny Llama (tpu_train/models/config.py) and the base model the
+``loss_atol`` for the debug_tiny Llama (tpu_train/models/llama/config.py) and the base model the
 fine-tuning recipes start from (tpu_train/assets/base_model), on the bundled task's 32-token
 rows. The figures of the model's logits are measured on the CPU client by
 tests/trainer/test_loss_bounds.py, which fails if they stop covering the model."""

@@ -133,3 +133,9 @@ def test_each_device_attends_at_its_shards_length(tmp_path):
     assert not any(re.search(rf"x{SEQ}xf32>$", line.rstrip()) for line in dots)
     gathers = [line for line in text.splitlines() if "all_gather" in line]
     assert gathers, "the keys and values are gathered over the context axis"
+    # Outside attention the activations are pinned with their sequence on `context` (the
+    # family plan's activation rule): the residual stream [batch, S, dim] among them.
+    pinned = [line for line in text.splitlines() if "sharding_constraint" in line
+              and '{"context"}' in line]
+    assert any(line.rstrip().endswith(f"tensor<4x{SEQ}x64xf32>") for line in pinned), \
+        [line for line in text.splitlines() if "sharding_constraint" in line][:6]

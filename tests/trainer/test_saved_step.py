@@ -163,3 +163,15 @@ def test_a_step_compiled_for_a_v5e_without_the_chip_is_written(tmp_path):
     else:
         line = _one_line_error(code, err)
         assert "was compiled for platform tpu, this job has cpu" in line, line
+
+
+def test_an_unknown_tpu_train_version_is_not_compared_a_different_one_is():
+    """A checkout run from PYTHONPATH (a TPU VM without the package installed) knows no
+    installed version of tpu_train: that alone does not refuse the executable."""
+    from tpu_train.compile import saved_executable
+
+    manifest = {"environment": {"jax": "1", "tpu_train": "0.1.0", "tpu_train commit": "abc"}}
+    saved_executable.check_environment("s.xla", manifest,
+                                       {"jax": "1", "tpu_train": None, "tpu_train commit": None})
+    with pytest.raises(saved_executable.ExecutableMismatchError, match="tpu_train 0.1.0"):
+        saved_executable.check_environment("s.xla", manifest, {"jax": "1", "tpu_train": "0.2.0"})

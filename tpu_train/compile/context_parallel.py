@@ -13,7 +13,8 @@ On a mesh whose ``context`` axis has ``N > 1`` devices, the step:
 A summed or averaged token loss does not depend on the order of the tokens, so the step's loss
 and gradients are those of the unpermuted batch. The loss function must pass the batch's
 ``position_ids`` to the model (the trainer's does); packed rows, which carry their own
-``position_ids`` and ``segment_ids``, are refused.
+``position_ids`` and ``segment_ids``, are refused, and so is a sliding window shorter than the
+sequence (:func:`check_window`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 
 from tpu_train.ops import context_attention
 
-__all__ = ["AXIS", "ContextParallelError", "check_sequence", "context_degree", "sequence_split",
-           "zigzag_batch", "zigzag_loss"]
+__all__ = ["AXIS", "ContextParallelError", "check_sequence", "check_window", "context_degree",
+           "sequence_split", "zigzag_batch", "zigzag_loss"]
 
 AXIS = "context"
 PACKED_KEYS = ("position_ids", "segment_ids")
@@ -58,6 +59,16 @@ def check_sequence(seq_len: int, shards: int) -> None:
             f"sequence length {seq_len} does not split into 2 x parallel.context = "
             f"{2 * shards} equal chunks (the zig-zag layout); make data.seq_len a multiple of "
             f"{2 * shards}")
+
+
+def check_window(seq_len: int | None, shards: int, window: int | None) -> None:
+    """A sliding window that cuts the sequence is applied as a mask over the tokens' order
+    (not their ``position_ids``), which the zig-zag layout changes: refused, not miscomputed."""
+    if shards > 1 and window is not None and seq_len is not None and seq_len > window:
+        raise ContextParallelError(
+            f"parallel.context={shards} cannot split sequences of {seq_len} tokens for a model "
+            f"with a sliding window of {window} (its mask follows the tokens' order, which the "
+            f"zig-zag layout changes); set parallel.context=1 or data.seq_len <= {window}")
 
 
 def zigzag_batch(batch: Mapping[str, torch.Tensor], shards: int) -> dict[str, torch.Tensor]:
@@ -95,9 +106,11 @@ def zigzag_loss(loss_fn: Callable, shards: int) -> Callable:
     return loss
 
 
-def sequence_split(mesh, batch_shapes) -> contextlib.AbstractContextManager:
+def sequence_split(mesh, batch_shapes, window: int | None = None
+                   ) -> contextlib.AbstractContextManager:
     """The attention lowering's view of the split (:func:`context_attention.sequence_split`)
-    for a step over ``batch_shapes`` (the first ``[batch, seq]`` one gives the length)."""
+    for a step over ``batch_shapes`` (the first ``[batch, seq]`` one gives the length) of a
+    model with a sliding ``window`` (None: none)."""
     shards = context_degree(mesh)
     if shards == 1:
         return contextlib.nullcontext()
@@ -105,5 +118,6 @@ def sequence_split(mesh, batch_shapes) -> contextlib.AbstractContextManager:
     if seq is None:
         raise ContextParallelError("context parallelism needs a [batch, seq] batch tensor")
     check_sequence(seq, shards)
+    check_window(seq, shards, window)
     return context_attention.sequence_split(getattr(mesh, "jax_mesh", mesh), seq, AXIS)
 

@@ -145,12 +145,15 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 def check_environment(path, manifest: dict, here: dict) -> None:
     """Raise :class:`ExecutableMismatchError` naming the first fact of ``here`` (this
-    process, :func:`environment`) that differs from the manifest's. A commit unknown on
-    either side (an installed package) is not compared."""
+    process, :func:`environment`) that differs from the manifest's. A tpu_train version or
+    commit unknown on either side is not compared."""
     saved = manifest.get("environment", {})
     for key, value in here.items():
         theirs = saved.get(key)
-        if key == "tpu_train commit" and (value is None or theirs is None):
+        # A checkout run from PYTHONPATH has no installed version (and a copy of it no git
+        # commit): unknown on either side is not compared; the lowered program's fingerprint,
+        # checked after these, still tells another step apart.
+        if key in ("tpu_train", "tpu_train commit") and (value is None or theirs is None):
             continue
         if theirs != value:
             raise ExecutableMismatchError(

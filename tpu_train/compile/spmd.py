@@ -109,7 +109,7 @@ def compute_sharding(sharding: NamedSharding) -> NamedSharding:
 
     FSDP stores a weight split over ``fsdp`` but computes with it whole (all-gathered) on a
     batch split over ``fsdp``. Left to XLA's sharding propagation, a weight split on its
-    *contraction* dimension (the Llama plan's fallback layout, FSDP on ``in``) makes XLA
+    *contraction* dimension (the family plans' fallback layout, FSDP on ``in``) makes XLA
     split the matmul's contraction over ``fsdp`` and replicate the batch instead: every chip
     then holds the whole global batch's activations (measured on the compiled Llama step:
     ``[batch * seq, ffn]`` buffers of the full batch on each of 8 devices, a partial-sum
@@ -135,7 +135,7 @@ def flat_storage_sharding(sharding: NamedSharding) -> NamedSharding:
     The ``tpu`` device keeps every storage as one flat buffer, and a flat array can only be
     cut into contiguous blocks, so the plan's tiling of ``[out, in]`` (say ``(tensor, fsdp)``)
     cannot always be the buffer's own layout (it is when every split is on the leading dimension,
-    as in the Llama plan). The buffer is split in row-major blocks over
+    as in the family plans). The buffer is split in row-major blocks over
     the same mesh axes, in the spec's order: every device holds the same number of bytes as
     under the plan, and a compiled step reshapes and re-pins it to the plan's layout inside
     the program. A replicated ``sharding`` gives a replicated buffer.

@@ -10,6 +10,7 @@ configuration the same way before renting it.
     from tpu_train.compile.targets import resolve_target
 
     target = resolve_target("v5e:2x2")          # 4 v5e chips; "v5e" alone is one chip
+    two = resolve_target("v5e:4x4", num_slices=2)  # 2 slices of 16 chips, joined by DCN
     mesh = target.mesh((4,), ("data",))         # a jax.sharding.Mesh over them
     program = lower_train_step(model, opt, loss_fn, batch, target="v5e")   # one chip
     program.analysis()                          # the TPU compiler's bytes and FLOPs
@@ -55,10 +56,11 @@ class Target:
     generation: str
     shape: tuple[int, ...]  # chips along each axis
     devices: tuple
+    num_slices: int = 1  # slices joined by the data-center network (DCN)
 
     @property
     def num_chips(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self.shape) * self.num_slices
 
     @property
     def device_kind(self) -> str:
@@ -119,7 +121,7 @@ def _quiet_chipless_libtpu() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _topology_devices(generation: str, shape: tuple[int, ...]) -> tuple:
+def _topology_devices(generation: str, shape: tuple[int, ...], num_slices: int = 1) -> tuple:
     from jax.experimental import topologies
 
     _quiet_chipless_libtpu()
@@ -129,21 +131,26 @@ def _topology_devices(generation: str, shape: tuple[int, ...]) -> tuple:
     name = f"{generation}:{'x'.join(map(str, shape))}"
     try:
         topology = topologies.get_topology_desc(name, "tpu", chips_per_host_bounds=host,
-                                                num_slices=1)
+                                                num_slices=num_slices)
     except Exception as error:  # noqa: BLE001 - libtpu's errors are XlaRuntimeErrors
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         raise TargetError(f"TPU target {name!r}: libtpu cannot build it ({message})") from None
     return tuple(topology.devices)
 
 
-def resolve_target(name: str) -> Target:
-    """The compile-only devices of the TPU topology ``name`` (module docstring)."""
+def resolve_target(name: str, num_slices: int = 1) -> Target:
+    """The compile-only devices of the TPU topology ``name`` (module docstring);
+    ``num_slices`` such slices joined by DCN (a multi-slice job: each device's
+    ``slice_index`` says which slice it is in, and the mesh's DCN axes span them)."""
     generation, shape = parse_target(name)
     canonical = f"{generation}:{'x'.join(map(str, shape))}"
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise TargetError(f"num_slices must be a positive int, got {num_slices!r}")
     if not libtpu_available():
         raise TargetError(f"compiling for TPU target {canonical!r} needs XLA's TPU compiler: "
                           "pip install tpu_train[tpu] (libtpu)")
-    return Target(canonical, generation, shape, _topology_devices(generation, shape))
+    return Target(canonical, generation, shape, _topology_devices(generation, shape, num_slices),
+                  num_slices)
 
 
 def target_of(value: Any) -> Target:

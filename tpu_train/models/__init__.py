@@ -1,14 +1,29 @@
-"""Llama models in plain PyTorch, with Hugging Face interop and KV-cache generation.
+"""Model families in plain PyTorch (Llama: ``tpu_train.models.llama``), with Hugging Face
+interop and KV-cache generation.
 
-The model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
+Qwen2 / Qwen2.5 (q/k/v biases) and Mistral (a sliding attention window) are options of the Llama
+decoder: ``LlamaConfig(qkv_bias=, sliding_window=, hf_model_type=)``, read from and written to
+their Hugging Face ``config.json``.
+
+Each family declares what the layers around its model need in one
+:class:`ModelFamily` (``spec.py``); the registry (``registry.py``) finds it by name, config
+name, model or Hugging Face ``model_type``, and takes families of the user's own::
+
+    from tpu_train.models import family_named, family_of, register_family
+    family = family_named("llama3_1_8b")          # LLAMA, the family owning that config
+    family.param_shapes(family.config("llama3_1_8b"))
+    register_family(MY_FAMILY)                     # then: tpu-train model.name=<its config>
+
+A model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
 module runs eagerly on the CPU or the ``tpu`` device and traces with ``make_fx`` for compiled
-training steps.
+training steps. The Llama names below are importable from here as well as from
+``tpu_train.models.llama``.
 
 Configurations::
 
     from tpu_train.models import get_config, CONFIGS, num_params, flops_per_token
     cfg = get_config("llama3_1_8b", max_seq_len=8192)   # named config + field overrides
-    sorted(CONFIGS)    # debug_tiny, llama2_7b, llama3_1_70b, llama3_1_8b, llama3_2_1b, llama3_2_3b
+    sorted(CONFIGS)    # debug_tiny, llama2_7b, llama3_1_8b, ..., qwen2_5_0_5b, mistral_7b
     num_params(cfg)                # 8_030_261_248
     flops_per_token(cfg, 8192)     # 6 * matmul params + 12 * n_layers * dim * seq_len
 
@@ -51,18 +66,27 @@ Generation::
 import importlib
 
 # Names load on first use (the trainer's pattern): the command line checks model.name against
-# CONFIGS (config.py, no torch) before it imports torch.
+# the registry's config names (registry.py, spec.py and llama/config.py: no torch) before it
+# imports torch.
 _SOURCES = {
-    "CONFIGS": "config", "LlamaConfig": "config", "RopeScaling": "config",
-    "flops_per_token": "config", "get_config": "config", "num_params": "config",
-    "param_shapes": "config",
+    "CONFIGS": "llama.config", "LlamaConfig": "llama.config", "RopeScaling": "llama.config",
+    "HF_MODEL_TYPES": "llama.config", "local_causal_mask": "llama.model",
+    "flops_per_token": "llama.config", "get_config": "llama.config",
+    "num_params": "llama.config", "param_shapes": "llama.config",
     "generate": "generation", "sample_next_token": "generation",
-    "config_from_hf": "hf", "config_to_hf": "hf", "from_pretrained": "hf", "hf_name": "hf",
-    "read_config": "hf", "save_pretrained": "hf",
-    "KVCache": "kv_cache",
-    "Attention": "llama", "FeedForward": "llama", "Llama": "llama", "RMSNorm": "llama",
-    "TransformerBlock": "llama", "init_weights": "llama",
-    "apply_rotary": "rope", "inverse_frequencies": "rope", "rope_tables": "rope",
+    "config_from_hf": "llama.hf", "config_to_hf": "llama.hf", "from_pretrained": "llama.hf",
+    "hf_name": "llama.hf", "read_config": "llama.hf", "save_pretrained": "llama.hf",
+    "KVCache": "llama.kv_cache",
+    "Attention": "llama.model", "FeedForward": "llama.model", "Llama": "llama.model",
+    "RMSNorm": "llama.model", "TransformerBlock": "llama.model", "init_weights": "llama.model",
+    "apply_rotary": "llama.rope", "inverse_frequencies": "llama.rope",
+    "rope_tables": "llama.rope",
+    "LLAMA": "llama.spec",
+    "HfFormat": "spec", "ModelFamily": "spec", "Role": "spec", "SplitSizes": "spec",
+    "checkpoint_family": "registry", "config_names": "registry", "families": "registry",
+    "family_for_hf": "registry", "family_named": "registry", "family_of": "registry",
+    "named_config": "registry", "register_family": "registry",
+    "unregister_family": "registry",
 }
 
 __all__ = sorted(_SOURCES)

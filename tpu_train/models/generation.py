@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kv_cache import KVCache, StaticKVCache
-from .llama import Llama
+from .llama.kv_cache import KVCache, StaticKVCache
+from .llama.model import Llama
 
 __all__ = ["StaticCacheDecoding", "check_sampling", "generate", "sample_next_token",
            "static_cache_step"]
@@ -173,7 +173,8 @@ class StaticCacheDecoding:
              caches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(last logits ``[batch, vocab]``, the caches with ``tokens``' keys and values)."""
         layers = len(caches) // 2
-        cache = StaticKVCache(caches[:layers], caches[layers:], slot, pad)
+        cache = StaticKVCache(caches[:layers], caches[layers:], slot, pad,
+                              window=model.config.sliding_window)
         logits = static_cache_step(model, tokens, cache)
         return logits, cache.keys + cache.values
 

@@ -7,7 +7,8 @@ attention as one unit in the traced graph (fewer nodes than the math decompositi
 Lowered for a TPU, the calls :func:`tpu_train.ops.attention_tpu.supported` accepts (causal,
 unmasked or document-masked bf16 self-attention of at least ``attention_tpu.MIN_SEQUENCE``
 tokens; the rule and its measurements are in that module) run JAX's Pallas splash-attention
-kernels, forward and backward, a document mask (packed rows) as the kernels' segment ids;
+kernels, forward and backward, a document mask (packed rows) as the kernels' segment ids, and
+under ``attention_tpu.sliding_window`` a sliding-window mask as the kernels' ``LocalMask``;
 everything else, and every other platform, takes the XLA formulation below.
 
 Layout is ``[B, H, S, D]``. Grouped-query attention (fewer key/value heads than query heads) is
@@ -111,7 +112,8 @@ def _forward(query, key, value, attn_bias, is_causal, scale):
         def with_kernels(q, k, v, mask):
             return attention_tpu.for_document_mask(
                 mask, q.shape[0],
-                lambda segments: attention_tpu.forward(q, k, v, True, scale, segments),
+                lambda segments: attention_tpu.forward(q, k, v, True, scale, segments,
+                                                       attention_tpu.current_window()),
                 lambda: _attention_forward(q, k, v, mask, False, scale))
 
         return attention_tpu.on_tpu(
@@ -235,7 +237,8 @@ def _attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
         def with_kernels(g, q, k, v, o, lse, mask):
             return attention_tpu.for_document_mask(
                 mask, q.shape[0],
-                lambda segments: attention_tpu.backward(g, q, k, v, o, lse, True, scale, segments),
+                lambda segments: attention_tpu.backward(g, q, k, v, o, lse, True, scale, segments,
+                                                        attention_tpu.current_window()),
                 lambda: with_xla(g, q, k, v, o, lse, mask))
 
         grads = attention_tpu.on_tpu((grad_out, query, key, value, out, logsumexp, attn_bias),

@@ -19,6 +19,12 @@ the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256 0.87 ag
   the program, and the mask is compared with the one they make: where it is one, the kernels
   run with ``CausalMask`` and those ``SegmentIds``; any other mask takes the XLA form
   (``lax.cond``: both are compiled, one runs);
+* under :func:`sliding_window` (a model whose tokens see only the last ``window`` positions,
+  Mistral), the boolean mask is checked against causal-within-segments *and* within the
+  window, and the kernels run with the splash library's ``LocalMask`` (blocks wholly outside
+  the window are skipped) and those segment ids; a mask that is not that one takes the XLA
+  form. The window must be declared: it sizes the kernel's block tables, which are built on
+  the host, and a mask inside a program is a traced value;
 * self-attention lengths (``Sq == Sk``), a multiple of 128 (the kernel's lane tiles) and at
   least :data:`MIN_SEQUENCE` tokens;
 * head_dim a multiple of 64 (the measured sizes), the same for values;
@@ -63,6 +69,9 @@ _HEAD_DIM_MULTIPLE = 64
 _BLOCK = 512
 
 _XLA_FORM = contextvars.ContextVar("tpu_train_attention_xla_form", default=False)
+# The sliding window (in tokens, the query's own included) that boolean masks are checked
+# against for the kernels; None: plain causal within segments.
+_WINDOW = contextvars.ContextVar("tpu_train_attention_window", default=None)
 # (min_sequence, interpret): the rule's length threshold moved, and the kernels run on any
 # platform in Pallas' interpret mode (:func:`kernels`).
 _OVERRIDE = contextvars.ContextVar("tpu_train_attention_override", default=None)
@@ -92,6 +101,26 @@ def kernels(min_sequence: int = _LANES, interpret: bool = False):
         _OVERRIDE.reset(token)
 
 
+@contextlib.contextmanager
+def sliding_window(window: int | None):
+    """Inside, a boolean mask takes the kernels when it is causal within segments and within
+    ``window`` positions (the query's own included): what a sliding-window model's masks are
+    (module docstring). ``None`` changes nothing."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+    token = _WINDOW.set(window)
+    try:
+        yield
+    finally:
+        _WINDOW.reset(token)
+
+
+def current_window() -> int | None:
+    """The window of the innermost :func:`sliding_window`, or None."""
+    return _WINDOW.get()
+
+
 def interpreted(min_sequence: int = _LANES):
     """:func:`kernels` in Pallas' interpret mode, on any platform (tests)."""
     return kernels(min_sequence, interpret=True)
@@ -101,7 +130,7 @@ def lowering_key() -> tuple:
     """What decides this module's choices besides the arrays: part of the key of any cache
     of traced functions (a layer body traced for one device must not serve a partitioned
     program, nor an interpreted one a compiled one)."""
-    return (_XLA_FORM.get(), _OVERRIDE.get(), context_attention.lowering_key())
+    return (_XLA_FORM.get(), _OVERRIDE.get(), _WINDOW.get(), context_attention.lowering_key())
 
 
 def is_interpreted() -> bool:
@@ -126,6 +155,14 @@ def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
             and len(set(dtypes)) == 1 and dtypes[0] in allowed)
 
 
+def kernels_would_run(sequence: int, head_dim: int, *, bf16: bool, partitioned: bool) -> bool:
+    """:func:`supported`'s rule on plain numbers, for a causal call without dropout on a TPU:
+    would a step of ``sequence`` tokens per row, heads of ``head_dim``, computing in bf16 (or
+    not), on one device (or partitioned over several) run the kernels? The planner asks."""
+    return (not partitioned and bf16 and sequence >= MIN_SEQUENCE and sequence % _LANES == 0
+            and head_dim % _HEAD_DIM_MULTIPLE == 0)
+
+
 def may_be_document_mask(mask, batch: int, sequence: int) -> bool:
     """Could ``mask`` be a document mask of ``batch`` rows of ``sequence`` tokens (boolean,
     one for all heads)? Whether it is one is decided in the program (:func:`document_segments`)."""
@@ -134,25 +171,27 @@ def may_be_document_mask(mask, batch: int, sequence: int) -> bool:
             and shape[1] == 1 and shape[2:] == (sequence, sequence))
 
 
-def document_segments(mask, batch: int):
+def document_segments(mask, batch: int, window: int | None = None):
     """``(segment_ids [B, S] int32, is_document)`` of a boolean mask ``[B or 1, 1, S, S]``:
     a segment starts at every query that may not see the key just before it, and
     ``is_document`` (a traced bool) says whether the mask is exactly causal-within-segments
-    for those ids, the mask the kernels then apply."""
+    (and within ``window`` positions) for those ids, the mask the kernels then apply."""
     keep = jnp.broadcast_to(mask, (batch, 1) + tuple(mask.shape[2:]))[:, 0]
     sequence = keep.shape[-1]
     before = jnp.diagonal(keep, offset=-1, axis1=1, axis2=2)  # [B, S - 1]: may i see i - 1
     starts = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), ~before], axis=1)
     segments = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
     causal = jnp.tri(sequence, dtype=jnp.bool_)
+    if window is not None:
+        causal = causal & ~jnp.tri(sequence, k=-window, dtype=jnp.bool_)
     rebuilt = (segments[:, :, None] == segments[:, None, :]) & causal
     return segments, jnp.all(rebuilt == keep)
 
 
 def for_document_mask(mask, batch: int, with_segments, otherwise):
-    """``with_segments(segment_ids)`` where ``mask`` is a document mask, else ``otherwise()``
-    (both traced; the program runs one)."""
-    segments, is_document = document_segments(mask, batch)
+    """``with_segments(segment_ids)`` where ``mask`` is a document mask (within the
+    :func:`sliding_window`, if any), else ``otherwise()`` (both traced; the program runs one)."""
+    segments, is_document = document_segments(mask, batch, _WINDOW.get())
     return jax.lax.cond(is_document, with_segments, lambda _: otherwise(), segments)
 
 
@@ -184,14 +223,19 @@ def _block(sequence: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(sequence: int, group: int, is_causal: bool, interpret: bool):
+def _kernel(sequence: int, group: int, is_causal: bool, interpret: bool,
+            window: int | None = None):
     """The multi-query kernel for ``group`` query heads over one kv head, with host-side
-    (NumPy) mask tables: no tracer and no device array is ever cached (module docstring)."""
+    (NumPy) mask tables: no tracer and no device array is ever cached (module docstring).
+    With ``window`` (causal only), a query sees itself and the ``window - 1`` keys before."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
 
     shape = (sequence, sequence)
-    one = mask_lib.CausalMask(shape) if is_causal else mask_lib.FullMask(shape)
+    if is_causal and window is not None:
+        one = mask_lib.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    else:
+        one = mask_lib.CausalMask(shape) if is_causal else mask_lib.FullMask(shape)
     block = _block(sequence)
     blocks = kernel_lib.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
@@ -212,10 +256,10 @@ def _grouped(x, kv_heads):
     return x.reshape(b, kv_heads, h // kv_heads, s, d)
 
 
-def _for_call(query, key, is_causal):
+def _for_call(query, key, is_causal, window):
     b, h, s, _ = query.shape
     kv_heads = key.shape[1]
-    return kv_heads, _kernel(s, h // kv_heads, bool(is_causal), is_interpreted())
+    return kv_heads, _kernel(s, h // kv_heads, bool(is_causal), is_interpreted(), window)
 
 
 def _kernel_precision(dtype):
@@ -239,11 +283,12 @@ def _segment_ids(segments):
     return None if segments is None else kernel_lib.SegmentIds(q=segments, kv=segments)
 
 
-def forward(query, key, value, is_causal, scale, segments=None):
+def forward(query, key, value, is_causal, scale, segments=None, window=None):
     """``(out [B, H, S, D], logsumexp [B, H, S] float32)`` by the forward kernel (see
-    :func:`supported`); with ``segments`` ``[B, S]`` a token sees only its own segment."""
+    :func:`supported`); with ``segments`` ``[B, S]`` a token sees only its own segment, with
+    ``window`` (causal) only the last ``window`` positions."""
     b, h, s, d = query.shape
-    kv_heads, kernel = _for_call(query, key, is_causal)
+    kv_heads, kernel = _for_call(query, key, is_causal, window)
     scaled = (query.astype(jnp.float32) * _scale(query, scale)).astype(query.dtype)
 
     def one(q, k, v, row_segments):
@@ -257,14 +302,15 @@ def forward(query, key, value, is_causal, scale, segments=None):
     return out.reshape(b, h, s, d).astype(query.dtype), logsumexp.reshape(b, h, s)
 
 
-def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segments=None):
+def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segments=None,
+             window=None):
     """``(dq, dk, dv)`` by the backward kernels, from the forward's output and logsumexp
-    (and the forward's ``segments``)."""
+    (and the forward's ``segments`` and ``window``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib)
 
     b, h, s, d = query.shape
-    kv_heads, kernel = _for_call(query, key, is_causal)
+    kv_heads, kernel = _for_call(query, key, is_causal, window)
     scale_value = _scale(query, scale)
     settings = kernel.kwargs
     dq_info, dkv_info = kernel.dq_mask_info, kernel.dkv_mask_info

@@ -4,9 +4,12 @@ One process drives all of its host's chips; parameters are global ``jax.Array``s
 ``NamedSharding`` over a ``(data, fsdp, tensor)`` mesh, and XLA inserts the collectives when
 the whole training step is compiled::
 
-    from tpu_train.parallel import build_mesh, llama_plan
-    mesh = build_mesh(data=1, fsdp=-1, tensor=2, model_config=cfg)   # -1: the rest of the chips
-    plan = llama_plan()
+    from tpu_train.models import family_of
+    from tpu_train.parallel import build_mesh, sharding_plan
+    family = family_of(model)                                        # the model's ModelFamily
+    mesh = build_mesh(data=1, fsdp=-1, tensor=2,                     # -1: the rest of the chips
+                      split_sizes=family.split_sizes(model.config))
+    plan = sharding_plan(family)                                     # from its parameter roles
     shardings = plan.shardings(model.named_parameters(), mesh)       # {name: NamedSharding}
     arrays = plan.place({n: p.detach() for n, p in model.named_parameters()}, mesh)
     arrays["layers.0.attention.wq.weight"].sharding                 # inspect placement
@@ -19,32 +22,32 @@ from tpu_train.compile.spmd import (StepShardings, compute_sharding, flat_storag
                                     step_shardings)
 
 from .compiled import place_for_step, place_inputs, storage_bytes_per_device, to_global
-from .llama_plan import LLAMA_ACTIVATIONS, LlamaActivationRule, llama_plan
-from .mesh import (AXES, BATCH_AXES, MeshError, MeshShape, build_mesh, check_model_divisibility,
+from .family_plans import DECODER_ACTIVATIONS, ActivationRule, sharding_plan
+from .mesh import (AXES, BATCH_AXES, MeshError, MeshShape, build_mesh, check_divisibility,
                    mesh_from_config, resolve_mesh_shape)
 from .plans import PlanError, ShardingPlan, constrain, per_device_bytes
 
 __all__ = [
     "AXES",
     "BATCH_AXES",
-    "LLAMA_ACTIVATIONS",
-    "LlamaActivationRule",
+    "ActivationRule",
+    "DECODER_ACTIVATIONS",
     "MeshError",
     "MeshShape",
     "PlanError",
     "ShardingPlan",
     "StepShardings",
     "build_mesh",
-    "check_model_divisibility",
+    "check_divisibility",
     "compute_sharding",
     "constrain",
     "flat_storage_sharding",
-    "llama_plan",
     "mesh_from_config",
     "per_device_bytes",
     "place_for_step",
     "place_inputs",
     "resolve_mesh_shape",
+    "sharding_plan",
     "step_shardings",
     "storage_bytes_per_device",
     "to_global",

@@ -8,7 +8,11 @@ its backward; the rest is recomputed:
 * ``save_dots``: the results of its projections (matmuls without batch dimensions), so that
   its backward recomputes only norms, activations, RoPE and attention;
 * ``save_qkv_proj``: the outputs of its attention's q, k and v projections (marked by forward
-  hooks on those modules, :func:`tpu_train.compile.checkpointing.checkpoint_name`).
+  hooks on those modules, :func:`tpu_train.compile.checkpointing.checkpoint_name`), which the
+  model family names (``ModelFamily.qkv_projections``).
+
+Which modules are the layers is the family's too (``ModelFamily.blocks``); the caller passes
+both, as this layer knows no family.
 
 Each layer's ``forward`` becomes ``checkpoint(forward, context_fn=RematContext(remat))``: the
 compiled step reads the policy from that call and differentiates the layer through
@@ -19,30 +23,27 @@ checkpointing applies the same policy op by op (``mm``/``addmm`` outputs, the ma
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from tpu_train.compile.checkpointing import (QKV_NAMES, REMAT_POLICIES, RematContext,
                                              checkpoint_name, checkpointed_forward)
 
-# The q/k/v projections of a layer's attention, by the module's own name: this project's
-# Llama (wq, wk, wv) and Hugging Face's (q_proj, k_proj, v_proj).
-_PROJECTION_NAMES = {"wq": QKV_NAMES[0], "wk": QKV_NAMES[1], "wv": QKV_NAMES[2],
-                     "q_proj": QKV_NAMES[0], "k_proj": QKV_NAMES[1], "v_proj": QKV_NAMES[2]}
-
 
 def _named_output(name: str, module, args, output):
     return checkpoint_name(output, name)
 
 
-def _mark_projections(layer: torch.nn.Module) -> int:
-    marked = 0
-    for path, module in layer.named_modules():
-        name = _PROJECTION_NAMES.get(path.rsplit(".", 1)[-1])
-        if name is not None:
-            module.register_forward_hook(functools.partial(_named_output, name))
-            marked += 1
-    return marked
+def _mark_projections(layer: torch.nn.Module, paths: Sequence[str]) -> str | None:
+    """Mark the outputs of ``layer``'s q, k and v projections (module ``paths`` within it);
+    returns the first path the layer does not have (None: all marked)."""
+    modules = dict(layer.named_modules())
+    missing = next((p for p in paths if p not in modules), None)
+    if missing is None:
+        for path, name in zip(paths, QKV_NAMES):
+            modules[path].register_forward_hook(functools.partial(_named_output, name))
+    return missing
 
 
 def remat_setting(remat, activation_checkpointing: bool = False) -> str:
@@ -60,31 +61,40 @@ def remat_setting(remat, activation_checkpointing: bool = False) -> str:
     return remat
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, remat: str = "full") -> int:
-    """Recompute each block of ``model.layers`` in backward, keeping what ``remat`` says
-    (module docstring); ``"none"`` leaves the model as it is.
+def apply_activation_checkpointing(model: torch.nn.Module, remat: str = "full", *,
+                                   blocks: Sequence[torch.nn.Module] | None = None,
+                                   qkv_projections: Sequence[str] | None = None) -> int:
+    """Recompute each of ``blocks`` (default: ``model.layers``) in backward, keeping what
+    ``remat`` says (module docstring); ``"none"`` leaves the model as it is.
 
-    The block's ``forward`` is replaced on the instance, so parameter names (and checkpoints)
-    are unchanged.  Returns the number of layers wrapped.
+    ``qkv_projections``: the module paths, within each block, of its q, k and v projections
+    (the family's ``qkv_projections``), which ``save_qkv_proj`` needs. The block's ``forward``
+    is replaced on the instance, so parameter names (and checkpoints) are unchanged. Returns
+    the number of layers wrapped.
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"trainer.remat={remat!r} is not a remat policy; choose one of "
                          f"{', '.join(REMAT_POLICIES)}")
     if remat == "none":
         return 0
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+    layers = getattr(model, "layers", None) if blocks is None else blocks
+    if not isinstance(layers, (torch.nn.ModuleList, list, tuple)) or len(layers) == 0:
         raise ValueError(
-            f"activation checkpointing needs a non-empty `layers` ModuleList on "
-            f"{type(model).__name__}; set trainer.remat=none"
+            f"activation checkpointing needs the repeated blocks of {type(model).__name__} "
+            f"(its family's blocks, or a non-empty `layers` ModuleList); set trainer.remat=none"
         )
     if remat == "save_qkv_proj":
+        if not qkv_projections:
+            raise ValueError(f"trainer.remat=save_qkv_proj needs the q, k and v projections of "
+                             f"{type(model).__name__}'s layers, which its model family does not "
+                             "name: choose trainer.remat=save_dots")
         for index, layer in enumerate(layers):
-            if _mark_projections(layer) != 3:
+            missing = _mark_projections(layer, qkv_projections)
+            if missing is not None:
                 raise ValueError(
-                    f"trainer.remat=save_qkv_proj needs one q, k and v projection module "
-                    f"(wq/wk/wv or q_proj/k_proj/v_proj) in each layer; layer {index} of "
-                    f"{type(model).__name__} has another set: choose trainer.remat=save_dots")
+                    f"trainer.remat=save_qkv_proj marks the q, k and v projections "
+                    f"{', '.join(qkv_projections)} of each layer; layer {index} of "
+                    f"{type(model).__name__} has no {missing}: choose trainer.remat=save_dots")
     context = RematContext(remat)
     for layer in layers:
         layer.forward = functools.partial(checkpointed_forward, context, layer.forward)

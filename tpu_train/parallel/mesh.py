@@ -41,7 +41,7 @@ __all__ = [
     "MeshError",
     "MeshShape",
     "build_mesh",
-    "check_model_divisibility",
+    "check_divisibility",
     "device_grid",
     "mesh_from_config",
     "resolve_mesh_shape",
@@ -172,29 +172,29 @@ def resolve_mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: 
                      context)
 
 
-def check_model_divisibility(model_config: Any, shape: MeshShape) -> None:
-    """Raise :class:`MeshError` if the Llama plan cannot shard ``model_config`` on ``shape``.
+def check_divisibility(sizes: Any, shape: MeshShape) -> None:
+    """Raise :class:`MeshError` if ``shape`` cannot shard a model of split ``sizes`` (a
+    family's ``split_sizes(config)``: plain ints by the config field that sets them).
 
-    Tensor parallelism splits query heads, key/value heads, the feed-forward hidden dimension
-    and the vocabulary; FSDP splits the model width ``dim`` of every weight or the output rows
-    of column-parallel ones, whichever divides (see ``llama_plan``). Uneven shards are not padded: parameters are placed as global arrays,
-    and ``jax.device_put`` requires every sharded dimension to divide evenly.
+    Tensor parallelism splits the ``heads`` and ``hidden`` sizes; FSDP splits the model
+    ``width`` of every weight or the output rows of column-parallel ones, whichever divides
+    (:mod:`.family_plans`). Uneven shards are not padded: parameters are placed as global
+    arrays, and ``jax.device_put`` requires every sharded dimension to divide evenly.
     """
     t, f = shape.tensor, shape.fsdp
     if t > 1:
-        checks = (("n_heads", model_config.n_heads), ("n_kv_heads", model_config.n_kv_heads),
-                  ("ffn_hidden_dim", model_config.ffn_hidden_dim),
-                  ("vocab_size", model_config.vocab_size))
-        bad = [f"{name}={value}" for name, value in checks if value % t]
+        split = {**sizes.heads, **sizes.hidden}
+        bad = [f"{name}={value}" for name, value in split.items() if value % t]
         if bad:
             raise MeshError(
-                f"parallel.tensor={t} must divide the attention heads, key/value heads, "
-                f"feed-forward dim and vocabulary it splits; it does not divide "
-                f"{', '.join(bad)}. Choose a tensor degree that divides them all")
-    if f > 1 and model_config.dim % f:
+                f"parallel.tensor={t} must divide every size it splits "
+                f"({', '.join(split)}); it does not divide {', '.join(bad)}. Choose a tensor "
+                f"degree that divides them all")
+    (name, width), = sizes.width.items()
+    if f > 1 and width % f:
         raise MeshError(
-            f"parallel.fsdp={f} must divide the model width dim={model_config.dim}, the "
-            f"dimension FSDP shards in every weight (no padding is applied)")
+            f"parallel.fsdp={f} must divide the model width {name}={width}, the dimension "
+            f"FSDP shards in every weight (no padding is applied)")
 
 
 def _slice_count(devices: Sequence[Any]) -> int:
@@ -231,12 +231,12 @@ def device_grid(shape: MeshShape, devices: Sequence[Any]) -> np.ndarray:
 
 def build_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
                devices: Sequence[Any] | None = None, dcn_data: int | None = None,
-               dcn_fsdp: int = 1, model_config: Any = None, context: int = 1):
+               dcn_fsdp: int = 1, split_sizes: Any = None, context: int = 1):
     """Make the ``(data, fsdp, context, tensor)`` :class:`jax.sharding.Mesh` over ``devices``.
 
     ``devices`` defaults to ``jax.devices()`` (every device of every process). The number of
-    slices is read from the devices' ``slice_index``; ``model_config`` (a ``LlamaConfig``), if
-    given, is checked with :func:`check_model_divisibility`.
+    slices is read from the devices' ``slice_index``; ``split_sizes`` (a model family's
+    ``split_sizes(config)``), if given, is checked with :func:`check_divisibility`.
     """
     import jax
 
@@ -246,12 +246,12 @@ def build_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
     shape = resolve_mesh_shape(len(devices), data, fsdp, tensor,
                                num_slices=_slice_count(devices), dcn_data=dcn_data,
                                dcn_fsdp=dcn_fsdp, context=context)
-    if model_config is not None:
-        check_model_divisibility(model_config, shape)
+    if split_sizes is not None:
+        check_divisibility(split_sizes, shape)
     return jax.sharding.Mesh(device_grid(shape, devices), AXES)
 
 
-def mesh_from_config(parallel: Any, model_config: Any = None, devices=None):
+def mesh_from_config(parallel: Any, split_sizes: Any = None, devices=None):
     """:func:`build_mesh` from the ``parallel`` config section (a mapping or an object).
 
     Optional keys ``context``, ``dcn_data`` and ``dcn_fsdp`` are honoured when present.
@@ -260,5 +260,5 @@ def mesh_from_config(parallel: Any, model_config: Any = None, devices=None):
         (lambda key, default=None: getattr(parallel, key, default))
     return build_mesh(get("data", -1), get("fsdp", 1), get("tensor", 1), devices=devices,
                       dcn_data=get("dcn_data", None), dcn_fsdp=get("dcn_fsdp", 1) or 1,
-                      model_config=model_config, context=get("context", 1) or 1)
+                      split_sizes=split_sizes, context=get("context", 1) or 1)
 

@@ -7,13 +7,16 @@ order::
 
     dist.init_process_group("tpu")                     # under torchrun / tpu_train.launch
     model = Llama(cfg).init_weights(seed=0).to("tpu")
-    par = parallelize_per_device(model, data=1, fsdp=-1, tensor=2)
+    family = family_of(model)                          # tpu_train.models: its ModelFamily
+    par = parallelize_per_device(model, family, data=1, fsdp=-1, tensor=2)
     opt = torch.optim.AdamW(model.parameters())        # after sharding: DTensor parameters
     tokens = global_batch.chunk(par.batch_shards)[par.batch_rank]
 
-1. tensor parallelism: ``parallelize_module`` over ``mesh["tensor"]`` with the model
-   family's plan (:mod:`.llama_tp`), which also localizes the attention head counts;
-2. FSDP2: ``fully_shard`` on every transformer block, then on the root, over the batch axes.
+1. tensor parallelism: ``parallelize_module`` over ``mesh["tensor"]`` with the plan derived
+   from the family's parameter roles (:mod:`.tensor_parallel`), after which the family
+   localizes its sizes (attention head counts);
+2. FSDP2: ``fully_shard`` on every one of the family's blocks, then on the root, over the
+   batch axes.
    With ``data > 1`` that is the 2-D ``mesh["data", "fsdp"]``: HSDP, parameters replicated
    over ``data`` and sharded over ``fsdp``. This keeps the axes' meaning from the SPMD world
    (``data`` = replicated parameters, split batch), where a 1-D ``fully_shard`` over both would
@@ -22,8 +25,8 @@ order::
    checkpoint helpers below.
 
 Uneven FSDP shards are padded by FSDP2, so unlike the SPMD plan ``fsdp`` need not divide the
-model width; ``tensor`` must divide the heads, key/value heads, feed-forward width and
-vocabulary (``check_model_divisibility``).
+model width; ``tensor`` must divide the sizes the family says it splits
+(``check_divisibility``).
 
 Checkpointing a sharded model from the trainer: :func:`full_model_state_dict` /
 :func:`full_optimizer_state_dict` gather unsharded CPU tensors (to rank 0, or every rank), and
@@ -35,13 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .mesh import AXES, MeshError, MeshShape, check_model_divisibility, resolve_mesh_shape
+from .mesh import AXES, MeshError, MeshShape, check_divisibility, resolve_mesh_shape
 
 __all__ = [
     "PerDeviceParallel",
@@ -52,34 +55,6 @@ __all__ = [
     "parallelize_per_device",
     "resolve_per_device_shape",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Family:
-    """How to parallelize one model family: its config, its FSDP units and its TP plan."""
-
-    config: Callable[[nn.Module], Any]
-    blocks: Callable[[nn.Module], list]
-    apply_tp: Callable[[nn.Module, Any], None]
-
-
-def _families() -> dict[type, _Family]:
-    # Imported here: the models package is only needed once a model is parallelized.
-    from tpu_train.models import Llama
-
-    from .llama_tp import apply_llama_tp
-
-    return {Llama: _Family(config=lambda m: m.config, blocks=lambda m: list(m.layers),
-                           apply_tp=apply_llama_tp)}
-
-
-def _family_of(model: nn.Module) -> _Family:
-    for cls, family in _families().items():
-        if isinstance(model, cls):
-            return family
-    known = ", ".join(sorted(cls.__name__ for cls in _families()))
-    raise MeshError(f"no per-device parallel plan for model type {type(model).__name__} "
-                    f"(plans exist for: {known})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +100,12 @@ def _launch_hint(data: Any, fsdp: Any, tensor: Any) -> str | None:
 
 
 def resolve_per_device_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
-                             model_config: Any = None) -> MeshShape:
+                             split_sizes: Any = None) -> MeshShape:
     """Degrees for one process per device: the product must be the world size.
 
     A degree > 1 without a process group (or with a world of one) raises :class:`MeshError`
-    naming the launch command. ``model_config`` is checked for ``tensor`` divisibility.
+    naming the launch command. ``split_sizes`` (a family's ``split_sizes(config)``) is checked
+    for ``tensor`` divisibility.
     """
     world = _world_size()
     if world == 1:
@@ -141,23 +117,26 @@ def resolve_per_device_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
     except MeshError as err:
         raise MeshError(f"{err} (trainer.mode=eager: one process per device, world size "
                         f"{world})") from None
-    if model_config is not None:
+    if split_sizes is not None:
         # FSDP2 pads uneven shards, so only the tensor split constrains the model.
-        check_model_divisibility(model_config, MeshShape(shape.data, 1, shape.tensor))
+        check_divisibility(split_sizes, MeshShape(shape.data, 1, shape.tensor))
     return shape
 
 
-def parallelize_per_device(model: nn.Module, *, data: int, fsdp: int, tensor: int,
+def parallelize_per_device(model: nn.Module, family: Any, *, data: int, fsdp: int, tensor: int,
                            device_type: str = "tpu", mp_policy=None,
                            reshard_after_forward: bool = True) -> PerDeviceParallel:
     """Apply tensor parallelism, then FSDP2, to ``model`` in place (see the module docstring).
+
+    ``family``: the model's :class:`tpu_train.models.ModelFamily` (its parameter roles,
+    blocks, split sizes and ``localize_tensor_parallel``).
 
     ``model`` must be materialized (not on the meta device): weights are initialized or loaded
     before sharding. Parameters not yet on ``device_type`` are moved there first. Create the
     optimizer afterwards: sharding replaces the parameters with DTensors.
     """
-    family = _family_of(model)
-    shape = resolve_per_device_shape(data, fsdp, tensor, model_config=family.config(model))
+    shape = resolve_per_device_shape(data, fsdp, tensor,
+                                     split_sizes=family.split_sizes(model.config))
     if _world_size() == 1:
         return PerDeviceParallel(shape)
     if any(p.is_meta for p in model.parameters()):
@@ -173,7 +152,9 @@ def parallelize_per_device(model: nn.Module, *, data: int, fsdp: int, tensor: in
     mesh = init_device_mesh(device_type, (shape.data, shape.fsdp, shape.tensor),
                             mesh_dim_names=tuple(a for a in AXES if a != "context"))
     if shape.tensor > 1:
-        family.apply_tp(model, mesh["tensor"])
+        from .tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(family, model, mesh["tensor"])
     if shape.batch_shards > 1:
         dp_mesh = mesh["data", "fsdp"] if shape.data > 1 else mesh["fsdp"]
         kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,

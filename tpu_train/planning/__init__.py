@@ -6,8 +6,8 @@ prints two estimates side by side and one verdict (with the settings that would 
 the step does not), and writes every figure to a JSON file:
 
 * the analytic model (:mod:`.estimate`): parameters, gradients, AdamW's moments, FSDP's
-  working set and activations per chip under the Llama plan, FLOPs from ``flops_per_token``,
-  a step time at an assumed MFU;
+  working set and activations per chip under the model family's plan, FLOPs from its
+  ``flops_per_token``, a step time at an assumed MFU;
 * XLA's analysis of the compiled PyTorch step the trainer would run (:mod:`.analysis`):
   compiled by XLA's TPU compiler for the pod's real topology when libtpu is installed
   (``v5e:16x16`` for 256 v5e chips; no chip needed), else by the CPU compiler on virtual CPU

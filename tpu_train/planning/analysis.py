@@ -42,14 +42,16 @@ from tpu_train.compile import lower_train_step, memory_errors
 from tpu_train.compile.program import compiled_analysis
 from tpu_train.compile.stored_moments import AdamWStoredMoments
 from tpu_train.compile.targets import TargetError, parse_target, resolve_target
-from tpu_train.models import Llama
+from tpu_train.models import family_of
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
-from tpu_train.parallel.llama_plan import llama_plan
+from tpu_train.parallel.family_plans import sharding_plan
 from tpu_train.parallel.mesh import build_mesh
 
 from . import compiler_log, tpu_dump
 from .estimate import planned_model
+from .frozen_base import adapt_meta_model
 from .loop_flops import loop_flops
+from .step_time import predict_step_time
 
 __all__ = ["ANALYSIS_ONLY_XLA_FLAGS", "CHILD_TIMEOUT_S", "analyse_in_child",
            "compiled_step_analysis", "pod_topology", "virtual_devices_env"]
@@ -108,25 +110,32 @@ def pod_topology(chip: str, num_chips: int) -> str:
 
 
 def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
-                param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None):
+                param_dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None,
+                lora: dict | None = None, compute_dtype: torch.dtype | None = None):
     """``(model, optimizer, loss_fn, batch)`` on ``meta``, as the trainer builds them
-    (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults)."""
+    (``trainer.param_dtype``, ``optim.state_dtype``: None for the defaults; ``lora``: a LoRA
+    run's adapters and int8 base, :func:`.frozen_base.adapt_meta_model`)."""
+    family = family_of(cfg)
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = family.build(cfg)
         tokens = {"tokens": torch.empty(batch, seq_len, dtype=torch.int64),
                   "labels": torch.empty(batch, seq_len, dtype=torch.int64)}
+        adapt_meta_model(model, lora, compute_dtype)
     if param_dtype is not None:
         model.to(param_dtype)
-    apply_activation_checkpointing(model, remat)
+    apply_activation_checkpointing(model, remat, blocks=family.blocks(model),
+                                   qkv_projections=family.qkv_projections)
+    trained = [p for p in model.parameters() if p.requires_grad]
     if state_dtype is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.1)
     else:
-        optimizer = AdamWStoredMoments(model.parameters(), lr=1e-4, weight_decay=0.1,
+        optimizer = AdamWStoredMoments(trained, lr=1e-4, weight_decay=0.1,
                                        state_dtype=state_dtype)
 
     def loss_fn(m, b):
         # position_ids: added by a context-parallel step (tpu_train.compile.context_parallel)
-        logits = m(b["tokens"], position_ids=b.get("position_ids"))
+        extra = {"position_ids": b["position_ids"]} if "position_ids" in b else {}
+        logits = m(b["tokens"], **extra)
         return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
 
     return model, optimizer, loss_fn, tokens
@@ -139,11 +148,13 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
                            compute_dtype: torch.dtype | None = None,
                            param_dtype: torch.dtype | None = None,
                            state_dtype: torch.dtype | None = None,
+                           lora: dict | None = None,
                            scan_layers: bool | None = None, grad_accum_steps: int = 1,
-                           target: str | None = None,
+                           target: str | None = None, num_slices: int = 1,
+                           dcn_fsdp: int = 1,
                            dump_to: str | None = None,
                            on_dumped: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    """XLA's memory and cost analysis of the compiled PyTorch Llama step.
+    """XLA's memory and cost analysis of the compiled PyTorch step of a named model config.
 
     ``remat`` (``trainer.remat``; ``activation_checkpointing``: ``full``). ``batch``: the
     step's rows, run ``batch / grad_accum_steps`` at a time (the trainer's split of a step).
@@ -151,28 +162,38 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     XLA's out-of-memory compile says (``out_of_memory``: its message).
     ``target`` (``"v5e:2x2"``): compiled by XLA's TPU compiler for that topology, which must
     hold ``data * fsdp * tensor`` chips. None: for this process's devices (run it where
-    ``len(jax.devices())`` equals the mesh size). The trainer's activation checkpointing and
+    ``len(jax.devices())`` equals the mesh size). ``num_slices`` (TPU targets): that many
+    slices of ``target`` joined by DCN, the mesh's ``data`` degree split across them (``dcn_fsdp``
+    of the slices' ways on ``fsdp`` instead); each slice holds ``data * fsdp * tensor /
+    num_slices`` chips, so ``target`` names one slice. The trainer's activation checkpointing and
     ``compute_dtype`` (the trainer's: bf16 for ``trainer.precision=bf16``) apply when asked, and
-    so do ``param_dtype`` and ``state_dtype`` (``trainer.param_dtype``, ``optim.state_dtype``). ``dump_to`` (a directory): the compiler dumps its
+    so do ``param_dtype`` and ``state_dtype`` (``trainer.param_dtype``, ``optim.state_dtype``)
+    and ``lora`` (a LoRA run's adapters and int8 base: :mod:`.frozen_base`). ``dump_to`` (a directory): the compiler dumps its
     optimized HLO and buffer assignment there; with ``on_dumped`` (TPU targets, in a process
     that only plans) the figures are read from that dump as soon as it is written, passed to
     ``on_dumped``, and the process ends without waiting for code generation
     (:mod:`tpu_train.planning.tpu_dump`).
     """
     cfg = dataclasses.replace(planned_model(model_name, checkpoint), **(overrides or {}))
-    devices = resolve_target(target).devices if target is not None else None
-    mesh = build_mesh(data, fsdp, tensor, devices=devices, model_config=cfg, context=context)
+    devices = resolve_target(target, num_slices).devices if target is not None else None
+    family = family_of(cfg)
+    mesh = build_mesh(data, fsdp, tensor, devices=devices, split_sizes=family.split_sizes(cfg),
+                      dcn_fsdp=dcn_fsdp, context=context)
+    device_slices = [getattr(d, "slice_index", 0) for d in mesh.devices.flat]
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,
         remat=remat or ("full" if activation_checkpointing else "none"),
-        param_dtype=param_dtype, state_dtype=state_dtype)
-    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh, plan=llama_plan(),
-                               compute_dtype=compute_dtype, grad_accum_steps=grad_accum_steps,
-                               scan_layers=scan_layers, runtime_options=False, compile=False)
+        param_dtype=param_dtype, state_dtype=state_dtype, lora=lora,
+        compute_dtype=compute_dtype)
+    program = lower_train_step(model, optimizer, loss_fn, tokens, mesh=mesh,
+                               plan=sharding_plan(family), compute_dtype=compute_dtype,
+                               grad_accum_steps=grad_accum_steps, scan_layers=scan_layers,
+                               runtime_options=False, compile=False)
     out: dict[str, Any] = {"xla_source": "compiled PyTorch step",
                            "compiler": "TPU" if target is not None else "CPU"}
     if target is not None:
-        out["compiled_for"] = resolve_target(target).name
+        out["compiled_for"] = resolve_target(target).name + (
+            f" x {num_slices} slices" if num_slices > 1 else "")
     seconds = {stage: s for stage, s in program.seconds.items() if stage != "compile"}
     started = time.perf_counter()
     watcher = None
@@ -180,7 +201,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         def report(figures: dict, text: str) -> None:
             seconds["compile_until_buffer_assignment"] = time.perf_counter() - started
             on_dumped({**out, **figures, **loop_flops(text, figures["flops_per_device"]),
-                       "seconds": seconds})
+                       **_step_time(text, target, device_slices), "seconds": seconds})
 
         watcher = tpu_dump.report_when_dumped(dump_to, report)
     try:
@@ -199,9 +220,23 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
         return {**out, **_out_of_memory_figures(found), "seconds": seconds}
     seconds["compile"] = time.perf_counter() - started
     out.update(compiled_analysis(compiled))
-    out.update(loop_flops(compiled.as_text(), out["flops_per_device"]))
+    text = compiled.as_text()
+    out.update(loop_flops(text, out["flops_per_device"]))
+    if target is not None:
+        out.update(_step_time(text, target, device_slices))
     out["seconds"] = seconds
     return out
+
+
+def _step_time(text: str, target: str, device_slices: list[int]) -> dict[str, Any]:
+    """``{"step_time": ...}``: the step's time predicted from its TPU program
+    (:mod:`tpu_train.planning.step_time`; ``device_slices``: each mesh device's slice), or
+    ``step_time_error`` saying why there is none."""
+    try:
+        return {"step_time": predict_step_time(text, parse_target(target)[0],
+                                               device_slices=device_slices)}
+    except (ValueError, KeyError) as error:  # a program this model cannot read: said, not fatal
+        return {"step_time_error": f"{type(error).__name__}: {error}"}
 
 
 def _out_of_memory_figures(error: memory_errors.ProgramOutOfMemoryError) -> dict[str, Any]:

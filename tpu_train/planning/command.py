@@ -40,7 +40,9 @@ from tpu_train.compile.targets import GENERATIONS, TargetError, libtpu_available
 from . import estimate as estimate_mod
 from . import fit
 from .analysis import CHILD_TIMEOUT_S, analyse_in_child, pod_topology
+from .frozen_base import analysis_args, frozen_base_of
 from .report import format_fitting, format_report
+from .step_time import get_rates
 
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "FAST_MARGIN", "PLAN_SEQ_LEN_CAP", "choose_compiler",
            "command_line", "plan_job", "planning_config", "run_plan", "verdict", "write_plan"]
@@ -83,15 +85,25 @@ def _stored(cfg: Any, key: str):
     return estimate_mod.stored_dtype(estimate_mod.setting(cfg, key))
 
 
+def _num_slices(cfg: Any) -> int:
+    return int(estimate_mod.setting(cfg, "plan.num_slices") or 1)
+
+
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
     rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
-    return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint,
+    param_bytes = estimate_mod.stored_bytes(estimate_mod.setting(cfg, "trainer.param_dtype")) or 4
+    compute = estimate_mod.compute_dtype_of(cfg)
+    base = frozen_base_of(cfg, param_bytes, compute.itemsize if compute else None)
+    slices = {"num_slices": _num_slices(cfg)} if target is not None and _num_slices(cfg) > 1 \
+        else {}
+    return dict(model_name=cfg.model.name, checkpoint=cfg.model.checkpoint, **slices,
+                overrides=estimate_mod.architecture_overrides(cfg.model),
                 batch=rows * splits, grad_accum_steps=splits, seq_len=int(cfg.data.seq_len),
                 remat=estimate_mod.remat_of(cfg),
                 compute_dtype=estimate_mod.compute_dtype_of(cfg), scan_layers=cfg.trainer.scan_layers,
                 param_dtype=_stored(cfg, "trainer.param_dtype"),
                 state_dtype=_stored(cfg, "optim.state_dtype"),
-                target=target, **degrees)
+                target=target, **analysis_args(base), **degrees)
 
 
 def _compare(result: dict[str, Any]) -> None:
@@ -109,6 +121,17 @@ def _compare(result: dict[str, Any]) -> None:
     if x.get("flops_per_device"):
         result["xla_flops_vs_analytic"] = (x["flops_per_device"]
                                            / result["hardware_flops_per_chip"] - 1)
+
+
+def _step_time_figures(result: dict[str, Any]) -> None:
+    """The MFU and tokens/s/chip at the step time predicted from the compiled program."""
+    predicted = (result.get("xla") or {}).get("step_time")
+    if not predicted or predicted["step_time_s"] <= 0:
+        return
+    chips, seconds = result["num_devices"], predicted["step_time_s"]
+    predicted["mfu"] = (result["model_flops_per_step"] / chips / seconds
+                        / get_rates(predicted["chip"]).bf16_flops)
+    predicted["tokens_per_s_per_chip"] = result["tokens_per_step"] / chips / seconds
 
 
 def verdict(result: dict[str, Any]) -> dict[str, Any] | None:
@@ -157,7 +180,9 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
     if xla:
         degrees = {axis: int(result["mesh"][axis])
                    for axis in ("data", "fsdp", "tensor", "context")}
-        target, note = choose_compiler(cfg.plan.chip, result["num_devices"])
+        # A multi-slice plan compiles for plan.num_slices slices of one slice's topology.
+        target, note = choose_compiler(cfg.plan.chip,
+                                       result["num_devices"] // _num_slices(cfg))
         if note:
             result["compiler_note"] = note
         try:
@@ -171,6 +196,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
             result["xla"] = {"xla_error": f"the compiled step could not be analysed "
                                           f"({' '.join(str(err).split())[-300:]})"}
         _compare(result)
+        _step_time_figures(result)
     result["verdict"] = verdict(result)
     if result["verdict"] is not None:
         result["fits"] = result["verdict"]["fits"]
@@ -191,8 +217,9 @@ def planning_config(cfg: Any, *, seq_len_given: bool = True) -> tuple[Any, list[
     planned = copy.deepcopy(cfg)
     notes = []
     def model_max() -> int:
-        return int(estimate_mod.planned_model(planned.model.name,
-                                              planned.model.checkpoint).max_seq_len)
+        return int(estimate_mod.planned_model(
+            planned.model.name, planned.model.checkpoint,
+            **estimate_mod.architecture_overrides(planned.model)).max_seq_len)
 
     if not seq_len_given:
         planned.data.seq_len = min(model_max(), PLAN_SEQ_LEN_CAP)

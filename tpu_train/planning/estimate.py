@@ -2,8 +2,10 @@
 
 :func:`estimate` is instantaneous, for any model size: the bytes each chip holds for
 parameters, gradients, AdamW's two moments and activations (with or without
-activation checkpointing) under the Llama plan's shardings, the FLOPs of one step from
-``flops_per_token``, and a step time on a named TPU generation at an *assumed* MFU.
+activation checkpointing) under the shardings of the model family's plan, the FLOPs of one
+step from the family's ``flops_per_token``, and a step time on a named TPU generation at an
+*assumed* MFU. The activation model is that of a decoder config with Llama's fields (``dim``,
+``n_layers``, ``n_heads``, ``n_kv_heads``, ``ffn_hidden_dim``, ``vocab_size``).
 :func:`estimate_from_config` reads the same from a composed ``tpu-train`` config. What XLA
 says about the compiled step is :mod:`tpu_train.planning.analysis`; ``tpu-train plan`` puts
 the two side by side.
@@ -19,9 +21,13 @@ from typing import Any
 import torch
 
 from tpu_train.compile.layer_groups import scans
-from tpu_train.models import flops_per_token, get_config, num_params, param_shapes, read_config
-from tpu_train.parallel.llama_plan import llama_plan
-from tpu_train.parallel.mesh import MeshShape, check_model_divisibility, resolve_mesh_shape
+from tpu_train.models import checkpoint_family, family_of, named_config
+from tpu_train.ops import attention_tpu
+from tpu_train.parallel.family_plans import sharding_plan
+from tpu_train.parallel.mesh import MeshShape, check_divisibility, resolve_mesh_shape
+
+from .frozen_base import FrozenBase, frozen_base_of
+from .frozen_base import weight_bytes as frozen_weight_bytes
 
 __all__ = [
     "ASSUMED_MFU",
@@ -31,6 +37,7 @@ __all__ = [
     "estimate",
     "estimate_from_config",
     "get_chip",
+    "architecture_overrides",
     "planned_model",
     "compute_dtype_of",
     "pieces",
@@ -84,10 +91,11 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
 
     "Gathered" means after the FSDP all-gather: still split over ``tensor``.
     """
-    plan = llama_plan()
+    family = family_of(cfg)
+    plan = sharding_plan(family)
     sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
     local = gathered = layer0 = largest = 0
-    for name, dims in param_shapes(cfg).items():
+    for name, dims in family.param_shapes(cfg).items():
         spec = plan.spec_for(name, dims)
         entries = tuple(spec) + (None,) * (len(dims) - len(spec))
         n = n_gathered = 1
@@ -187,8 +195,8 @@ def _layer_elements(cfg: Any, t: int, seq_len: int, flash_attention: bool) -> tu
     return per_layer, kept
 
 
-def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, local: int,
-                  one_layer: int, largest: int, param_bytes: int, act_bytes: int,
+def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, grads: int,
+                  one_layer: int, largest: int, param_bytes: float, act_bytes: int,
                   flash_attention: bool) -> dict[str, Any]:
     """Memory rows of a scanned step (no checkpointing) at its peak: the larger of two phases.
 
@@ -212,7 +220,7 @@ def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, local
     head = {"bytes_grads": 0, "bytes_loss_head": loss_head, "bytes_activations": always,
             "bytes_fsdp_gathered": 2 * largest * param_bytes if sharded else 0,
             "peak_phase": "the head's backward"}
-    layer = {"bytes_grads": local * param_bytes, "bytes_loss_head": 0,
+    layer = {"bytes_grads": grads, "bytes_loss_head": 0,
              "bytes_activations": always + int(tokens * per_layer * act_bytes),
              "bytes_fsdp_gathered": 2 * one_layer * param_bytes if sharded else 0,
              "peak_phase": "the first layer's backward"}
@@ -229,14 +237,14 @@ def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
             padded = -(-value // ALIGN) * ALIGN
             # Only the vocabulary can be padded without changing the model: the extra rows
             # are ids the tokenizer never produces. dim and ffn_hidden_dim are the model's own.
-            fix = (f"set LlamaConfig.vocab_size to {padded} (the extra rows are ids the tokenizer "
+            fix = (f"set {type(cfg).__name__}.vocab_size to {padded} (the extra rows are ids the tokenizer "
                    "never produces)" if key == "vocab_size" else "fixed by the checkpoint")
             out.append(f"model.{key}={value} is not a multiple of {ALIGN}: XLA pads it to "
                        f"{padded} on TPU ({100 * (padded - value) / value:.1f} % wasted; {fix})")
     if cfg.head_dim % ALIGN:
         out.append(f"head_dim = dim / n_heads = {cfg.head_dim} is not a multiple of {ALIGN}: "
                    f"attention score matmuls contract over it and fill the MXU only partly "
-                   f"(set by LlamaConfig.n_heads; usually fixed by the checkpoint)")
+                   f"(set by {type(cfg).__name__}.n_heads; usually fixed by the checkpoint)")
     if shape is not None:
         local = {"dim / fsdp": (cfg.dim, shape.fsdp),
                  "ffn_hidden_dim / tensor": (cfg.ffn_hidden_dim, shape.tensor),
@@ -254,7 +262,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              param_bytes: int = 4, act_bytes: int = 4, state_bytes: int | None = None,
              flash_attention: bool = False, grad_accum_steps: int = 1,
              scan_layers: bool = False, remat: str | None = None,
-             context: int = 1) -> dict[str, Any]:
+             frozen_base: FrozenBase | None = None, context: int = 1) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
     ``batch`` is the global micro-batch (sequences per forward/backward), which must split
@@ -276,6 +284,9 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     ``remat`` (``trainer.remat``): ``full`` is ``activation_checkpointing``; ``save_dots`` and
     ``save_qkv_proj`` keep part of each layer (:func:`activation_bytes`), gather weights as
     checkpointing does, and are costed at checkpointing's FLOPs (an upper bound).
+    ``frozen_base`` (a LoRA run, :mod:`.frozen_base`): the weights are the frozen base as
+    stored (int8 for an int8 base) plus the adapters, and only the adapters (replicated) have
+    gradients, moments and an accumulator.
     Returns a flat dict of figures (bytes, FLOPs, seconds) plus ``fits`` and ``warnings``.
     """
     remat = remat or ("full" if activation_checkpointing else "none")
@@ -285,7 +296,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     flash_attention = flash_attention or context > 1
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices,
                                context=context)
-    check_model_divisibility(cfg, shape)
+    family = family_of(cfg)
+    check_divisibility(family.split_sizes(cfg), shape)
     if seq_len % (2 * shape.context):
         raise ValueError(f"seq_len {seq_len} must split into 2 x context = "
                          f"{2 * shape.context} equal chunks")
@@ -298,13 +310,18 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     local, gathered, one_layer, largest = _param_shards(cfg, shape)
+    trained, weight_bytes = local, param_bytes
     params = local * param_bytes
-    grads = local * param_bytes
-    optimizer = 2 * local * (param_bytes if state_bytes is None else state_bytes)
-    fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes,
+    if frozen_base is not None:
+        frozen, trained, elements = frozen_weight_bytes(cfg, frozen_base, param_bytes)
+        weight_bytes = frozen / elements  # per weight, on average, for the gathered copies
+        params = int(frozen * local / elements) + trained * param_bytes
+    grads = trained * param_bytes
+    optimizer = 2 * trained * (param_bytes if state_bytes is None else state_bytes)
+    fsdp_working = _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, weight_bytes,
                                        remat != "none" or scan_layers)
     # A scanned stack reads its layers' weights as one stacked copy (made each step).
-    stacked = int(local * param_bytes * cfg.n_layers * one_layer / gathered) \
+    stacked = int(local * weight_bytes * cfg.n_layers * one_layer / gathered) \
         if scan_layers and gathered else 0
     acts = activation_bytes(cfg, shape, batch, seq_len,
                             activation_checkpointing=activation_checkpointing, act_bytes=act_bytes,
@@ -314,25 +331,34 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
             "bytes_activations": acts["layers"], "bytes_loss_head": acts["loss_head"],
             "peak_phase": None}
     if scan_layers and remat in ("none", "save_dots"):
-        rows = _scanned_peak(cfg, shape, batch, seq_len, local=local, one_layer=one_layer,
-                             largest=largest, param_bytes=param_bytes, act_bytes=act_bytes,
+        rows = _scanned_peak(cfg, shape, batch, seq_len, grads=grads, one_layer=one_layer,
+                             largest=largest, param_bytes=weight_bytes, act_bytes=act_bytes,
                              flash_attention=flash_attention)
     kv = context_kv(cfg, shape, batch, seq_len, act_bytes, remat != "none" or scan_layers)
     rows["bytes_context_kv"] = kv["bytes"]
-    accumulator = local * 4 if grad_accum_steps > 1 else 0
+    accumulator = trained * 4 if grad_accum_steps > 1 else 0
     total = (params + optimizer + accumulator + stacked
              + sum(v for k, v in rows.items() if k.startswith("bytes_")))
 
     tokens = batch * seq_len * grad_accum_steps
-    model_flops = flops_per_token(cfg, seq_len) * tokens
+    model_flops = family.flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
-    hardware_flops = model_flops * (4 / 3 if remat in ("full", "save_qkv_proj") else 1)
+    recompute = remat in ("full", "save_qkv_proj")
+    hardware_flops = model_flops * (4 / 3 if recompute else 1)
+    if frozen_base is not None:
+        # No gradients of the frozen weights: their matmuls cost 2 + 2 (+ 2 recomputed) of
+        # the 6 per weight and token; attention's products are all still needed.
+        attention = 12 * cfg.n_layers * cfg.dim * seq_len * tokens
+        hardware_flops = ((model_flops - attention) * (6 if recompute else 4) / 6
+                          + attention * (4 / 3 if recompute else 1))
     result: dict[str, Any] = {
         "mesh": shape.as_dict(), "num_devices": num_devices, "batch": batch,
         "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
         "remat": remat,
         "flash_attention": flash_attention, "activation_bytes_per_element": act_bytes,
-        "num_params": num_params(cfg),
+        "num_params": family.num_params(cfg),
+        "trained_params": trained if frozen_base else None,
+        "base_dtype": ("int8" if frozen_base.int8 else "param") if frozen_base else None,
         "grad_accum_steps": grad_accum_steps,
         "bytes_params": params, "bytes_optimizer": optimizer,
         "bytes_grad_accumulator": accumulator, "bytes_stacked_layers": stacked,
@@ -349,7 +375,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     return result
 
 
-def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: int,
+def _fsdp_working_bytes(cfg, shape, gathered, one_layer, largest, param_bytes: float,
                         gathered_at_use: bool) -> int:
     """Bytes of all-gathered weights and unreduced gradients FSDP holds at its peak."""
     if shape.fsdp == 1:
@@ -388,12 +414,25 @@ def compute_dtype_of(config: Any) -> torch.dtype | None:
     return torch.bfloat16 if name == "bf16" else None
 
 
-def planned_model(name: str, checkpoint: str | None = None):
+# The model section's fields that change the architecture its name or checkpoint gives.
+ARCHITECTURE_OVERRIDES = ("n_layers", "max_seq_len")
+
+
+def architecture_overrides(model_section: Any) -> dict[str, int]:
+    """``model.n_layers`` / ``model.max_seq_len`` where set, as ``LlamaConfig`` field changes."""
+    return {key: int(value) for key in ARCHITECTURE_OVERRIDES
+            if (value := getattr(model_section, key, None)) is not None}
+
+
+def planned_model(name: str, checkpoint: str | None = None, **overrides: int):
     """The architecture to plan: a Hugging Face checkpoint's config.json when ``checkpoint``
-    names one (as the trainer builds it), else the named preset."""
+    names one (as the trainer builds it), else the named preset; ``overrides``
+    (:func:`architecture_overrides`) applied."""
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
-        return read_config(checkpoint)[1]
-    return get_config(name)
+        config = checkpoint_family(checkpoint).hf.read_config(checkpoint)[1]
+    else:
+        config = named_config(name)
+    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def stored_dtype(dtype_setting: Any) -> torch.dtype | None:
@@ -473,18 +512,29 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees) * context
     compute_dtype = compute_dtype_of(config)
-    cfg = planned_model(config.model.name, config.model.checkpoint)
+    cfg = planned_model(config.model.name, config.model.checkpoint,
+                        **architecture_overrides(config.model))
     shards = resolve_mesh_shape(num_devices, *degrees, context=context).batch_shards
     rows, splits = pieces(config, shards, changes)
     if batch is not None:  # a micro-batch of ``batch`` rows: the step's pieces follow
         splits, rows = splits * rows // batch, batch
     policy = remat or (changes or {}).get("trainer.remat") or remat_of(config)
+    chip = chip or config.plan.chip
+    seq_len = int(config.data.seq_len)
+    # On a TPU the attention kernels keep no seq x seq scores (tpu_train.ops.attention_tpu).
+    fused = chip is not None and attention_tpu.kernels_would_run(
+        seq_len, cfg.dim // cfg.n_heads, bf16=compute_dtype == torch.bfloat16,
+        partitioned=num_devices > 1)
+    param_bytes = stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4
+    base = frozen_base_of(config, param_bytes, compute_dtype.itemsize if compute_dtype else None,
+                          changes)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0], fsdp=degrees[1], tensor=degrees[2],
-        batch=rows, seq_len=int(config.data.seq_len),
-        remat=policy,
-        chip=chip or config.plan.chip, mfu=mfu,
+        batch=rows, seq_len=seq_len,
+        remat=policy, flash_attention=fused,
+        chip=chip, mfu=mfu, num_slices=int(setting(config, "plan.num_slices") or 1),
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
-        param_bytes=stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4,
+        param_bytes=param_bytes,
         state_bytes=stored_bytes(setting(config, "optim.state_dtype", changes)),
-        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers), context=context)
+        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers), frozen_base=base,
+        context=context)

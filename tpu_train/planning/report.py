@@ -75,10 +75,46 @@ def _xla_lines(result: dict[str, Any]) -> list[str]:
                      "counts the temporaries' fragmentation twice")
     if x.get("flops_note"):
         lines.append(f"  FLOPs: {x['flops_note']}")
+    lines += _step_time_lines(x)
     gap = f"XLA vs analytic per chip: memory {100 * result['xla_vs_analytic']:+.1f} %"
     if "xla_flops_vs_analytic" in result:
         gap += f", FLOPs {100 * result['xla_flops_vs_analytic']:+.1f} %"
     return lines + [gap]
+
+
+def _step_time_lines(x: dict[str, Any]) -> list[str]:
+    """The step time predicted from the compiled program, where it goes, and its basis."""
+    if x.get("step_time_error"):
+        return [f"  step time: not predicted ({x['step_time_error']})"]
+    p = x.get("step_time")
+    if not p:
+        return []
+    ms = lambda s: f"{1e3 * s:.1f} ms"  # noqa: E731
+    head = f"step time predicted from the compiled program: {ms(p['step_time_s'])}"
+    if "mfu" in p:
+        head += (f", MFU {100 * p['mfu']:.1f} %, "
+                 f"{p['tokens_per_s_per_chip']:,.0f} tokens/s/chip")
+    comms = ""
+    if p["ici_bytes_per_chip"] or p["dcn_bytes_per_chip"]:
+        comms = (f"; per chip a step sends {p['ici_bytes_per_chip'] / 1e6:,.1f} MB over ICI, "
+                 f"{p['dcn_bytes_per_chip'] / 1e6:,.1f} MB over DCN")
+    lines = [head,
+             f"  where it goes: compute-bound kernels {ms(p['compute_bound_s'])}, memory-bound "
+             f"{ms(p['memory_bound_s'])}, vector-bound {ms(p['vector_bound_s'])}, exposed "
+             f"copies {ms(p['exposed_copy_s'])}, exposed collectives ICI "
+             f"{ms(p['exposed_ici_s'])} DCN {ms(p['exposed_dcn_s'])}{comms}"]
+    links = p.get("collectives_by_link") or {}
+    if links.get("dcn"):
+        named = {link: ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
+                 for link, kinds in links.items()}
+        lines.append(f"  across slices (DCN): {named['dcn']}; inside a slice (ICI): "
+                     f"{named.get('ici') or 'none'}")
+    costliest = ", ".join(f"{k['op']} ({k['bound']}, {k['runs']} runs) {ms(k['seconds'])}"
+                          for k in p["top_kernels"][:4])
+    lines.append(f"  costliest kernels: {costliest}")
+    lines.append(f"  basis: each kernel the longest of its FLOPs, HBM bytes and the compiler's "
+                 f"cycle estimate, transfers overlapped as scheduled; {p['basis']}")
+    return lines
 
 
 def _verdict_lines(result: dict[str, Any]) -> list[str]:

@@ -6,6 +6,8 @@ existing run untouched.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import torch
@@ -147,18 +149,36 @@ def is_bundled_model(directory: Path) -> bool:
     return directory.resolve() == Path(asset_path("base_model")).resolve()
 
 
-def model_config(cfg: DictConfig):
-    """The architecture to build: a Hugging Face ``model.checkpoint``'s config.json, else the
-    named preset ``model.name``. Bad checkpoint directories are one-line ConfigErrors."""
-    from tpu_train.models import get_config, read_config
+def model_family(cfg: DictConfig):
+    """The model family to build: the one reading a Hugging Face ``model.checkpoint``'s
+    config.json, else the one owning the named config ``model.name``."""
+    from tpu_train.models import checkpoint_family, family_named
 
     directory = hf_checkpoint(cfg)
     if directory is None:
-        return get_config(cfg.model.name)
+        return family_named(cfg.model.name)
     try:
-        return read_config(directory)[1]
+        return checkpoint_family(directory)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
+
+
+def model_config(cfg: DictConfig):
+    """The architecture to build: a Hugging Face ``model.checkpoint``'s config.json, else the
+    named preset ``model.name``, with ``model.n_layers`` / ``model.max_seq_len`` applied. Bad
+    checkpoint directories are one-line ConfigErrors."""
+    from tpu_train.planning.estimate import architecture_overrides
+
+    family = model_family(cfg)
+    directory = hf_checkpoint(cfg)
+    if directory is None:
+        config = family.config(cfg.model.name)
+    else:
+        try:
+            config = family.hf.read_config(directory)[1]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.checkpoint: {exc}") from None
+    return dataclasses.replace(config, **architecture_overrides(cfg.model))
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -243,16 +263,17 @@ def first_record_kind(files) -> str | None:
     return kind(files)
 
 
-def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True):
-    """The Llama on the CPU: the architecture of a Hugging Face ``model.checkpoint`` (its
-    config.json) or of the named preset ``model.name``; loaded from ``model.checkpoint`` when
-    set and ``allow_checkpoint``, else seeded random initialization.
+def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True,
+                dtype: torch.dtype = torch.float32):
+    """The model on the CPU, built by its family: the architecture of a Hugging Face
+    ``model.checkpoint`` (its config.json) or of the named preset ``model.name``; loaded from
+    ``model.checkpoint`` when set and ``allow_checkpoint``, else seeded random initialization.
 
     ``model.checkpoint`` may be a Hugging Face directory or one of our ``step_N`` checkpoints
     (of the ``model.name`` architecture); either way only the parameters are loaded.
+    ``dtype``: the weights' (float32; bfloat16 for a base about to be quantized).
     """
-    from tpu_train.models import Llama, from_pretrained
-
+    family = model_family(cfg)
     config = model_config(cfg)
     directory = hf_checkpoint(cfg)
     if vocab_size > config.vocab_size:
@@ -265,12 +286,13 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True)
     checkpoint = cfg.model.checkpoint if allow_checkpoint else None
     if checkpoint is not None and directory is not None:
         try:
-            return from_pretrained(directory, dtype=torch.float32, device="cpu")
+            return family.hf.load(directory, dtype=dtype, device="cpu",
+                                  max_seq_len=cfg.model.get("max_seq_len"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
     with torch.device("meta"):
-        model = Llama(config)
-    model.init_weights(seed=cfg.trainer.seed, device="cpu")
+        model = family.build(config).to(dtype)
+    model = family.init_weights(model, cfg.trainer.seed, "cpu")
     if checkpoint is not None:
         try:
             state = read_model_state(checkpoint)
@@ -292,11 +314,15 @@ def export_pretrained(model, directory: Path, tokenizer, state_dict: dict | None
     ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load ``directory``."""
     import stat
 
-    from tpu_train.models import save_pretrained
+    from tpu_train.models import family_of
 
-    save_pretrained(model, directory, bos_token_id=tokenizer.bos_id,
-                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                    state_dict=state_dict)
+    family = family_of(model)
+    if family.hf is None:
+        raise ConfigError(f"model family {family.name} has no Hugging Face format; set "
+                          "checkpoint.export_hf=false")
+    family.hf.save(model, directory, bos_token_id=tokenizer.bos_id,
+                   eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                   state_dict=state_dict)
     tokenizer.save_pretrained(directory)
     readable = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
     for path in directory.iterdir():

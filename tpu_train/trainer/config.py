@@ -73,6 +73,15 @@ class ParamDtype(Enum):
     bf16 = "bf16"
 
 
+class BaseDtype(Enum):
+    """How a frozen base (the weights a LoRA run does not train) is stored: like the other
+    weights (``param``: ``trainer.param_dtype``), or its linear weights in ``int8`` with one
+    float32 scale per output channel, dequantized in the matmul (tpu_train.models.lora)."""
+
+    param = "param"
+    int8 = "int8"
+
+
 class StateDtype(Enum):
     """How Adam/AdamW store their two moments (``tpu_train.compile.stored_moments``)."""
 
@@ -98,12 +107,23 @@ class ScheduleName(Enum):
 
 @dataclass
 class ModelConfig:
-    """Which Llama to build, and optionally a Hugging Face directory to load weights from."""
+    """Which model to build (a named config of a registered family), and optionally a Hugging
+    Face directory to load weights from."""
 
     name: str = "debug_tiny"
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
     # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
     checkpoint: Optional[str] = None
+    # Changes to the architecture that model.name (or model.checkpoint's config.json) gives:
+    # ``n_layers`` keeps the first N decoder layers of a preset built from random weights (a
+    # shorter stack of a real width, for one chip); ``max_seq_len`` the positions the model
+    # takes (its RoPE tables), for sequences longer than its own context.
+    n_layers: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    # int8: the frozen linear weights (LoRA's bases, the output head) in int8 with per-channel
+    # scales, quantized as the model is built; the rest of the model in trainer.param_dtype.
+    # Needs a recipe that freezes them (recipe=llama_lora).
+    base_dtype: BaseDtype = BaseDtype.param
 
 
 class DataSource(Enum):
@@ -306,6 +326,9 @@ class RunConfig:
 @dataclass
 class PlanConfig:
     chip: Optional[str] = None  # target chip for ahead-of-time planning, e.g. "v5e"
+    # Slices joined by DCN (a multi-slice job): plan.chip's topology is one slice's, and
+    # parallel.data is split across the slices (only gradient reductions cross DCN).
+    num_slices: int = 1
     # With XLA's TPU compiler: read its buffer assignment and stop before code generation
     # (tens of seconds instead of minutes; per-chip memory is then a lower bound, a few percent
     # under the compiler's own total: tpu_train.planning). False: the whole executable's.

@@ -51,7 +51,7 @@ def decodes_compiled(device: torch.device) -> bool:
 
 
 def compiled_decoder(model: torch.nn.Module, precision: Precision) -> CompiledDecoder:
-    """A compiled decoder of our Llama on its ``tpu`` device, computing in ``precision``
+    """A compiled decoder of the model on its ``tpu`` device, computing in ``precision``
     (``trainer.precision``: bf16 runs the model under bf16 autocast, as validation does); keep
     it to reuse its programs (they take the weights as inputs, so they serve every later state
     of the model)."""
@@ -124,7 +124,7 @@ def validation_loss(model: torch.nn.Module, loader, device: torch.device, max_ba
 
 def compiled_loss(model: torch.nn.Module, precision: Precision,
                   rows_per_piece: int | None = None):
-    """The summed next-token loss of our Llama on its ``tpu`` device as one compiled program
+    """The summed next-token loss of the model on its ``tpu`` device as one compiled program
     per batch shape, computing in ``precision`` (as :func:`compiled_decoder`), over pieces of
     ``rows_per_piece`` rows at a time (``trainer.micro_batch_size``: the same reason, compile
     time on a TPU); keep it to reuse its programs."""

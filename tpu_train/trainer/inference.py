@@ -32,6 +32,11 @@ def load_model_for_inference(cfg: DictConfig, tokenizer, device: torch.device):
     if any(key.endswith("lora_a") for key in state):
         lora = cfg.recipe.lora
         apply_lora(model, list(lora.targets), lora.rank, lora.alpha)
+        if "tok_embeddings.weight" not in state:
+            raise ConfigError(
+                f"{found} holds LoRA adapters only (its run stored the base in int8, "
+                "model.base_dtype=int8, and rebuilds it from model.checkpoint); use the run's "
+                f"merged export: model.checkpoint={run_path(cfg.run.dir) / 'hf'}")
         model.load_state_dict(state)
         merge_lora(model)
     else:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
+from tpu_train.models.lora import adapters_state, has_int8_base, load_adapters_state
 from tpu_train.parallel.mesh import MeshShape
 
 from .checkpoint import SHARDED_DIR, refuse_non_finite
@@ -152,8 +153,12 @@ class Layout:
 
     def load_full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         model_state: dict, optimizer_state: dict) -> None:
-        """Load whole state dicts into ``model``/``optimizer`` in this layout."""
-        model.load_state_dict(model_state)
+        """Load whole state dicts into ``model``/``optimizer`` in this layout (a model with
+        an int8 base: the trained parameters only, as :meth:`save` wrote them)."""
+        if has_int8_base(model):
+            load_adapters_state(model, model_state)
+        else:
+            model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
 
     # ------------------------------------------------------------------ checkpoints
@@ -163,6 +168,8 @@ class Layout:
         calls this). Only finite parameters and optimizer state are ever written
         (:class:`~tpu_train.trainer.errors.TrainingStopped` otherwise)."""
         model_state, training_state["optimizer"] = self.full_state(run.model, run.optimizer)
+        if has_int8_base(run.model):  # the frozen base is rebuilt from its source on resume
+            model_state = adapters_state(run.model, model_state)
         run.checkpointer.wait()
         from .checkpoint import non_finite_tensors
 

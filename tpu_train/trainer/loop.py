@@ -220,12 +220,12 @@ class _Throughput:
     """Tokens per second and, where the chip's peak is known, MFU of one step."""
 
     def __init__(self, job: Job, model: torch.nn.Module, logger: RunLogger):
-        from tpu_train.models import flops_per_token
+        from tpu_train.models import family_of
 
         cfg = job.cfg
         self.tokens_per_step = (cfg.data.batch_size * cfg.data.seq_len
                                 * cfg.trainer.grad_accum_steps)
-        self.flops = flops_per_token(model.config, cfg.data.seq_len)
+        self.flops = family_of(model).flops_per_token(model.config, cfg.data.seq_len)
         self.peak = peak_bf16_tflops(detect_device_kind(job.device))
         if self.peak is None:
             logger.line(f"device {job.device}: peak bf16 throughput unknown, so MFU is unknown")

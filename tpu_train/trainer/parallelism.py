@@ -3,7 +3,8 @@ chosen once from ``trainer.mode`` and the ``parallel`` config section:
 
 * one device (every degree resolves to 1): :class:`~tpu_train.trainer.layouts.SingleDevice`;
 * ``trainer.mode=compiled`` over several devices: :class:`~tpu_train.trainer.layouts.Spmd`, a
-  ``(data, fsdp, tensor)`` mesh over every device of every process and the model's plan;
+  ``(data, fsdp, context, tensor)`` mesh over every device of every process and the sharding
+  plan of the model's family (:func:`tpu_train.models.family_of`, handed down to ``parallel``);
 * ``trainer.mode=eager`` under a launcher (one process per device):
   :class:`~tpu_train.trainer.layouts.PerDevice`, DTensor TP then FSDP2 ``fully_shard``.
 
@@ -55,15 +56,32 @@ def _check_batch(cfg: DictConfig, shape: MeshShape) -> None:
             f"multiple of {ways}")
 
 
-def _check_model(model: torch.nn.Module, shape: MeshShape):
-    from tpu_train.parallel.model_plans import plan_for_model
+def _family(model: torch.nn.Module):
+    from tpu_train.models import family_of
 
     try:
-        model_plan = plan_for_model(model)
-        model_plan.check(model.config, shape)
-    except (MeshError, PlanError) as exc:
+        return family_of(model)
+    except LookupError as exc:
         raise ConfigError(str(exc)) from exc
-    return model_plan
+
+
+def _check_model(family, model: torch.nn.Module, shape: MeshShape) -> None:
+    from tpu_train.parallel.mesh import check_divisibility
+
+    try:
+        check_divisibility(family.split_sizes(model.config), shape)
+    except MeshError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _check_window(cfg: DictConfig, model: torch.nn.Module, shape: MeshShape) -> None:
+    from tpu_train.compile.context_parallel import ContextParallelError, check_window
+
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    try:
+        check_window(cfg.data.seq_len, shape.context, window)
+    except ContextParallelError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
@@ -84,17 +102,21 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
                          f"{world.size} process{'es' if world.size > 1 else ''}")
         if shape.num_devices == 1:
             return SingleDevice(shape, world, device)
-        model_plan = _check_model(model, shape)
+        family = _family(model)
+        _check_model(family, model, shape)
         _check_batch(cfg, shape)
+        from tpu_train.parallel.family_plans import sharding_plan
         from tpu_train.parallel.mesh import build_mesh
 
         check_context_seq_len(cfg.data.seq_len, shape.context)  # data.seq_len=null resolved
+        _check_window(cfg, model, shape)
         mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices,
                           context=shape.context)
-        plan = model_plan.make_plan()
-        layout = Spmd(shape, world, device, mesh, plan)
-        layout.plan_name = getattr(plan, "name", model_plan.family)
-        return layout
+        try:
+            plan = sharding_plan(family)
+        except PlanError as exc:
+            raise ConfigError(str(exc)) from exc
+        return Spmd(shape, world, device, mesh, plan)
     if world.size > 1 and device.type != "tpu":
         raise ConfigError(f"{world.size} processes need trainer.device=tpu (one device each); "
                           "got trainer.device=cpu")
@@ -116,8 +138,8 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
     from tpu_train.parallel.per_device import parallelize_per_device
 
     try:
-        built = parallelize_per_device(model, data=shape.data, fsdp=shape.fsdp,
-                                       tensor=shape.tensor)
+        built = parallelize_per_device(model, _family(model), data=shape.data,
+                                       fsdp=shape.fsdp, tensor=shape.tensor)
     except (MeshError, PlanError) as exc:
         raise ConfigError(str(exc)) from exc
     return PerDevice(shape, world, device, built.mesh)

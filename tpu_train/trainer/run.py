@@ -28,7 +28,7 @@ from .layouts import Layout
 from .rng import restore_rng_state
 from .schedules import continue_schedule
 from .setup import (Data, Job, build_data, build_model, build_optimizer, build_scheduler,
-                    build_tokenizer, describe_source, parallelize)
+                    build_tokenizer, describe_source, parallelize, store_frozen_base)
 from .step import TrainStep
 
 ModelChange = Callable[[torch.nn.Module], torch.nn.Module]
@@ -61,7 +61,7 @@ class Run:
     def fresh_model(self) -> torch.nn.Module:
         """A new CPU model of the same architecture (validation runs on such a host copy)."""
         model = build_model(self.job, self.tokenizer, from_checkpoint=False)
-        return self.adapt(model) if self.adapt else model
+        return store_frozen_base(self.job.cfg, self.adapt(model) if self.adapt else model)
 
     def model_to_export(self) -> torch.nn.Module:
         return self.export(self.model) if self.export else self.model
@@ -81,6 +81,7 @@ def assemble(job: Job, bundled: str = "tasks", adapt: ModelChange | None = None,
     model = build_model(job, tokenizer)  # on the CPU, from model.checkpoint when set
     if adapt is not None:
         model = adapt(model)
+    model = store_frozen_base(cfg, model)  # model.base_dtype=int8: the frozen weights' int8
     layout = parallelize(job, model)
     optimizer = build_optimizer(model, cfg)  # the trainable parameters only
     scheduler = build_scheduler(optimizer, cfg)

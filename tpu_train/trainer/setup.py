@@ -25,7 +25,8 @@ from omegaconf import DictConfig
 from tpu_train.ops.matmul import set_matmul_precision
 
 from . import builders
-from .config import MatmulPrecision, ParamDtype, Precision, StepMode
+from .config import BaseDtype, MatmulPrecision, ParamDtype, Precision, StepMode
+from .errors import ConfigError
 from .log_noise import quiet_process_group_noise, quiet_third_party_logs
 from .layouts import Layout
 from .parallelism import setup_parallelism
@@ -146,8 +147,40 @@ def _data_notes(cfg: DictConfig, train, val) -> list[str]:
 
 
 def build_model(job: Job, tokenizer, from_checkpoint: bool = True) -> torch.nn.Module:
-    """The configured Llama on the CPU (``model.checkpoint`` loaded when set)."""
-    return builders.build_model(job.cfg, tokenizer.vocab_size, allow_checkpoint=from_checkpoint)
+    """The configured model on the CPU (``model.checkpoint`` loaded when set). With an int8
+    base (``model.base_dtype=int8``) it is built in bfloat16, so that an 8B's weights take
+    16 GB of host memory until :func:`store_frozen_base` quantizes them."""
+    dtype = torch.bfloat16 if int8_base(job.cfg) else torch.float32
+    return builders.build_model(job.cfg, tokenizer.vocab_size, allow_checkpoint=from_checkpoint,
+                                dtype=dtype)
+
+
+def int8_base(cfg: DictConfig) -> bool:
+    return BaseDtype(cfg.model.base_dtype) is BaseDtype.int8
+
+
+def store_frozen_base(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """``model.base_dtype=int8``: the frozen linear weights of ``model`` (adapted by the
+    recipe) in int8 with per-channel scales; the other frozen weights (embeddings, norms) in
+    the compute dtype (bfloat16 under ``trainer.precision=bf16``, else float32), the trained
+    ones in float32 (``parallelize`` applies ``trainer.param_dtype``). A ConfigError when the
+    recipe trains every linear weight."""
+    if not int8_base(cfg):
+        return model
+    from tpu_train.models.lora import quantize_frozen_linears, store_frozen_floats
+
+    if not quantize_frozen_linears(model):
+        raise ConfigError(
+            f"model.base_dtype=int8 stores frozen weights in int8, but recipe={cfg.recipe.name} "
+            "trains every linear weight (full fine-tuning); use recipe=llama_lora, or "
+            "model.base_dtype=param")
+    model.to(torch.float32)
+    if hasattr(model, "reset_rope_tables"):  # built in bfloat16: the tables exact again
+        model.reset_rope_tables()
+    compute = Precision(cfg.trainer.precision).compute_dtype
+    if compute is not None:
+        store_frozen_floats(model, compute)
+    return model
 
 
 def describe_source(cfg: DictConfig) -> str:
@@ -160,11 +193,14 @@ def parallelize(job: Job, model: torch.nn.Module) -> Layout:
     (``trainer.remat``; here, so that no recipe can leave it out), the weights stored in
     ``trainer.param_dtype``, the model on the device (sharded per device for
     ``trainer.mode=eager`` under a launcher)."""
+    from tpu_train.models import family_of
     from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 
     remat = remat_policy(job.cfg.trainer)
     if remat != "none":
-        apply_activation_checkpointing(model, remat)
+        family = family_of(model)
+        apply_activation_checkpointing(model, remat, blocks=family.blocks(model),
+                                       qkv_projections=family.qkv_projections)
     if ParamDtype(job.cfg.trainer.param_dtype) is ParamDtype.bf16:
         model.to(torch.bfloat16)
     parallel = setup_parallelism(job.cfg, model, job.world, job.device)

@@ -31,14 +31,14 @@ class SteadyRate:
 
     @classmethod
     def of(cls, job, model: torch.nn.Module) -> "SteadyRate":
-        """For the run of ``job`` on ``model`` (a Llama: ``model.config``); MFU where the
-        chip's peak is known (:data:`tpu_train.trainer.metrics.PEAK_BF16_TFLOPS`)."""
-        from tpu_train.models import flops_per_token
+        """For the run of ``job`` on ``model`` (FLOPs: its family's ``flops_per_token``); MFU
+        where the chip's peak is known (:data:`tpu_train.trainer.metrics.PEAK_BF16_TFLOPS`)."""
+        from tpu_train.models import family_of
 
         cfg = job.cfg
         tokens = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.grad_accum_steps
-        return cls(int(tokens), flops_per_token(model.config, cfg.data.seq_len),
-                   peak_bf16_tflops(detect_device_kind(job.device)))
+        flops = family_of(model).flops_per_token(model.config, cfg.data.seq_len)
+        return cls(int(tokens), flops, peak_bf16_tflops(detect_device_kind(job.device)))
 
     def record(self, elapsed: float, compiled: bool) -> None:
         """One step's seconds; ``compiled``: the train step compiled during it. A process's

@@ -55,7 +55,7 @@ def _device_line(job, parallel: Layout) -> str:
 
 
 def _precision_line(job) -> str:
-    from .config import ParamDtype, Precision, StateDtype, StepMode
+    from .config import BaseDtype, ParamDtype, Precision, StateDtype, StepMode
 
     if job.precision is not Precision.bf16:
         compute = "fp32"
@@ -66,10 +66,12 @@ def _precision_line(job) -> str:
         compute = "bf16 autocast (matmuls in bf16, reductions in fp32)"
     weights = ParamDtype(job.cfg.trainer.param_dtype).value
     moments = StateDtype(job.cfg.optim.get("state_dtype", "param"))
+    base = ("; frozen linear weights in int8 (per-channel scales)"
+            if BaseDtype(job.cfg.model.get("base_dtype", "param")) is BaseDtype.int8 else "")
     if moments is StateDtype.param:
-        return f"{compute}; weights and optimizer state stored in {weights}"
+        return f"{compute}; weights and optimizer state stored in {weights}{base}"
     return (f"{compute}; weights stored in {weights}, Adam moments in {moments.value} "
-            "(updated in fp32)")
+            f"(updated in fp32){base}")
 
 
 def start_summary(run, state_bytes: int) -> list[str]:

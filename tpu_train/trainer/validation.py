@@ -281,6 +281,7 @@ def validate_config(cfg: DictConfig) -> None:
     the data files' readers."""
     validate_settings(cfg)
     _validate_trainer_for_the_runtime(cfg.trainer)
+    _validate_base_dtype(cfg)
     _validate_seq_len_for_the_model(cfg)
     _validate_data_sources(cfg.data)
 
@@ -327,6 +328,22 @@ def _validate_trainer_for_the_runtime(trainer) -> None:
     remat_policy(trainer)
 
 
+def _validate_base_dtype(cfg: DictConfig) -> None:
+    """An int8 base lives in one program's arguments or in one process's model: FSDP2 and
+    DTensor (eager modes under a launcher) shard float parameters only."""
+    from .config import BaseDtype
+
+    if BaseDtype(cfg.model.base_dtype) is not BaseDtype.int8 \
+            or StepMode(cfg.trainer.mode) is StepMode.compiled:
+        return
+    from .world import requested_world_size
+
+    _require(requested_world_size() == 1,
+             f"model.base_dtype=int8 with trainer.mode={StepMode(cfg.trainer.mode).value} under a "
+             "launcher: the per-process layout (FSDP2) does not shard int8 weights; use "
+             "trainer.mode=compiled (one program over every device) or model.base_dtype=param")
+
+
 def remat_policy(trainer) -> str:
     """``trainer.remat`` as a policy name, ``trainer.activation_checkpointing=true`` read as
     ``full``; both set, differently, is a :class:`ConfigError`."""
@@ -371,11 +388,22 @@ def _validate_optimizer(optim, sched) -> None:
 
 
 def _validate_model_and_data(cfg) -> None:
-    from tpu_train.models.config import CONFIGS
+    from tpu_train.models import config_names, family_named
 
-    _require(cfg.model.name in CONFIGS,
-             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(sorted(CONFIGS))}")
+    names = config_names()
+    _require(cfg.model.name in names,
+             f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(names)}")
+    _require(not cfg.checkpoint.export_hf or family_named(cfg.model.name).hf is not None,
+             f"checkpoint.export_hf=true, but model family {family_named(cfg.model.name).name} "
+             "has no Hugging Face format; set checkpoint.export_hf=false")
+    for key in ("n_layers", "max_seq_len"):
+        value = cfg.model.get(key)
+        _require(value is None or value >= 1,
+                 f"model.{key} must be >= 1 or null (the architecture's own), got {value}")
     resolve_model_checkpoint(cfg)
+    _require(cfg.model.checkpoint is None or cfg.model.get("n_layers") is None,
+             f"model.n_layers={cfg.model.get('n_layers')} shortens a model built from random "
+             "weights, but model.checkpoint's weights fix its layers; drop one of the two")
     if cfg.model.checkpoint is not None:
         _require(Path(cfg.model.checkpoint).is_dir(),
                  f"model.checkpoint={cfg.model.checkpoint!r} is not a directory; point it at a "
@@ -413,7 +441,8 @@ def _validate_seq_len_for_the_model(cfg) -> None:
              else cfg.model.name)
     _require(data.seq_len is None or data.seq_len <= model_max,
              f"data.seq_len={data.seq_len} exceeds the model's max_seq_len={model_max} ({where}); "
-             "lower it, or set data.seq_len=null for the model's maximum")
+             f"lower it, set model.max_seq_len={data.seq_len} to give the model that many "
+             "positions, or data.seq_len=null for the model's maximum")
 
 
 def resolve_model_checkpoint(cfg: DictConfig) -> str | None:

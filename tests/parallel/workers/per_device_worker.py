@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import tpu_train  # noqa: E402,F401
 import tpu_train.distributed  # noqa: E402,F401
 from tests.parallel.spmd_model import batches, init_model, loss_fn  # noqa: E402
+from tpu_train.models import LLAMA  # noqa: E402
 from tpu_train.parallel.per_device import (  # noqa: E402
     full_model_state_dict, full_optimizer_state_dict, load_full_model_state_dict,
     load_full_optimizer_state_dict, parallelize_per_device)
@@ -59,7 +60,7 @@ def step(model, opt, batch, par) -> float:
 def sharded_model(degrees, seed=0):
     model = init_model() if seed == 0 else init_model().init_weights(seed=seed)
     model = model.to("tpu")
-    par = parallelize_per_device(model, **degrees)
+    par = parallelize_per_device(model, LLAMA, **degrees)
     return model, par, optimizer(model)
 
 

@@ -26,13 +26,14 @@ def main(steps: int, checkpoint_dir: str | None = None) -> None:
     import jax
 
     from tpu_train.compile import compile_train_step
-    from tpu_train.parallel import build_mesh, llama_plan, place_for_step
+    from tpu_train.models import LLAMA
+    from tpu_train.parallel import build_mesh, place_for_step, sharding_plan
 
     devices = jax.devices()
     model = init_model().to(tpu_train.device(0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    mesh = build_mesh(1, len(devices), 1, model_config=CFG)
-    step = compile_train_step(model, opt, loss_fn, mesh=mesh, plan=llama_plan())
+    mesh = build_mesh(1, len(devices), 1, split_sizes=LLAMA.split_sizes(CFG))
+    step = compile_train_step(model, opt, loss_fn, mesh=mesh, plan=sharding_plan(LLAMA))
     place_for_step(step)
     losses = []
     for batch in batches(steps):

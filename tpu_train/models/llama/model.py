@@ -17,7 +17,7 @@ from .kv_cache import KVCache
 from .rope import apply_rotary, rope_tables
 
 __all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "document_mask",
-           "init_weights"]
+           "init_weights", "local_causal_mask"]
 
 # Hugging Face's initializer_range for Llama.
 _INIT_STD = 0.02
@@ -43,7 +43,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings; q/k/v biases with
+    ``cfg.qkv_bias``, and with ``cfg.sliding_window`` each query sees only the last
+    ``sliding_window`` positions up to its own."""
 
     def __init__(self, cfg: LlamaConfig, layer_id: int):
         super().__init__()
@@ -51,16 +53,18 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.sliding_window = cfg.sliding_window
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 start_pos: int = 0, cache: KVCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask`` (boolean, True where a query may attend to a key; see
-        :func:`document_mask`) replaces the causal mask; it takes no cache."""
+        :func:`document_mask`) replaces the causal (and sliding-window) mask; it takes no
+        cache."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -73,6 +77,11 @@ class Attention(nn.Module):
         # repeated in memory.
         gqa = self.n_heads != self.n_kv_heads
         total = k.shape[2]
+        window = self.sliding_window
+        if mask is None and window is not None and total > window:
+            # The window cuts: the keys a query may see end at its own position (bottom-right
+            # aligned after a cached prefix) and span `window` positions.
+            mask = local_causal_mask(seq, total, window, q.device)
         if mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif total == seq:
@@ -122,7 +131,8 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Llama 2 / 3 / 3.1 / 3.2 decoder-only language model.
+    """Llama 2 / 3 / 3.1 / 3.2 decoder-only language model, and the Qwen2 / Qwen2.5 and
+    Mistral decoders through the options of :class:`LlamaConfig`.
 
     Build cheaply on the meta device and materialize afterwards::
 
@@ -169,13 +179,13 @@ class Llama(nn.Module):
                 f"{self.config.max_seq_len}; shorten the input or raise config.max_seq_len"
             )
         _check_packed_inputs(tokens, position_ids, segment_ids, start_pos, cache)
+        mask = self._attention_mask(tokens, segment_ids, cache)
         if position_ids is None:
             cos = self.rope_cos[start_pos:start_pos + seq]
             sin = self.rope_sin[start_pos:start_pos + seq]
         else:  # [batch, 1, seq, head_dim // 2]: one angle per token, shared by the heads
             cos = self.rope_cos[position_ids].unsqueeze(1)
             sin = self.rope_sin[position_ids].unsqueeze(1)
-        mask = None if segment_ids is None else document_mask(segment_ids)
         h = self.tok_embeddings(tokens)
         extra = () if mask is None else (mask,)
         for layer in self.layers:
@@ -184,6 +194,18 @@ class Llama(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    def _attention_mask(self, tokens, segment_ids, cache) -> torch.Tensor | None:
+        """The mask every layer shares, or None where attention is plain causal (or, with a
+        cache, where each layer builds its own from the cached length)."""
+        window = self.config.sliding_window
+        if segment_ids is not None:
+            return document_mask(segment_ids, window)
+        seq = tokens.shape[1]
+        if cache is None and window is not None and seq > window:
+            # [1, 1, seq, seq]: one mask for every row and head, as a document mask is.
+            return local_causal_mask(seq, seq, window, tokens.device)[None, None]
+        return None
 
     def reset_rope_tables(self) -> None:
         """Recompute the RoPE buffers in place (after ``to_empty`` or a config change)."""
@@ -197,11 +219,24 @@ class Llama(nn.Module):
         return init_weights(self, seed, device)
 
 
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+def local_causal_mask(seq: int, total: int, window: int | None,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """``[seq, total]`` booleans for ``seq`` queries at the last positions of ``total`` keys:
+    query ``i`` (at position ``total - seq + i``) may see key ``j`` when ``j`` is at most that
+    position and, with a ``window``, fewer than ``window`` positions before it."""
+    offset = total - seq
+    mask = torch.ones(seq, total, dtype=torch.bool, device=device).tril(offset)
+    if window is not None:
+        mask = mask.triu(offset - window + 1)
+    return mask
+
+
+def document_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The attention mask of packed rows: ``[batch, 1, seq, seq]``, True where query ``i``
-    may attend to key ``j``: ``j <= i`` and both in the same segment."""
+    may attend to key ``j``: ``j <= i`` (and ``i - j < window``) and both in the same
+    segment."""
     seq = segment_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment_ids.device).tril()
+    causal = local_causal_mask(seq, seq, window, segment_ids.device)
     same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
     return (same & causal).unsqueeze(1)
 
@@ -249,9 +284,10 @@ def init_weights(model: Llama, seed: int = 0,
     parameter at a time in ``named_parameters`` order, then copied to the parameter's device
     and dtype: the same seed gives the same weights on every device and in every dtype.
     Linear and embedding weights are N(0, 0.02), the residual output projections (``wo``,
-    ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one. A model on the meta device is
-    first moved with ``to_empty(device=device or "cpu")``; otherwise ``device`` must be None
-    or the model's device.
+    ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one, q/k/v biases zero (drawing
+    nothing, so a Llama's weights are the same with or without them). A model on the meta
+    device is first moved with ``to_empty(device=device or "cpu")``; otherwise ``device``
+    must be None or the model's device.
     """
     tensors = list(model.parameters()) + list(model.buffers())
     if any(t.is_meta for t in tensors):
@@ -265,6 +301,9 @@ def init_weights(model: Llama, seed: int = 0,
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if name.endswith(".bias"):  # q/k/v biases start at zero, as Hugging Face's
+                param.zero_()
+                continue
             std = _init_std(name, model.config)
             if std is None:
                 param.fill_(1.0)

@@ -1,4 +1,9 @@
-"""Hugging Face Llama checkpoints: config translation, loading and saving safetensors.
+"""Hugging Face Llama, Qwen2 and Mistral checkpoints: config translation, loading and saving
+safetensors.
+
+The three share one layout of weights (``LlamaForCausalLM``'s names); Qwen2 adds the q/k/v
+projection biases and Mistral a sliding attention window, which :class:`LlamaConfig` holds as
+``qkv_bias`` and ``sliding_window``; ``hf_model_type`` says which architecture to write back.
 
 Loading builds the model on the meta device, allocates it once on the target device and dtype,
 then copies the checkpoint in tensor by tensor, so at most one checkpoint tensor is held on
@@ -17,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import LlamaConfig, RopeScaling
-from .llama import Llama
+from .model import Llama
 
 __all__ = [
     "config_from_hf",
@@ -42,6 +47,9 @@ _LAYER_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -58,10 +66,14 @@ _HF_TOP_NAMES = {v: k for k, v in _TOP_NAMES.items()}
 _SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Present in some older exports; derived from the config, so safe to skip.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+# model_type -> its causal-LM class, the ``architectures`` entry of config.json.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face ``LlamaForCausalLM`` name of one of our parameter names."""
+    """The Hugging Face name (``LlamaForCausalLM``'s, which Qwen2 and Mistral share) of one of
+    our parameter names."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -108,26 +120,49 @@ def _rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"{source}: llama3 rope scaling lacks the field {missing}") from None
 
 
+def _family_options(hf: dict, model_type: str, source: str) -> dict:
+    """The :class:`LlamaConfig` fields that set the family's options, from its config.json."""
+    if model_type == "llama":
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag, False):
+                raise ValueError(f"{source}: {flag}=true is not supported by this Llama")
+        return {}
+    if model_type == "qwen2":
+        sliding = hf.get("use_sliding_window", False) or "sliding_attention" in (
+            hf.get("layer_types") or ())
+        if sliding:
+            raise ValueError(f"{source}: Qwen2 with use_sliding_window=true (a window on some "
+                             "layers only) is not supported; Qwen2.5 checkpoints set it false")
+        return {"qkv_bias": True, "hf_model_type": "qwen2"}
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ValueError(f"{source}: sliding_window must be a positive integer or null, got "
+                         f"{window!r}")
+    return {"sliding_window": window, "hf_model_type": "mistral"}
+
+
 def config_from_hf(hf: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
-    """Translate a Hugging Face ``LlamaConfig`` dict (the contents of config.json).
+    """Translate a Hugging Face ``LlamaConfig``, ``Qwen2Config`` or ``MistralConfig`` dict (the
+    contents of config.json).
 
     ``source`` names the file in error messages. Raises ``ValueError`` for architectures or
-    options this model does not implement (biases, a non-SiLU activation, a head_dim other
-    than hidden_size / num_attention_heads, RoPE scaling other than llama3).
+    options this model does not implement (Llama biases, a non-SiLU activation, a head_dim
+    other than hidden_size / num_attention_heads, RoPE scaling other than llama3, Qwen2's
+    per-layer sliding windows).
     """
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
-    if model_type != "llama" or (architectures and "LlamaForCausalLM" not in architectures):
+    if model_type not in _ARCHITECTURES or (
+            architectures and _ARCHITECTURES[model_type] not in architectures):
+        known = ", ".join(f"{t!r} ({c})" for t, c in _ARCHITECTURES.items())
         raise ValueError(
             f"{source}: unsupported architecture (model_type={model_type!r}, "
-            f"architectures={architectures}); only Llama checkpoints (model_type 'llama', "
-            "LlamaForCausalLM) can be loaded"
+            f"architectures={architectures}); the checkpoints that can be loaded are "
+            f"model_type {known}"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; expected 'silu'")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag, False):
-            raise ValueError(f"{source}: {flag}=true is not supported by this Llama")
+    options = _family_options(hf, model_type, source)
     try:
         dim = int(hf["hidden_size"])
         n_heads = int(hf["num_attention_heads"])
@@ -155,6 +190,7 @@ def config_from_hf(hf: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
         rope_scaling=scaling,
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **options,
     )
 
 
@@ -178,8 +214,8 @@ def read_config(path: str | Path) -> tuple[dict, LlamaConfig]:
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(
-            f"{config_path} not found: expected a Hugging Face Llama directory containing "
-            "config.json and safetensors weights"
+            f"{config_path} not found: expected a Hugging Face Llama, Qwen2 or Mistral "
+            "directory containing config.json and safetensors weights"
         )
     hf = _read_json(config_path)
     try:
@@ -198,7 +234,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def config_to_hf(cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32,
                  bos_token_id: int | None = None,
                  eos_token_id: int | list[int] | None = None) -> dict:
-    """A Hugging Face config.json dict for ``cfg`` (readable by transformers 4.x and 5.x)."""
+    """A Hugging Face config.json dict for ``cfg``, of its ``hf_model_type`` (readable by
+    transformers 4.x and 5.x)."""
     rope_scaling = None
     if cfg.rope_scaling is not None:
         rope_scaling = {
@@ -209,8 +246,8 @@ def config_to_hf(cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32,
             "original_max_position_embeddings": cfg.rope_scaling.original_max_seq_len,
         }
     hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_ARCHITECTURES[cfg.hf_model_type]],
+        "model_type": cfg.hf_model_type,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden_dim,
         "num_hidden_layers": cfg.n_layers,
@@ -224,8 +261,7 @@ def config_to_hf(cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32,
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **_family_fields(cfg),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -237,6 +273,15 @@ def config_to_hf(cfg: LlamaConfig, *, dtype: torch.dtype = torch.float32,
     if eos_token_id is not None:
         hf["eos_token_id"] = eos_token_id
     return hf
+
+
+def _family_fields(cfg: LlamaConfig) -> dict:
+    if cfg.hf_model_type == "qwen2":
+        return {"use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": cfg.n_layers}
+    if cfg.hf_model_type == "mistral":
+        return {"sliding_window": cfg.sliding_window}
+    return {"attention_bias": False, "mlp_bias": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,8 +334,8 @@ def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
                 if hf_key.endswith(_IGNORED_HF_SUFFIXES):
                     continue
                 raise ValueError(
-                    f"{file}: unexpected tensor {hf_key!r}, not part of a Llama model with "
-                    f"this config.json"
+                    f"{file}: unexpected tensor {hf_key!r}, not part of a "
+                    f"{cfg.hf_model_type} model with this config.json"
                 )
             if ours == "output.weight" and cfg.tie_embeddings:
                 continue  # some tied exports store the shared matrix twice
@@ -317,7 +362,8 @@ def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, *,
                     max_seq_len: int | None = None) -> Llama:
-    """Load a Hugging Face Llama directory (config.json + safetensors, single or sharded).
+    """Load a Hugging Face Llama, Qwen2 or Mistral directory (config.json + safetensors,
+    single or sharded).
 
     ``dtype`` defaults to the dtype recorded in config.json (float32 if absent); ``device``
     defaults to the CPU. ``max_seq_len`` replaces the checkpoint's max_position_embeddings
@@ -402,8 +448,8 @@ def save_pretrained(model: Llama, path: str | Path,
                     eos_token_id: int | list[int] | None = None,
                     pad_token_id: int | None = None,
                     state_dict: dict | None = None) -> None:
-    """Write ``model`` as a Hugging Face Llama directory loadable by
-    ``transformers.LlamaForCausalLM.from_pretrained`` (and by :func:`from_pretrained`).
+    """Write ``model`` as a Hugging Face directory of its config's ``hf_model_type``, loadable
+    by ``transformers.AutoModelForCausalLM.from_pretrained`` (and by :func:`from_pretrained`).
 
     Writes config.json, generation_config.json and ``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when the
