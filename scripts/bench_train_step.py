@@ -334,6 +334,9 @@ def main(argv=None) -> dict:
                         help="with --size: N sequences a step instead of the size's")
     parser.add_argument("--trainer-remat", choices=("none", "full", "save_dots", "save_qkv_proj"),
                         help="with --size: trainer.remat of the compiled_scan mode")
+    parser.add_argument("--scan-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --size: another override of the compiled_scan mode's trainer "
+                             "config (repeatable), e.g. optim.state_dtype=bf16")
     parser.add_argument("--layers", type=int, metavar="N",
                         help="with --size: N decoder layers instead of the size's own")
     parser.add_argument("--wait", choices=("loss", "ready"), default="loss",
@@ -464,6 +467,7 @@ def sized(parser, args) -> dict:
     scan_extra = ["trainer.scan_layers=true"]
     if args.trainer_remat is not None:
         scan_extra.append(f"trainer.remat={args.trainer_remat}")
+    scan_extra.extend(args.scan_override)
     configs["compiled_scan"] = tsm.trainer_config(
         args.precision, model=tsm.model_option(args.size), mode="compiled",
         extra=tuple(scan_extra))
@@ -491,6 +495,7 @@ def sized(parser, args) -> dict:
     run_interleaved(modes, results, batches)
     report = {"size": args.size, "layers": size.n_layers, "precision": args.precision,
               "remat_jax": args.remat, "trainer_remat_scan": args.trainer_remat,
+              "scan_overrides": args.scan_override,
               "wait": args.wait,
               "peak_rss_mb": round(peak_rss_mb(), 1),
               "steps": args.steps, "batch": size.batch, "seq": size.seq,

@@ -17,7 +17,9 @@ entry parameters against the arguments the step passes (they must be equal). Usa
                                   [--matmul-precision highest|high|medium] [--target v5e]
                                   [--seq N] [--batch N] [--layers N]
                                   [--remat none|full|save_dots|save_qkv_proj]
-                                  [--scan-layers auto|true|false] [--compile-log]
+                                  [--scan-layers auto|true|false] [--state-dtype param|bf16]
+                                  [--param-dtype fp32|bf16]
+                                  [--compile-log]
                                   [--program ours|jax|jax_scan]
 
 ``--program jax`` compiles the hand-written JAX step of the same size instead
@@ -89,6 +91,11 @@ def main(argv=None) -> dict:
                                              "(trainer.remat)")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="trainer.scan_layers (auto: stacks of 20 layers or more)")
+    parser.add_argument("--state-dtype", choices=("param", "bf16"), default="param",
+                        help="AdamW's moments in the parameters' dtype or bf16 "
+                             "(optim.state_dtype)")
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the stored weights' dtype (trainer.param_dtype)")
     parser.add_argument("--compile-log", action="store_true",
                         help="report the TPU compiler's stages and slowest kernels")
     parser.add_argument("--program", choices=("ours", "jax", "jax_scan"), default="ours",
@@ -120,9 +127,17 @@ def main(argv=None) -> dict:
         parser.error('libtpu is not installed: pip install -c constraints.txt -e ".[tpu]"')
     set_matmul_precision(args.matmul_precision)
     model, batch = build(args.size, args.seq, args.batch, args.layers)
+    if args.param_dtype == "bf16":
+        model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, args.remat, qkv_projections=LLAMA.qkv_projections)
     scan_layers = {"auto": None, "true": True, "false": False}[args.scan_layers]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if args.state_dtype == "bf16":
+        from tpu_train.compile.stored_moments import stored_moments_class
+
+        optimizer = stored_moments_class(torch.optim.AdamW)(
+            model.parameters(), lr=1e-4, weight_decay=0.1, state_dtype=torch.bfloat16)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     bf16 = torch.bfloat16 if args.precision == "bf16" else None
     started = time.perf_counter()
     try:
@@ -137,6 +152,7 @@ def main(argv=None) -> dict:
     report = {"size": args.size, "batch": tokens[0], "seq": tokens[1],
               "layers": model.config.n_layers, "precision": args.precision,
               "remat": args.remat, "scan_layers": args.scan_layers,
+              "state_dtype": args.state_dtype, "param_dtype": args.param_dtype,
               "matmul_precision": args.matmul_precision, "target": args.target,
               "date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(),
               "seconds": {k: round(v, 2) for k, v in program.seconds.items()},

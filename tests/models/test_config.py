@@ -7,8 +7,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from tpu_train.models import (CONFIGS, Llama, LlamaConfig, flops_per_token, get_config, num_params,
-                              param_shapes)
+from tpu_train.models import (Llama, LlamaConfig, config_names, family_named, flops_per_token,
+                              get_config, named_config, num_params)
 
 # Parameter counts of the published checkpoints (safetensors total_size / 2 bytes in bf16).
 PUBLISHED_PARAMS = {
@@ -29,14 +29,16 @@ def test_named_configs_have_published_sizes(name):
     assert num_params(get_config(name)) == PUBLISHED_PARAMS[name]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", config_names())
 def test_num_params_counts_the_built_model(name):
+    family, config = family_named(name), named_config(name)
     with torch.device("meta"):
-        model = Llama(get_config(name))
-    assert sum(p.numel() for p in model.parameters()) == num_params(model.config)
+        model = family.build(config)
+    assert sum(p.numel() for p in model.parameters()) == family.num_params(model.config)
     # The shape table, names, order and layout, without building the model.
-    assert param_shapes(model.config) == {n: tuple(p.shape) for n, p in model.named_parameters()}
-    assert list(param_shapes(model.config)) == [n for n, _ in model.named_parameters()]
+    shapes = family.param_shapes(model.config)
+    assert shapes == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert list(shapes) == [n for n, _ in model.named_parameters()]
 
 
 def test_debug_tiny_is_the_documented_cpu_default():

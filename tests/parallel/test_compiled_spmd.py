@@ -230,7 +230,7 @@ def test_fsdp8_divides_parameter_and_state_memory():
 
 def test_activations_are_pinned_by_the_plans_rule():
     # The Llama plan's activation rule pins intermediates by shape: the batch split over
-    # (data, fsdp), attention heads and feed-forward units over tensor (the lowered program
+    # (data, fsdp, expert), attention heads and feed-forward units over tensor (the lowered program
     # shows the constraints; the losses above show they change no value).
     *_, step = _train(MESHES["tp2_fsdp4"])
     (program,) = step.cache.entries.values()
@@ -240,8 +240,9 @@ def test_activations_are_pinned_by_the_plans_rule():
     specs = {spec for spec, _ in constraints}
     heads = f"{batch}x{CFG.n_heads}x{seq}"
     assert any(shape.startswith(heads) for _, shape in constraints), constraints[:5]
-    assert '[{"data", "fsdp"}, {"tensor"}, {?}, {?}]' in specs  # [batch, heads, seq, hd]
-    assert '[{"data", "fsdp"}, {?}, {"tensor"}]' in specs  # [batch, seq, ffn or vocab]
+    batch_axes = '{"data", "fsdp", "expert"}'
+    assert f'[{batch_axes}, {{"tensor"}}, {{?}}, {{?}}]' in specs  # [batch, heads, seq, hd]
+    assert f'[{batch_axes}, {{?}}, {{"tensor"}}]' in specs  # [batch, seq, ffn or vocab]
 
 
 def test_mesh_without_plan_is_an_error():

@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpu_train.models import LLAMA, Llama, get_config, param_shapes
-from tpu_train.parallel import (ActivationRule, PlanError, ShardingPlan, build_mesh, constrain,
-                                per_device_bytes, sharding_plan)
+from tpu_train.parallel import (BATCH_AXES, ActivationRule, PlanError, ShardingPlan, build_mesh,
+                                constrain, per_device_bytes, sharding_plan)
 
 COLUMN = P(("tensor", "fsdp"), None)
 ROW = P("fsdp", "tensor")
@@ -163,17 +163,17 @@ def test_activation_rule_classifies_by_shape():
     cfg = get_config("debug_tiny")  # dim 256, heads 4/2, ffn 768, vocab 512
     rule = ActivationRule(LLAMA.split_sizes(cfg), batch=8, seq_len=64)
     u = P.UNCONSTRAINED
-    assert rule((8, 64, 256)) == P(("data", "fsdp"), u, u)
-    assert rule((8, 4, 64, 64)) == P(("data", "fsdp"), "tensor", u, u)
-    assert rule((8 * 64, 768)) == P(("data", "fsdp"), "tensor")
-    assert rule((8, 64, 512)) == P(("data", "fsdp"), u, "tensor")
+    assert rule((8, 64, 256)) == P(BATCH_AXES, u, u)
+    assert rule((8, 4, 64, 64)) == P(BATCH_AXES, "tensor", u, u)
+    assert rule((8 * 64, 768)) == P(BATCH_AXES, "tensor")
+    assert rule((8, 64, 512)) == P(BATCH_AXES, u, "tensor")
     assert rule((256, 256)) is None and rule((8,)) is None
 
 
 def test_activation_rule_splits_the_sequence_over_context():
     cfg = get_config("debug_tiny")
     rule = ActivationRule(LLAMA.split_sizes(cfg), batch=8, seq_len=64, context=2)
-    u, b = P.UNCONSTRAINED, ("data", "fsdp")
+    u, b = P.UNCONSTRAINED, BATCH_AXES
     assert rule((8, 64, 256)) == P(b, "context", u)
     assert rule((8, 4, 64, 64)) == P(b, "tensor", "context", u)  # queries' rows, not keys
     assert rule((8, 64, 512)) == P(b, "context", "tensor")
@@ -198,7 +198,7 @@ def test_step_shardings_for_a_compiled_step():
     assert out.states[:3] == (out.params[0], out.params[0], out.params[1])
     assert out.states[3].spec == P() and out.consts[0].spec == P()
     assert out.batch[0].shard_shape((8, 64)) == (2, 64)
-    with pytest.raises(PlanError, match="does not split over data \\* fsdp = 4 devices"):
+    with pytest.raises(PlanError, match="does not split over data \\* fsdp \\* expert = 4 devices"):
         step_shardings(sharding_plan(LLAMA), mesh, param_names=[], param_shapes=[],
                        batch_shapes=[(6, 64)])
     with pytest.raises(PlanError, match="names parameter index 5"):

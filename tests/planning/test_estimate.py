@@ -213,3 +213,19 @@ def test_context_parallelism_divides_the_tokens_and_adds_the_gathered_keys():
     assert "received per chip per step" in format_report(split)
     with pytest.raises(ValueError, match="2 x context = 8 equal chunks"):
         estimate(cfg, context=4, **{**args, "seq_len": 32764})
+
+
+def test_mixtral_memory_counts_every_expert_and_splits_them_over_the_expert_axis():
+    from tpu_train.models import MIXTRAL
+
+    cfg = MIXTRAL.config("mixtral_8x7b")
+    num_params, flops_per_token = MIXTRAL.num_params, MIXTRAL.flops_per_token
+    result = estimate(cfg, num_devices=8, data=1, fsdp=2, expert=4, batch=8, seq_len=512)
+    assert result["mesh"]["expert"] == 4 and result["num_params"] == num_params(cfg)
+    experts = 32 * 3 * 8 * 14336 * 4096  # w1, w2, w3 of 8 experts in 32 layers
+    rest = num_params(cfg) - experts  # split over fsdp only (the routers too, as norms are)
+    assert result["bytes_params"] == 4 * (experts // 8 + rest // 2)
+    # FLOPs by active parameters: 2 of the 8 experts per token.
+    assert result["model_flops_per_step"] == flops_per_token(cfg, 512) * 8 * 512
+    with pytest.raises(MeshError, match="must divide the model's n_experts=8"):
+        estimate(cfg, num_devices=16, data=1, fsdp=1, expert=16, batch=16, seq_len=512)

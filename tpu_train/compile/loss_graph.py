@@ -28,8 +28,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tpu_train.compile import shared_layers, tracing
+from tpu_train.ops.grouped_matmul import differentiated_by_jax
 
 AUTODIFF_CHOICES = ("jax", "torch")
+# autograd.Functions whose forward lowers to JAX functions that JAX differentiates as their
+# backward would (a ``custom_vjp``): the loss graph records their forward and keeps going.
+# Each also needs its forward to run under functionalize
+# (``checkpointing.FORWARD_UNDER_FUNCTIONALIZE``).
+DIFFERENTIATED_BY_JAX: set = set()
 
 
 class TorchAutogradNeeded(Exception):
@@ -47,6 +53,8 @@ def _differentiable(value) -> bool:
 def _cutting_feature(func, args, kwargs) -> str | None:
     """What autograd-only behaviour this call has, if any."""
     if isinstance(func, torch._ops.HigherOrderOperator):  # autograd.Function, checkpoint
+        if args and isinstance(args[0], type) and args[0] in DIFFERENTIATED_BY_JAX:
+            return None
         return f"{getattr(func, '__name__', func)} (a custom autograd.Function or checkpoint)"
     if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
                 torch.Tensor.retain_grad):
@@ -91,7 +99,7 @@ def _probed(run: Callable, requires: Sequence[bool]) -> Callable:
             full = list(flat)
             for i, value in zip(wanted, differentiated):
                 full[i] = value
-            with _AutogradProbe():
+            with _AutogradProbe(), differentiated_by_jax():
                 return run(*full)
 
         if not wanted:
@@ -121,7 +129,7 @@ def trace_loss_graph(model: torch.nn.Module, loss_fn: Callable, diff_names: Sequ
         batch = tree_unflatten(list(flat[n_diff + n_const:]), batch_spec)
 
         def probed(diff_values):
-            with _AutogradProbe():
+            with _AutogradProbe(), differentiated_by_jax():
                 return loss_of(diff_values, const, batch)
 
         loss, _, weight = torch.func.vjp(probed, diff, has_aux=True)

@@ -11,7 +11,8 @@ state tensor belongs to:
 * a state tensor shaped like its parameter (AdamW moments) → the parameter's sharding; any
   other state (step counts, scalars) → replicated;
 * constants → replicated (small, read-only);
-* batch tensors → leading (batch) dimension split over ``(data, fsdp)``, the rest replicated.
+* batch tensors → leading (batch) dimension split over ``(data, fsdp, expert)``, the rest
+  replicated.
 
 Arrays must keep their natural shapes: a flattened ``[out * in]`` buffer cannot carry a
 ``[tensor, fsdp]`` tiling; :func:`flat_storage_sharding` says how the flat storage buffers
@@ -33,12 +34,35 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["BATCH_AXES", "PlanError", "StepShardings", "activation_constraint",
+__all__ = ["BATCH_AXES", "GATHERED_AXES", "PlanError", "batch_axes", "on_mesh", "StepShardings", "activation_constraint",
            "compute_sharding", "flat_storage_sharding", "place_global", "place_step_inputs",
            "PlacingExecutable", "step_shardings"]
 
-# The batch dimension of activations is split over both data-parallel mesh axes.
-BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+# The batch dimension of activations is split over the data-parallel mesh axes, and over the
+# expert axis (its devices each hold some experts, and each a share of the tokens).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+# The axes a stored parameter is gathered over where it is used (FSDP's all-gather); a weight
+# split over ``expert`` (or ``tensor``) is used split.
+GATHERED_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The :data:`BATCH_AXES` that ``mesh`` has (a mesh built by hand may lack ``expert``)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.shape)
+
+
+def on_mesh(spec: PartitionSpec, mesh) -> PartitionSpec:
+    """``spec`` without the mesh axes ``mesh`` lacks (the plans name every axis of a
+    ``tpu_train`` mesh; one built by hand may have fewer)."""
+
+    def kept(entry):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            return entry
+        axes = tuple(a for a in (entry if isinstance(entry, (tuple, list)) else (entry,))
+                     if a in mesh.shape)
+        return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+    return PartitionSpec(*(kept(e) for e in spec))
 
 
 class PlanError(ValueError):
@@ -69,7 +93,7 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
 
     ``state_owners[j]`` is the index (into ``param_names``) of the parameter state tensor
     ``j`` belongs to, or ``None``. Raises :class:`PlanError` for a batch whose leading dimension
-    does not split over ``data * fsdp``, or lists of mismatched lengths.
+    does not split over ``data * fsdp * expert``, or lists of mismatched lengths.
     """
     if len(param_names) != len(param_shapes):
         raise PlanError(f"{len(param_names)} parameter names but {len(param_shapes)} shapes")
@@ -88,7 +112,7 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
         same = tuple(shape) == tuple(param_shapes[owner])
         states.append(params[owner] if same else replicated)
     ways = 1
-    for axis in BATCH_AXES:
+    for axis in batch_axes(mesh):
         ways *= mesh.shape[axis]
     batch = []
     for i, shape in enumerate(batch_shapes):
@@ -98,14 +122,15 @@ def step_shardings(plan: Any, mesh, *, param_names: Sequence[str],
         if shape[0] % ways:
             raise PlanError(
                 f"batch tensor {i} has leading dimension {shape[0]}, which does not split over "
-                f"data * fsdp = {ways} devices; make the (micro-)batch a multiple of {ways}")
-        batch.append(NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+                f"{' * '.join(batch_axes(mesh))} = {ways} devices; make the (micro-)batch a "
+                f"multiple of {ways}")
+        batch.append(NamedSharding(mesh, PartitionSpec(batch_axes(mesh))))
     return StepShardings(params, tuple(states), (replicated,) * num_consts, tuple(batch),
                          replicated, tuple(compute_sharding(p) for p in params))
 
 
 def compute_sharding(sharding: NamedSharding) -> NamedSharding:
-    """The layout a parameter stored with ``sharding`` is used in: the batch axes removed.
+    """The layout a parameter stored with ``sharding`` is used in: :data:`GATHERED_AXES` removed.
 
     FSDP stores a weight split over ``fsdp`` but computes with it whole (all-gathered) on a
     batch split over ``fsdp``. Left to XLA's sharding propagation, a weight split on its
@@ -121,7 +146,7 @@ def compute_sharding(sharding: NamedSharding) -> NamedSharding:
     def without_batch_axes(entry):
         axes = () if entry is None or entry is PartitionSpec.UNCONSTRAINED else \
             (tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
-        kept = tuple(a for a in axes if a not in BATCH_AXES)
+        kept = tuple(a for a in axes if a not in GATHERED_AXES)
         return None if not kept else (kept[0] if len(kept) == 1 else kept)
 
     return NamedSharding(sharding.mesh,
@@ -237,21 +262,9 @@ def activation_constraint(plan, mesh, model, batch_fakes):
         if shape not in cache:
             spec = rule(shape)
             cache[shape] = None if spec is None else \
-                jax.sharding.NamedSharding(jax_mesh, _on_mesh_axes(spec, jax_mesh))
+                jax.sharding.NamedSharding(jax_mesh, on_mesh(spec, jax_mesh))
         sharding = cache[shape]
         return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
     return constrain
 
-
-def _on_mesh_axes(spec: PartitionSpec, mesh) -> PartitionSpec:
-    """``spec`` without the axes ``mesh`` lacks (a mesh built without ``context``, say)."""
-
-    def kept(entry):
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            return entry
-        axes = tuple(a for a in (entry if isinstance(entry, (tuple, list)) else (entry,))
-                     if a in mesh.shape)
-        return None if not axes else (axes[0] if len(axes) == 1 else axes)
-
-    return PartitionSpec(*(kept(e) for e in spec))

@@ -17,7 +17,7 @@ name, model or Hugging Face ``model_type``, and takes families of the user's own
 A model is ordinary ``torch.nn`` code with no device, compile or parallel logic, so the same
 module runs eagerly on the CPU or the ``tpu`` device and traces with ``make_fx`` for compiled
 training steps. The Llama names below are importable from here as well as from
-``tpu_train.models.llama``.
+``tpu_train.models.llama`` (Mixtral's from ``tpu_train.models.mixtral``).
 
 Configurations::
 
@@ -53,6 +53,13 @@ the file and tensor at fault. ``save_pretrained`` output loads with
 ids unless others are given. ``config_from_hf`` / ``config_to_hf``
 translate config dicts; ``read_config(dir)`` reads and checks a directory's config.json.
 
+Mixtral (``tpu_train.models.mixtral``, family ``MIXTRAL``: ``mixtral_tiny``,
+``mixtral_8x7b``; ``MixtralConfig`` extends ``LlamaConfig`` with ``n_experts``, ``top_k``,
+``router_aux_loss_coef``, ``moe_impl``): ``Mixtral(cfg)`` replaces each MLP with a
+:class:`MoEFeedForward`; ``model(tokens, return_aux_loss=True)`` also returns the
+load-balancing loss. ``tpu_train.models.mixtral.from_pretrained`` / ``save_pretrained`` (or
+``checkpoint_family(dir).hf``) read and write ``MixtralForCausalLM`` directories.
+
 Generation::
 
     out = generate(model, prompt_tokens, max_new_tokens=64)               # greedy
@@ -82,6 +89,9 @@ _SOURCES = {
     "apply_rotary": "llama.rope", "inverse_frequencies": "llama.rope",
     "rope_tables": "llama.rope",
     "LLAMA": "llama.spec",
+    "Mixtral": "mixtral.model", "MixtralBlock": "mixtral.model",
+    "MixtralConfig": "mixtral.config", "MOE_IMPLS": "mixtral.config", "MoEFeedForward": "mixtral.moe",
+    "load_balancing_loss": "mixtral.moe", "MIXTRAL": "mixtral.spec",
     "HfFormat": "spec", "ModelFamily": "spec", "Role": "spec", "SplitSizes": "spec",
     "checkpoint_family": "registry", "config_names": "registry", "families": "registry",
     "family_for_hf": "registry", "family_named": "registry", "family_of": "registry",

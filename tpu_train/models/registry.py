@@ -23,8 +23,9 @@ _FAMILIES: dict[str, ModelFamily] = {}
 
 def _built_in() -> tuple[ModelFamily, ...]:
     from .llama.spec import LLAMA
+    from .mixtral.spec import MIXTRAL
 
-    return (LLAMA,)
+    return (LLAMA, MIXTRAL)
 
 
 def _registered() -> dict[str, ModelFamily]:
@@ -94,11 +95,15 @@ def named_config(name: str, **overrides) -> Any:
 
 
 def family_of(model_or_config: Any) -> ModelFamily:
-    """The family of a model (by its ``.config``) or of a config object itself."""
+    """The family of a model (by its ``.config``) or of a config object itself: the family
+    whose ``config_class`` is the config's class or its nearest base class."""
     config = getattr(model_or_config, "config", model_or_config)
-    for family in families():
-        if isinstance(config, family.config_class):
-            return family
+    # The most specific config class first: a family may extend another's config (Mixtral's
+    # is a LlamaConfig with experts).
+    for cls in type(config).__mro__:
+        for family in families():
+            if family.config_class is cls:
+                return family
     what = type(model_or_config).__name__
     raise LookupError(f"no model family for {what} (config {type(config).__name__}); "
                       f"families: {', '.join(f.name for f in families())} (add one with "

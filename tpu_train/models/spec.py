@@ -44,6 +44,10 @@ class Role(str, enum.Enum):
     OUTPUT = "output"          # [vocab, dim] logits head: vocabulary split, gathered for the loss
     REPLICATED = "replicated"  # whole on every tensor rank (norm weights)
     COLUMN_BIAS = "column_bias"  # [out] bias of a column-parallel layer: split as its rows
+    # Stacked expert weights [n_experts, out, in] (a mixture of experts): the experts split
+    # over devices, and each expert's matrix as a column- or row-parallel weight.
+    EXPERT_COLUMN = "expert_column"
+    EXPERT_ROW = "expert_row"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +57,14 @@ class SplitSizes:
     ``width``: the model width, FSDP's dimension in every weight and the width of the residual
     stream (one entry). ``heads``: what ``tensor`` splits in attention activations
     ``[batch, heads, seq, head_dim]``. ``hidden``: the other widths ``tensor`` splits, on the
-    last dimension of activations (feed-forward hidden units, vocabulary).
+    last dimension of activations (feed-forward hidden units, vocabulary). ``experts``: what
+    ``expert`` splits (a mixture's expert count; none for a dense model).
     """
 
     width: Mapping[str, int]
     heads: Mapping[str, int]
     hidden: Mapping[str, int]
+    experts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.width) != 1:

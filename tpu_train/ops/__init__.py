@@ -7,7 +7,7 @@ import importlib
 
 FAMILIES = [
     "pointwise", "activations", "comparison", "conversion", "reduction", "random", "foreach",
-    "matmul", "linalg_factor", "ldl", "nn", "conv", "resample", "attention", "transformer", "shape",
+    "matmul", "grouped_matmul", "linalg_factor", "ldl", "nn", "conv", "resample", "attention", "transformer", "shape",
     "indexing", "scatter",
     "special", "bessel", "embedding_bag", "fractional_pool", "histogram", "allclose", "rrelu",
     "segment_reduce", "grid_sample3d", "grid_sample2d", "upsample_aa", "ctc", "margin_losses",

@@ -40,12 +40,13 @@ __all__ = ["SequenceSplit", "active", "applies", "attention", "blockwise_attenti
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
     """Sequences of ``seq_len`` tokens split over ``axis`` of ``mesh`` (zig-zag); the batch over
-    ``batch_axes`` and heads over ``head_axis`` where they divide."""
+    ``batch_axes`` (the activations' batch axes, ``tpu_train.compile.spmd.BATCH_AXES``; those
+    the mesh lacks are skipped) and heads over ``head_axis`` where they divide."""
 
     mesh: Any
     seq_len: int
     axis: str = "context"
-    batch_axes: tuple[str, ...] = ("data", "fsdp")
+    batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
     head_axis: str = "tensor"
 
     @property

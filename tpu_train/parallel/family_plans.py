@@ -2,7 +2,7 @@
 
 A family (:class:`tpu_train.models.ModelFamily`, handed down by the layer above: this layer
 does not import ``models``) names each parameter's role by regex; every role has one layout
-over the ``(data, fsdp, context, tensor)`` mesh (weights are replicated on ``context``):
+over the ``(data, fsdp, expert, context, tensor)`` mesh (weights are replicated on ``context``):
 
 ==============  ========================================  =====================================
 role            spec (in order of preference)             why
@@ -11,7 +11,10 @@ role            spec (in order of preference)             why
 ``column``      ``((tensor, fsdp),)``, ``(tensor, fsdp)``  outputs (heads, hidden units) split
 ``row``         ``(fsdp, tensor)``                        inputs split; partial sums reduced
 ``output``      ``((tensor, fsdp),)``, ``(tensor, fsdp)``  vocabulary-parallel logits
-``replicated``  ``(fsdp,)``                               small; sharded to keep FSDP uniform
+``replicated``  ``(fsdp,)``, ``()``                       small; sharded to keep FSDP uniform
+``expert_*``    ``(expert, <column or row spec>)``        stacked ``[n_experts, out, in]``
+                                                          experts: each device holds
+                                                          ``n_experts / expert`` of them
 ==============  ========================================  =====================================
 
 FSDP shards the leading dimension of every weight: the output dimension of column-parallel
@@ -19,7 +22,10 @@ weights (within each tensor shard) and the model width of row-parallel ones. Kee
 shards on the leading dimension makes them contiguous blocks of the flat storage buffer (see
 ``flat_storage_sharding``). With Megatron-style column -> row pairs, each attention and MLP
 block needs one reduction over ``tensor`` in the forward and one in the backward; XLA inserts
-them from these specs. Activations: the batch is split over ``(data, fsdp)``, heads and the
+them from these specs. Every weight without an expert role is replicated over ``expert``;
+the experts' weights are used where they are stored (``compute_sharding`` gathers ``fsdp``
+only) and XLA moves the tokens to their experts' devices and back. Activations: the batch is
+split over ``(data, fsdp, expert)``, heads and the
 hidden widths the family names (:class:`ActivationRule`) over ``tensor``; the residual stream
 is replicated on ``tensor``.
 """
@@ -38,7 +44,8 @@ __all__ = ["DECODER_ACTIVATIONS", "ROLES", "ActivationRule", "role_specs", "shar
 _B = BATCH_AXES
 _U = P.UNCONSTRAINED
 
-ROLES = ("embedding", "column", "row", "output", "replicated", "column_bias")
+ROLES = ("embedding", "column", "row", "output", "replicated", "column_bias", "expert_column",
+         "expert_row")
 
 # Activation layouts of a decoder language model, by kind.
 DECODER_ACTIVATIONS: dict[str, P] = {
@@ -65,8 +72,13 @@ def role_specs(*, fsdp: bool = True, tensor: bool = True) -> dict[str, Any]:
     column = [P(tuple(a for a in (t, f) if a) or None, None), P(t, f)]
     # A column-parallel layer's bias (Qwen2's q/k/v) is split as its weight's rows.
     bias = [P(tuple(a for a in (t, f) if a) or None), P(t)]
+    # Stacked experts [n_experts, out, in]: the expert dimension over `expert`, each expert's
+    # matrix as above. A router's [n_experts, dim] weight (replicated) may not split over a
+    # larger fsdp: whole then, as it is tiny.
+    expert_column = [P("expert", *spec) for spec in column]
     return {"embedding": column, "column": column, "row": P(f, t), "output": column,
-            "replicated": P(f), "column_bias": bias}
+            "replicated": [P(f), P()], "column_bias": bias, "expert_column": expert_column,
+            "expert_row": P("expert", f, t)}
 
 
 def sharding_plan(family: Any, *, fsdp: bool = True, tensor: bool = True) -> ShardingPlan:

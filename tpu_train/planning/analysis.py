@@ -142,6 +142,7 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
 
 
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
+                           expert: int = 1,
                            seq_len: int, context: int = 1, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, remat: str | None = None,
@@ -178,7 +179,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     devices = resolve_target(target, num_slices).devices if target is not None else None
     family = family_of(cfg)
     mesh = build_mesh(data, fsdp, tensor, devices=devices, split_sizes=family.split_sizes(cfg),
-                      dcn_fsdp=dcn_fsdp, context=context)
+                      dcn_fsdp=dcn_fsdp, expert=expert, context=context)
     device_slices = [getattr(d, "slice_index", 0) for d in mesh.devices.flat]
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,

@@ -90,7 +90,8 @@ def _num_slices(cfg: Any) -> int:
 
 
 def _analysis_args(cfg: Any, degrees: dict[str, int], target: str | None) -> dict[str, Any]:
-    rows, splits = estimate_mod.pieces(cfg, degrees["data"] * degrees["fsdp"])
+    rows, splits = estimate_mod.pieces(
+        cfg, degrees["data"] * degrees["fsdp"] * degrees.get("expert", 1))
     param_bytes = estimate_mod.stored_bytes(estimate_mod.setting(cfg, "trainer.param_dtype")) or 4
     compute = estimate_mod.compute_dtype_of(cfg)
     base = frozen_base_of(cfg, param_bytes, compute.itemsize if compute else None)
@@ -179,7 +180,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
         result["fits_analytic"] = result.pop("fits")
     if xla:
         degrees = {axis: int(result["mesh"][axis])
-                   for axis in ("data", "fsdp", "tensor", "context")}
+                   for axis in ("data", "fsdp", "expert", "context", "tensor")}
         # A multi-slice plan compiles for plan.num_slices slices of one slice's topology.
         target, note = choose_compiler(cfg.plan.chip,
                                        result["num_devices"] // _num_slices(cfg))

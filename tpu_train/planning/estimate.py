@@ -93,7 +93,8 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
     """
     family = family_of(cfg)
     plan = sharding_plan(family)
-    sizes = {"data": shape.data, "fsdp": shape.fsdp, "tensor": shape.tensor}
+    sizes = {"data": shape.data, "fsdp": shape.fsdp, "expert": shape.expert,
+             "tensor": shape.tensor}
     local = gathered = layer0 = largest = 0
     for name, dims in family.param_shapes(cfg).items():
         spec = plan.spec_for(name, dims)
@@ -184,14 +185,24 @@ def context_kv(cfg: Any, shape: MeshShape, batch: int, seq_len: int, act_bytes: 
             "gather_bytes_per_step": int(moves * gathered * (shape.context - 1) / shape.context)}
 
 
+def _ffn_width(cfg: Any) -> int:
+    """The feed-forward units one token's activations span: a mixture of experts' (a config
+    with ``n_experts``, like Mixtral's) ``dense`` form computes every expert for every token,
+    its ``grouped`` form the ``top_k`` routed ones."""
+    if getattr(cfg, "n_experts", None) is None:
+        return cfg.ffn_hidden_dim
+    return cfg.ffn_hidden_dim * (cfg.n_experts if cfg.moe_impl == "dense" else cfg.top_k)
+
+
 def _layer_elements(cfg: Any, t: int, seq_len: int, flash_attention: bool) -> tuple[float, float]:
     """Per token: a layer's full set of activations, and what a scanned layer keeps
     (:func:`activation_bytes`)."""
     kv = cfg.n_kv_heads * cfg.head_dim
+    ffn = _ffn_width(cfg)
     scores = 2 * cfg.n_heads / t if flash_attention else 3 * cfg.n_heads * seq_len / t
     per_layer = (4 * cfg.dim + (3 * cfg.dim + 2 * kv) / t + scores
-                 + 4 * cfg.ffn_hidden_dim / t + (2 * cfg.dim if t > 1 else 0))
-    kept = 2 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * cfg.ffn_hidden_dim / t
+                 + 4 * ffn / t + (2 * cfg.dim if t > 1 else 0))
+    kept = 2 * cfg.dim + (cfg.dim + 2 * kv) / t + 2 * ffn / t
     return per_layer, kept
 
 
@@ -257,7 +268,7 @@ def alignment_warnings(cfg: Any, shape: MeshShape | None = None) -> list[str]:
 
 
 def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
-             batch: int, seq_len: int, activation_checkpointing: bool = False,
+             expert: int = 1, batch: int, seq_len: int, activation_checkpointing: bool = False,
              chip: str | None = None, mfu: float = ASSUMED_MFU, num_slices: int = 1,
              param_bytes: int = 4, act_bytes: int = 4, state_bytes: int | None = None,
              flash_attention: bool = False, grad_accum_steps: int = 1,
@@ -295,14 +306,14 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     # kernel does (tpu_train.ops.context_attention).
     flash_attention = flash_attention or context > 1
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices,
-                               context=context)
+                               expert=expert, context=context)
     family = family_of(cfg)
     check_divisibility(family.split_sizes(cfg), shape)
     if seq_len % (2 * shape.context):
         raise ValueError(f"seq_len {seq_len} must split into 2 x context = "
                          f"{2 * shape.context} equal chunks")
     if batch % shape.batch_shards:
-        raise ValueError(f"global batch {batch} must be a multiple of data * fsdp = "
+        raise ValueError(f"global batch {batch} must be a multiple of data * fsdp * expert = "
                          f"{shape.batch_shards}")
     if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
             or grad_accum_steps < 1:
@@ -494,7 +505,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
 
     Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` and
-    ``data.seq_len``, ``parallel.{data,fsdp,tensor,context}``, ``trainer.{remat,
+    ``data.seq_len``, ``parallel.{data,fsdp,tensor,expert,context}``, ``trainer.{remat,
     activation_checkpointing,precision,grad_accum_steps,micro_batch_size,scan_layers,
     param_dtype}``, ``optim.state_dtype`` and
     ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed only when a degree is -1;
@@ -504,17 +515,19 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     """
     degrees = tuple(int(setting(config, f"parallel.{axis}", changes))
                     for axis in ("data", "fsdp", "tensor"))
+    expert = int(setting(config, "parallel.expert", changes) or 1)
     context = int(setting(config, "parallel.context", changes) or 1)
     if num_devices is None:
-        if -1 in degrees:
+        if -1 in degrees + (expert,):
             raise ValueError(
-                f"parallel.data/fsdp/tensor = {degrees} contains -1: planning needs the chip "
-                f"count, pass num_devices (or set every degree explicitly)")
-        num_devices = math.prod(degrees) * context
+                f"parallel.data/fsdp/tensor/expert = {degrees + (expert,)} contains -1: planning "
+                f"needs the chip count, pass num_devices (or set every degree explicitly)")
+        num_devices = math.prod(degrees) * expert * context
     compute_dtype = compute_dtype_of(config)
     cfg = planned_model(config.model.name, config.model.checkpoint,
                         **architecture_overrides(config.model))
-    shards = resolve_mesh_shape(num_devices, *degrees, context=context).batch_shards
+    shards = resolve_mesh_shape(num_devices, *degrees, expert=expert,
+                                context=context).batch_shards
     rows, splits = pieces(config, shards, changes)
     if batch is not None:  # a micro-batch of ``batch`` rows: the step's pieces follow
         splits, rows = splits * rows // batch, batch
@@ -530,7 +543,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                           changes)
     return estimate(
         cfg, num_devices=num_devices, data=degrees[0], fsdp=degrees[1], tensor=degrees[2],
-        batch=rows, seq_len=seq_len,
+        expert=expert, batch=rows, seq_len=seq_len,
         remat=policy, flash_attention=fused,
         chip=chip, mfu=mfu, num_slices=int(setting(config, "plan.num_slices") or 1),
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,

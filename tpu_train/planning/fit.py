@@ -54,8 +54,10 @@ def _layouts(config: Any, num_devices: int,
              more_chips: bool) -> list[tuple[int, int, dict]]:
     """``(chips, batch shards, parallel changes)`` of the meshes to try: the planned one, ``tensor`` taken
     from ``fsdp`` (then ``data``) on the same chips, and each of those on more ``fsdp`` chips."""
+    expert = int(config.parallel.get("expert", 1))
     shape = resolve_mesh_shape(num_devices, int(config.parallel.data),
                                int(config.parallel.fsdp), int(config.parallel.tensor),
+                               expert=expert,
                                context=int(config.parallel.get("context", 1) or 1))
     found = []
     for grow, factor in itertools.product(_CHIP_FACTORS if more_chips else (1,),
@@ -72,7 +74,7 @@ def _layouts(config: Any, num_devices: int,
         changes = {key: value for key, value, was in (
             ("parallel.data", data, shape.data), ("parallel.fsdp", fsdp, shape.fsdp),
             ("parallel.tensor", tensor, shape.tensor)) if value != was}
-        found.append((num_devices * grow, data * fsdp, changes))  # context kept as it is
+        found.append((num_devices * grow, data * fsdp * expert, changes))  # context kept as is
     return found
 
 

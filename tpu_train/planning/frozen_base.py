@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tpu_train.models import param_shapes
+from tpu_train.models import family_of
 
 # The recipe whose model trains adapters only (recipes/llama_lora.py, recipe.lora.*).
 LORA_RECIPE = "llama_lora"
@@ -40,7 +40,7 @@ def weight_bytes(cfg: Any, base: FrozenBase, param_bytes: int) -> tuple[int, int
     weights as stored, the adapters (``rank x in + out x rank`` per targeted linear, trained
     in ``param_bytes``), and the base's element count (for the per-chip share)."""
     frozen = adapters = elements = 0
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in family_of(cfg).param_shapes(cfg).items():
         elements += _count(shape)
         module = name.removesuffix(_LINEAR_SUFFIX).rsplit(".", 1)[-1]
         if _is_linear(name, shape) and module in base.targets:

@@ -23,8 +23,9 @@ def format_bytes(n: float) -> str:
 
 def _setting_line(result: dict[str, Any]) -> str:
     m = result["mesh"]
+    expert = f" expert={m['expert']}" if m.get("expert", 1) > 1 else ""
     context = f" context={m['context']}" if m.get("context", 1) > 1 else ""
-    return (f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}{context} "
+    return (f"mesh data={m['data']} fsdp={m['fsdp']}{expert} tensor={m['tensor']}{context} "
             f"({result['num_devices']} chips), batch {result['batch']} x seq "
             f"{result['seq_len']}, remat {result.get('remat', 'none')}, activations "
             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "

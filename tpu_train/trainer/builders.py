@@ -7,7 +7,6 @@ existing run untouched.
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import torch
@@ -165,7 +164,8 @@ def model_family(cfg: DictConfig):
 
 def model_config(cfg: DictConfig):
     """The architecture to build: a Hugging Face ``model.checkpoint``'s config.json, else the
-    named preset ``model.name``, with ``model.n_layers`` / ``model.max_seq_len`` applied. Bad
+    named preset ``model.name``, with ``model.n_layers`` / ``model.max_seq_len`` (and a
+    mixture of experts' ``model.moe_impl``) applied. Bad
     checkpoint directories are one-line ConfigErrors."""
     from tpu_train.planning.estimate import architecture_overrides
 
@@ -178,7 +178,15 @@ def model_config(cfg: DictConfig):
             config = family.hf.read_config(directory)[1]
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.checkpoint: {exc}") from None
-    return dataclasses.replace(config, **architecture_overrides(cfg.model))
+    config = dataclasses.replace(config, **architecture_overrides(cfg.model))
+    impl = cfg.model.get("moe_impl")
+    if impl is None:
+        return config
+    if not hasattr(config, "moe_impl"):
+        what = "model.checkpoint" if directory is not None else f"model={cfg.model.name}"
+        raise ConfigError(f"model.moe_impl={impl} applies to a mixture-of-experts model; "
+                          f"{what} has no experts: drop model.moe_impl")
+    return dataclasses.replace(config, moe_impl=impl)
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -286,10 +294,13 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True,
     checkpoint = cfg.model.checkpoint if allow_checkpoint else None
     if checkpoint is not None and directory is not None:
         try:
-            return family.hf.load(directory, dtype=dtype, device="cpu",
-                                  max_seq_len=cfg.model.get("max_seq_len"))
+            model = family.hf.load(directory, dtype=dtype, device="cpu",
+                                   max_seq_len=cfg.model.get("max_seq_len"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
+        if cfg.model.get("moe_impl") is not None:  # the checkpoint's config has its own
+            model.use_moe_impl(config.moe_impl)
+        return model
     with torch.device("meta"):
         model = family.build(config).to(dtype)
     model = family.init_weights(model, cfg.trainer.seed, "cpu")

@@ -114,6 +114,9 @@ class ModelConfig:
     # HF directory or step_N checkpoint; parameters only (no optimizer state).  The YAML files
     # may name a bundled one as ${asset:base_model} (tpu_train/assets/base_model).
     checkpoint: Optional[str] = None
+    # A mixture-of-experts model's expert computation, dense or grouped (null: the model's
+    # own, MixtralConfig.moe_impl; docs/models.md).
+    moe_impl: Optional[str] = None
     # Changes to the architecture that model.name (or model.checkpoint's config.json) gives:
     # ``n_layers`` keeps the first N decoder layers of a preset built from random weights (a
     # shorter stack of a real width, for one chip); ``max_seq_len`` the positions the model
@@ -234,6 +237,9 @@ class ParallelConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # Expert parallelism (a mixture-of-experts model, trainer.mode=compiled): the experts and
+    # the batch split over this many devices.
+    expert: int = 1
     # Devices each sequence is split over (context parallelism, trainer.mode=compiled): the
     # sequence in 2 x context chunks, attention over the gathered keys and values.
     context: int = 1
@@ -291,6 +297,10 @@ class TrainerConfig:
     # of a shard's rows at once.
     micro_batch_size: Optional[int] = None
     max_grad_norm: Optional[float] = 1.0  # null disables clipping
+    # Tokens per chunk of the loss, which never holds all tokens' float32 logits at once
+    # (docs/compile.md, "The loss over chunks of tokens"); null: as many as keep a chunk's
+    # float32 logits within 256 MiB (2,097 tokens for a 32,000 vocabulary).
+    loss_chunk_tokens: Optional[int] = None
     # What each layer keeps for its backward (Remat above): less memory for recomputation.
     remat: Remat = Remat.none
     # The older switch: true is trainer.remat=full.

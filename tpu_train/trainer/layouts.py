@@ -60,9 +60,10 @@ class Layout:
         """``mesh data=1 fsdp=8 tensor=1 (8 devices, 1 process), SPMD plan llama_plan``."""
         s = self.shape
         processes = f"{self.world.size} process{'es' if self.world.size > 1 else ''}"
+        expert = f" expert={s.expert}" if s.expert > 1 else ""
         context = f" context={s.context}" if s.context > 1 else ""
-        return (f"mesh data={s.data} fsdp={s.fsdp} tensor={s.tensor}{context} ({s.num_devices} "
-                f"device{'s' if s.num_devices > 1 else ''}, {processes})")
+        return (f"mesh data={s.data} fsdp={s.fsdp}{expert} tensor={s.tensor}{context} "
+                f"({s.num_devices} device{'s' if s.num_devices > 1 else ''}, {processes})")
 
     # ------------------------------------------------------------------ model and batches
 

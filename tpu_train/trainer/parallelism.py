@@ -3,8 +3,9 @@ chosen once from ``trainer.mode`` and the ``parallel`` config section:
 
 * one device (every degree resolves to 1): :class:`~tpu_train.trainer.layouts.SingleDevice`;
 * ``trainer.mode=compiled`` over several devices: :class:`~tpu_train.trainer.layouts.Spmd`, a
-  ``(data, fsdp, context, tensor)`` mesh over every device of every process and the sharding
-  plan of the model's family (:func:`tpu_train.models.family_of`, handed down to ``parallel``);
+  ``(data, fsdp, expert, context, tensor)`` mesh over every device of every process and the
+  sharding plan of the model's family (:func:`tpu_train.models.family_of`, handed down to
+  ``parallel``);
 * ``trainer.mode=eager`` under a launcher (one process per device):
   :class:`~tpu_train.trainer.layouts.PerDevice`, DTensor TP then FSDP2 ``fully_shard``.
 
@@ -34,8 +35,9 @@ LAUNCH_HINT = ("torchrun --nproc-per-node {n} -m tpu_train.cli ... or "
 def _degrees(cfg: DictConfig) -> dict[str, int]:
     """``parallel.*``; ``data=-1`` (the default) yields to an explicit ``fsdp=-1`` or
     ``tensor=-1``, so ``parallel.fsdp=-1`` alone means "FSDP over every device"."""
-    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "tensor", "context")}
-    if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["tensor"]):
+    degrees = {axis: int(cfg.parallel[axis])
+               for axis in ("data", "fsdp", "expert", "tensor", "context")}
+    if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["expert"], degrees["tensor"]):
         degrees["data"] = 1
     return degrees
 
@@ -47,13 +49,19 @@ def _resolve(num_devices: int, degrees: dict[str, int], what: str) -> MeshShape:
         raise ConfigError(f"{exc} ({what})") from exc
 
 
+def _batch_axes(shape: MeshShape) -> str:
+    """``data * fsdp = 8 * 1 = 8`` (with ``expert`` where it is above 1)."""
+    axes = ("data", "fsdp", "expert") if shape.expert > 1 else ("data", "fsdp")
+    return (f"{' * '.join(axes)} = {' * '.join(str(getattr(shape, a)) for a in axes)} = "
+            f"{shape.batch_shards}")
+
+
 def _check_batch(cfg: DictConfig, shape: MeshShape) -> None:
     ways = shape.batch_shards
     if cfg.data.batch_size % ways:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} (the global batch) does not split over "
-            f"parallel.data * fsdp = {shape.data} * {shape.fsdp} = {ways} ways; make it a "
-            f"multiple of {ways}")
+            f"parallel.{_batch_axes(shape)} ways; make it a multiple of {ways}")
 
 
 def _family(model: torch.nn.Module):
@@ -111,7 +119,7 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
         check_context_seq_len(cfg.data.seq_len, shape.context)  # data.seq_len=null resolved
         _check_window(cfg, model, shape)
         mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices,
-                          context=shape.context)
+                          expert=shape.expert, context=shape.context)
         try:
             plan = sharding_plan(family)
         except PlanError as exc:
@@ -120,6 +128,9 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
     if world.size > 1 and device.type != "tpu":
         raise ConfigError(f"{world.size} processes need trainer.device=tpu (one device each); "
                           "got trainer.device=cpu")
+    if degrees["expert"] != 1:
+        raise ConfigError(f"parallel.expert={degrees['expert']} (expert parallelism) needs "
+                          "trainer.mode=compiled; set parallel.expert=1 for eager steps")
     try:
         shape = resolve_mesh_shape(world.size, **degrees)
     except MeshError as exc:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from tpu_train.compile.cross_entropy import set_chunk_tokens
 from tpu_train.ops.matmul import set_matmul_precision
 
 from . import builders
@@ -92,6 +93,7 @@ def start(cfg: DictConfig) -> Job:
     # The tpu device's float32 dots only: PyTorch's own CPU matmuls keep their precision (on a
     # CPU with bfloat16 instructions, ``medium`` would change trainer.device=cpu runs).
     set_matmul_precision(MatmulPrecision(trainer.matmul_precision).value)
+    set_chunk_tokens(trainer.loss_chunk_tokens)
     seed_everything(trainer.seed)
     # Last: the tpu backend opens on a thread from here on, while the caller reads the
     # tokenizer, the data and the model.

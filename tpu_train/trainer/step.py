@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from tpu_train.compile.cross_entropy import linear_cross_entropy_sum
+
 from .config import Precision
 
 IGNORE_INDEX = -100
@@ -31,16 +33,60 @@ def causal_lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     whole step, which makes N micro-batches equivalent to one batch N times larger.
     """
     inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    weight = output_weight(model)
+    if weight is not None:
+        hidden = model.hidden_states(batch["tokens"], **inputs)
+        return linear_cross_entropy_sum(hidden, weight, batch["labels"],
+                                        ignore_index=IGNORE_INDEX)
     logits = model(batch["tokens"], **inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def output_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of ``model``'s output layer where the loss can take the model's final hidden
+    states and this weight (:func:`~tpu_train.compile.cross_entropy.linear_cross_entropy_sum`,
+    which never holds the full float32 logits): a model with ``hidden_states`` whose output
+    is a plain bias-free ``nn.Linear`` or the tied embedding. None for any other model, and
+    where the weight is a DTensor (FSDP2 / tensor parallelism per device: their module hooks
+    gather it around ``forward``): the loss then takes the logits."""
+    from torch.distributed.tensor import DTensor
+
+    if not callable(getattr(model, "hidden_states", None)):
+        return None
+    output = getattr(model, "output", None)
+    if output is None:
+        embeddings = getattr(model, "tok_embeddings", None)
+        weight = getattr(embeddings, "weight", None) if type(embeddings) is torch.nn.Embedding \
+            else None
+    elif type(output) is torch.nn.Linear and output.bias is None:
+        weight = output.weight
+    else:
+        weight = None
+    return None if weight is None or isinstance(weight, DTensor) else weight
+
+
+def training_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`causal_lm_loss_sum`, plus the model's auxiliary loss where it has one (a
+    Mixtral's load-balancing loss, weighted by its ``aux_loss_weight``) counted once per
+    label, so that dividing by the token count gives ``cross-entropy + weight * aux`` (what
+    transformers' ``MixtralForCausalLM`` returns as its loss with router logits on)."""
+    weight = getattr(model, "aux_loss_weight", 0.0)
+    if not weight:
+        return causal_lm_loss_sum(model, batch)
+    inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    logits, aux_loss = model(batch["tokens"], return_aux_loss=True, **inputs)
+    labels = batch["labels"].flatten()
+    cross_entropy = F.cross_entropy(logits.float().flatten(0, 1), labels,
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+    return cross_entropy + weight * aux_loss.float() * (labels != IGNORE_INDEX).sum()
+
+
 def causal_lm_loss_sum_and_count(model: torch.nn.Module,
                                  batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss, number of non-ignored labels): the compiled step divides the sums of all
-    micro-batches by their total count, the same token weighting as :class:`EagerStep`."""
-    return causal_lm_loss_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum()
+    """(summed training loss, number of non-ignored labels): the compiled step divides the sums
+    of all micro-batches by their total count, the same token weighting as :class:`EagerStep`."""
+    return training_loss_sum(model, batch), (batch["labels"] != IGNORE_INDEX).sum()
 
 
 def autocast_context(device: torch.device, precision: Precision):
@@ -121,7 +167,7 @@ class EagerStep:
         for batch in micro_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with autocast_context(self.device, self.precision):
-                loss_sum = causal_lm_loss_sum(self.model, batch)
+                loss_sum = training_loss_sum(self.model, batch)
             (loss_sum * self.data_parallel_size / total_tokens).backward()
             loss_total = loss_total + loss_sum.detach()
         loss = self._sum_over_processes(loss_total).float() / total_tokens

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import OPTIMIZERS, ScheduleName, StateDtype, StepMode
+from .config import OPTIMIZERS, Remat, ScheduleName, StateDtype, StepMode
 from .errors import ConfigError
 
 DEVICES = ("cpu", "tpu")
@@ -62,14 +62,15 @@ def _dataclass_of(schema, key: str):
 
 
 def _validate_parallel(cfg: DictConfig) -> None:
-    for axis in ("data", "fsdp", "tensor"):
+    for axis in ("data", "fsdp", "expert", "tensor"):
         degree = cfg.parallel[axis]
         _require(degree == -1 or degree >= 1,
                  f"parallel.{axis} must be -1 (infer) or >= 1, got {degree}")
     # data=-1 (the default) yields to an explicit fsdp=-1 or tensor=-1 (trainer.parallelism).
-    _require(not (cfg.parallel.fsdp == -1 and cfg.parallel.tensor == -1),
-             "at most one of parallel.fsdp and parallel.tensor may be -1 (infer from the device "
-             "count); set the other explicitly")
+    inferred = [a for a in ("fsdp", "expert", "tensor") if cfg.parallel[a] == -1]
+    _require(len(inferred) <= 1,
+             f"at most one of parallel.{' and parallel.'.join(inferred)} may be -1 (infer from "
+             "the device count); set the others explicitly")
     _validate_context(cfg)
 
 
@@ -301,6 +302,9 @@ def _validate_trainer(trainer) -> None:
     _require(trainer.micro_batch_size is None or trainer.micro_batch_size >= 1,
              f"trainer.micro_batch_size must be >= 1 or null (all of a device's rows at once), "
              f"got {trainer.micro_batch_size}")
+    _require(trainer.loss_chunk_tokens is None or trainer.loss_chunk_tokens >= 1,
+             f"trainer.loss_chunk_tokens must be >= 1 or null (from the vocabulary: a chunk's "
+             f"float32 logits within 256 MiB), got {trainer.loss_chunk_tokens}")
     _require(trainer.val_every_n_steps >= 0,
              f"trainer.val_every_n_steps must be >= 0 (0 disables validation), got {trainer.val_every_n_steps}")
     _require(trainer.max_minutes is None or trainer.max_minutes > 0,
@@ -387,9 +391,30 @@ def _validate_optimizer(optim, sched) -> None:
                  f"scheduler.decay_fraction must be in (0, 1], got {sched.decay_fraction}")
 
 
+def _validate_moe_impl(cfg) -> None:
+    from tpu_train.models import MOE_IMPLS
+
+    _require(cfg.model.moe_impl in (None, *MOE_IMPLS),
+             f"model.moe_impl must be one of {', '.join(MOE_IMPLS)} or null, got "
+             f"{cfg.model.moe_impl!r}")
+    # The grouped form has no PyTorch backward (tpu_train.ops.grouped_matmul): eager steps on
+    # the tpu device and fully recomputed layers (whose backward PyTorch traces) need dense.
+    eager_on_tpu = StepMode(cfg.trainer.mode) is not StepMode.compiled \
+        and cfg.trainer.device == "tpu"
+    _require(not (cfg.model.moe_impl == "grouped" and eager_on_tpu),
+             "model.moe_impl=grouped trains in the compiled step (or on the CPU); use "
+             "trainer.mode=compiled or model.moe_impl=dense")
+    recomputed = Remat(cfg.trainer.remat) is Remat.full or cfg.trainer.activation_checkpointing
+    _require(not (cfg.model.moe_impl == "grouped" and recomputed
+                  and StepMode(cfg.trainer.mode) is StepMode.compiled),
+             "model.moe_impl=grouped has no PyTorch backward, which trainer.remat=full layers "
+             "use; choose trainer.remat=save_dots (or none), or model.moe_impl=dense")
+
+
 def _validate_model_and_data(cfg) -> None:
     from tpu_train.models import config_names, family_named
 
+    _validate_moe_impl(cfg)
     names = config_names()
     _require(cfg.model.name in names,
              f"model.name={cfg.model.name!r} is not a known model; valid names: {', '.join(names)}")

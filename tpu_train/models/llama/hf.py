@@ -8,6 +8,10 @@ projection biases and Mistral a sliding attention window, which :class:`LlamaCon
 Loading builds the model on the meta device, allocates it once on the target device and dtype,
 then copies the checkpoint in tensor by tensor, so at most one checkpoint tensor is held on
 the CPU besides the model. Saving goes shard by shard for the same reason.
+
+A family built on this decoder whose checkpoints name tensors differently (Mixtral) passes
+its own :class:`TensorNames` to :func:`read_config`, :func:`from_pretrained` and
+:func:`save_pretrained`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "hf_name",
     "read_config",
     "save_pretrained",
+    "TensorNames",
 ]
 
 CONFIG_FILE = "config.json"
@@ -89,6 +94,33 @@ def _our_name(hf: str) -> str | None:
     if match and match.group(2) in _HF_LAYER_NAMES:
         return f"layers.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}"
     return None
+
+
+class TensorNames:
+    """How a family's parameters and config are stored in Hugging Face files: Llama's one
+    tensor per parameter; a family built on this decoder that splits a parameter over several
+    tensors (Mixtral's experts) overrides the methods, and hands its instance to
+    :func:`read_config`, :func:`from_pretrained` and :func:`save_pretrained`."""
+
+    model_class = Llama
+    # The model_type in error messages (None: the config's ``hf_model_type``).
+    model_type: str | None = None
+
+    def locate(self, hf: str) -> tuple[str, int | None] | None:
+        """``(our parameter name, index along its first dimension or None)`` of HF tensor
+        ``hf``, or None if the family has no such tensor."""
+        ours = _our_name(hf)
+        return None if ours is None else (ours, None)
+
+    def stored(self, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``[(hf name, tensor)]`` holding parameter ``name`` (value ``value``)."""
+        return [(hf_name(name), value)]
+
+    def config_to_hf(self, cfg, **kwargs) -> dict:
+        return config_to_hf(cfg, **kwargs)
+
+    def config_from_hf(self, hf: dict, *, source: str) -> LlamaConfig:
+        return config_from_hf(hf, source=source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,8 +236,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def read_config(path: str | Path) -> tuple[dict, LlamaConfig]:
-    """(the raw config.json dict, its :class:`LlamaConfig`) of a Hugging Face directory.
+def read_config(path: str | Path, names: TensorNames | None = None) -> tuple[dict, LlamaConfig]:
+    """(the raw config.json dict, its :class:`LlamaConfig`) of a Hugging Face directory
+    (``names``: another family's translation, e.g. Mixtral's).
 
     Raises ``FileNotFoundError``/``ValueError`` with a one-line message naming the file: no
     config.json, unreadable JSON, another architecture (its ``architectures``), a missing
@@ -219,7 +252,7 @@ def read_config(path: str | Path) -> tuple[dict, LlamaConfig]:
         )
     hf = _read_json(config_path)
     try:
-        cfg = config_from_hf(hf, source=str(config_path))
+        cfg = (names or TensorNames()).config_from_hf(hf, source=str(config_path))
     except (TypeError, ValueError) as err:
         if str(err).startswith(str(config_path)):
             raise
@@ -324,28 +357,29 @@ def _dtype_from_hf(hf: dict, source: Path) -> torch.dtype:
 
 @torch.no_grad()
 def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
-                    config_path: Path) -> None:
+                    config_path: Path, names: TensorNames) -> None:
     """Copy the tensors of one safetensors file into ``params`` (checked by name, shape and
     finiteness), recording their names in ``loaded``."""
     with safe_open(str(file), framework="pt", device="cpu") as reader:
         for hf_key in reader.keys():
-            ours = _our_name(hf_key)
-            if ours is None:
+            located = names.locate(hf_key)
+            if located is None:
                 if hf_key.endswith(_IGNORED_HF_SUFFIXES):
                     continue
                 raise ValueError(
                     f"{file}: unexpected tensor {hf_key!r}, not part of a "
-                    f"{cfg.hf_model_type} model with this config.json"
+                    f"{names.model_type or cfg.hf_model_type} model with this config.json"
                 )
+            ours, index = located
             if ours == "output.weight" and cfg.tie_embeddings:
                 continue  # some tied exports store the shared matrix twice
-            if ours not in params:
+            if ours not in params or (index is not None and index >= params[ours].shape[0]):
                 raise ValueError(
                     f"{file}: tensor {hf_key!r} does not fit the config in {config_path} "
                     f"(num_hidden_layers={cfg.n_layers}, "
                     f"tie_word_embeddings={cfg.tie_embeddings})"
                 )
-            param = params[ours]
+            param = params[ours] if index is None else params[ours][index]
             shape = tuple(reader.get_slice(hf_key).get_shape())
             if shape != tuple(param.shape):
                 raise ValueError(
@@ -353,7 +387,7 @@ def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
                     f"{config_path} requires {list(param.shape)}"
                 )
             param.copy_(reader.get_tensor(hf_key))
-            loaded.add(ours)
+            loaded.add(hf_key)
             if not bool(torch.isfinite(param).all()):
                 raise ValueError(f"{file}: tensor {hf_key!r} holds NaN or inf values")
 
@@ -361,7 +395,7 @@ def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
 @torch.no_grad()
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, *,
-                    max_seq_len: int | None = None) -> Llama:
+                    max_seq_len: int | None = None, names: TensorNames | None = None) -> Llama:
     """Load a Hugging Face Llama, Qwen2 or Mistral directory (config.json + safetensors,
     single or sharded).
 
@@ -374,24 +408,26 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     """
     directory = Path(path)
     config_path = directory / CONFIG_FILE
-    hf, cfg = read_config(directory)
+    names = names or TensorNames()
+    hf, cfg = read_config(directory, names)
     if max_seq_len is not None:
         cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
     dtype = dtype if dtype is not None else _dtype_from_hf(hf, config_path)
     weight_map, files, blame = _weight_locations(directory)
 
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = names.model_class(cfg)
     model.to(dtype=dtype).to_empty(device=device if device is not None else "cpu")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
         try:
-            _load_file_into(file, params, loaded, cfg, config_path)
+            _load_file_into(file, params, loaded, cfg, config_path, names)
         except SafetensorError as err:
             raise ValueError(f"{file}: not a readable safetensors file ({err}): it is truncated "
                              "or damaged; copy or download it again") from None
-    missing = [hf_name(n) for n in params if n not in loaded]
+    missing = [key for n, p in params.items() for key, _ in names.stored(n, p)
+               if key not in loaded]
     if missing:
         where = blame
         if weight_map is not None and missing[0] in weight_map:
@@ -447,7 +483,7 @@ def save_pretrained(model: Llama, path: str | Path,
                     bos_token_id: int | None = None,
                     eos_token_id: int | list[int] | None = None,
                     pad_token_id: int | None = None,
-                    state_dict: dict | None = None) -> None:
+                    state_dict: dict | None = None, names: TensorNames | None = None) -> None:
     """Write ``model`` as a Hugging Face directory of its config's ``hf_model_type``, loadable
     by ``transformers.AutoModelForCausalLM.from_pretrained`` (and by :func:`from_pretrained`).
 
@@ -481,7 +517,9 @@ def save_pretrained(model: Llama, path: str | Path,
     if state_dict is not None:
         params = {name: state_dict[name] for name in params}
     dtype = model.tok_embeddings.weight.dtype
-    hf_config = config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
+    names = names or TensorNames()
+    params = dict(pair for n, p in params.items() for pair in names.stored(n, p))
+    hf_config = names.config_to_hf(model.config, dtype=dtype, bos_token_id=bos_token_id,
                              eos_token_id=eos_token_id)
     if pad_token_id is not None:
         hf_config["pad_token_id"] = pad_token_id
@@ -494,13 +532,13 @@ def save_pretrained(model: Llama, path: str | Path,
     shards = _plan_shards(sizes, max_shard_bytes)
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        tensors = {hf_name(n): params[n].detach().to("cpu").contiguous() for n in shards[0]}
+        tensors = {n: params[n].detach().to("cpu").contiguous() for n in shards[0]}
         save_file(tensors, str(directory / SINGLE_WEIGHTS_FILE), metadata=metadata)
         return
     weight_map = {}
-    for i, names in enumerate(shards, start=1):
+    for i, shard in enumerate(shards, start=1):
         file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {hf_name(n): params[n].detach().to("cpu").contiguous() for n in names}
+        tensors = {n: params[n].detach().to("cpu").contiguous() for n in shard}
         save_file(tensors, str(directory / file_name), metadata=metadata)
         weight_map.update({key: file_name for key in tensors})
         del tensors

@@ -144,11 +144,14 @@ class Llama(nn.Module):
     ``tok_embeddings.weight``, so the model holds a single parameter for both.
     """
 
+    # The decoder layer, ``block_class(config, layer_id)``: a subclass may bring its own.
+    block_class = TransformerBlock
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(self.block_class(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = (None if config.tie_embeddings
                        else nn.Linear(config.dim, config.vocab_size, bias=False))
@@ -160,7 +163,19 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, *, start_pos: int = 0,
                 cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` at positions
+        """Logits ``[batch, seq, vocab]``: the :meth:`hidden_states` times the output weight
+        (``tok_embeddings.weight`` with ``tie_embeddings``)."""
+        h = self.hidden_states(tokens, start_pos=start_pos, cache=cache,
+                               position_ids=position_ids, segment_ids=segment_ids)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def hidden_states(self, tokens: torch.Tensor, *, start_pos: int = 0,
+                      cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output ``[batch, seq, dim]``, which the output layer turns into
+        logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` at positions
         ``start_pos ... start_pos + seq - 1``; with ``cache``, attention also covers the
         cached positions before ``start_pos``.
 
@@ -168,6 +183,14 @@ class Llama(nn.Module):
         ``[batch, seq]`` gives each token's rotary position (restarting at 0 in each sample)
         and ``segment_ids`` ``[batch, seq]`` which sample it belongs to; a token then attends
         only to the earlier tokens of its own segment (:func:`document_mask`)."""
+        h, cos, sin, extra = self.prepare_inputs(tokens, start_pos, cache, position_ids,
+                                                 segment_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, start_pos, cache, *extra)
+        return self.norm(h)
+
+    def prepare_inputs(self, tokens, start_pos, cache, position_ids, segment_ids):
+        """The checked inputs of the layers: ``(embeddings, cos, sin, (mask,) or ())``."""
         if tokens.dim() != 2:
             raise ValueError(
                 f"tokens must be a [batch, seq] tensor of token ids, got shape {tuple(tokens.shape)}"
@@ -186,14 +209,7 @@ class Llama(nn.Module):
         else:  # [batch, 1, seq, head_dim // 2]: one angle per token, shared by the heads
             cos = self.rope_cos[position_ids].unsqueeze(1)
             sin = self.rope_sin[position_ids].unsqueeze(1)
-        h = self.tok_embeddings(tokens)
-        extra = () if mask is None else (mask,)
-        for layer in self.layers:
-            h = layer(h, cos, sin, start_pos, cache, *extra)
-        h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        return self.tok_embeddings(tokens), cos, sin, () if mask is None else (mask,)
 
     def _attention_mask(self, tokens, segment_ids, cache) -> torch.Tensor | None:
         """The mask every layer shares, or None where attention is plain causal (or, with a
@@ -264,7 +280,7 @@ def _init_std(name: str, cfg: LlamaConfig) -> float | None:
     """Standard deviation for a parameter, or ``None`` for norm scales (initialized to one)."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2")):
         # Residual-branch outputs shrink with depth so the residual stream's variance stays
         # roughly constant at initialization (GPT-2 style).
         return _INIT_STD / math.sqrt(2 * cfg.n_layers)
@@ -283,11 +299,11 @@ def init_weights(model: Llama, seed: int = 0,
     Values are drawn in float32 on the CPU from a generator seeded with ``seed``, one
     parameter at a time in ``named_parameters`` order, then copied to the parameter's device
     and dtype: the same seed gives the same weights on every device and in every dtype.
-    Linear and embedding weights are N(0, 0.02), the residual output projections (``wo``,
-    ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one, q/k/v biases zero (drawing
-    nothing, so a Llama's weights are the same with or without them). A model on the meta
-    device is first moved with ``to_empty(device=device or "cpu")``; otherwise ``device``
-    must be None or the model's device.
+    Linear and embedding weights (and stacked expert weights) are N(0, 0.02), the residual
+    output projections (``wo``, ``w2``) N(0, 0.02 / sqrt(2 * n_layers)), norm scales one,
+    q/k/v biases zero (drawing nothing, so a Llama's weights are the same with or without
+    them). A model on the meta device is first moved with ``to_empty(device=device or
+    "cpu")``; otherwise ``device`` must be None or the model's device.
     """
     tensors = list(model.parameters()) + list(model.buffers())
     if any(t.is_meta for t in tensors):
