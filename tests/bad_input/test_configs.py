@@ -166,6 +166,18 @@ VALUES = {
     "batch_not_splitting_over_mesh": ([*_COMPILED, "data.batch_size=4"],
                                       "data.batch_size=4 (the global batch) does not split over "
                                       "parallel.data * fsdp = 8 * 1 = 8 ways"),
+    "context_zero": (["parallel.context=0"], "parallel.context must be >= 1"),
+    "context_in_eager_mode": (["parallel.context=2"],
+                              "parallel.context=2 splits sequences in the compiled SPMD step; "
+                              "trainer.mode=eager has none"),
+    "context_with_packing": ([*_COMPILED, "parallel.context=2", "data.packing=true"],
+                             "does not support data.packing=true"),
+    "context_not_dividing_seq_len": ([*_COMPILED, "parallel.context=4", "data.seq_len=36"],
+                                     "data.seq_len=36 does not split into 2 x "
+                                     "parallel.context = 8 equal chunks"),
+    "context_not_dividing_devices": ([*_COMPILED, "parallel.context=16"],
+                                     "(context=16 among them) multiply to 16, which does not "
+                                     "divide the 8 devices"),
 }
 
 SYNTAX = {
@@ -182,7 +194,8 @@ CASES = {**SCHEMA, **VALUES, **SYNTAX}
 
 # The mesh cases name the session's 8 virtual devices.
 EIGHT_DEVICES = {"mesh_larger_than_devices", "mesh_not_dividing_devices",
-                 "tensor_not_dividing_kv_heads", "batch_not_splitting_over_mesh"}
+                 "tensor_not_dividing_kv_heads", "batch_not_splitting_over_mesh",
+                 "context_not_dividing_devices"}
 
 
 @pytest.mark.parametrize("name", [

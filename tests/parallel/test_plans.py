@@ -170,6 +170,19 @@ def test_activation_rule_classifies_by_shape():
     assert rule((256, 256)) is None and rule((8,)) is None
 
 
+def test_activation_rule_splits_the_sequence_over_context():
+    cfg = get_config("debug_tiny")
+    rule = ActivationRule(LLAMA.split_sizes(cfg), batch=8, seq_len=64, context=2)
+    u, b = P.UNCONSTRAINED, BATCH_AXES
+    assert rule((8, 64, 256)) == P(b, "context", u)
+    assert rule((8, 4, 64, 64)) == P(b, "tensor", "context", u)  # queries' rows, not keys
+    assert rule((8, 64, 512)) == P(b, "context", "tensor")
+    assert rule((8 * 64, 768)) is None  # [batch * seq]: no one spec of it splits both
+    plan_rule = sharding_plan(LLAMA).activation_rule
+    model = type("Model", (), {"config": cfg})()
+    assert plan_rule(model, (8, 64), context=2)((8, 64, 256)) == P(b, "context", u)
+
+
 @pytest.mark.devices(8)
 def test_step_shardings_for_a_compiled_step():
     from tpu_train.parallel import step_shardings

@@ -193,6 +193,28 @@ def test_the_report_names_the_assumption_and_the_compiler():
     assert "XLA (TPU compiler, v5p:2x2x2): 3.00 GiB" in format_report(result)
 
 
+def test_context_parallelism_divides_the_tokens_and_adds_the_gathered_keys():
+    cfg = get_config("llama3_1_8b")
+    args = dict(num_devices=64, data=1, fsdp=16, batch=16, seq_len=32768, act_bytes=2,
+                remat="full", flash_attention=True)
+    whole = estimate(cfg, **{**args, "num_devices": 16})
+    split = estimate(cfg, context=4, **args)
+    assert split["mesh"]["context"] == 4
+    assert split["bytes_params"] == whole["bytes_params"]  # context does not shard weights
+    # Per chip a quarter of each sequence's tokens; their scores still span the sequence.
+    assert split["bytes_activations"] == pytest.approx(whole["bytes_activations"] / 4, rel=1e-6)
+    assert split["bytes_loss_head"] == pytest.approx(whole["bytes_loss_head"] / 4, rel=1e-6)
+    # One layer's keys and values of the whole sequence, and their gradients: one row each
+    # of 32768 tokens x 2 x 8 kv heads x 128, bf16.
+    gathered = 32768 * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+    assert split["bytes_context_kv"] == 2 * gathered and whole["bytes_context_kv"] == 0
+    # Forward gather, backward reduce-scatter, recomputation's gather: 3 of 4 parts arrive.
+    assert split["context_kv_gather_bytes"] == 3 * cfg.n_layers * gathered * 3 // 4
+    assert "received per chip per step" in format_report(split)
+    with pytest.raises(ValueError, match="2 x context = 8 equal chunks"):
+        estimate(cfg, context=4, **{**args, "seq_len": 32764})
+
+
 def test_mixtral_memory_counts_every_expert_and_splits_them_over_the_expert_axis():
     from tpu_train.models import MIXTRAL
 

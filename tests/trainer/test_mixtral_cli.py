@@ -55,13 +55,17 @@ def one_device(tmp_path_factory):
     ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=4"],
     # the grouped expert form (ragged_dot, differentiated by JAX) against the dense one
     ["model.moe_impl=grouped", "parallel.data=-1", "parallel.expert=2"],
-], ids=["expert2_data4", "expert4_fsdp2", "grouped_expert2_data4"])
+    # each sequence split over `context` as well (the zig-zag layout's position_ids reach the
+    # forward that returns the load-balancing loss)
+    ["parallel.data=1", "parallel.fsdp=2", "parallel.context=2", "parallel.expert=2"],
+], ids=["expert2_data4", "expert4_fsdp2", "grouped_expert2_data4", "context2_expert2_fsdp2"])
 def test_expert_parallel_losses_match_one_device(one_device, layout, tmp_path):
     run_dir = tmp_path / "run"
     code, out, err = run_in_process(*COMPILED, *layout, f"run.dir={run_dir}")
     assert code == 0, err
-    expert = layout[-1].split("=")[1]
-    assert f"expert={expert}" in out and "SPMD plan mixtral_plan" in out
+    shown = [s.split(".", 1)[1] for s in layout
+             if s.startswith(("parallel.expert=", "parallel.context="))]
+    assert all(f" {s}" in out for s in shown) and "SPMD plan mixtral_plan" in out
     torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(one_device),
                                rtol=REL, atol=0)
 

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from tpu_train.compile import interpreter, layer_scan, loss_graph, memory_errors, shared_layers
+from tpu_train.compile import (context_parallel, interpreter, layer_scan, loss_graph, memory_errors,
+                               shared_layers)
 from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
@@ -453,19 +454,26 @@ def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdL
     return jitted, args, in_shardings
 
 
-def _attention_form(mesh, model=None):
+@contextlib.contextmanager
+def _attention_form(mesh, batch_shapes, model=None):
     """A program partitioned over several devices keeps attention in its XLA form: XLA's SPMD
     partitioner does not split a Pallas kernel (tpu_train.ops.attention_tpu). A mesh of one
     device (the planner's one-chip step) partitions nothing: it keeps the kernels, as the
-    trainer's step on one chip does. A model whose config declares a ``sliding_window`` has
-    its attention masks checked against that window for the kernels."""
-    forms = contextlib.ExitStack()
-    if mesh is not None and mesh.devices.size > 1:
-        forms.enter_context(attention_tpu.xla_form())
+    trainer's step on one chip does. Over a ``context`` axis, causal attention is the
+    per-shard attention of the split sequence (``context_parallel``; ``batch_shapes`` give its
+    length). A model whose config declares a ``sliding_window`` has its attention masks
+    checked against that window for the kernels."""
     window = getattr(getattr(model, "config", None), "sliding_window", None)
-    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
-        forms.enter_context(attention_tpu.sliding_window(window))
-    return forms
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        window = None
+    with contextlib.ExitStack() as forms:
+        if mesh is not None and mesh.devices.size > 1:
+            forms.enter_context(attention_tpu.xla_form())
+        if mesh is not None:
+            forms.enter_context(context_parallel.sequence_split(mesh, batch_shapes, window))
+        if window is not None:
+            forms.enter_context(attention_tpu.sliding_window(window))
+        yield
 
 
 def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=None,
@@ -488,7 +496,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     platform = device.platform if mesh is None else mesh.devices.flat[0].platform
     # Traced and lowered with the same attention form: a scanned layer's residuals are found
     # while tracing (the layer_scan node's outputs) and must be the lowering's.
-    with _attention_form(mesh, model=step.model), \
+    batch_shapes = [tuple(b.shape) for b in st.batch_leaves]
+    with _attention_form(mesh, batch_shapes, model=step.model), \
             shared_layers.recomputation_fenced(platform == "cpu"):
         traced = trace_step(step, st, scalars, stages,
                              autodiff or getattr(step, "autodiff", "jax"), natural)
@@ -504,7 +513,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                                                         values, scalars, device,
                                                         own_norm=step_function.own_norm)
     try:
-        with _attention_form(mesh, model=step.model), \
+        with _attention_form(mesh, batch_shapes, model=step.model), \
                 shared_layers.recomputation_fenced(platform == "cpu"):
             lowered = stages.time("lower", jitted.lower, *args)
     except Exception as error:  # noqa: BLE001

@@ -26,6 +26,7 @@ re-exports these names), so that compiling a step never imports ``tpu_train.para
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -234,12 +235,23 @@ def activation_constraint(plan, mesh, model, batch_fakes):
     classifies intermediates by shape; values it does not name are left to XLA.
     """
     factory = getattr(plan, "activation_rule", None)
+    jax_mesh = getattr(mesh, "jax_mesh", mesh)
+    context = int(dict(jax_mesh.shape).get("context", 1))
     if factory is None or not batch_fakes:
+        if context > 1:
+            raise PlanError(f"{getattr(plan, 'name', 'the plan')} has no activation rule, so "
+                            f"it cannot split sequences over parallel.context={context}")
         return None
-    rule = factory(model, tuple(batch_fakes[0].shape))
+    if context == 1:
+        rule = factory(model, tuple(batch_fakes[0].shape))
+    elif "context" in inspect.signature(factory).parameters:
+        # the sequence dimension split over `context` (tpu_train.compile.context_parallel)
+        rule = factory(model, tuple(batch_fakes[0].shape), context=context)
+    else:
+        raise PlanError(f"{getattr(plan, 'name', 'the plan')} does not support context "
+                        f"parallelism; set parallel.context=1")
     if rule is None:
         return None
-    jax_mesh = getattr(mesh, "jax_mesh", mesh)
     cache: dict = {}
 
     def constrain(value):
@@ -255,3 +267,4 @@ def activation_constraint(plan, mesh, model, batch_fakes):
         return value if sharding is None else jax.lax.with_sharding_constraint(value, sharding)
 
     return constrain
+

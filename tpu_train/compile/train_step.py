@@ -32,6 +32,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from tpu_train.compile import cache as cache_mod
+from tpu_train.compile import context_parallel
 from tpu_train.compile.call_plan import CallPlan, donatable, structure_generation
 from tpu_train.compile.functional_optim import adapter_for
 from tpu_train.compile.lowering import (ScalarsAhead, StepInputs, batch_structure,
@@ -116,7 +117,8 @@ class CompiledTrainStep:
         self.skip_non_finite = bool(skip_non_finite)
         self.model = model
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        shards = context_parallel.context_degree(mesh)
+        self.loss_fn = loss_fn if shards == 1 else context_parallel.zigzag_loss(loss_fn, shards)
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_accum_steps = int(grad_accum_steps)
@@ -516,6 +518,10 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         mesh, plan: a ``tpu_train.parallel`` mesh and sharding plan (both or neither): one
             SPMD program over the mesh; parameters and optimizer state become global arrays
             split per the plan (``tpu_train.parallel.place_for_step`` places them up front).
+            A mesh with a ``context`` axis splits every sequence over it
+            (``tpu_train.compile.context_parallel``): ``loss_fn`` then gets the batch's
+            ``[batch, seq]`` tensors permuted and ``position_ids`` added, which it must pass
+            to the model.
         autocast_dtype: ``torch.bfloat16`` (or ``float16``) traces ``loss_fn`` under
             ``torch.autocast("tpu", dtype=autocast_dtype)``: matmuls and convolutions in that
             dtype, reductions, norms and losses in float32, parameters, gradients and the

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from tpu_train.ops import matmul
+from tpu_train.ops import context_attention, matmul
 
 # Below this many tokens the XLA form was as fast or faster on a v5e (module docstring).
 MIN_SEQUENCE = 1024
@@ -130,7 +130,7 @@ def lowering_key() -> tuple:
     """What decides this module's choices besides the arrays: part of the key of any cache
     of traced functions (a layer body traced for one device must not serve a partitioned
     program, nor an interpreted one a compiled one)."""
-    return (_XLA_FORM.get(), _OVERRIDE.get(), _WINDOW.get())
+    return (_XLA_FORM.get(), _OVERRIDE.get(), _WINDOW.get(), context_attention.lowering_key())
 
 
 def is_interpreted() -> bool:

@@ -2,7 +2,7 @@
 
 A family (:class:`tpu_train.models.ModelFamily`, handed down by the layer above: this layer
 does not import ``models``) names each parameter's role by regex; every role has one layout
-over the ``(data, fsdp, expert, tensor)`` mesh:
+over the ``(data, fsdp, expert, context, tensor)`` mesh (weights are replicated on ``context``):
 
 ==============  ========================================  =====================================
 role            spec (in order of preference)             why
@@ -107,11 +107,12 @@ def sharding_plan(family: Any, *, fsdp: bool = True, tensor: bool = True) -> Sha
     name = f"{family.name}_plan" + ("" if fsdp and tensor else
                                     f"(fsdp={fsdp}, tensor={tensor})")
 
-    def activation_rule(model, batch_shape):
+    def activation_rule(model, batch_shape, context: int = 1):
         config = getattr(model, "config", None)
         if config is None or len(batch_shape) != 2:
             return None  # not a decoder over [batch, seq] tokens: leave activations to XLA
-        return ActivationRule(family.split_sizes(config), *batch_shape, tensor=tensor)
+        return ActivationRule(family.split_sizes(config), *batch_shape, tensor=tensor,
+                              context=context)
 
     return ShardingPlan(rules, activations=acts, activation_rule=activation_rule, name=name)
 
@@ -126,12 +127,19 @@ class ActivationRule:
     the model width) on ``tensor``. Every other dimension is left ``UNCONSTRAINED`` so a wrong
     guess never forces a reshard beyond the batch split. Returns ``None`` for anything else
     (weights, scalars). ``sizes``: the family's ``split_sizes(config)``.
+
+    With ``context > 1`` (sequences split over the ``context`` axis) the first dimension after
+    the batch (after the heads, for a 4-D value) of the sequence's length is split on
+    ``context``; a flattened ``[batch * seq, ...]`` value is left to XLA, as no single spec
+    of its leading dimension matches ``[batch, seq]`` split on both.
     """
 
-    def __init__(self, sizes: Any, batch: int, seq_len: int, *, tensor: bool = True):
+    def __init__(self, sizes: Any, batch: int, seq_len: int, *, tensor: bool = True,
+                 context: int = 1):
         self.sizes = sizes
         self.batch = int(batch)
         self.seq_len = int(seq_len)
+        self.context = int(context)
         self._tensor = "tensor" if tensor else _U
         self._tensor_last = set(sizes.hidden.values()) - set(sizes.width.values())
         self._heads = set(sizes.heads.values())
@@ -143,9 +151,17 @@ class ActivationRule:
         lead = shape[0]
         if lead not in (self.batch, self.batch * self.seq_len):
             return None
+        if lead != self.batch and self.context > 1:
+            return None
         rest = [_U] * (len(shape) - 1)
-        if lead == self.batch and len(shape) == 4 and shape[1] in self._heads:
+        heads = lead == self.batch and len(shape) == 4 and shape[1] in self._heads
+        if heads:
             rest[0] = self._tensor
         elif shape[-1] in self._tensor_last:
             rest[-1] = self._tensor
+        if self.context > 1:
+            # rest[i] is shape[i + 1]; a 4-D value's heads come before its sequence
+            sequence = [i for i in range(int(heads), len(rest)) if shape[i + 1] == self.seq_len]
+            if sequence:
+                rest[sequence[0]] = "context"
         return P(_B, *rest)

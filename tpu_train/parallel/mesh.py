@@ -1,5 +1,5 @@
-"""The SPMD device mesh: axes ``data``, ``fsdp``, ``expert`` and ``tensor``, within and
-across slices.
+"""The SPMD device mesh: axes ``data``, ``fsdp``, ``expert``, ``context`` and ``tensor``, within
+and across slices.
 
 A mesh is a ``jax.sharding.Mesh`` whose axes are always, in this order:
 
@@ -8,6 +8,8 @@ A mesh is a ``jax.sharding.Mesh`` whose axes are always, in this order:
   optimizer state sharded (gathered per use by XLA);
 * ``expert`` — expert parallelism (a mixture of experts): the batch split, and the experts'
   stacked weights split on their expert dimension; other weights replicated over it;
+* ``context`` — context (sequence) parallelism: every sequence split over the axis, attention
+  reading the keys and values of the whole sequence (``tpu_train.ops.context_attention``);
 * ``tensor`` — tensor (model) parallelism: heads, the feed-forward hidden dimension and the
   vocabulary split.
 
@@ -18,8 +20,9 @@ the data-centre network, DCN) additionally splits ``data`` and/or ``fsdp`` acros
 :func:`~jax.experimental.mesh_utils.create_hybrid_device_mesh`, so only the gradient
 reduction (``data``) or the FSDP gathers (``fsdp``) cross DCN; ``tensor`` never does.
 
-Degrees come from the ``parallel`` config section (``data``, ``fsdp``, ``expert``, ``tensor``);
-exactly one of them may be ``-1``, meaning "whatever is left of the device count".
+Degrees come from the ``parallel`` config section (``data``, ``fsdp``, ``expert``, ``context``,
+``tensor``); one of ``data``/``fsdp``/``expert``/``tensor`` may be ``-1``, meaning "whatever is
+left of the device count".
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ __all__ = [
     "resolve_mesh_shape",
 ]
 
-AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+AXES: tuple[str, ...] = ("data", "fsdp", "expert", "context", "tensor")
 
 
 class MeshError(ValueError):
@@ -57,9 +60,10 @@ class MeshError(ValueError):
 class MeshShape:
     """Resolved degrees of each axis.
 
-    ``data``/``fsdp``/``tensor``/``expert`` are the total sizes of the mesh axes. ``dcn_data``
-    and ``dcn_fsdp`` say how many of those ways go across slices (DCN); the rest, the ICI
-    degrees ``data // dcn_data`` etc., stay inside one slice (``expert`` and ``tensor`` always).
+    ``data``/``fsdp``/``expert``/``context``/``tensor`` are the total sizes of the mesh axes.
+    ``dcn_data`` and ``dcn_fsdp`` say how many of those ways go across slices (DCN); the rest,
+    the ICI degrees ``data // dcn_data`` etc., stay inside one slice (``expert``, ``context``
+    and ``tensor`` always). ``sizes`` is in :data:`AXES` order.
     """
 
     data: int
@@ -68,23 +72,25 @@ class MeshShape:
     dcn_data: int = 1
     dcn_fsdp: int = 1
     expert: int = 1
+    context: int = 1
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
+    def sizes(self) -> tuple[int, ...]:
         """The degrees in :data:`AXES` order."""
-        return (self.data, self.fsdp, self.expert, self.tensor)
+        return (self.data, self.fsdp, self.expert, self.context, self.tensor)
 
     @property
-    def ici(self) -> tuple[int, int, int, int]:
-        return (self.data // self.dcn_data, self.fsdp // self.dcn_fsdp, self.expert, self.tensor)
+    def ici(self) -> tuple[int, ...]:
+        return (self.data // self.dcn_data, self.fsdp // self.dcn_fsdp, self.expert,
+                self.context, self.tensor)
 
     @property
-    def dcn(self) -> tuple[int, int, int, int]:
-        return (self.dcn_data, self.dcn_fsdp, 1, 1)
+    def dcn(self) -> tuple[int, ...]:
+        return (self.dcn_data, self.dcn_fsdp, 1, 1, 1)
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.fsdp * self.expert * self.tensor
+        return self.data * self.fsdp * self.expert * self.context * self.tensor
 
     @property
     def num_slices(self) -> int:
@@ -114,12 +120,13 @@ def _check_degree(name: str, value: Any, allow_infer: bool) -> int:
 
 def resolve_mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1, *,
                        num_slices: int = 1, dcn_data: int | None = None,
-                       dcn_fsdp: int = 1, expert: int = 1) -> MeshShape:
+                       dcn_fsdp: int = 1, expert: int = 1, context: int = 1) -> MeshShape:
     """Fill in a ``-1`` degree and check that the degrees multiply to ``num_devices``.
 
     ``num_slices > 1`` describes a multi-slice job; by default every slice boundary goes on
     the ``data`` axis (``dcn_data = num_slices / dcn_fsdp``), which only sends the gradient
-    reduction over DCN. Raises :class:`MeshError` with the offending numbers otherwise.
+    reduction over DCN. ``context`` (never inferred) splits every sequence within a slice.
+    Raises :class:`MeshError` with the offending numbers otherwise.
     """
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise MeshError(f"the device count must be a positive int, got {num_devices!r}")
@@ -132,21 +139,26 @@ def resolve_mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: 
         raise MeshError(
             f"at most one of parallel.data/fsdp/expert/tensor may be -1 (inferred), got "
             f"{', '.join(f'{n}=-1' for n in inferred)}; set all but one explicitly")
-    known = math.prod(v for v in degrees.values() if v != -1)
+    context = _check_degree("context", context, False)
+    known = math.prod(v for v in degrees.values() if v != -1) * context
     if inferred:
         if num_devices % known:
             raise MeshError(
-                f"cannot infer parallel.{inferred[0]}: the other degrees multiply to {known}, "
-                f"which does not divide the {num_devices} devices")
+                f"cannot infer parallel.{inferred[0]}: the other degrees "
+                f"{'' if context == 1 else f'(context={context} among them) '}multiply to "
+                f"{known}, which does not divide the {num_devices} devices")
         degrees[inferred[0]] = num_devices // known
-    product = math.prod(degrees.values())
+    product = math.prod(degrees.values()) * context
     if product != num_devices:
-        named = "data * fsdp * tensor" if degrees["expert"] == 1 else \
-            "data * fsdp * expert * tensor"
-        values = " * ".join(str(degrees[a]) for a in named.split(" * "))
+        names = ["data", "fsdp"] + (["expert"] if degrees["expert"] != 1 else []) + \
+            ["tensor"]
+        values = [degrees[a] for a in names]
+        if context != 1:
+            names, values = names + ["context"], values + [context]
         raise MeshError(
-            f"parallel.{named} = {values} = {product}, but there are {num_devices} devices; "
-            f"make the product equal the device count (or set one degree to -1 to infer it)")
+            f"parallel.{' * '.join(names)} = {' * '.join(map(str, values))} = {product}, but "
+            f"there are {num_devices} devices; make the product equal the device count (or set "
+            f"one degree to -1 to infer it)")
 
     num_slices = _check_degree("num_slices", num_slices, False)
     dcn_fsdp = _check_degree("dcn_fsdp", dcn_fsdp, False)
@@ -165,7 +177,7 @@ def resolve_mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: 
                 f"parallel.{axis}={degrees[axis]} is not a multiple of its {dcn} cross-slice "
                 f"(DCN) ways; each slice needs an equal share of the {axis} axis")
     return MeshShape(degrees["data"], degrees["fsdp"], degrees["tensor"], dcn_data, dcn_fsdp,
-                     expert=degrees["expert"])
+                     expert=degrees["expert"], context=context)
 
 
 def check_divisibility(sizes: Any, shape: MeshShape) -> None:
@@ -209,7 +221,7 @@ def _slice_count(devices: Sequence[Any]) -> int:
 
 
 def device_grid(shape: MeshShape, devices: Sequence[Any]) -> np.ndarray:
-    """Arrange ``devices`` as a ``(data, fsdp, expert, tensor)`` array with a topology-aware
+    """Arrange ``devices`` as a ``(data, fsdp, expert, context, tensor)`` array in topology
     order.
 
     On TPU, JAX's mesh utilities map the logical axes onto the physical torus (the ``tensor``
@@ -238,8 +250,9 @@ def device_grid(shape: MeshShape, devices: Sequence[Any]) -> np.ndarray:
 
 def build_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
                devices: Sequence[Any] | None = None, dcn_data: int | None = None,
-               dcn_fsdp: int = 1, split_sizes: Any = None, expert: int = 1):
-    """Make the ``(data, fsdp, expert, tensor)`` :class:`jax.sharding.Mesh` over ``devices``.
+               dcn_fsdp: int = 1, split_sizes: Any = None, expert: int = 1, context: int = 1):
+    """Make the ``(data, fsdp, expert, context, tensor)`` :class:`jax.sharding.Mesh` over
+    ``devices``.
 
     ``devices`` defaults to ``jax.devices()`` (every device of every process). The number of
     slices is read from the devices' ``slice_index``; ``split_sizes`` (a model family's
@@ -252,7 +265,7 @@ def build_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
         raise MeshError("no devices to build a mesh from")
     shape = resolve_mesh_shape(len(devices), data, fsdp, tensor,
                                num_slices=_slice_count(devices), dcn_data=dcn_data,
-                               dcn_fsdp=dcn_fsdp, expert=expert)
+                               dcn_fsdp=dcn_fsdp, expert=expert, context=context)
     if split_sizes is not None:
         check_divisibility(split_sizes, shape)
     return jax.sharding.Mesh(device_grid(shape, devices), AXES)
@@ -261,11 +274,12 @@ def build_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *,
 def mesh_from_config(parallel: Any, split_sizes: Any = None, devices=None):
     """:func:`build_mesh` from the ``parallel`` config section (a mapping or an object).
 
-    Optional keys ``dcn_data`` and ``dcn_fsdp`` are honoured when present.
+    Optional keys ``context``, ``dcn_data`` and ``dcn_fsdp`` are honoured when present.
     """
     get = parallel.get if isinstance(parallel, Mapping) else \
         (lambda key, default=None: getattr(parallel, key, default))
     return build_mesh(get("data", -1), get("fsdp", 1), get("tensor", 1), devices=devices,
                       dcn_data=get("dcn_data", None), dcn_fsdp=get("dcn_fsdp", 1) or 1,
-                      split_sizes=split_sizes, expert=get("expert", 1))
+                      split_sizes=split_sizes, expert=get("expert", 1),
+                      context=get("context", 1) or 1)
 

@@ -148,7 +148,9 @@ def parallelize_per_device(model: nn.Module, family: Any, *, data: int, fsdp: in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=AXES)
+    # Context parallelism is SPMD-only (config checks refuse it in eager mode): no such axis.
+    mesh = init_device_mesh(device_type, (shape.data, shape.fsdp, shape.tensor),
+                            mesh_dim_names=tuple(a for a in AXES if a != "context"))
     if shape.tensor > 1:
         from .tensor_parallel import apply_tensor_parallel
 

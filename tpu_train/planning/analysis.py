@@ -133,7 +133,9 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
                                        state_dtype=state_dtype)
 
     def loss_fn(m, b):
-        logits = m(b["tokens"])
+        # position_ids: added by a context-parallel step (tpu_train.compile.context_parallel)
+        extra = {"position_ids": b["position_ids"]} if "position_ids" in b else {}
+        logits = m(b["tokens"], **extra)
         return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
 
     return model, optimizer, loss_fn, tokens
@@ -141,7 +143,7 @@ def _build_step(cfg, *, batch: int, seq_len: int, remat: str,
 
 def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int, batch: int,
                            expert: int = 1,
-                           seq_len: int, overrides: dict | None = None,
+                           seq_len: int, context: int = 1, overrides: dict | None = None,
                            checkpoint: str | None = None,
                            activation_checkpointing: bool = False, remat: str | None = None,
                            compute_dtype: torch.dtype | None = None,
@@ -177,7 +179,7 @@ def compiled_step_analysis(model_name: str, *, data: int, fsdp: int, tensor: int
     devices = resolve_target(target, num_slices).devices if target is not None else None
     family = family_of(cfg)
     mesh = build_mesh(data, fsdp, tensor, devices=devices, split_sizes=family.split_sizes(cfg),
-                      dcn_fsdp=dcn_fsdp, expert=expert)
+                      dcn_fsdp=dcn_fsdp, expert=expert, context=context)
     device_slices = [getattr(d, "slice_index", 0) for d in mesh.devices.flat]
     model, optimizer, loss_fn, tokens = _build_step(
         cfg, batch=batch, seq_len=seq_len,

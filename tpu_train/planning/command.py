@@ -180,7 +180,7 @@ def run_plan(cfg: Any, num_devices: int | None = None, *, xla: bool = True,
         result["fits_analytic"] = result.pop("fits")
     if xla:
         degrees = {axis: int(result["mesh"][axis])
-                   for axis in ("data", "fsdp", "expert", "tensor")}
+                   for axis in ("data", "fsdp", "expert", "context", "tensor")}
         # A multi-slice plan compiles for plan.num_slices slices of one slice's topology.
         target, note = choose_compiler(cfg.plan.chip,
                                        result["num_devices"] // _num_slices(cfg))

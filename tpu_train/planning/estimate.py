@@ -139,9 +139,12 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     ``remat`` (``trainer.remat``; ``full`` is ``activation_checkpointing``): ``save_dots``
     keeps what a scanned layer keeps, ``save_qkv_proj`` the input and q, k, v (``dim +
     (dim + 2 kv_dim) / t``), each plus one layer's full set during its recomputation.
+    Context parallelism (``shape.context``) divides every per-token figure's token count by
+    its degree: each chip holds ``seq_len / context`` of each sequence; a token's scores still
+    span the whole sequence (the keys are gathered), so the score terms keep ``seq_len``.
     """
     t = shape.tensor
-    tokens = batch * seq_len // shape.batch_shards
+    tokens = _tokens_per_chip(shape, batch, seq_len)
     per_layer, kept = _layer_elements(cfg, t, seq_len, flash_attention)
     kv = cfg.n_kv_heads * cfg.head_dim
     if remat == "save_dots":
@@ -156,6 +159,30 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
         layers = tokens * cfg.n_layers * per_layer
     head = tokens * (3 * cfg.vocab_size / t + (4 * cfg.dim if t > 1 else 0))
     return {"layers": int(layers * act_bytes), "loss_head": int(head * act_bytes)}
+
+
+def _tokens_per_chip(shape: MeshShape, batch: int, seq_len: int) -> int:
+    return batch * seq_len // (shape.batch_shards * shape.context)
+
+
+def context_kv(cfg: Any, shape: MeshShape, batch: int, seq_len: int, act_bytes: int,
+               recomputed: bool) -> dict[str, int]:
+    """Context parallelism's own costs per chip (zeros with ``context == 1``).
+
+    ``bytes``: one layer's keys and values gathered over ``context`` (``2 kv_dim / t`` per
+    token of the whole sequence, for this chip's rows) and their gradients before the
+    reduce-scatter, live while that layer's attention runs. ``gather_bytes_per_step``: what
+    the chip receives for them, ``(context - 1) / context`` of that per gather: each layer's
+    forward all-gather, its backward reduce-scatter of the gradients, and a second gather
+    where the layer's forward is recomputed (``recomputed``).
+    """
+    if shape.context == 1:
+        return {"bytes": 0, "gather_bytes_per_step": 0}
+    rows = batch // shape.batch_shards
+    gathered = rows * seq_len * 2 * cfg.n_kv_heads * cfg.head_dim / shape.tensor * act_bytes
+    moves = (3 if recomputed else 2) * cfg.n_layers
+    return {"bytes": int(2 * gathered),
+            "gather_bytes_per_step": int(moves * gathered * (shape.context - 1) / shape.context)}
 
 
 def _ffn_width(cfg: Any) -> int:
@@ -195,7 +222,7 @@ def _scanned_peak(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *, grads
     TPU figure by 13-16 % (Llama-3.1-8B on v5e:16x16, 70B on v5p:4x4x8, sequences of 128);
     the phases are within 4 % of it from 128 to 2048 tokens (docs/compile.md).
     """
-    tokens = batch * seq_len // shape.batch_shards
+    tokens = _tokens_per_chip(shape, batch, seq_len)
     per_layer, kept = _layer_elements(cfg, shape.tensor, seq_len, flash_attention)
     loss_head = activation_bytes(cfg, shape, batch, seq_len, activation_checkpointing=False,
                                  act_bytes=act_bytes)["loss_head"]
@@ -246,7 +273,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
              param_bytes: int = 4, act_bytes: int = 4, state_bytes: int | None = None,
              flash_attention: bool = False, grad_accum_steps: int = 1,
              scan_layers: bool = False, remat: str | None = None,
-             frozen_base: FrozenBase | None = None) -> dict[str, Any]:
+             frozen_base: FrozenBase | None = None, context: int = 1) -> dict[str, Any]:
     """Analytic per-chip memory and step time of training ``cfg`` with AdamW.
 
     ``batch`` is the global micro-batch (sequences per forward/backward), which must split
@@ -263,7 +290,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     layer prefetched) and a layer's (two layers gathered, one layer's gradient unreduced).
     Scanned layers without checkpointing: the larger of two whole phases, each with its own
     gradients, FSDP working set and activations (:func:`_scanned_peak`); ``peak_phase`` names
-    it (None when the rows are a sum over the step).
+    it (None when the rows are a sum over the step). ``context``: each sequence split over
+    that many chips (:func:`context_kv`: ``bytes_context_kv``, ``context_kv_gather_bytes``).
     ``remat`` (``trainer.remat``): ``full`` is ``activation_checkpointing``; ``save_dots`` and
     ``save_qkv_proj`` keep part of each layer (:func:`activation_bytes`), gather weights as
     checkpointing does, and are costed at checkpointing's FLOPs (an upper bound).
@@ -274,10 +302,16 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     """
     remat = remat or ("full" if activation_checkpointing else "none")
     activation_checkpointing = remat == "full"
+    # Context-parallel attention runs blockwise and keeps per-row statistics, as a fused
+    # kernel does (tpu_train.ops.context_attention).
+    flash_attention = flash_attention or context > 1
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices,
-                               expert=expert)
+                               expert=expert, context=context)
     family = family_of(cfg)
     check_divisibility(family.split_sizes(cfg), shape)
+    if seq_len % (2 * shape.context):
+        raise ValueError(f"seq_len {seq_len} must split into 2 x context = "
+                         f"{2 * shape.context} equal chunks")
     if batch % shape.batch_shards:
         raise ValueError(f"global batch {batch} must be a multiple of data * fsdp * expert = "
                          f"{shape.batch_shards}")
@@ -311,6 +345,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         rows = _scanned_peak(cfg, shape, batch, seq_len, grads=grads, one_layer=one_layer,
                              largest=largest, param_bytes=weight_bytes, act_bytes=act_bytes,
                              flash_attention=flash_attention)
+    kv = context_kv(cfg, shape, batch, seq_len, act_bytes, remat != "none" or scan_layers)
+    rows["bytes_context_kv"] = kv["bytes"]
     accumulator = trained * 4 if grad_accum_steps > 1 else 0
     total = (params + optimizer + accumulator + stacked
              + sum(v for k, v in rows.items() if k.startswith("bytes_")))
@@ -341,6 +377,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
         "model_flops_per_step": model_flops,
         "hardware_flops_per_chip": hardware_flops / num_devices,
         "tokens_per_step": tokens,
+        "context_kv_gather_bytes": kv["gather_bytes_per_step"],
         "warnings": alignment_warnings(cfg, shape),
     }
     if chip is not None:
@@ -468,7 +505,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     """:func:`estimate` for a composed ``tpu-train`` config (the ``tpu-train plan`` command).
 
     Reads ``model.name`` (or ``model.checkpoint``'s config.json), ``data.batch_size`` and
-    ``data.seq_len``, ``parallel.{data,fsdp,tensor}``, ``trainer.{remat,
+    ``data.seq_len``, ``parallel.{data,fsdp,tensor,expert,context}``, ``trainer.{remat,
     activation_checkpointing,precision,grad_accum_steps,micro_batch_size,scan_layers,
     param_dtype}``, ``optim.state_dtype`` and
     ``plan.chip`` (``chip`` overrides it). ``num_devices`` is needed only when a degree is -1;
@@ -479,16 +516,18 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     degrees = tuple(int(setting(config, f"parallel.{axis}", changes))
                     for axis in ("data", "fsdp", "tensor"))
     expert = int(setting(config, "parallel.expert", changes) or 1)
+    context = int(setting(config, "parallel.context", changes) or 1)
     if num_devices is None:
         if -1 in degrees + (expert,):
             raise ValueError(
                 f"parallel.data/fsdp/tensor/expert = {degrees + (expert,)} contains -1: planning "
                 f"needs the chip count, pass num_devices (or set every degree explicitly)")
-        num_devices = math.prod(degrees) * expert
+        num_devices = math.prod(degrees) * expert * context
     compute_dtype = compute_dtype_of(config)
     cfg = planned_model(config.model.name, config.model.checkpoint,
                         **architecture_overrides(config.model))
-    shards = resolve_mesh_shape(num_devices, *degrees, expert=expert).batch_shards
+    shards = resolve_mesh_shape(num_devices, *degrees, expert=expert,
+                                context=context).batch_shards
     rows, splits = pieces(config, shards, changes)
     if batch is not None:  # a micro-batch of ``batch`` rows: the step's pieces follow
         splits, rows = splits * rows // batch, batch
@@ -510,4 +549,5 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
         param_bytes=param_bytes,
         state_bytes=stored_bytes(setting(config, "optim.state_dtype", changes)),
-        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers), frozen_base=base)
+        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers), frozen_base=base,
+        context=context)

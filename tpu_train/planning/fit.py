@@ -57,7 +57,8 @@ def _layouts(config: Any, num_devices: int,
     expert = int(config.parallel.get("expert", 1))
     shape = resolve_mesh_shape(num_devices, int(config.parallel.data),
                                int(config.parallel.fsdp), int(config.parallel.tensor),
-                               expert=expert)
+                               expert=expert,
+                               context=int(config.parallel.get("context", 1) or 1))
     found = []
     for grow, factor in itertools.product(_CHIP_FACTORS if more_chips else (1,),
                                           _TENSOR_FACTORS):
@@ -73,7 +74,7 @@ def _layouts(config: Any, num_devices: int,
         changes = {key: value for key, value, was in (
             ("parallel.data", data, shape.data), ("parallel.fsdp", fsdp, shape.fsdp),
             ("parallel.tensor", tensor, shape.tensor)) if value != was}
-        found.append((num_devices * grow, data * fsdp * expert, changes))
+        found.append((num_devices * grow, data * fsdp * expert, changes))  # context kept as is
     return found
 
 

@@ -14,7 +14,7 @@ from .estimate import HEADROOM, GiB
 __all__ = ["format_bytes", "format_fitting", "format_report"]
 
 _MEMORY_ROWS = ("params", "grads", "optimizer", "grad_accumulator", "fsdp_gathered",
-                "stacked_layers", "activations", "loss_head", "total")
+                "stacked_layers", "activations", "loss_head", "context_kv", "total")
 
 
 def format_bytes(n: float) -> str:
@@ -24,12 +24,19 @@ def format_bytes(n: float) -> str:
 def _setting_line(result: dict[str, Any]) -> str:
     m = result["mesh"]
     expert = f" expert={m['expert']}" if m.get("expert", 1) > 1 else ""
-    return (f"mesh data={m['data']} fsdp={m['fsdp']}{expert} tensor={m['tensor']} "
+    context = f" context={m['context']}" if m.get("context", 1) > 1 else ""
+    return (f"mesh data={m['data']} fsdp={m['fsdp']}{expert} tensor={m['tensor']}{context} "
             f"({result['num_devices']} chips), batch {result['batch']} x seq "
             f"{result['seq_len']}, remat {result.get('remat', 'none')}, activations "
             f"{8 * result['activation_bytes_per_element']}-bit, attention scores "
-            f"{'not kept (fused kernel)' if result['flash_attention'] else 'materialized'}"
+            f"{_scores(result)}"
             + (", layers scanned" if result.get("scan_layers") else ""))
+
+
+def _scores(result: dict[str, Any]) -> str:
+    if result["mesh"].get("context", 1) > 1:
+        return "not kept (blockwise, context parallel)"
+    return "not kept (fused kernel)" if result["flash_attention"] else "materialized"
 
 
 def _chip_line(result: dict[str, Any]) -> str:
@@ -157,7 +164,11 @@ def format_report(result: dict[str, Any]) -> str:
     lines += [_setting_line(result), f"parameters {result['num_params']:,}",
               f"per-chip memory (analytic{at}):"]
     lines += [f"  {key:<16} {format_bytes(result.get('bytes_' + key, 0))}"
-              for key in _MEMORY_ROWS]
+              for key in _MEMORY_ROWS if key != "context_kv" or result.get("bytes_context_kv")]
+    if result.get("context_kv_gather_bytes"):
+        lines.append(f"context parallelism: keys and values gathered over context, "
+                     f"{format_bytes(result['context_kv_gather_bytes']).strip()} received per "
+                     f"chip per step (forward gathers, backward reduce-scatters)")
     lines.append(f"FLOPs per step (model) {result['model_flops_per_step']:.3e}, per chip "
                  f"(hardware) {result['hardware_flops_per_chip']:.3e}")
     if "chip" in result:

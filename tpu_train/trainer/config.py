@@ -240,6 +240,9 @@ class ParallelConfig:
     # Expert parallelism (a mixture-of-experts model, trainer.mode=compiled): the experts and
     # the batch split over this many devices.
     expert: int = 1
+    # Devices each sequence is split over (context parallelism, trainer.mode=compiled): the
+    # sequence in 2 x context chunks, attention over the gathered keys and values.
+    context: int = 1
 
 
 @dataclass

@@ -61,8 +61,9 @@ class Layout:
         s = self.shape
         processes = f"{self.world.size} process{'es' if self.world.size > 1 else ''}"
         expert = f" expert={s.expert}" if s.expert > 1 else ""
-        return (f"mesh data={s.data} fsdp={s.fsdp}{expert} tensor={s.tensor} ({s.num_devices} "
-                f"device{'s' if s.num_devices > 1 else ''}, {processes})")
+        context = f" context={s.context}" if s.context > 1 else ""
+        return (f"mesh data={s.data} fsdp={s.fsdp}{expert} tensor={s.tensor}{context} "
+                f"({s.num_devices} device{'s' if s.num_devices > 1 else ''}, {processes})")
 
     # ------------------------------------------------------------------ model and batches
 

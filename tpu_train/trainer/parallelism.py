@@ -3,8 +3,9 @@ chosen once from ``trainer.mode`` and the ``parallel`` config section:
 
 * one device (every degree resolves to 1): :class:`~tpu_train.trainer.layouts.SingleDevice`;
 * ``trainer.mode=compiled`` over several devices: :class:`~tpu_train.trainer.layouts.Spmd`, a
-  ``(data, fsdp, expert, tensor)`` mesh over every device of every process and the sharding plan of
-  the model's family (:func:`tpu_train.models.family_of`, handed down to ``parallel``);
+  ``(data, fsdp, expert, context, tensor)`` mesh over every device of every process and the
+  sharding plan of the model's family (:func:`tpu_train.models.family_of`, handed down to
+  ``parallel``);
 * ``trainer.mode=eager`` under a launcher (one process per device):
   :class:`~tpu_train.trainer.layouts.PerDevice`, DTensor TP then FSDP2 ``fully_shard``.
 
@@ -24,6 +25,7 @@ from tpu_train.parallel.plans import PlanError
 from .config import StepMode
 from .errors import ConfigError
 from .layouts import Layout, PerDevice, SingleDevice, Spmd
+from .validation import check_context_seq_len
 from .world import World
 
 LAUNCH_HINT = ("torchrun --nproc-per-node {n} -m tpu_train.cli ... or "
@@ -33,7 +35,8 @@ LAUNCH_HINT = ("torchrun --nproc-per-node {n} -m tpu_train.cli ... or "
 def _degrees(cfg: DictConfig) -> dict[str, int]:
     """``parallel.*``; ``data=-1`` (the default) yields to an explicit ``fsdp=-1`` or
     ``tensor=-1``, so ``parallel.fsdp=-1`` alone means "FSDP over every device"."""
-    degrees = {axis: int(cfg.parallel[axis]) for axis in ("data", "fsdp", "expert", "tensor")}
+    degrees = {axis: int(cfg.parallel[axis])
+               for axis in ("data", "fsdp", "expert", "tensor", "context")}
     if degrees["data"] == -1 and -1 in (degrees["fsdp"], degrees["expert"], degrees["tensor"]):
         degrees["data"] = 1
     return degrees
@@ -79,6 +82,16 @@ def _check_model(family, model: torch.nn.Module, shape: MeshShape) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def _check_window(cfg: DictConfig, model: torch.nn.Module, shape: MeshShape) -> None:
+    from tpu_train.compile.context_parallel import ContextParallelError, check_window
+
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    try:
+        check_window(cfg.data.seq_len, shape.context, window)
+    except ContextParallelError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
                       device: torch.device) -> Layout:
     """Resolve ``cfg.parallel`` for this job into its layout; apply the per-device wrappers
@@ -103,8 +116,10 @@ def setup_parallelism(cfg: DictConfig, model: torch.nn.Module, world: World,
         from tpu_train.parallel.family_plans import sharding_plan
         from tpu_train.parallel.mesh import build_mesh
 
+        check_context_seq_len(cfg.data.seq_len, shape.context)  # data.seq_len=null resolved
+        _check_window(cfg, model, shape)
         mesh = build_mesh(shape.data, shape.fsdp, shape.tensor, devices=devices,
-                          expert=shape.expert)
+                          expert=shape.expert, context=shape.context)
         try:
             plan = sharding_plan(family)
         except PlanError as exc:

@@ -71,6 +71,34 @@ def _validate_parallel(cfg: DictConfig) -> None:
     _require(len(inferred) <= 1,
              f"at most one of parallel.{' and parallel.'.join(inferred)} may be -1 (infer from "
              "the device count); set the others explicitly")
+    _validate_context(cfg)
+
+
+def _validate_context(cfg: DictConfig) -> None:
+    """``parallel.context``: sequences split over devices in the compiled SPMD step only, in
+    2 x context equal chunks (the zig-zag layout), without packed rows' document masks."""
+    context = cfg.parallel.context
+    _require(context >= 1, f"parallel.context must be >= 1 (devices each sequence is split "
+                           f"over), got {context}")
+    if context == 1:
+        return
+    mode = StepMode(cfg.trainer.mode)
+    _require(mode is StepMode.compiled,
+             f"parallel.context={context} splits sequences in the compiled SPMD step; "
+             f"trainer.mode={mode.value} has none: use trainer.mode=compiled, or "
+             "parallel.context=1")
+    _require(not cfg.data.packing,
+             f"parallel.context={context} does not support data.packing=true (packed rows' "
+             "document masks); set data.packing=false or parallel.context=1")
+    check_context_seq_len(cfg.data.seq_len, context)
+
+
+def check_context_seq_len(seq_len, context: int) -> None:
+    """``data.seq_len`` (once known) must split into ``2 x parallel.context`` equal chunks."""
+    _require(seq_len is None or context == 1 or seq_len % (2 * context) == 0,
+             f"data.seq_len={seq_len} does not split into 2 x parallel.context = "
+             f"{2 * context} equal chunks (the zig-zag layout of context parallelism); make "
+             f"data.seq_len a multiple of {2 * context}")
 
 
 def _validate_run_dir(cfg: DictConfig) -> None:

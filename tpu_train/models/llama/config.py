@@ -142,6 +142,11 @@ CONFIGS: dict[str, LlamaConfig] = {
         dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=768,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False,
     ),
+    # Long sequences at a test's cost: context parallelism at 4,096 tokens on the CPU client.
+    "debug_tiny_long": LlamaConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=192,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=8192, tie_embeddings=False,
+    ),
     # The sizes scripts/bench_train_step.py --size benchmarks (scripts/jax_llama.py SIZES), at
     # the sequence length they are benchmarked at: configs/model/llama_{w1,350m,1b}.yaml train
     # them from random initialization at the benchmark's batch.
