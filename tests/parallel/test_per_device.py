@@ -115,7 +115,7 @@ def test_one_process_without_degrees_is_a_no_op():
     model = Llama(TINY)
     before = [p for p in model.parameters()]
     par = parallelize_per_device(model, LLAMA, data=-1, fsdp=1, tensor=1)
-    assert par.shape.sizes == (1, 1, 1, 1) and par.mesh is None and par.batch_rank == 0
+    assert par.shape.sizes == (1, 1, 1, 1, 1) and par.mesh is None and par.batch_rank == 0
     assert [p for p in model.parameters()] == before
 
 
@@ -123,7 +123,7 @@ def test_degrees_are_checked_against_the_world_and_the_model(monkeypatch):
     import tpu_train.parallel.per_device as per_device
 
     monkeypatch.setattr(per_device, "_world_size", lambda: 4)
-    assert resolve_per_device_shape(data=1, fsdp=-1, tensor=2).sizes == (1, 2, 1, 2)
+    assert resolve_per_device_shape(data=1, fsdp=-1, tensor=2).sizes == (1, 2, 1, 1, 2)
     with pytest.raises(MeshError, match=r"1 \* 2 \* 1 = 2, but there are 4 devices.*world size 4"):
         resolve_per_device_shape(data=1, fsdp=2, tensor=1)
     with pytest.raises(MeshError, match=r"parallel.tensor=4 .* n_kv_heads=2"):

@@ -148,9 +148,10 @@ def parallelize_per_device(model: nn.Module, family: Any, *, data: int, fsdp: in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # Context parallelism is SPMD-only (config checks refuse it in eager mode): no such axis.
+    # Expert and context parallelism are SPMD-only (the config checks refuse them in eager
+    # mode): the per-device mesh has no such axes.
     mesh = init_device_mesh(device_type, (shape.data, shape.fsdp, shape.tensor),
-                            mesh_dim_names=tuple(a for a in AXES if a != "context"))
+                            mesh_dim_names=("data", "fsdp", "tensor"))
     if shape.tensor > 1:
         from .tensor_parallel import apply_tensor_parallel
 
