@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.trainer.cli_helpers import TINY, one_thread, run_in_process  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -16,7 +20,9 @@ def test_help_lists_recipes():
     for recipe in ("llama_pretrain", "llama_finetune", "llama_lora", "generate", "eval"):
         assert recipe in out
     assert "recipe: eval, generate, llama_finetune, llama_lora, llama_pretrain" in out
-    assert "model: debug_tiny, debug_tiny_base, llama2_7b" in out
+    presets = sorted(path.stem for path in (REPO / "configs" / "model").glob("*.yaml"))
+    assert "debug_tiny" in presets and "llama3_1_8b" in presets
+    assert "model: " + ", ".join(presets) + "\n" in out
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

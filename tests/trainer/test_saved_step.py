@@ -51,7 +51,8 @@ def saved(tmp_path_factory):
     assert not (work / "never_written").exists()  # compiling only writes no run
     manifest = json.loads((work / "step.xla.json").read_text())
     assert manifest["environment"]["platform"] == "cpu"
-    assert manifest["environment"]["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert manifest["environment"]["mesh"] == {"data": 8, "fsdp": 1, "expert": 1, "context": 1,
+                                                "tensor": 1}
     return path
 
 
