@@ -429,7 +429,8 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
                       flush=True)
 
 
-SIZED_MODES = ("eager", "fused", "compiled", "compiled_scan", "jax", "jax_ahead", "jax_scan")
+SIZED_MODES = ("eager", "fused", "compiled", "compiled_scan", "jax", "jax_ahead", "jax_scan",
+               "user_autocast", "user_compute")
 SIZED_DEFAULT = ("compiled", "jax")
 
 
@@ -485,6 +486,14 @@ def sized(parser, args) -> dict:
     build["jax_scan"] = functools.partial(tsm.ReferenceMode, cpu_model, size,
                                           tsm.hyper_from(configs["compiled"]), args.precision,
                                           args.remat or "dots", scan=True)
+    # A user's own loop (compile_train_step, torch AdamW, no trainer) under torch.autocast's
+    # bf16 and under the trainer's compute dtype.
+    import torch
+
+    for name, dtype in (("user_autocast", {"autocast_dtype": torch.bfloat16}),
+                        ("user_compute", {"compute_dtype": torch.bfloat16})):
+        build[name] = functools.partial(tsm.UserLoopMode, cpu_model,
+                                        tsm.hyper_from(configs["compiled"]), lm_loss, **dtype)
     modes, results, memory = {}, {}, {}
     for name in names:
         modes[name] = build[name]()
@@ -533,7 +542,9 @@ def sized(parser, args) -> dict:
         c, j = report["modes"]["compiled"], report["modes"]["jax_ahead"]
         report["compiled_over_jax_ahead"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
                                              "median": round(c["median_s"] / j["median_s"], 3)}
-    for a, b in (("compiled_scan", "compiled"), ("compiled_scan", "jax_scan"),
+    for a, b in (("user_autocast", "jax"), ("user_compute", "jax"),
+                 ("user_autocast", "compiled"), ("compiled_scan", "compiled"),
+                 ("compiled_scan", "jax_scan"),
                  ("compiled", "jax_scan"), ("jax_scan", "jax")):
         if a in report["modes"] and b in report["modes"]:
             x, y = report["modes"][a], report["modes"][b]

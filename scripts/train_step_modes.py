@@ -145,6 +145,51 @@ class TrainerMode(_Timed):
         jax.block_until_ready(storage_of(loss).buffer)
 
 
+class UserLoopMode(_Timed):
+    """A PyTorch user's own loop around the same model, without the trainer: the model moved to
+    the device, ``torch.optim.AdamW`` with ``hyper``'s settings, and
+    ``compile_train_step(model, optimizer, loss_fn, max_grad_norm=..., **dtype)``. ``dtype`` is
+    ``{"autocast_dtype": torch.bfloat16}`` (torch.autocast's meaning: float32 operands stay
+    float32) or ``{"compute_dtype": torch.bfloat16}`` (the trainer's bf16)."""
+
+    def __init__(self, cpu_model, hyper, loss_fn, **dtype):
+        import torch
+
+        import tpu_train
+        from tpu_train.compile import compile_train_step
+
+        self.model = copy.deepcopy(cpu_model).to(tpu_train.device(0))
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=hyper.lr,
+                                      betas=(hyper.b1, hyper.b2), eps=hyper.eps,
+                                      weight_decay=hyper.weight_decay)
+        self.step_fn = compile_train_step(self.model, optimizer, loss_fn,
+                                          max_grad_norm=hyper.max_grad_norm, **dtype)
+        self.device = tpu_train.device(0)
+
+    def step(self, batch: dict):
+        import torch
+
+        placed = {key: torch.from_numpy(np.asarray(value, dtype=np.int64)).to(self.device)
+                  for key, value in batch.items()}
+        return self.step_fn(placed)["loss"]
+
+    @property
+    def stages(self) -> dict:
+        records = self.step_fn.compilations
+        if not records:
+            return {}
+        return {"trace_s": round(sum(r.trace_s for r in records), 3),
+                "lower_s": round(sum(r.lower_s for r in records), 3),
+                "xla_compile_s": round(sum(r.compile_s for r in records), 3),
+                "compilations": len(records)}
+
+    @property
+    def compile_s(self) -> float:
+        return sum(v for k, v in self.stages.items() if k.endswith("_s"))
+
+    ready = TrainerMode.ready
+
+
 class ReferenceMode(_Timed):
     """:class:`jax_llama.Reference` on the device the compiled step uses: its batch put on the
     device at its call, or with ``batches_ahead`` by :meth:`put_ahead` during the step
