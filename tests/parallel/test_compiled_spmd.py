@@ -200,7 +200,7 @@ def test_parameters_are_global_arrays_split_per_plan(layout):
     for name, p in model.named_parameters():
         buffer = storage_of(p).buffer
         assert len(buffer.sharding.device_set) == 8, name
-        expected = plan.sharding_for(name, tuple(p.shape), step.mesh)
+        expected = plan.sharding_for(name, tuple(p.shape), step.settings.mesh)
         assert buffer.sharding == flat_storage_sharding(expected), name
         # Split as many ways as the plan splits the natural-shape parameter (distinct blocks).
         blocks = expected.devices_indices_map(tuple(p.shape)).values()

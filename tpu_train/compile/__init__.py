@@ -23,6 +23,7 @@ from tpu_train.compile.interpreter import MissingLoweringError, run_graph
 from tpu_train.compile.lowering import lower_step, lower_train_step
 from tpu_train.compile.memory_errors import ProgramOutOfMemoryError
 from tpu_train.compile.program import Program
+from tpu_train.compile.step_settings import StepSettings
 from tpu_train.compile.train_step import CompiledTrainStep, compile_train_step
 from tpu_train.compile import dynamo_backend as _dynamo_backend
 
@@ -43,6 +44,7 @@ __all__ = [
     "Program",
     "ProgramOutOfMemoryError",
     "Signature",
+    "StepSettings",
     "UnsupportedOptimizerError",
     "compile_train_step",
     "describe_changes",

@@ -25,14 +25,13 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 from tpu_train.compile import cache as cache_mod
 from tpu_train.compile import program as program_mod
 from tpu_train.compile.functional_optim import OptimizerAdapter, adapter_for
-from tpu_train.compile.loss_graph import AUTODIFF_CHOICES
 from tpu_train.compile.spmd import place_global
+from tpu_train.compile.step_settings import StepSettings, check_autocast_dtype
 from tpu_train.device import autocast, lazy, runtime
 
 __all__ = ["StepDefinition", "StepInputs", "autocast_region", "batch_structure",
-           "check_compute_dtype", "check_step_settings", "collect_step_inputs", "flatten_batch",
-           "ScalarsAhead", "host_scalars", "lower_collected", "lower_step", "lower_train_step",
-           "step_autocast_dtype"]
+           "collect_step_inputs", "flatten_batch", "ScalarsAhead", "host_scalars",
+           "lower_collected", "lower_step", "lower_train_step", "step_autocast_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,33 +42,7 @@ class StepDefinition:
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[torch.nn.Module, Any], Any]
     adapter: OptimizerAdapter
-    max_grad_norm: float | None = None
-    grad_accum_steps: int = 1
-    donate: bool = True
-    scan_layers: bool | None = None
-    autodiff: str = "jax"
-    skip_non_finite: bool = False
-    autocast_dtype: torch.dtype | None = None
-    mesh: Any = None
-    plan: Any = None
-    compute_dtype: torch.dtype | None = None
-
-
-def check_compute_dtype(compute_dtype: torch.dtype | None) -> None:
-    if compute_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError("compute_dtype must be torch.bfloat16, torch.float16, torch.float32 "
-                         f"or None, got {compute_dtype}")
-
-
-def check_step_settings(max_grad_norm: float | None, grad_accum_steps: int,
-                        autodiff: str = "jax") -> None:
-    if autodiff not in AUTODIFF_CHOICES:
-        raise ValueError(f"autodiff must be one of {', '.join(map(repr, AUTODIFF_CHOICES))}, "
-                         f"got {autodiff!r}")
-    if grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    settings: StepSettings = StepSettings()
 
 
 @dataclasses.dataclass
@@ -235,9 +208,7 @@ def step_autocast_dtype(explicit: torch.dtype | None) -> torch.dtype | None:
     code under the same ``with`` block would be. ``None``: no autocast.
     """
     if explicit is not None:
-        if explicit not in (torch.bfloat16, torch.float16):
-            raise ValueError("autocast_dtype must be torch.bfloat16 or torch.float16, got "
-                             f"{explicit}")
+        check_autocast_dtype(explicit)
         return explicit
     if torch.is_autocast_enabled(autocast.DEVICE_TYPE):
         return torch.get_autocast_dtype(autocast.DEVICE_TYPE)
@@ -282,21 +253,18 @@ def _tensor_names(model) -> Callable[[torch.Tensor], str]:
 
 
 def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     loss_fn: Callable[[torch.nn.Module, Any], Any], batch, *, mesh=None,
-                     plan=None, max_grad_norm: float | None = None, grad_accum_steps: int = 1,
-                     donate: bool = True, autocast_dtype: torch.dtype | None = None,
-                     compile: bool = True, scan_layers: bool | None = None,
-                     autodiff: str = "jax", runtime_options: bool = True,
-                     skip_non_finite: bool = False, target=None,
-                     compute_dtype: torch.dtype | None = None) -> program_mod.Program:
+                     loss_fn: Callable[[torch.nn.Module, Any], Any], batch, *,
+                     compile: bool = True, runtime_options: bool = True, target=None,
+                     **settings: Any) -> program_mod.Program:
     """The program ``compile_train_step`` would run for ``batch``, lowered but never executed.
 
-    Args are those of ``compile_train_step``; ``batch`` is a pytree of tensors whose shapes
-    and dtypes are read (``meta`` tensors will do). The model may live on the ``tpu`` device
-    or on ``meta``: nothing is read from its values, and missing optimizer state is created
-    like the parameters (``meta`` for a ``meta`` model). ``mesh`` and ``plan`` (both or neither)
-    lower the SPMD program over the mesh; without them the program is for the model's ``tpu``
-    device (``tpu:0`` for a ``meta`` model). ``compile=False`` stops after lowering.
+    ``settings`` are ``compile_train_step``'s keywords (:class:`StepSettings`); ``batch`` is a
+    pytree of tensors whose shapes and dtypes are read (``meta`` tensors will do). The model may
+    live on the ``tpu`` device or on ``meta``: nothing is read from its values, and missing
+    optimizer state is created like the parameters (``meta`` for a ``meta`` model). ``mesh``
+    and ``plan`` (both or neither) lower the SPMD program over the mesh; without them the
+    program is for the model's ``tpu`` device (``tpu:0`` for a ``meta`` model).
+    ``compile=False`` stops after lowering.
     ``runtime_options=False`` compiles with XLA's defaults instead of the runtime's options for
     this process's platform (the planner: it reports XLA's buffers for another chip).
     ``target``: compile for a TPU that need not be here (:func:`lower_step`).
@@ -305,12 +273,8 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``executable`` (None without compile), ``analysis()`` (XLA's memory and FLOPs per device)
     and ``seconds`` (trace / lower / compile).
     """
-    check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
-    check_compute_dtype(compute_dtype)
-    step = StepDefinition(model, optimizer, loss_fn, adapter_for(optimizer), max_grad_norm,
-                          int(grad_accum_steps), bool(donate), scan_layers, autodiff,
-                          bool(skip_non_finite), autocast_dtype, mesh, plan,
-                          compute_dtype)
+    step = StepDefinition(model, optimizer, loss_fn, adapter_for(optimizer),
+                          StepSettings(**settings))
     return lower_step(step, batch, target=target, compile=compile,
                       runtime_options=runtime_options)
 
@@ -318,7 +282,7 @@ def lower_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def _placement_for(step, target) -> tuple[Any, Any, Any]:
     """``(device, mesh, plan)`` to lower ``step`` for: its own, or the ``target``'s chips
     (a step with a mesh keeps its axes, laid over the target's devices)."""
-    mesh, plan = getattr(step, "mesh", None), getattr(step, "plan", None)
+    mesh, plan = step.settings.mesh, step.settings.plan
     if target is None:
         return None, mesh, plan
     from tpu_train.compile.targets import TargetError, target_of
@@ -355,8 +319,7 @@ def lower_step(step, batch, *, target=None, compile: bool = True,
         device = runtime.jax_device((first.index or 0) if first.type == "tpu" else 0)
     stages = cache_mod.TimedStages()
     program = lower_collected(step, inputs, scalars, stages, device=device, mesh=mesh, plan=plan,
-                              autocast_dtype=step_autocast_dtype(
-                                  getattr(step, "autocast_dtype", None)),
+                              autocast_dtype=step_autocast_dtype(step.settings.autocast_dtype),
                               compile=compile, runtime_options=runtime_options)
     program.seconds = dict(stages.seconds)
     return program

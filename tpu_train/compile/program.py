@@ -295,15 +295,15 @@ class _StepFunction:
     def __init__(self, step, st, traced: TracedStep, layout: _SpmdLayout | None,
                  natural: bool, platform: str):
         self.traced, self.layout, self.natural = traced, layout, natural
-        self.k = step.grad_accum_steps
-        self.skip = bool(getattr(step, "skip_non_finite", False))
+        self.k = step.settings.grad_accum_steps
+        self.skip = step.settings.skip_non_finite
         self.own_norm = traced.grad_norm_dtype != torch.float32
         self.skip_by_select = skips_by_select(platform)
         self.n_params, self.n_consts = len(st.params), len(st.consts)
         self.param_shapes = [tuple(p.shape) for p in st.params]
         self.state_shapes = [tuple(t.shape) for t in st.states]
         self.batch_shapes = [tuple(b.shape) for b in st.batch_leaves]
-        compute = getattr(step, "compute_dtype", None)
+        compute = step.settings.compute_dtype
         self.compute = None if compute is None else storage_dtype(compute)
 
     def __call__(self, param_flat, state_flat, consts, batch, scalars_in, key):
@@ -426,7 +426,7 @@ class _StepFunction:
 def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdLayout | None,
                            values, scalars, device, own_norm: bool):
     """``(jitted program, its arguments to lower with, in_shardings)``."""
-    donate = (0, 1) if step.donate else ()
+    donate = (0, 1) if step.settings.donate else ()
     n_indices, random = traced.layer_indices, traced.random
     if layout is None:
         jitted = jax.jit(program, donate_argnums=donate)
@@ -500,7 +500,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     with _attention_form(mesh, batch_shapes, model=step.model), \
             shared_layers.recomputation_fenced(platform == "cpu"):
         traced = trace_step(step, st, scalars, stages,
-                             autodiff or getattr(step, "autodiff", "jax"), natural)
+                             autodiff or step.settings.autodiff, natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
     platform = (mesh.devices.flat[0] if mesh is not None else device).platform
     step_function = _StepFunction(step, st, traced, layout, natural, platform)

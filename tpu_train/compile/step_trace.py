@@ -56,7 +56,7 @@ def _trace_gradients(step, st, fakes, param_fakes, const_fakes, batch_fakes,
                      autodiff: str) -> _GradientTrace:
     args = (step.model, step.loss_fn, st.param_names, st.const_names, st.batch_spec, fakes,
             param_fakes, const_fakes, batch_fakes)
-    scan_layers = getattr(step, "scan_layers", None)
+    scan_layers = step.settings.scan_layers
     least = layer_groups.min_scanned_layers(scan_layers)
     model_fallback = ""
     if autodiff != "jax":
@@ -100,7 +100,7 @@ class TracedStep:
 def trace_step(step, st, scalars, stages, autodiff: str, natural: bool) -> TracedStep:
     """Trace the gradient (or loss) graph and the update graph on fake tpu tensors."""
     fakes = tracing.FakeFactory()
-    k = step.grad_accum_steps
+    k = step.settings.grad_accum_steps
     # Tracing happens on the tpu device whatever the tensors are (a planner's model lives on
     # ``meta``); where the program runs comes from ``device`` or the mesh.
     first = st.params[0].device
@@ -109,7 +109,7 @@ def trace_step(step, st, scalars, stages, autodiff: str, natural: bool) -> Trace
     def fake(t, shape=None, dtype=None):
         return fakes.like(t.shape if shape is None else shape, dtype or t.dtype, tpu_device)
 
-    compute = getattr(step, "compute_dtype", None)
+    compute = step.settings.compute_dtype
     param_fakes = [fake(p, dtype=compute_dtype_for(p.dtype, compute)) for p in st.params]
     const_fakes = [fake(c) for c in st.consts]
     batch_fakes = [fake(b, (b.shape[0] // k,) + tuple(b.shape[1:])) for b in st.batch_leaves]
@@ -132,7 +132,7 @@ def trace_step(step, st, scalars, stages, autodiff: str, natural: bool) -> Trace
     grad_fakes = [fake(p, update_shape(p)) for p in st.params]
     scalars_fake = fakes.like(scalars.shape, torch.float32, tpu_device)
     update_gm = stages.time("trace", tracing.trace_update_graph, step.adapter, settings,
-                            st.group_sizes, st.state_counts, step.max_grad_norm, fakes,
+                            st.group_sizes, st.state_counts, step.settings.max_grad_norm, fakes,
                             flat_param_fakes, grad_fakes, state_fakes, scalars_fake)
     grad_gm = traced.gm
     interpreter.check_lowerings(grad_gm.graph)

@@ -36,10 +36,10 @@ from tpu_train.compile import context_parallel
 from tpu_train.compile.call_plan import CallPlan, donatable, structure_generation
 from tpu_train.compile.functional_optim import adapter_for
 from tpu_train.compile.lowering import (ScalarsAhead, StepInputs, batch_structure,
-                                        check_compute_dtype, check_step_settings,
                                         collect_step_inputs, flatten_batch, host_scalars,
                                         lower_collected, step_autocast_dtype)
 from tpu_train.compile.program import FINITE, METRICS, compile_program, natural_layout
+from tpu_train.compile.step_settings import StepSettings
 from tpu_train.device import rng, runtime
 from tpu_train.device.storage import Storage, shape_whole
 from tpu_train.device.tensor import (TpuTensor, from_host_whole, host_array, new_tensor,
@@ -105,33 +105,21 @@ def _settle_hook(step_ref):
 
 
 class CompiledTrainStep:
-    """The callable returned by :func:`compile_train_step`."""
+    """The callable returned by :func:`compile_train_step`: ``model``, ``optimizer`` and
+    ``loss_fn`` stepped under ``settings`` (a :class:`StepSettings`); ``scheduler`` is stepped
+    after each call; ``name`` names the step in compile logs."""
 
-    def __init__(self, model, optimizer, loss_fn, *, scheduler=None, max_grad_norm=None,
-                 grad_accum_steps=1, donate=True, warn_after=cache_mod.DEFAULT_WARN_AFTER,
-                 name=None, mesh=None, plan=None, autocast_dtype=None, skip_non_finite=False,
-                 scan_layers=None, autodiff="jax", compute_dtype=None):
-        check_step_settings(max_grad_norm, grad_accum_steps, autodiff)
-        check_compute_dtype(compute_dtype)
-        self.compute_dtype = compute_dtype
-        self.skip_non_finite = bool(skip_non_finite)
+    def __init__(self, model, optimizer, loss_fn, settings: StepSettings = StepSettings(), *,
+                 scheduler=None, name=None):
+        self.settings = settings
         self.model = model
         self.optimizer = optimizer
-        shards = context_parallel.context_degree(mesh)
+        shards = context_parallel.context_degree(settings.mesh)
         self.loss_fn = loss_fn if shards == 1 else context_parallel.zigzag_loss(loss_fn, shards)
         self.scheduler = scheduler
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.grad_accum_steps = int(grad_accum_steps)
-        self.donate = bool(donate)
-        self.scan_layers = None if scan_layers is None else bool(scan_layers)
-        self.autodiff = autodiff
-        self.mesh = mesh  # with plan: an SPMD program (see tpu_train.compile.program)
-        self.plan = plan
         self.adapter = adapter_for(optimizer)
-        self.autocast_dtype = autocast_dtype
-        step_autocast_dtype(autocast_dtype)  # reject a bad dtype up front
         self.cache = cache_mod.CompileCache(
-            name or f"train step of {type(model).__name__}", warn_after=warn_after)
+            name or f"train step of {type(model).__name__}", warn_after=settings.warn_after)
         self._names: dict[int, str] = {}
         self._call_plan: CallPlan | None = None
         self._batch_structure = None  # the latest batch's (lowering.batch_structure)
@@ -139,7 +127,7 @@ class CompiledTrainStep:
         # its counts were advanced, and go back in settle() if the flag says so.
         self._unsettled: tuple | None = None
         self._scalars_ahead = ScalarsAhead()
-        if self.skip_non_finite:
+        if settings.skip_non_finite:
             # Whatever reads, replaces or advances the counts on the optimizer settles first.
             hook = _settle_hook(weakref.ref(self))
             optimizer.register_state_dict_pre_hook(hook)
@@ -177,17 +165,18 @@ class CompiledTrainStep:
 
     def _settings(self, st: StepInputs, whole: tuple,
                   autocast_dtype: torch.dtype | None) -> tuple:
+        own = self.settings
         settings = [("model.training", self.model.training),
-                    ("max_grad_norm", self.max_grad_norm),
-                    ("grad_accum_steps", self.grad_accum_steps),
-                    ("donate", self.donate),
-                    ("scan_layers", self.scan_layers),
-                    ("autodiff", self.autodiff),
-                    ("skip_non_finite", self.skip_non_finite),
+                    ("max_grad_norm", own.max_grad_norm),
+                    ("grad_accum_steps", own.grad_accum_steps),
+                    ("donate", own.donate),
+                    ("scan_layers", own.scan_layers),
+                    ("autodiff", own.autodiff),
+                    ("skip_non_finite", own.skip_non_finite),
                     ("optimizer param group sizes", tuple(st.group_sizes)),
                     ("params that own their storage", whole),
                     ("autocast dtype", autocast_dtype),
-                    ("compute dtype", self.compute_dtype),
+                    ("compute dtype", own.compute_dtype),
                     # The level every float32 dot is traced with: a changed
                     # torch.set_float32_matmul_precision must not reuse a program.
                     ("matmul precision", matmul_mod.get_matmul_precision())]
@@ -250,11 +239,12 @@ class CompiledTrainStep:
 
     def _batch_arrays(self, names, leaves) -> list:
         arrays = []
+        accum = self.settings.grad_accum_steps
         for name, t in zip(names, leaves):
-            if t.dim() == 0 or t.shape[0] % self.grad_accum_steps:
+            if t.dim() == 0 or t.shape[0] % accum:
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)}: with grad_accum_steps="
-                    f"{self.grad_accum_steps} every batch tensor's first dim must be a multiple "
+                    f"{accum} every batch tensor's first dim must be a multiple "
                     "of it (micro-batches are consecutive slices along dim 0)")
             # A host tensor goes to the executable as a NumPy array: its own transfer, with
             # the other host arguments, costs less host time than a device_put before.
@@ -267,7 +257,7 @@ class CompiledTrainStep:
         program reshapes a flat one, where reading it in its shape would run a reshape program
         each call; a part of a larger storage, or any tensor of an SPMD step (placed by the
         layout), is read as a view."""
-        if self.mesh is None and owns_whole_storage(tensor):
+        if self.settings.mesh is None and owns_whole_storage(tensor):
             return storage_of(tensor).as_stored()
         return tensor.jax_value()
 
@@ -278,11 +268,12 @@ class CompiledTrainStep:
         plan, leaves, names, spec = self._plan(batch)
         index, whole = plan.device_index, plan.whole
         device = runtime.jax_device(index)
-        natural = self.mesh is None and natural_layout(device.platform)
+        mesh = self.settings.mesh
+        natural = mesh is None and natural_layout(device.platform)
         param_arrays, state_arrays = self._param_and_state_arrays(plan, natural)
         const_arrays = plan.const_arrays()
         batch_arrays = self._batch_arrays(names, leaves)
-        autocast_dtype = step_autocast_dtype(self.autocast_dtype)
+        autocast_dtype = step_autocast_dtype(self.settings.autocast_dtype)
         signature = plan.signature(self._specs(names, leaves, batch_arrays),
                                    self._settings(plan.inputs, whole, autocast_dtype))
         scalars, steps = host_scalars(self.optimizer, self.adapter)
@@ -293,7 +284,8 @@ class CompiledTrainStep:
             values = {"params": param_arrays, "states": state_arrays, "consts": const_arrays,
                       "batch": [_on_device(a, device) for a in batch_arrays], "whole": whole}
             return lower_collected(self, st, scalars, stages, values=values, device=device,
-                                   mesh=self.mesh, plan=self.plan, autocast_dtype=autocast_dtype,
+                                   mesh=mesh, plan=self.settings.plan,
+                                   autocast_dtype=autocast_dtype,
                                    runtime_options=True, compile=compile)
 
         arguments = (param_arrays, state_arrays, const_arrays, batch_arrays,
@@ -308,7 +300,7 @@ class CompiledTrainStep:
         and on a TPU a program waits for every such transfer before it starts. The program
         for device batches is not the one for host batches (a loop keeps to one kind). A step
         over a mesh returns ``batch`` as it is: its layout places batches on the mesh."""
-        if self.mesh is not None:
+        if self.settings.mesh is not None:
             return batch
         index = next(iter(self.model.parameters())).device.index
 
@@ -361,7 +353,8 @@ class CompiledTrainStep:
             target = target_of(target)
             program = lower_step(self, batch, target=target)
             stages.seconds.update(program.seconds)
-            devices = list(target.devices) if self.mesh is not None else [target.devices[0]]
+            devices = (list(target.devices) if self.settings.mesh is not None
+                       else [target.devices[0]])
         compiled = getattr(program.executable, "compiled", program.executable)
         manifest = saved_executable.save(
             compiled, program.lowered, path,
@@ -389,17 +382,19 @@ class CompiledTrainStep:
 
         def load(stages):
             return load_program(build(stages, compile=False), path, manifest,
-                                None if self.mesh is not None else devices, stages)
+                                None if self.settings.mesh is not None else devices, stages)
 
         self.cache.get_or_build(signature, load)
 
     def _program_devices(self, device) -> list:
-        return [device] if self.mesh is None else list(self.mesh.devices.flat)
+        mesh = self.settings.mesh
+        return [device] if mesh is None else list(mesh.devices.flat)
 
     def _mesh_shape(self) -> dict | None:
-        if self.mesh is None:
+        mesh = self.settings.mesh
+        if mesh is None:
             return None
-        return dict(zip(self.mesh.axis_names, map(int, self.mesh.devices.shape)))
+        return dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         plan, entry, steps, outputs = self._launch(batch)
@@ -443,13 +438,13 @@ class CompiledTrainStep:
         # The gradient norm is always measured (it is almost free next to the update), also
         # without clipping, so the metrics have the same keys in every configuration.
         out = _metric_tensors(metrics, own_norm[0] if own_norm else None,
-                              entry.grad_norm_dtype, index, self.skip_non_finite)
+                              entry.grad_norm_dtype, index, self.settings.skip_non_finite)
         # The step counts advance now; where the update turns out skipped, settle() puts them
         # back (which leaves them, and so the bias corrections, as they were).
         groups = self.optimizer.param_groups
         for group, step in zip(groups, steps):
             self.adapter.set_step_count(group, step)
-        if self.skip_non_finite:
+        if self.settings.skip_non_finite:
             self._unsettled = (metrics, list(zip(groups, steps)))
         self._scalars_ahead.put(host_scalars(self.optimizer, self.adapter)[0],
                                 entry.scalars_placement(runtime.jax_device(index)))
@@ -557,9 +552,9 @@ def compile_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         ``skip_non_finite``), 0-dim device tensors: the call does not wait for the device.
         ``batch`` is any pytree (dict, tuple, list) of tensors.
     """
-    return CompiledTrainStep(model, optimizer, loss_fn, scheduler=scheduler,
-                             max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
-                             donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
-                             autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite,
-                             scan_layers=scan_layers, autodiff=autodiff,
-                             compute_dtype=compute_dtype)
+    settings = StepSettings(max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
+                            donate=donate, warn_after=warn_after, mesh=mesh, plan=plan,
+                            autocast_dtype=autocast_dtype, skip_non_finite=skip_non_finite,
+                            scan_layers=scan_layers, autodiff=autodiff,
+                            compute_dtype=compute_dtype)
+    return CompiledTrainStep(model, optimizer, loss_fn, settings, scheduler=scheduler)

@@ -34,8 +34,8 @@ def place_for_step(step: Any, mesh=None, plan=None) -> dict[str, Any]:
     not own their storage, shared storages) are replicated. Returns ``{parameter name:
     NamedSharding}`` of the plan, for inspection.
     """
-    mesh = mesh if mesh is not None else getattr(step, "mesh", None)
-    plan = plan if plan is not None else getattr(step, "plan", None)
+    mesh = mesh if mesh is not None else step.settings.mesh
+    plan = plan if plan is not None else step.settings.plan
     if mesh is None or plan is None:
         raise ValueError("place_for_step needs a mesh and a plan (from the step or as arguments)")
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

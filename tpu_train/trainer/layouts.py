@@ -36,7 +36,7 @@ from .checkpoint import SHARDED_DIR, refuse_non_finite
 from .config import OnNonFinite, StepMode
 from .errors import ConfigError
 from .state import host_tensor, hyperparameters, restore_hyperparameters
-from .step import EagerStep, StepSettings, TrainStep, causal_lm_loss_sum_and_count
+from .step import EagerStep, EagerStepSettings, TrainStep, causal_lm_loss_sum_and_count
 from .world import World
 
 
@@ -126,9 +126,10 @@ class Layout:
             compiled = _compile(job, self, (model, optimizer, scheduler), loss_fn, splits)
             return TrainStep(self, compiled, compiled, splits)
         _, size = self.data_parallel_rank()
-        settings = StepSettings(job.precision, trainer.max_grad_norm, splits,
-                                skip_non_finite=True, data_parallel_size=size,
-                                tensor_parallel_size=self.shape.tensor if self.sharded else 1)
+        settings = EagerStepSettings(job.precision, trainer.max_grad_norm, splits,
+                                     skip_non_finite=True, data_parallel_size=size,
+                                     tensor_parallel_size=self.shape.tensor if self.sharded
+                                     else 1)
         eager = EagerStep((model, optimizer, scheduler), job.device, settings)
         return TrainStep(self, eager if job.mode is StepMode.eager else _fused(eager), None,
                          splits)
@@ -347,15 +348,16 @@ class PerDevice(Layout):
 def _compile(job, layout: Layout, trained: tuple, loss_fn: Callable, splits: int):
     """``compile_train_step`` of ``trained = (model, optimizer, scheduler)`` for ``layout``,
     accumulating over ``splits`` pieces of each global batch."""
-    from tpu_train.compile import compile_train_step
+    from tpu_train.compile import CompiledTrainStep, StepSettings
 
     model, optimizer, scheduler = trained
     trainer = job.cfg.trainer
-    return compile_train_step(
-        model, optimizer, loss_fn, scheduler=scheduler, max_grad_norm=trainer.max_grad_norm,
-        grad_accum_steps=splits, mesh=getattr(layout, "mesh", None),
-        plan=getattr(layout, "plan", None), compute_dtype=job.precision.compute_dtype,
-        skip_non_finite=True, scan_layers=trainer.scan_layers)
+    settings = StepSettings(
+        max_grad_norm=trainer.max_grad_norm, grad_accum_steps=splits,
+        mesh=getattr(layout, "mesh", None), plan=getattr(layout, "plan", None),
+        compute_dtype=job.precision.compute_dtype, skip_non_finite=True,
+        scan_layers=trainer.scan_layers)
+    return CompiledTrainStep(model, optimizer, loss_fn, settings, scheduler=scheduler)
 
 
 def _fused(step: Callable) -> Callable:

@@ -97,7 +97,7 @@ def autocast_context(device: torch.device, precision: Precision):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepSettings:
+class EagerStepSettings:
     """What an :class:`EagerStep` does besides forward and backward: ``precision`` (bf16:
     forward and loss under autocast), clipping to ``max_grad_norm`` (None: measure only),
     ``grad_accum_steps`` micro-batches per step, skipping non-finite updates, and the
@@ -123,7 +123,7 @@ class EagerStep:
     update never reaches the parameters.
     """
 
-    def __init__(self, trained: tuple, device: torch.device, settings: StepSettings):
+    def __init__(self, trained: tuple, device: torch.device, settings: EagerStepSettings):
         self.model, self.optimizer, self.scheduler = trained
         self.device = device
         self.precision = settings.precision
