@@ -23,11 +23,15 @@ from tpu_train.device.lazy import eager_mode  # noqa: E402
 from tpu_train.device.runtime import runtime_info  # noqa: E402
 from tpu_train.device.tensor import TpuTensor  # noqa: E402
 
-# A misspelt TPU_TRAIN_PLATFORM fails at the first device use (runtime.platform()), not at
-# import: importing must succeed so that the command line can report it as one line.
+# Everything ``import tpu_train`` registers with torch, in this one place: the ``tpu`` device
+# (a misspelt TPU_TRAIN_PLATFORM fails at the first device use, runtime.platform(), not at
+# import: importing must succeed so that the command line can report it as one line), then
+# the ``tpu`` ProcessGroup with the collective ops' and FSDP2's routing for tpu tensors.
 _registration.register()
 
-from tpu_train import distributed as _distributed  # noqa: E402,F401  (the "tpu" ProcessGroup)
+from tpu_train import distributed as _distributed  # noqa: E402
+
+_distributed.install()
 
 
 def device(index: int | None = None) -> torch.device:

@@ -14,12 +14,13 @@ shared by all its views. So for tpu tensors the helpers swap that Storage's flat
 empty one (free) or a full-size one (alloc), keeping every view's geometry: the same effect
 ``resize_`` has on a real device. Other tensors go to torch's own helpers unchanged.
 
-:func:`install_when_imported` runs on ``import tpu_train.distributed``: :func:`install` runs
-right away when FSDP2 is already imported, else as soon as it is (importing FSDP2 takes most of
-a second, which ``import tpu_train`` does not pay for code that never shards). It checks that the helpers it
-replaces are the ones it was written against (names, signatures, the ``resize_`` calls in their
-source) and raises :class:`FsdpCompatError` otherwise, rather than letting FSDP2 fail later
-with the unhelpful "invalid python storage" (or silently skip a free).
+:func:`install_when_imported` runs on ``import tpu_train`` (``tpu_train.distributed.install``):
+:func:`install` runs right away when FSDP2 is already imported, else as soon as it is (importing
+FSDP2 takes most of a second, which ``import tpu_train`` does not pay for code that never
+shards). It checks that the helpers it replaces are the ones it was written against (names,
+signatures, the ``resize_`` calls in their source) and raises :class:`FsdpCompatError`
+otherwise, rather than letting FSDP2 fail later with the unhelpful "invalid python storage"
+(or silently skip a free).
 """
 
 from __future__ import annotations

@@ -95,8 +95,7 @@ def start_processes() -> World:
         return World(0, 1)
     if not dist.is_initialized():
         check_launch_environment(size)
-        import tpu_train.distributed  # noqa: F401  (registers the "tpu" backend)
-
+        # The "tpu" backend: registered by ``import tpu_train`` (tpu_train.distributed.install).
         dist.init_process_group("tpu")
     return World(dist.get_rank(), dist.get_world_size())
 
