@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tpu_train.compile import compile_train_step, layer_scan, shared_layers
-from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER, UnsupportedCheckpointError
+from tpu_train.compile.remat_regions import OPTIMIZATION_BARRIER, UnsupportedCheckpointError
 
 from tests.platforms import PLATFORM
 from tests.tolerances import loss_rtol

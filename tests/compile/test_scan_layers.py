@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tpu_train.compile import layer_groups
-from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
+from tpu_train.compile.remat_regions import OPTIMIZATION_BARRIER
 from tpu_train.compile.layer_scan import LAYER_SCAN, LAYER_SCAN_BACKWARD, body
 
 from tests.tolerances import loss_rtol

@@ -388,7 +388,7 @@ def test_assemble_applies_remat_with_the_layout(override, remat, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from tpu_train import cli, trainer
-    from tpu_train.compile.checkpointing import forward_remat
+    from tpu_train.compile.remat_regions import forward_remat
     from tpu_train.trainer.config import register_schema
 
     register_schema()

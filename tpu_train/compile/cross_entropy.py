@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_train.compile import checkpointing, loss_graph
+from tpu_train.compile import loss_graph, remat_regions
 from tpu_train.ops import linear_cross_entropy as chunked
 from tpu_train.ops.registry import lowers
 
@@ -42,7 +42,7 @@ def set_chunk_tokens(tokens: int | None) -> None:
     _CHUNK_TOKENS[0] = tokens
 
 
-_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY = torch.library.Library(remat_regions.BARRIER_NAMESPACE, "FRAGMENT")
 _LIBRARY.define("linear_cross_entropy_sum(Tensor x, Tensor w, Tensor target, int ignore_index, "
                 "int max_rows) -> Tensor")
 _LIBRARY.define("linear_cross_entropy_sum_and_grads(Tensor x, Tensor w, Tensor target, "
@@ -99,13 +99,13 @@ def _loss_meta(x, w):
                        device=x.device)
 
 
-@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::linear_cross_entropy_sum")
+@torch.library.register_fake(f"{remat_regions.BARRIER_NAMESPACE}::linear_cross_entropy_sum")
 def _(x, w, target, ignore_index, max_rows):
     return _loss_meta(x, w)
 
 
 @torch.library.register_fake(
-    f"{checkpointing.BARRIER_NAMESPACE}::linear_cross_entropy_sum_and_grads")
+    f"{remat_regions.BARRIER_NAMESPACE}::linear_cross_entropy_sum_and_grads")
 def _(x, w, target, ignore_index, max_rows):
     return _loss_meta(x, w), torch.empty_like(x), torch.empty_like(w)
 
@@ -144,7 +144,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 None, None, None)
 
 
-checkpointing.FORWARD_UNDER_FUNCTIONALIZE.add(LinearCrossEntropy)
+remat_regions.FORWARD_UNDER_FUNCTIONALIZE.add(LinearCrossEntropy)
 loss_graph.DIFFERENTIATED_BY_JAX.add(LinearCrossEntropy)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
+from tpu_train.compile.remat_regions import OPTIMIZATION_BARRIER
 from tpu_train.ops import registry
 from tpu_train.ops.dtypes import storage_dtype
 
@@ -82,7 +82,7 @@ def check_lowerings(graph: torch.fx.Graph) -> None:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         if node.target in (aten.copy_.default, OPTIMIZATION_BARRIER) or node.target in GRAPH_OPS:
-            continue  # input mutation / checkpointing's fence: handled by the interpreter
+            continue  # input mutation / a remat region's fence: handled by the interpreter
         if isinstance(node.target, torch._ops.OpOverload) and registry.is_mutating(node.target):
             if functional_variant(node.target) is None:
                 missing.add(f"{node.target} (mutating, no functional form known)")
@@ -346,7 +346,7 @@ class _GraphRun:
             args = tree_map(self.load, node.args)
             return args[0][args[1]]
         if target is OPTIMIZATION_BARRIER:
-            # Recomputed checkpoint regions start from fenced values (see .checkpointing).
+            # Recomputed checkpoint regions start from fenced values (see .remat_regions).
             return fence(tree_map(self.load, node.args)[0])
         if target in GRAPH_OPS:
             # The op applies the at-use functions itself, where its body reads each input;

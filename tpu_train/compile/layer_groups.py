@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from tpu_train.compile import checkpointing, layer_scan, tracing
+from tpu_train.compile import layer_scan, remat_regions, tracing
 from tpu_train.ops import registry
 
 _STATIC_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -148,7 +148,7 @@ def _forward_kind(module: torch.nn.Module):
     forward = vars(module).get("forward")
     if forward is None:
         return None
-    return (type(forward), getattr(forward, "func", None), checkpointing.forward_remat(forward))
+    return (type(forward), getattr(forward, "func", None), remat_regions.forward_remat(forward))
 
 
 def _shares_tensors(layers) -> bool:
@@ -230,7 +230,7 @@ def call_signature(layer, index, forward, spec, statics, tensors) -> tuple | Non
     autocast = (torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
     # ``forward``: what the layer's call runs (the instance attribute is our hook by now).
     forward_kind = (type(forward), getattr(forward, "func", None),
-                    checkpointing.forward_remat(forward))
+                    remat_regions.forward_remat(forward))
     return (type(layer), _state_signature(layer), _attributes_key(layer, index), forward_kind,
             str(spec), tuple(statics), tuple((tuple(t.shape), t.dtype) for t in tensors),
             _compute_dtype.get(), autocast, torch.is_grad_enabled())
@@ -273,7 +273,7 @@ class Tracer:
         # Inside a checkpointed region the layer runs below the gradient transform: it is
         # recomputed as a whole there, layer by layer.
         if signature is None or not torch.is_grad_enabled() \
-                or checkpointing.inside_recomputed_region():
+                or remat_regions.inside_recomputed_region():
             group.enabled = False
             return forward(*args, **kwargs)
         found = _BODIES.get(signature)
@@ -379,8 +379,8 @@ def trace_layer(need: NeedBody, autocast: tuple, wrap: Callable | None = None) -
     fake_inputs = [fakes.like(m.shape, m.dtype, device) for m in state_metas + input_metas]
     traced = run_layer if wrap is None else wrap(run_layer)
     autocast_enabled, autocast_dtype = autocast
-    with fakes.mode, checkpointing.checkpoint_calls_recorded(checkpointed), \
-            checkpointing.naming_values(), \
+    with fakes.mode, remat_regions.checkpoint_calls_recorded(checkpointed), \
+            remat_regions.naming_values(), \
             torch.autocast("tpu", dtype=autocast_dtype, enabled=autocast_enabled):
         gm = tracing.trace_forward(traced, fake_inputs)
     return TracedLayer(gm, state_metas, input_metas, output_info["leaves"],

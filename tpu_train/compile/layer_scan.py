@@ -27,7 +27,7 @@ policy (6 residuals) the W1 step needs less temporary memory than the unrolled p
 forward was wrapped in ``torch.utils.checkpoint`` is differentiated through ``jax.checkpoint``
 with its remat policy (:func:`jax_policy`): ``full`` keeps its inputs only and its backward
 recomputes it; ``save_dots`` is the policy above; ``save_qkv_proj`` keeps only the values
-marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.checkpointing.checkpoint_name`).
+marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.remat_regions.checkpoint_name`).
 
 :mod:`tpu_train.compile.layer_groups` decides which layers form a stack and traces the body.
 """
@@ -45,11 +45,11 @@ import jax.numpy as jnp
 import torch
 from jax.ad_checkpoint import checkpoint_name
 
-from tpu_train.compile import checkpointing, interpreter
+from tpu_train.compile import interpreter, remat_regions
 from tpu_train.ops import attention_tpu
 from tpu_train.ops.dtypes import storage_dtype, torch_dtype
 
-_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY = torch.library.Library(remat_regions.BARRIER_NAMESPACE, "FRAGMENT")
 _LIBRARY.define("layer_scan(int body, Tensor[] tensors) -> Tensor[]")
 _LIBRARY.define("layer_scan_backward(int body, Tensor[] tensors) -> Tensor[]")
 
@@ -80,8 +80,8 @@ def jax_policy(remat: str):
     if remat == "save_dots":
         return _SAVED_RESIDUALS
     if remat == "save_qkv_proj":
-        return jax.checkpoint_policies.save_only_these_names(*checkpointing.QKV_NAMES)
-    raise ValueError(f"remat policy must be one of {', '.join(checkpointing.REMAT_POLICIES[1:])}"
+        return jax.checkpoint_policies.save_only_these_names(*remat_regions.QKV_NAMES)
+    raise ValueError(f"remat policy must be one of {', '.join(remat_regions.REMAT_POLICIES[1:])}"
                      f", got {remat!r}")
 _IDS = itertools.count(1)
 
@@ -298,7 +298,7 @@ def _empty(meta: Meta, device, leading: tuple = ()) -> torch.Tensor:
     return torch.empty(leading + meta.shape, dtype=meta.dtype, device=device)
 
 
-@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::layer_scan")
+@torch.library.register_fake(f"{remat_regions.BARRIER_NAMESPACE}::layer_scan")
 def _(body_id, tensors):
     b = body(body_id)
     n, device = _count(b, tensors), tensors[0].device
@@ -306,7 +306,7 @@ def _(body_id, tensors):
             + [_empty(m, device, (n,)) for m in b.layout().computed])
 
 
-@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::layer_scan_backward")
+@torch.library.register_fake(f"{remat_regions.BARRIER_NAMESPACE}::layer_scan_backward")
 def _(body_id, tensors):
     b = body(body_id)
     device = tensors[0].device
@@ -350,7 +350,7 @@ class LayerScan(torch.autograd.Function):
         return (None, None, *[g if need else None for g, need in zip(per_tensor, needs)])
 
 
-checkpointing.FORWARD_UNDER_FUNCTIONALIZE.add(LayerScan)
+remat_regions.FORWARD_UNDER_FUNCTIONALIZE.add(LayerScan)
 
 
 # ---------------------------------------------------------------------- lowering
@@ -491,4 +491,4 @@ def _lower_checkpoint_name(value, name: str, constrain=None, uses=None):
     return checkpoint_name(value, name)
 
 
-interpreter.GRAPH_OPS[checkpointing.CHECKPOINT_NAME] = _lower_checkpoint_name
+interpreter.GRAPH_OPS[remat_regions.CHECKPOINT_NAME] = _lower_checkpoint_name

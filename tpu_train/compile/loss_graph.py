@@ -34,7 +34,7 @@ AUTODIFF_CHOICES = ("jax", "torch")
 # autograd.Functions whose forward lowers to JAX functions that JAX differentiates as their
 # backward would (a ``custom_vjp``): the loss graph records their forward and keeps going.
 # Each also needs its forward to run under functionalize
-# (``checkpointing.FORWARD_UNDER_FUNCTIONALIZE``).
+# (``remat_regions.FORWARD_UNDER_FUNCTIONALIZE``).
 DIFFERENTIATED_BY_JAX: set = set()
 
 

@@ -39,7 +39,7 @@ import torch
 
 from tpu_train.compile import (context_parallel, interpreter, layer_scan, loss_graph, memory_errors,
                                shared_layers)
-from tpu_train.compile.checkpointing import OPTIMIZATION_BARRIER
+from tpu_train.compile.remat_regions import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
                                     step_shardings)
 from tpu_train.compile.step_trace import TracedStep, trace_step

@@ -20,7 +20,7 @@ that is neither a tensor nor a plain value (a cache object), a body that draws r
 layer checkpointed with a selective policy (``trainer.remat=save_dots|save_qkv_proj``) is a
 body with that policy, whose calls are differentiated through ``jax.checkpoint`` with it
 (:func:`.layer_scan.jax_policy`); a ``full`` one is traced inline (the step then traces
-PyTorch's backward and its recomputation, :mod:`.checkpointing`).
+PyTorch's backward and its recomputation, :mod:`.remat_regions`).
 
 As for scans, an int attribute holding a layer's own position (``layer_idx``) is taken for
 bookkeeping (a KV-cache slot) and keyed as "the index"; every other attribute is part of the
@@ -41,9 +41,9 @@ import jax
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from tpu_train.compile import checkpointing, interpreter, layer_groups, layer_scan
+from tpu_train.compile import interpreter, layer_groups, layer_scan, remat_regions
 
-_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY = torch.library.Library(remat_regions.BARRIER_NAMESPACE, "FRAGMENT")
 _LIBRARY.define("layer_call(int body, Tensor[] tensors) -> Tensor[]")
 LAYER_CALL = torch.ops.tpu_train_compile.layer_call.default
 
@@ -60,7 +60,7 @@ def _not_run(*_):
 _LIBRARY.impl("layer_call", _not_run, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::layer_call")
+@torch.library.register_fake(f"{remat_regions.BARRIER_NAMESPACE}::layer_call")
 def _(body_id, tensors):
     device = tensors[0].device
     return [torch.empty(m.shape, dtype=m.dtype, device=device)
@@ -154,7 +154,7 @@ class _CallTracer:
     def call(self, group, index: int, forward: Callable, args, kwargs):
         layer = group.layers[index]
         # Inside a checkpointed region the layer runs below the gradient transform.
-        if not torch.is_grad_enabled() or checkpointing.inside_recomputed_region():
+        if not torch.is_grad_enabled() or remat_regions.inside_recomputed_region():
             return forward(*args, **kwargs)
         _, spec, tensors, statics = layer_groups.split_arguments(args, kwargs)
         signature = layer_groups.call_signature(layer, index, forward, spec, statics, tensors) \

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_unflatten
 
-from tpu_train.compile.checkpointing import traced_checkpoints
+from tpu_train.compile.remat_regions import traced_checkpoints
 from tpu_train.ops import registry
 
 # Decompositions are skipped for ops the lowering table covers directly: a lowered

@@ -39,9 +39,9 @@ from typing import Sequence
 import jax
 import torch
 
-from tpu_train.compile import checkpointing, interpreter, tracing
+from tpu_train.compile import interpreter, remat_regions, tracing
 
-_LIBRARY = torch.library.Library(checkpointing.BARRIER_NAMESPACE, "FRAGMENT")
+_LIBRARY = torch.library.Library(remat_regions.BARRIER_NAMESPACE, "FRAGMENT")
 _LIBRARY.define("template_map(int template, Tensor[] tensors) -> Tensor[]")
 TEMPLATE_MAP = torch.ops.tpu_train_compile.template_map.default
 
@@ -113,7 +113,7 @@ def _map_outputs(t: Template, tensors: Sequence[torch.Tensor], empty) -> list:
                                          t.output_metas)]
 
 
-@torch.library.register_fake(f"{checkpointing.BARRIER_NAMESPACE}::template_map")
+@torch.library.register_fake(f"{remat_regions.BARRIER_NAMESPACE}::template_map")
 def _(template_id, tensors):
     return _map_outputs(template(template_id), tensors,
                         lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))

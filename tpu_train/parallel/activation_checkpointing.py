@@ -8,7 +8,7 @@ its backward; the rest is recomputed:
 * ``save_dots``: the results of its projections (matmuls without batch dimensions), so that
   its backward recomputes only norms, activations, RoPE and attention;
 * ``save_qkv_proj``: the outputs of its attention's q, k and v projections (marked by forward
-  hooks on those modules, :func:`tpu_train.compile.checkpointing.checkpoint_name`), which the
+  hooks on those modules, :func:`tpu_train.compile.remat_regions.checkpoint_name`), which the
   model family names (``ModelFamily.qkv_projections``).
 
 Which modules are the layers is the family's too (``ModelFamily.blocks``); the caller passes
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tpu_train.compile.checkpointing import (QKV_NAMES, REMAT_POLICIES, RematContext,
+from tpu_train.compile.remat_regions import (QKV_NAMES, REMAT_POLICIES, RematContext,
                                              checkpoint_name, checkpointed_forward)
 
 
