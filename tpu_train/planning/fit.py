@@ -25,7 +25,8 @@ from typing import Any
 from tpu_train.compile.memory_errors import gib
 from tpu_train.parallel.mesh import resolve_mesh_shape
 
-from .estimate import estimate_from_config, pieces, remat_of, setting, stored_bytes
+from .estimate import (compute_dtype_of, estimate_from_config, pieces, remat_of, setting,
+                       stored_bytes)
 
 __all__ = ["Candidate", "fitting_candidates", "out_of_memory_message", "settings_that_fit"]
 
@@ -92,8 +93,10 @@ def _batches(config: Any, shards: int, changes: dict) -> list[dict]:
 
 
 def _narrower(config: Any) -> list[dict]:
-    """The storage changes to try: none, AdamW's moments in bf16 (where they are wider and
-    the optimizer has them), the weights in bf16 (their moments follow, as in torch)."""
+    """The dtype changes to try: none, AdamW's moments in bf16 (where they are wider and
+    the optimizer has them), the weights in bf16 (their moments follow, as in torch); and
+    for a step computed in float32, each of those computed in bf16 (``trainer.precision=bf16``:
+    half the activations' bytes and the TPU's attention kernels, weights kept in float32)."""
     found = [{}]
     weights = stored_bytes(setting(config, "trainer.param_dtype")) or 4
     moments = stored_bytes(setting(config, "optim.state_dtype")) or weights
@@ -101,6 +104,8 @@ def _narrower(config: Any) -> list[dict]:
         found.append({"optim.state_dtype": "bf16"})
     if weights > 2:
         found.append({"trainer.param_dtype": "bf16"})
+    if compute_dtype_of(config) is None:
+        found += [{"trainer.precision": "bf16", **f} for f in found]
     return found
 
 
