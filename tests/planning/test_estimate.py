@@ -249,11 +249,15 @@ def test_a_float32_step_that_does_not_fit_is_offered_bf16_compute():
     config.data.batch_size, config.data.seq_len = 256, 8192
     needed = estimate_from_config(config)["bytes_total"]
     usable = 14.4 * GiB
-    found = fitting_candidates(config, needed, usable, 256, more_chips=False, most=50)
+    found = fitting_candidates(config, needed, usable, 256, more_chips=False, most=50,
+                               precision=True)
+    assert not any("trainer.precision" in c.changes  # the trainer's out-of-memory advice
+                   for c in fitting_candidates(config, needed, usable, 256, most=50))
     bf16 = [c for c in found if c.changes.get("trainer.precision") == "bf16"]
     assert bf16 and all(c.predicted_bytes <= usable for c in found)
     assert estimate_from_config(config, changes=bf16[0].changes)["flash_attention"]
     config.trainer.precision = "bf16"
     needed = estimate_from_config(config)["bytes_total"]
     assert not any("trainer.precision" in c.changes
-                   for c in fitting_candidates(config, needed, usable, 256, most=50))
+                   for c in fitting_candidates(config, needed, usable, 256, most=50,
+                                               precision=True))

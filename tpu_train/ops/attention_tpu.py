@@ -83,9 +83,8 @@ _OVERRIDE = contextvars.ContextVar("tpu_train_attention_override", default=None)
 
 @contextlib.contextmanager
 def xla_form():
-    """Attention lowered inside takes the XLA form on every platform: programs partitioned over
-    several devices (XLA's SPMD partitioner does not split a Pallas kernel; it would need a
-    ``shard_map`` around it), and benchmarks comparing the two forms."""
+    """Attention lowered inside takes the XLA form on every platform: benchmarks and cost
+    comparisons of the two forms."""
     token = _XLA_FORM.set(True)
     try:
         yield

@@ -297,7 +297,8 @@ def _fitting(cfg: Any, planned: Any, result: dict[str, Any], overrides: list[str
               "command": command_line(kept, {**filled, **c.changes})}
              for c in fit.fitting_candidates(planned, verdict_of["needed_bytes"],
                                              verdict_of["usable_bytes"],
-                                             result["num_devices"], most=_CANDIDATES)]
+                                             result["num_devices"], most=_CANDIDATES,
+                                             precision=True)]
     if not verdict_of["scaled_to_xla"]:
         return found[:_SHOWN]
     checks = estimate_mod.setting(cfg, "plan.checks")
