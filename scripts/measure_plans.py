@@ -1,9 +1,10 @@
 """Run ``tpu-train plan`` for the pod configurations of docs/parallelism.md and time them.
 
-Usage: ``python scripts/measure_plans.py [--only 8b|70b]``. For each command prints the wall
-time, the CPU time of the command and its children, the load average before and after, and
-the per-chip memory (analytic and XLA's analysis of the compiled step) with the gap; last, one
-JSON line per command. Timings depend on the machine's load: report them with it.
+Usage: ``python scripts/measure_plans.py [--only NAME]`` (NAME: a key of ``COMMANDS``). For
+each command prints the wall time, the CPU time of the command and its children, the load
+average before and after, and the per-chip memory (analytic and XLA's analysis of the
+compiled step) with the gap; last, one JSON line per command, with the verdict and the
+predicted step time and MFU. Timings depend on the machine's load: report them with it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,21 @@ import tempfile
 import time
 
 # At 128 tokens a sequence, the figures docs/parallelism.md gives (the plan's own default is
-# the model's context, at most 4,096).
+# the model's context, at most 4,096); at 8,192 the pod plans set beside MaxText's published
+# MFU (docs/benchmarks.md, "Planner"): the 8B as typed (float32, no remat: the plan compiles
+# the setting that fits to check it) and both in bf16 with full remat; the 8B at 131,072
+# tokens split over context (docs/parallelism.md).
+_BF16_REMAT = ["trainer.precision=bf16", "trainer.remat=full"]
 COMMANDS = {
     "8b": ["model=llama3_1_8b", "parallel.fsdp=256", "plan.chip=v5e", "data.seq_len=128"],
     "70b": ["model=llama3_1_70b", "parallel.fsdp=128", "plan.chip=v5p", "data.seq_len=128"],
+    "8b_8k": ["model=llama3_1_8b", "data.seq_len=8192", "parallel.fsdp=256", "plan.chip=v5e"],
+    "8b_8k_bf16": ["model=llama3_1_8b", "data.seq_len=8192", "parallel.fsdp=256",
+                   "plan.chip=v5e", *_BF16_REMAT],
+    "70b_8k_bf16": ["model=llama3_1_70b", "data.seq_len=8192", "parallel.fsdp=256",
+                    "plan.chip=v5p", *_BF16_REMAT],
+    "8b_131k": ["model=llama3_1_8b", "data.seq_len=131072", "data.batch_size=16",
+                "parallel.context=16", "parallel.fsdp=16", "plan.chip=v5e", *_BF16_REMAT],
 }
 GiB = 1024 ** 3
 
@@ -58,6 +70,11 @@ def measure(overrides: list[str]) -> dict:
         "xla_source": xla.get("xla_source", xla.get("xla_error")),
         "xla_stage_seconds": xla.get("seconds"),
         "notes": result.get("notes"),
+        "fits": result.get("fits"),
+        "predicted_step_s": (xla.get("step_time") or {}).get("step_time_s"),
+        "predicted_mfu": (xla.get("step_time") or {}).get("mfu"),
+        "fitting_checked": [{k: f[k] for k in ("command", "checked_bytes", "checked_mfu")
+                             if k in f} for f in result.get("fitting") or [] if f.get("checked")],
     }
 
 

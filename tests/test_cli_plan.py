@@ -188,7 +188,8 @@ def test_a_plan_that_does_not_fit_names_a_command_line_that_does(tmp_path, monke
     XLA's TPU compiler stops with an out-of-memory error after its buffer assignment, whose
     figures the plan reads). The plan says so once and prints tpu-train command lines that
     would fit; the first, run as printed, fits: it asks XLA for the very setting the plan
-    compiled to check it, whose figures are not compiled a second time."""
+    compiled to check it, whose figures are not compiled a second time, and whose predicted
+    step time and MFU the suggestion carries."""
     import shlex
 
     reused = _analysing_each_setting_once(monkeypatch)
@@ -214,6 +215,10 @@ def test_a_plan_that_does_not_fit_names_a_command_line_that_does(tmp_path, monke
     assert code == 0, err
     assert len(reused) == 1  # the printed line is the setting whose check fitted
     assert checked["fits"] and checked["verdict"]["basis"] == result["verdict"]["basis"]
+    if libtpu_available():  # the setting that fits comes with its own predicted step time
+        predicted = checked["xla"]["step_time"]
+        assert result["fitting"][0]["checked_mfu"] == pytest.approx(predicted["mfu"])
+        assert f"MFU {100 * predicted['mfu']:.1f} %" in how, suggested
     assert [line for line in out.splitlines() if "FIT" in line][0].startswith(
         "verdict: FITS on v5e: ")
 

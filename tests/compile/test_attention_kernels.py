@@ -54,11 +54,12 @@ needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
 KERNEL_CALL = 'custom_call_target="tpu_custom_call"'
 
 
-def _meta_llama(seq: int, batch: int):
+def _meta_llama(seq: int, batch: int, n_heads: int = 2, n_kv_heads: int = 1):
     from tpu_train.models import Llama, LlamaConfig
 
     with torch.device("meta"):
-        model = Llama(LlamaConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=256,
+        model = Llama(LlamaConfig(dim=64 * n_heads, n_layers=1, n_heads=n_heads,
+                                  n_kv_heads=n_kv_heads, vocab_size=256,
                                   ffn_hidden_dim=256, max_seq_len=seq))
         tokens = torch.empty(batch, seq, dtype=torch.int64)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), \
@@ -81,20 +82,39 @@ def test_a_v5e_step_runs_the_kernels_and_takes_exactly_its_arguments():
     assert entry.count(" parameter(") == len(jax.tree_util.tree_leaves(program.lowered.args_info))
 
 
-@needs_libtpu
-def test_a_partitioned_step_keeps_the_xla_form():
-    """Over a v5e:2x2 mesh the program is partitioned by XLA, which does not split a Pallas
-    kernel: attention stays in its XLA form (lowered only). The mesh is laid over the target's
-    own compile-only devices: the host's (one chip on a v5e-1) need not be four."""
+def _partitioned_program(shape, batch, *, n_heads=2, n_kv_heads=1, compile=False):
     from tpu_train.models import LLAMA
     from tpu_train.parallel import sharding_plan
 
-    model, optimizer, batch = _meta_llama(1024, 4)
-    mesh = targets.resolve_target("v5e:2x2").mesh((4, 1, 1), ("data", "fsdp", "tensor"))
-    program = lower_train_step(model, optimizer, lm_loss, batch, mesh=mesh,
-                               plan=sharding_plan(LLAMA),
-                               target="v5e:2x2", autocast_dtype=torch.bfloat16,
-                               compute_dtype=torch.bfloat16, compile=False)
+    model, optimizer, tokens = _meta_llama(1024, batch, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    mesh = targets.resolve_target("v5e:2x2").mesh(shape, ("data", "fsdp", "tensor"))
+    return lower_train_step(model, optimizer, lm_loss, tokens, mesh=mesh,
+                            plan=sharding_plan(LLAMA), target="v5e:2x2",
+                            autocast_dtype=torch.bfloat16, compute_dtype=torch.bfloat16,
+                            compile=compile)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("shape", [(2, 2, 1), (1, 2, 2)])
+def test_a_partitioned_step_runs_the_kernels_on_each_device(shape):
+    """Over a v5e:2x2 mesh XLA partitions the program but not a Pallas kernel: the kernels run
+    in a shard_map, each device on its rows (data x fsdp) and heads (tensor); compiled for the
+    target without a chip (the batch-split mesh), the program keeps no [S, S] scores. The mesh
+    is laid over the target's own compile-only devices."""
+    compile = shape == (2, 2, 1)
+    program = _partitioned_program(shape, 4, n_heads=4, n_kv_heads=2, compile=compile)
+    assert program.lowered.as_text().count("tpu_custom_call") == 3
+    if compile:
+        text = program.executable.as_text()
+        assert text.count(KERNEL_CALL) == 3
+        assert "1024,1024]" not in text  # no scores or probabilities of a row's 1024 tokens
+
+
+@needs_libtpu
+def test_heads_that_do_not_split_keep_the_xla_form():
+    """One kv head over tensor=2: no device holds whole heads, so attention takes its XLA
+    form, which the partitioner splits as it likes (lowered only)."""
+    program = _partitioned_program((2, 1, 2), 2)
     assert "tpu_custom_call" not in program.lowered.as_text()
 
 

@@ -215,3 +215,34 @@ def test_the_kernels_dots_keep_the_default_precision_under_highest():
     assert precisions, "no dot inside a Pallas call: the test no longer looks at the kernels"
     highest = jax.lax.Precision.HIGHEST
     assert all(p is None or highest not in p for p in precisions), precisions
+
+
+@pytest.mark.devices(4)
+def test_per_shard_kernels_on_a_mesh_match_torch(kernel_calls):
+    """In a program partitioned over a (data=2, tensor=2) mesh the kernels run in a shard_map,
+    each device on its row and its kv head with that head's query heads: the forward and the
+    JAX derivative match PyTorch's attention of the whole arrays."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    b, hq, hkv, s, d, is_causal, scale = 2, 4, 2, 256, 64, True, None
+    q, k, v = _inputs((b, hq, hkv, s, d, is_causal, scale), torch.float32)
+    grad = rand(b, hq, s, d, dtype=torch.float32, seed=5)
+    expected, expected_grads = _torch_reference(q, k, v, is_causal, scale, grad)
+    mesh = Mesh(numpy.array(jax.devices()[:4]).reshape(2, 1, 2), ("data", "fsdp", "tensor"))
+    split = NamedSharding(mesh, PartitionSpec("data", "tensor", None, None))
+
+    def loss(q_, k_, v_):
+        out = attention.scaled_dot_product_fused_attention(q_, k_, v_, None, 0.0, is_causal,
+                                                           False, scale=scale)[0]
+        return jnp.sum(out.astype(jnp.float32) * to_jax(grad).astype(jnp.float32)), out
+
+    with attention_tpu.interpreted(), attention_tpu.per_shard(mesh):
+        program = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+        args = [jax.device_put(to_jax(t), split) for t in (q, k, v)]
+        assert "shard_map" in program.lower(*args).as_text() or \
+            "sdy.manual_computation" in program.lower(*args).as_text()
+        grads, out = program(*args)
+        # One kv head over tensor=2 does not split: the XLA form, which XLA partitions.
+        assert not attention_tpu.supported(*(to_jax(t)[:, :1] for t in (q, k, v)), None, True)
+    assert kernel_calls == {"forward": 1, "backward": 1}
+    _check(torch.float32, max(d, s), out, expected, grads, expected_grads)

@@ -218,3 +218,21 @@ def test_compute_sharding_drops_only_the_batch_axes(spec, compute):
 
     mesh = build_mesh(2, 2, 2)
     assert compute_sharding(NamedSharding(mesh, spec)).spec == compute
+
+
+def test_weights_are_split_over_context_too_where_sequences_are(tiny_model):
+    """With sequences split over context, each weight is stored over fsdp x context (a chip
+    holds 1 / (fsdp x context) of it, as many ways as its tokens are split), gathered over
+    both where it is used; where fsdp x context does not divide a dimension, the plan's own
+    layout stands. With context=1 nothing changes (the first test)."""
+    from tpu_train.compile.spmd import compute_sharding
+
+    shardings = sharding_plan(LLAMA).shardings(tiny_model.named_parameters(),
+                                               build_mesh(1, 2, 2, context=2))
+    wq = shardings["layers.0.attention.wq.weight"]
+    assert wq.spec == P(("tensor", "fsdp", "context"), None)
+    assert shardings["layers.0.attention.wo.weight"].spec == P(("fsdp", "context"), "tensor")
+    assert shardings["norm.weight"].spec == P(("fsdp", "context"))
+    assert compute_sharding(wq).spec == P("tensor", None)
+    odd = ShardingPlan([(r"w", P("fsdp"))]).sharding_for("w", (6,), build_mesh(1, 2, 1, context=4))
+    assert odd.spec == P("fsdp")

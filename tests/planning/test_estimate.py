@@ -121,9 +121,9 @@ def test_estimate_from_the_tpu_train_config():
 
 
 def test_one_tpu_chip_keeps_no_attention_scores_from_the_kernels_length():
-    """On one TPU chip the step's attention runs the kernels from 1,024 tokens in bf16
-    (tpu_train.ops.attention_tpu): the estimate keeps no seq x seq scores there; partitioned
-    over several chips, at shorter lengths or in float32, it does."""
+    """On a TPU the step's attention runs the kernels from 1,024 tokens in bf16
+    (tpu_train.ops.attention_tpu), on one chip or on each chip of a partitioned step: the
+    estimate keeps no seq x seq scores there; at shorter lengths or in float32 it does."""
     from omegaconf import OmegaConf
 
     from tpu_train.trainer.config import Config
@@ -141,7 +141,7 @@ def test_one_tpu_chip_keeps_no_attention_scores_from_the_kernels_length():
     config.data.seq_len, config.trainer.precision = 8192, "fp32"
     assert not estimate_from_config(config)["flash_attention"]
     config.trainer.precision, config.parallel.fsdp, config.data.batch_size = "bf16", 2, 2
-    assert not estimate_from_config(config)["flash_attention"]
+    assert estimate_from_config(config)["flash_attention"]  # per chip, in a shard_map
 
 
 def test_alignment_flags_name_the_config_key():
@@ -200,7 +200,9 @@ def test_context_parallelism_divides_the_tokens_and_adds_the_gathered_keys():
     whole = estimate(cfg, **{**args, "num_devices": 16})
     split = estimate(cfg, context=4, **args)
     assert split["mesh"]["context"] == 4
-    assert split["bytes_params"] == whole["bytes_params"]  # context does not shard weights
+    # Weights are stored over fsdp x context (tpu_train.parallel.plans.over_context).
+    for key in ("bytes_params", "bytes_grads", "bytes_optimizer"):
+        assert split[key] == pytest.approx(whole[key] / 4, rel=1e-6)
     # Per chip a quarter of each sequence's tokens; their scores still span the sequence.
     assert split["bytes_activations"] == pytest.approx(whole["bytes_activations"] / 4, rel=1e-6)
     assert split["bytes_loss_head"] == pytest.approx(whole["bytes_loss_head"] / 4, rel=1e-6)
@@ -229,3 +231,33 @@ def test_mixtral_memory_counts_every_expert_and_splits_them_over_the_expert_axis
     assert result["model_flops_per_step"] == flops_per_token(cfg, 512) * 8 * 512
     with pytest.raises(MeshError, match="must divide the model's n_experts=8"):
         estimate(cfg, num_devices=16, data=1, fsdp=1, expert=16, batch=16, seq_len=512)
+
+
+def test_a_float32_step_that_does_not_fit_is_offered_bf16_compute():
+    """Llama-3.1-8B at 8,192 tokens on a v5e-256 in float32 without remat needs ~5x a chip:
+    among the settings that would fit are steps computed in bf16 (half the activations, the
+    attention kernels), whose estimate keeps no scores; a bf16 step is not offered it again."""
+    from omegaconf import OmegaConf
+
+    from tpu_train.planning.fit import fitting_candidates
+    from tpu_train.trainer.config import Config
+
+    config = OmegaConf.structured(Config)
+    config.data.path = None
+    config.model.name, config.plan.chip = "llama3_1_8b", "v5e"
+    config.parallel.data, config.parallel.fsdp = 1, 256
+    config.data.batch_size, config.data.seq_len = 256, 8192
+    needed = estimate_from_config(config)["bytes_total"]
+    usable = 14.4 * GiB
+    found = fitting_candidates(config, needed, usable, 256, more_chips=False, most=50,
+                               precision=True)
+    assert not any("trainer.precision" in c.changes  # the trainer's out-of-memory advice
+                   for c in fitting_candidates(config, needed, usable, 256, most=50))
+    bf16 = [c for c in found if c.changes.get("trainer.precision") == "bf16"]
+    assert bf16 and all(c.predicted_bytes <= usable for c in found)
+    assert estimate_from_config(config, changes=bf16[0].changes)["flash_attention"]
+    config.trainer.precision = "bf16"
+    needed = estimate_from_config(config)["bytes_total"]
+    assert not any("trainer.precision" in c.changes
+                   for c in fitting_candidates(config, needed, usable, 256, most=50,
+                                               precision=True))

@@ -40,8 +40,8 @@ import torch
 from tpu_train.compile import (context_parallel, interpreter, layer_scan, loss_graph, memory_errors,
                                shared_layers)
 from tpu_train.compile.remat_regions import OPTIMIZATION_BARRIER
-from tpu_train.compile.spmd import (PlacingExecutable, activation_constraint, flat_storage_sharding,
-                                    step_shardings)
+from tpu_train.compile.spmd import (BATCH_AXES, PlacingExecutable, activation_constraint,
+                                    flat_storage_sharding, step_shardings)
 from tpu_train.compile.step_trace import TracedStep, trace_step
 from tpu_train.device import runtime
 from tpu_train.ops import attention_tpu
@@ -456,19 +456,20 @@ def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdL
 
 @contextlib.contextmanager
 def _attention_form(mesh, batch_shapes, model=None):
-    """A program partitioned over several devices keeps attention in its XLA form: XLA's SPMD
-    partitioner does not split a Pallas kernel (tpu_train.ops.attention_tpu). A mesh of one
-    device (the planner's one-chip step) partitions nothing: it keeps the kernels, as the
-    trainer's step on one chip does. Over a ``context`` axis, causal attention is the
-    per-shard attention of the split sequence (``context_parallel``; ``batch_shapes`` give its
-    length). A model whose config declares a ``sliding_window`` has its attention masks
-    checked against that window for the kernels."""
+    """A program partitioned over several devices runs attention's kernels per device, in a
+    ``shard_map`` over the batch axes and heads (XLA's SPMD partitioner does not split a Pallas
+    kernel: tpu_train.ops.attention_tpu.per_shard); a mesh of one device (the planner's
+    one-chip step) partitions nothing and keeps them as the trainer's step on one chip. Over
+    a ``context`` axis, causal attention is the per-shard attention of the split sequence
+    (``context_parallel``; ``batch_shapes`` give its length). A model whose config declares a
+    ``sliding_window`` has its attention masks checked against that window for the kernels."""
     window = getattr(getattr(model, "config", None), "sliding_window", None)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         window = None
     with contextlib.ExitStack() as forms:
         if mesh is not None and mesh.devices.size > 1:
-            forms.enter_context(attention_tpu.xla_form())
+            forms.enter_context(attention_tpu.per_shard(getattr(mesh, "jax_mesh", mesh),
+                                                        BATCH_AXES))
         if mesh is not None:
             forms.enter_context(context_parallel.sequence_split(mesh, batch_shapes, window))
         if window is not None:

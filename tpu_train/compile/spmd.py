@@ -41,9 +41,10 @@ __all__ = ["BATCH_AXES", "GATHERED_AXES", "PlanError", "batch_axes", "on_mesh", 
 # The batch dimension of activations is split over the data-parallel mesh axes, and over the
 # expert axis (its devices each hold some experts, and each a share of the tokens).
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
-# The axes a stored parameter is gathered over where it is used (FSDP's all-gather); a weight
+# The axes a stored parameter is gathered over where it is used (FSDP's all-gather, over
+# ``context`` too where sequences are split: tpu_train.parallel.plans.over_context); a weight
 # split over ``expert`` (or ``tensor``) is used split.
-GATHERED_AXES: tuple[str, ...] = ("data", "fsdp")
+GATHERED_AXES: tuple[str, ...] = ("data", "fsdp", "context")
 
 
 def batch_axes(mesh) -> tuple[str, ...]:

@@ -10,8 +10,10 @@ the XLA form, 4 x 32 (8) x 2048 8.0 against 20.4 ms, but 4 x 8 (4) x 256 0.87 ag
 :func:`supported`:
 
 * the program is lowered for a TPU (``lax.platform_dependent``: the same traced program lowered
-  for another platform takes the XLA form), for one device (:func:`xla_form`: a Pallas kernel
-  is not partitioned by XLA's SPMD partitioner);
+  for another platform takes the XLA form). XLA's SPMD partitioner does not split a Pallas
+  kernel: in a program partitioned over a mesh (:func:`per_shard`) the kernels run in a
+  ``shard_map``, each device on its rows and heads, where the batch splits over the mesh's
+  batch axes and the query and key heads over its head axis (else the XLA form);
 * no dropout, no additive mask: none, or ``is_causal`` (the kernel's ``CausalMask``,
   evaluated from iotas inside the kernel, never materialised), or a boolean mask shared by the
   heads (``[B or 1, 1, S, S]``) that may be a *document mask* (packed rows: causal and within a
@@ -69,6 +71,8 @@ _HEAD_DIM_MULTIPLE = 64
 _BLOCK = 512
 
 _XLA_FORM = contextvars.ContextVar("tpu_train_attention_xla_form", default=False)
+# (mesh, batch axes, head axis) of a partitioned program: the kernels run per shard.
+_PER_SHARD = contextvars.ContextVar("tpu_train_attention_per_shard", default=None)
 # The sliding window (in tokens, the query's own included) that boolean masks are checked
 # against for the kernels; None: plain causal within segments.
 _WINDOW = contextvars.ContextVar("tpu_train_attention_window", default=None)
@@ -79,14 +83,62 @@ _OVERRIDE = contextvars.ContextVar("tpu_train_attention_override", default=None)
 
 @contextlib.contextmanager
 def xla_form():
-    """Attention lowered inside takes the XLA form on every platform: programs partitioned over
-    several devices (XLA's SPMD partitioner does not split a Pallas kernel; it would need a
-    ``shard_map`` around it), and benchmarks comparing the two forms."""
+    """Attention lowered inside takes the XLA form on every platform: benchmarks and cost
+    comparisons of the two forms."""
     token = _XLA_FORM.set(True)
     try:
         yield
     finally:
         _XLA_FORM.reset(token)
+
+
+@contextlib.contextmanager
+def per_shard(mesh, batch_axes: tuple[str, ...] = ("data", "fsdp", "expert"),
+              head_axis: str = "tensor"):
+    """Attention lowered inside belongs to a program partitioned over ``mesh`` (a
+    ``jax.sharding.Mesh``): the kernels run in a ``shard_map``, each device on its share of
+    the batch (over ``batch_axes``, those the mesh has) and of the heads (over ``head_axis``).
+    A call whose batch or heads do not split that way takes the XLA form."""
+    token = _PER_SHARD.set((mesh, tuple(batch_axes), head_axis))
+    try:
+        yield
+    finally:
+        _PER_SHARD.reset(token)
+
+
+def _shard_specs(query, key):
+    """``(mesh, specs)`` of a call under :func:`per_shard`, ``specs`` naming the
+    ``PartitionSpec`` of each operand kind (``"heads"``: ``[B, H, S, D]``, ``"rows_heads"``:
+    ``[B, H, S]``, ``"rows"``: ``[B, S]``); None where its batch or heads do not split."""
+    from jax.sharding import PartitionSpec
+
+    mesh, batch_axes, head_axis = _PER_SHARD.get()
+    sizes = dict(mesh.shape)
+    rows = tuple(a for a in batch_axes if int(sizes.get(a, 1)) > 1)
+    heads = int(sizes.get(head_axis, 1))
+    if query.shape[0] % math.prod(int(sizes[a]) for a in rows) or (
+            heads > 1 and (query.shape[1] % heads or key.shape[1] % heads)):
+        return None
+    b, h = (rows or None), (head_axis if heads > 1 else None)
+    return mesh, {"heads": PartitionSpec(b, h, None, None), "rows_heads": PartitionSpec(b, h, None),
+                  "rows": PartitionSpec(b, None)}
+
+
+def _on_shards(local, operands: tuple, segments, kinds: tuple[str, ...], out_kinds,
+               query, key):
+    """``local(*operands, segments)``; under :func:`per_shard`, on each device's share: the
+    operands split as their ``kinds`` say (:func:`_shard_specs`; ``query`` and ``key`` decide),
+    ``segments`` (``[B, S]``) by rows, the results as ``out_kinds``."""
+    if _PER_SHARD.get() is None:
+        return local(*operands, segments)
+    mesh, specs = _shard_specs(query, key)
+    in_specs = tuple(specs[k] for k in kinds)
+    out_specs = tuple(specs[k] for k in out_kinds)
+    if segments is None:
+        return jax.shard_map(lambda *xs: local(*xs, None), mesh=mesh, in_specs=in_specs,
+                             out_specs=out_specs, check_vma=False)(*operands)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs + (specs["rows"],),
+                         out_specs=out_specs, check_vma=False)(*operands, segments)
 
 
 @contextlib.contextmanager
@@ -130,7 +182,12 @@ def lowering_key() -> tuple:
     """What decides this module's choices besides the arrays: part of the key of any cache
     of traced functions (a layer body traced for one device must not serve a partitioned
     program, nor an interpreted one a compiled one)."""
-    return (_XLA_FORM.get(), _OVERRIDE.get(), _WINDOW.get(), context_attention.lowering_key())
+    per_shard_key = None
+    if _PER_SHARD.get() is not None:
+        mesh, batch_axes, head_axis = _PER_SHARD.get()
+        per_shard_key = (tuple(dict(mesh.shape).items()), batch_axes, head_axis)
+    return (_XLA_FORM.get(), _OVERRIDE.get(), _WINDOW.get(), per_shard_key,
+            context_attention.lowering_key())
 
 
 def is_interpreted() -> bool:
@@ -152,14 +209,17 @@ def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
             and not _may_drop(dropout_p) and sq == sk and sq >= least
             and sq % _LANES == 0 and d % _HEAD_DIM_MULTIPLE == 0 and value.shape[-1] == d
             and value.shape[1] == kv_heads and h % kv_heads == 0
-            and len(set(dtypes)) == 1 and dtypes[0] in allowed)
+            and len(set(dtypes)) == 1 and dtypes[0] in allowed
+            and (_PER_SHARD.get() is None or _shard_specs(query, key) is not None))
 
 
-def kernels_would_run(sequence: int, head_dim: int, *, bf16: bool, partitioned: bool) -> bool:
+def kernels_would_run(sequence: int, head_dim: int, *, bf16: bool) -> bool:
     """:func:`supported`'s rule on plain numbers, for a causal call without dropout on a TPU:
     would a step of ``sequence`` tokens per row, heads of ``head_dim``, computing in bf16 (or
-    not), on one device (or partitioned over several) run the kernels? The planner asks."""
-    return (not partitioned and bf16 and sequence >= MIN_SEQUENCE and sequence % _LANES == 0
+    not) run the kernels? On one device, or per device over a mesh whose batch and head
+    splits are even (:func:`per_shard`; a mesh the model's heads do not split over is refused
+    before). The planner asks."""
+    return (bf16 and sequence >= MIN_SEQUENCE and sequence % _LANES == 0
             and head_dim % _HEAD_DIM_MULTIPLE == 0)
 
 
@@ -286,7 +346,17 @@ def _segment_ids(segments):
 def forward(query, key, value, is_causal, scale, segments=None, window=None):
     """``(out [B, H, S, D], logsumexp [B, H, S] float32)`` by the forward kernel (see
     :func:`supported`); with ``segments`` ``[B, S]`` a token sees only its own segment, with
-    ``window`` (causal) only the last ``window`` positions."""
+    ``window`` (causal) only the last ``window`` positions. Under :func:`per_shard`, each
+    device runs it on its rows and heads."""
+    def local(q, k, v, row_segments):
+        return _forward(q, k, v, is_causal, scale, row_segments, window)
+
+    return _on_shards(local, (query, key, value), segments, ("heads",) * 3,
+                      ("heads", "rows_heads"), query, key)
+
+
+def _forward(query, key, value, is_causal, scale, segments, window):
+    """:func:`forward` on whole arrays."""
     b, h, s, d = query.shape
     kv_heads, kernel = _for_call(query, key, is_causal, window)
     scaled = (query.astype(jnp.float32) * _scale(query, scale)).astype(query.dtype)
@@ -305,7 +375,16 @@ def forward(query, key, value, is_causal, scale, segments=None, window=None):
 def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segments=None,
              window=None):
     """``(dq, dk, dv)`` by the backward kernels, from the forward's output and logsumexp
-    (and the forward's ``segments`` and ``window``)."""
+    (and the forward's ``segments`` and ``window``); under :func:`per_shard`, per device."""
+    def local(g, q, k, v, o, lse, row_segments):
+        return _backward(g, q, k, v, o, lse, is_causal, scale, row_segments, window)
+
+    return _on_shards(local, (grad_out, query, key, value, out, logsumexp), segments,
+                      ("heads",) * 5 + ("rows_heads",), ("heads",) * 3, query, key)
+
+
+def _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segments, window):
+    """:func:`backward` on whole arrays."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib)
 

@@ -2,7 +2,8 @@
 
 A family (:class:`tpu_train.models.ModelFamily`, handed down by the layer above: this layer
 does not import ``models``) names each parameter's role by regex; every role has one layout
-over the ``(data, fsdp, expert, context, tensor)`` mesh (weights are replicated on ``context``):
+over the ``(data, fsdp, expert, context, tensor)`` mesh (on a mesh that splits sequences over
+``context``, every ``fsdp`` split is also over ``context``: ``plans.over_context``):
 
 ==============  ========================================  =====================================
 role            spec (in order of preference)             why

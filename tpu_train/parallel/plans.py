@@ -28,6 +28,7 @@ __all__ = [
     "PlanError",
     "ShardingPlan",
     "constrain",
+    "over_context",
     "per_device_bytes",
 ]
 
@@ -37,6 +38,26 @@ def _shape_of(value: Any) -> tuple[int, ...]:
     if shape is None:
         raise PlanError(f"expected an array or tensor with a .shape, got {type(value).__name__}")
     return tuple(int(s) for s in shape)
+
+
+def over_context(spec: PartitionSpec, mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """``spec`` with every ``fsdp`` split also over ``context`` where the mesh (its axes'
+    sizes, ``mesh_shape``) splits sequences
+    (``context > 1``): a chip holding a ``1 / context`` share of each sequence needs only that
+    share of the weights between their uses, as FSDP's; a weight is gathered whole over both
+    where it is used (``tpu_train.compile.spmd.GATHERED_AXES``) and its gradient, a sum over
+    every token of the step, is reduced and split over both. Else ``spec`` unchanged."""
+    if int(dict(mesh_shape).get("context", 1)) == 1:
+        return spec
+
+    def widened(entry):
+        axes = _axes_of(entry)
+        if "fsdp" not in axes or "context" in axes:
+            return entry
+        at = axes.index("fsdp") + 1
+        return axes[:at] + ("context",) + axes[at:]
+
+    return PartitionSpec(*(widened(e) for e in spec))
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -125,6 +146,8 @@ class ShardingPlan:
         first = self.spec_for(name, shape)
         options = next((o for (regex, _), o in zip(self.rules, self._options)
                         if regex.search(name)), (first,))
+        options = [*(over_context(o, mesh.shape) for o in options
+                     if over_context(o, mesh.shape) != o), *options]
         for spec in options[:-1]:  # a preferred layout that this mesh cannot split evenly
             try:
                 return self._checked(name, shape, spec, mesh)

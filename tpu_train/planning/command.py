@@ -297,16 +297,22 @@ def _fitting(cfg: Any, planned: Any, result: dict[str, Any], overrides: list[str
               "command": command_line(kept, {**filled, **c.changes})}
              for c in fit.fitting_candidates(planned, verdict_of["needed_bytes"],
                                              verdict_of["usable_bytes"],
-                                             result["num_devices"], most=_CANDIDATES)]
+                                             result["num_devices"], most=_CANDIDATES,
+                                             precision=True)]
     if not verdict_of["scaled_to_xla"]:
         return found[:_SHOWN]
     checks = estimate_mod.setting(cfg, "plan.checks")
     for candidate in found[:CHECKED_MOST if checks is None else max(0, int(checks))]:
         print(f"  compiling {' '.join(fit.Candidate(candidate['changes'], 0, 0).overrides())} "
               f"to check that it fits ...", file=out, flush=True)
-        checked = run_plan(_with(planned, candidate["changes"]))["verdict"]
+        checked_plan = run_plan(_with(planned, candidate["changes"]))
+        checked = checked_plan["verdict"]
         candidate["checked"] = bool(checked["fits"] and checked["scaled_to_xla"])
         candidate["checked_bytes"] = checked["needed_bytes"]
+        predicted = (checked_plan.get("xla") or {}).get("step_time") or {}
+        if "mfu" in predicted:  # the step time of the setting that fits, from its program
+            candidate["checked_step_time_s"] = predicted["step_time_s"]
+            candidate["checked_mfu"] = predicted["mfu"]
         if candidate["checked"]:
             break
     confirmed = [c for c in found if c.get("checked")]

@@ -24,6 +24,7 @@ from tpu_train.compile.layer_groups import scans
 from tpu_train.models import checkpoint_family, family_of, named_config
 from tpu_train.ops import attention_tpu
 from tpu_train.parallel.family_plans import sharding_plan
+from tpu_train.parallel.plans import over_context
 from tpu_train.parallel.mesh import MeshShape, check_divisibility, resolve_mesh_shape
 
 from .frozen_base import FrozenBase, frozen_base_of
@@ -86,7 +87,8 @@ def get_chip(name: str) -> Chip:
 
 
 def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
-    """Elements per chip: all parameters sharded; all gathered over ``fsdp``; one layer
+    """Elements per chip: all parameters sharded; all gathered over ``fsdp`` (and
+    ``context``, over which weights are stored split too: ``plans.over_context``); one layer
     gathered; the largest single gathered tensor.
 
     "Gathered" means after the FSDP all-gather: still split over ``tensor``.
@@ -94,16 +96,26 @@ def _param_shards(cfg: Any, shape: MeshShape) -> tuple[int, int, int, int]:
     family = family_of(cfg)
     plan = sharding_plan(family)
     sizes = {"data": shape.data, "fsdp": shape.fsdp, "expert": shape.expert,
-             "tensor": shape.tensor}
+             "tensor": shape.tensor, "context": shape.context}
+
+    def axes_of(e):
+        return () if e is None else (tuple(e) if isinstance(e, tuple) else (e,))
+
+    def divides(spec, dims):
+        return all(d % math.prod(sizes[a] for a in axes_of(e)) == 0
+                   for d, e in zip(dims, spec))
+
     local = gathered = layer0 = largest = 0
     for name, dims in family.param_shapes(cfg).items():
         spec = plan.spec_for(name, dims)
+        widened = over_context(spec, sizes)
+        spec = widened if divides(widened, dims) else spec
         entries = tuple(spec) + (None,) * (len(dims) - len(spec))
         n = n_gathered = 1
         for d, e in zip(dims, entries):
-            axes = () if e is None else (tuple(e) if isinstance(e, tuple) else (e,))
-            n *= d // math.prod(sizes[a] for a in axes)
-            n_gathered *= d // math.prod(sizes[a] for a in axes if a != "fsdp")
+            n *= d // math.prod(sizes[a] for a in axes_of(e))
+            n_gathered *= d // math.prod(sizes[a] for a in axes_of(e)
+                                         if a not in ("fsdp", "context"))
         local += n
         gathered += n_gathered
         largest = max(largest, n_gathered)
@@ -418,10 +430,12 @@ def _chip_figures(c, hardware_flops_per_chip: float, tokens_per_chip: float, tot
             "fits": total <= usable, "hbm_use_fraction": total / c.hbm_bytes}
 
 
-def compute_dtype_of(config: Any) -> torch.dtype | None:
-    """The dtype ``trainer.precision`` computes the step in (``torch.bfloat16`` for bf16; None:
-    the weights' own), as the trainer's ``Precision.compute_dtype`` gives it to the step."""
-    name = str(getattr(config.trainer.precision, "value", config.trainer.precision))
+def compute_dtype_of(config: Any, changes: dict | None = None) -> torch.dtype | None:
+    """The dtype ``trainer.precision`` (or ``changes``' value for it) computes the step in
+    (``torch.bfloat16`` for bf16; None: the weights' own), as the trainer's
+    ``Precision.compute_dtype`` gives it to the step."""
+    precision = setting(config, "trainer.precision", changes)
+    name = str(getattr(precision, "value", precision))
     return torch.bfloat16 if name == "bf16" else None
 
 
@@ -523,7 +537,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
                 f"parallel.data/fsdp/tensor/expert = {degrees + (expert,)} contains -1: planning "
                 f"needs the chip count, pass num_devices (or set every degree explicitly)")
         num_devices = math.prod(degrees) * expert * context
-    compute_dtype = compute_dtype_of(config)
+    compute_dtype = compute_dtype_of(config, changes)
     cfg = planned_model(config.model.name, config.model.checkpoint,
                         **architecture_overrides(config.model))
     shards = resolve_mesh_shape(num_devices, *degrees, expert=expert,
@@ -536,8 +550,7 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
     seq_len = int(config.data.seq_len)
     # On a TPU the attention kernels keep no seq x seq scores (tpu_train.ops.attention_tpu).
     fused = chip is not None and attention_tpu.kernels_would_run(
-        seq_len, cfg.dim // cfg.n_heads, bf16=compute_dtype == torch.bfloat16,
-        partitioned=num_devices > 1)
+        seq_len, cfg.dim // cfg.n_heads, bf16=compute_dtype == torch.bfloat16)
     param_bytes = stored_bytes(setting(config, "trainer.param_dtype", changes)) or 4
     base = frozen_base_of(config, param_bytes, compute_dtype.itemsize if compute_dtype else None,
                           changes)

@@ -13,7 +13,8 @@ chips, fewer changed settings before more, the weights' dtype kept before narrow
 more; so AdamW's moments in bf16 (``optim.state_dtype=bf16``: 2 bytes a value instead of 4,
 no slower) come before a smaller micro-batch or more recomputation. The chips can be laid out otherwise (``parallel.tensor`` splits each layer's
 activations, taken from ``fsdp``) or be more of them (``parallel.fsdp`` doubled or quadrupled, the global batch raised to split over
-them where it would not).
+them where it would not). The planner also offers a float32 step computed in bf16
+(``trainer.precision=bf16``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 from tpu_train.compile.memory_errors import gib
 from tpu_train.parallel.mesh import resolve_mesh_shape
 
-from .estimate import estimate_from_config, pieces, remat_of, setting, stored_bytes
+from .estimate import (compute_dtype_of, estimate_from_config, pieces, remat_of, setting,
+                       stored_bytes)
 
 __all__ = ["Candidate", "fitting_candidates", "out_of_memory_message", "settings_that_fit"]
 
@@ -91,9 +93,12 @@ def _batches(config: Any, shards: int, changes: dict) -> list[dict]:
     return [changes] + [{**changes, "trainer.micro_batch_size": r} for r in fewer]
 
 
-def _narrower(config: Any) -> list[dict]:
-    """The storage changes to try: none, AdamW's moments in bf16 (where they are wider and
-    the optimizer has them), the weights in bf16 (their moments follow, as in torch)."""
+def _narrower(config: Any, precision: bool) -> list[dict]:
+    """The dtype changes to try: none, AdamW's moments in bf16 (where they are wider and
+    the optimizer has them), the weights in bf16 (their moments follow, as in torch); with
+    ``precision``, for a step computed in float32, each of those computed in bf16
+    (``trainer.precision=bf16``: half the activations' bytes and the TPU's attention kernels,
+    weights kept in float32)."""
     found = [{}]
     weights = stored_bytes(setting(config, "trainer.param_dtype")) or 4
     moments = stored_bytes(setting(config, "optim.state_dtype")) or weights
@@ -101,21 +106,25 @@ def _narrower(config: Any) -> list[dict]:
         found.append({"optim.state_dtype": "bf16"})
     if weights > 2:
         found.append({"trainer.param_dtype": "bf16"})
+    if precision and compute_dtype_of(config) is None:
+        found += [{"trainer.precision": "bf16", **f} for f in found]
     return found
 
 
 def fitting_candidates(config: Any, needed_bytes: float, capacity_bytes: float,
                        num_devices: int, *, more_chips: bool = True,
-                       most: int = _MOST) -> list[Candidate]:
+                       most: int = _MOST, precision: bool = False) -> list[Candidate]:
     """Up to ``most`` settings, cheapest first (module docstring), predicted to fit in
-    ``capacity_bytes`` per chip, given that ``config``'s step needs ``needed_bytes``."""
+    ``capacity_bytes`` per chip, given that ``config``'s step needs ``needed_bytes``.
+    ``precision``: a float32 step may also be computed in bf16 (the planner's pod plans; a
+    run that stopped out of memory is not told to change its numerics)."""
     scale = needed_bytes / estimate_from_config(config, num_devices=num_devices)["bytes_total"]
     remat = remat_of(config)
     policies = _POLICIES[_POLICIES.index(remat):] if remat in _POLICIES else (remat,)
     found = []
     for chips, shards, layout in _layouts(config, num_devices, more_chips):
         for batch_changes, policy, narrower in itertools.product(
-                _batches(config, shards, layout), policies, _narrower(config)):
+                _batches(config, shards, layout), policies, _narrower(config, precision)):
             changes = {**batch_changes, **narrower,
                        **({"trainer.remat": policy} if policy != remat else {})}
             if not changes:

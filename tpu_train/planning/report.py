@@ -148,6 +148,9 @@ def format_fitting(result: dict[str, Any]) -> str:
                  else "")
         if f.get("checked"):
             how = f"XLA: fits, {format_bytes(f['checked_bytes']).strip()} per chip{chips}"
+            if "checked_mfu" in f:
+                how += (f", step {1e3 * f['checked_step_time_s']:.1f} ms predicted, MFU "
+                        f"{100 * f['checked_mfu']:.1f} %")
         else:
             how = (f"estimated ~{format_bytes(f['predicted_bytes']).strip()} per chip{chips}"
                    + (", not compiled" if v.get("scaled_to_xla") else ", analytic"))
