@@ -27,7 +27,11 @@ policy (6 residuals) the W1 step needs less temporary memory than the unrolled p
 forward was wrapped in ``torch.utils.checkpoint`` is differentiated through ``jax.checkpoint``
 with its remat policy (:func:`jax_policy`): ``full`` keeps its inputs only and its backward
 recomputes it; ``save_dots`` is the policy above; ``save_qkv_proj`` keeps only the values
-marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.checkpointing.checkpoint_name`).
+marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.checkpointing.checkpoint_name`); ``offload``
+keeps the layer's input, named ``layer_input``, in host memory (JAX's
+``save_and_offload_only_these_names``): the forward scan stacks it there as a computed
+residual, the backward scan brings each layer's back, and the stacked layer outputs on the
+chip are no longer read by the backward.
 
 :mod:`tpu_train.compile.layer_groups` decides which layers form a stack and traces the body.
 """
@@ -81,6 +85,11 @@ def jax_policy(remat: str):
         return _SAVED_RESIDUALS
     if remat == "save_qkv_proj":
         return jax.checkpoint_policies.save_only_these_names(*checkpointing.QKV_NAMES)
+    if remat == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=(checkpointing.LAYER_INPUT,),
+            offload_src="device", offload_dst=checkpointing.HOST_MEMORY_KIND)
     raise ValueError(f"remat policy must be one of {', '.join(checkpointing.REMAT_POLICIES[1:])}"
                      f", got {remat!r}")
 _IDS = itertools.count(1)
@@ -184,6 +193,9 @@ class LayerBody:
             full = list(values)
             for i, value in zip(wanted, differentiated):
                 full[i] = value
+            if self.remat == "offload":  # the value its policy moves to host memory
+                full[self.n_states] = checkpoint_name(full[self.n_states],
+                                                      checkpointing.LAYER_INPUT)
             return self.run(full[:self.n_states], full[self.n_states:], constrain)
 
         # Not checkpointed: keep the projections' products, recompute the elementwise rest in
@@ -431,13 +443,20 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
     computed = list(tensors[cursor:cursor + n_computed])
     cursor += n_computed
     cotangents = list(tensors[cursor:cursor + n_out])
-    # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after.
-    carries = jnp.concatenate([inputs[0][None], outputs[0][:-1]])
     differentiable = b.differentiable()
     wanted = [i for i, d in enumerate(differentiable) if d]
+    reads_carry = any(kind == "carry" for kind, _ in layout.sources)
 
     def one_layer(carry_grad, xs):
-        layer_states, layer_computed, layer_carry, layer_cotangents = xs
+        layer_states, layer_computed, layer, layer_cotangents = xs
+        # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after, read
+        # in place (a shifted copy of the stacked outputs took as much memory again); not
+        # read at all where the residuals hold it (``offload``: in host memory).
+        layer_carry = None
+        if reads_carry:
+            previous = jax.lax.dynamic_index_in_dim(outputs[0], jnp.maximum(layer - 1, 0),
+                                                    keepdims=False)
+            layer_carry = jnp.where(layer == 0, inputs[0], previous)
         layer_states = _read(layer_states, state_uses)
         values = list(layer_states) + [layer_carry] + inputs[1:]
         leaves = []
@@ -464,7 +483,7 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
 
     init = jnp.zeros(inputs[0].shape, inputs[0].dtype)
     carry_grad, (state_grads, input_grads) = jax.lax.scan(
-        one_layer, init, (states, computed, carries, cotangents), reverse=True)
+        one_layer, init, (states, computed, jnp.arange(n), cotangents), reverse=True)
     result = []
     grads_by_slot = iter(state_grads)
     stacked = [next(grads_by_slot) if differentiable[s] else None for s in range(b.n_states)]
