@@ -76,6 +76,27 @@ def test_for_a_tpu_layer_inputs_are_in_host_memory():
     assert "S(5)" not in texts["full"]
 
 
+def test_the_backward_scan_takes_the_last_layers_cotangent_alone():
+    """The step reads a stack's stacked output only at its last layer, so PyTorch's gradient of
+    it is zeros but for that layer's slice: the backward scan gets that slice, not ``N`` layers
+    of zeros (``layer_scan.pass_last_layer_cotangents``; gradients: test_remat.py's scanned
+    cases against autograd)."""
+    from tpu_train.compile.layer_scan import LAYER_SCAN_BACKWARD, body
+
+    model = tiny_llama()
+    apply_activation_checkpointing(model, "full")
+    model.to(DEVICE)
+    step = compile_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss,
+                              scan_layers=True)
+    step(to_device(lm_batches(1)[0]))
+    (program,) = step.cache.entries.values()
+    (backward,) = [n for n in program.grad_graph.graph.nodes if n.target is LAYER_SCAN_BACKWARD]
+    b = body(backward.args[0])
+    (cotangent,) = backward.args[1][-b.n_outputs:]
+    assert tuple(cotangent.meta["val"].shape) == b.output_metas[0].shape == (2, 32, 64)
+    assert cotangent.target is not torch.ops.aten.select_scatter.default
+
+
 def test_offload_of_unscanned_layers_is_one_line():
     model = tiny_llama()
     apply_activation_checkpointing(model, "offload", qkv_projections=LLAMA.qkv_projections)

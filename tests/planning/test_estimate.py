@@ -229,3 +229,15 @@ def test_mixtral_memory_counts_every_expert_and_splits_them_over_the_expert_axis
     assert result["model_flops_per_step"] == flops_per_token(cfg, 512) * 8 * 512
     with pytest.raises(MeshError, match="must divide the model's n_experts=8"):
         estimate(cfg, num_devices=16, data=1, fsdp=1, expert=16, batch=16, seq_len=512)
+
+
+def test_offload_keeps_no_layer_input_on_the_chip():
+    cfg = get_config("llama_1b")
+    args = dict(num_devices=1, batch=1, seq_len=32768, act_bytes=2, flash_attention=True,
+                scan_layers=True)
+    full = estimate(cfg, remat="full", **args)
+    offload = estimate(cfg, remat="offload", **args)
+    # full keeps each layer's input (32768 x dim, bf16) on the chip; offload in host memory.
+    inputs = cfg.n_layers * 32768 * cfg.dim * 2
+    assert full["bytes_activations"] - offload["bytes_activations"] == inputs
+    assert offload["hardware_flops_per_chip"] == full["hardware_flops_per_chip"]
