@@ -490,22 +490,17 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
     stacked_cotangents = [c for c, last in zip(cotangents, last_only) if not last]
     differentiable = b.differentiable()
     wanted = [i for i, d in enumerate(differentiable) if d]
-    reads_carry = any(kind == "carry" for kind, _ in layout.sources)
+    # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after; not
+    # read where the residuals hold it (``offload``: in host memory).
+    carries = jnp.concatenate([inputs[0][None], outputs[0][:-1]]) \
+        if any(kind == "carry" for kind, _ in layout.sources) else None
 
     def one_layer(carry_grad, xs):
-        layer_states, layer_computed, layer, layer_cotangents = xs
+        layer_states, layer_computed, layer_carry, layer, layer_cotangents = xs
         stacked_cot = iter(layer_cotangents)
         layer_cotangents = [
             jnp.where(layer == n - 1, c, 0) if last else next(stacked_cot)
             for c, last in zip(cotangents, last_only)]
-        # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after, read
-        # in place (a shifted copy of the stacked outputs took as much memory again); not
-        # read at all where the residuals hold it (``offload``: in host memory).
-        layer_carry = None
-        if reads_carry:
-            previous = jax.lax.dynamic_index_in_dim(outputs[0], jnp.maximum(layer - 1, 0),
-                                                    keepdims=False)
-            layer_carry = jnp.where(layer == 0, inputs[0], previous)
         layer_states = _read(layer_states, state_uses)
         values = list(layer_states) + [layer_carry] + inputs[1:]
         leaves = []
@@ -532,7 +527,8 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
 
     init = jnp.zeros(inputs[0].shape, inputs[0].dtype)
     carry_grad, (state_grads, input_grads) = jax.lax.scan(
-        one_layer, init, (states, computed, jnp.arange(n), stacked_cotangents), reverse=True)
+        one_layer, init, (states, computed, carries, jnp.arange(n), stacked_cotangents),
+        reverse=True)
     result = []
     grads_by_slot = iter(state_grads)
     stacked = [next(grads_by_slot) if differentiable[s] else None for s in range(b.n_states)]
