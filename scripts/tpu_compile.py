@@ -16,7 +16,7 @@ entry parameters against the arguments the step passes (they must be equal). Usa
     python scripts/tpu_compile.py [--size default|w1|350m|1b] [--precision fp32|bf16]
                                   [--matmul-precision highest|high|medium] [--target v5e]
                                   [--seq N] [--batch N] [--layers N]
-                                  [--remat none|full|save_dots|save_qkv_proj]
+                                  [--remat none|full|save_dots|save_qkv_proj|offload]
                                   [--scan-layers auto|true|false] [--state-dtype param|bf16]
                                   [--param-dtype fp32|bf16]
                                   [--compile-log]
@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, help="sequence length (default: the size's)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the size's)")
     parser.add_argument("--layers", type=int, help="decoder layers (default: the size's)")
-    parser.add_argument("--remat", choices=("none", "full", "save_dots", "save_qkv_proj"),
+    parser.add_argument("--remat",
+                        choices=("none", "full", "save_dots", "save_qkv_proj", "offload"),
                         default="none", help="what each layer keeps for its backward "
                                              "(trainer.remat)")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",

@@ -35,7 +35,8 @@ jsonl), ``optim`` (adamw, adamw_finetune, adamw_lora),
 ``scheduler`` (warmup_cosine, wsd, constant), ``parallel``, ``checkpoint``, ``logging``,
 ``recipe``; plain sections ``trainer`` (max_steps, seed, mode=eager|fused|compiled, device=cpu|tpu,
 precision=fp32|bf16, grad_accum_steps, max_grad_norm,
-remat=none|full|save_dots|save_qkv_proj, val_every_n_steps, on_nan=stop|skip), ``run`` (dir) and ``plan`` (chip).
+remat=none|full|save_dots|save_qkv_proj|offload, val_every_n_steps, on_nan=stop|skip), ``run``
+(dir) and ``plan`` (chip).
 
 Runs: everything a run writes goes under ``run.dir`` (default ``runs/<recipe>/<timestamp>``):
 ``checkpoints/step_NNNNNNNN/`` (atomic; the last ``checkpoint.keep_last`` are kept),

@@ -35,7 +35,7 @@ SCHEMA = {
                              "expected one of [highest, high, medium]"),
     "bad_on_nan": (["trainer.on_nan=ignore"], "expected one of [stop, skip]"),
     "bad_remat": (["trainer.remat=some"],
-                  "expected one of [none, full, save_dots, save_qkv_proj]"),
+                  "expected one of [none, full, save_dots, save_qkv_proj, offload]"),
     "bad_schedule_name": (["scheduler.name=linear"], "scheduler.name"),
     "bad_data_source": (["data.source=random"], "expected one of [files, synthetic_tokens]"),
     "added_unknown_key": (["+trainer.foo=1"], "trainer.foo is not a setting"),
@@ -49,6 +49,12 @@ VALUES = {
     "remat_and_old_switch": (["trainer.remat=save_dots", "trainer.activation_checkpointing=true"],
                              "trainer.activation_checkpointing=true means trainer.remat=full, "
                              "but trainer.remat=save_dots; set only trainer.remat"),
+    "offload_eager": (["trainer.mode=eager", "trainer.remat=offload"],
+                      "trainer.remat=offload moves layer inputs to host memory in the compiled "
+                      "step; trainer.mode=eager does not: use trainer.remat=full"),
+    "offload_unscanned": ([*_COMPILED, "trainer.remat=offload"],
+                          "trainer.remat=offload moves the inputs of scanned layers to host "
+                          "memory: set trainer.scan_layers=true"),
     "negative_steps": (["trainer.max_steps=-5"], "trainer.max_steps must be >= 1"),
     "negative_lr": (["optim.lr=-1"], "optim.lr must be > 0"),
     "zero_lr": (["optim.lr=0"], "optim.lr must be > 0"),

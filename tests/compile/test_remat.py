@@ -161,7 +161,8 @@ def test_eager_policies(device):
 
 def test_bad_policy_is_one_line():
     with pytest.raises(ValueError, match=r"^trainer.remat='some' is not a remat policy; "
-                                         r"choose one of none, full, save_dots, save_qkv_proj$"):
+                                         r"choose one of none, full, save_dots, save_qkv_proj, "
+                                         r"offload$"):
         remat_setting("some")
     with pytest.raises(ValueError, match="trainer.activation_checkpointing=true means "
                                          "trainer.remat=full, but trainer.remat=save_dots"):

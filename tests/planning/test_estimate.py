@@ -261,3 +261,15 @@ def test_a_float32_step_that_does_not_fit_is_offered_bf16_compute():
     assert not any("trainer.precision" in c.changes
                    for c in fitting_candidates(config, needed, usable, 256, most=50,
                                                precision=True))
+
+
+def test_offload_keeps_no_layer_input_on_the_chip():
+    cfg = get_config("llama_1b")
+    args = dict(num_devices=1, batch=1, seq_len=32768, act_bytes=2, flash_attention=True,
+                scan_layers=True)
+    full = estimate(cfg, remat="full", **args)
+    offload = estimate(cfg, remat="offload", **args)
+    # full keeps each layer's input (32768 x dim, bf16) on the chip; offload in host memory.
+    inputs = cfg.n_layers * 32768 * cfg.dim * 2
+    assert full["bytes_activations"] - offload["bytes_activations"] == inputs
+    assert offload["hardware_flops_per_chip"] == full["hardware_flops_per_chip"]

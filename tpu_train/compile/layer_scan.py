@@ -27,7 +27,11 @@ policy (6 residuals) the W1 step needs less temporary memory than the unrolled p
 forward was wrapped in ``torch.utils.checkpoint`` is differentiated through ``jax.checkpoint``
 with its remat policy (:func:`jax_policy`): ``full`` keeps its inputs only and its backward
 recomputes it; ``save_dots`` is the policy above; ``save_qkv_proj`` keeps only the values
-marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.remat_regions.checkpoint_name`).
+marked ``q_proj``/``k_proj``/``v_proj`` (:func:`.remat_regions.checkpoint_name`); ``offload``
+keeps the layer's input, named ``layer_input``, in host memory (JAX's
+``save_and_offload_only_these_names``): the forward scan stacks it there as a computed
+residual, the backward scan brings each layer's back, and the stacked layer outputs on the
+chip are no longer read by the backward.
 
 :mod:`tpu_train.compile.layer_groups` decides which layers form a stack and traces the body.
 """
@@ -81,6 +85,11 @@ def jax_policy(remat: str):
         return _SAVED_RESIDUALS
     if remat == "save_qkv_proj":
         return jax.checkpoint_policies.save_only_these_names(*remat_regions.QKV_NAMES)
+    if remat == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=(remat_regions.LAYER_INPUT,),
+            offload_src="device", offload_dst=remat_regions.HOST_MEMORY_KIND)
     raise ValueError(f"remat policy must be one of {', '.join(remat_regions.REMAT_POLICIES[1:])}"
                      f", got {remat!r}")
 _IDS = itertools.count(1)
@@ -184,6 +193,9 @@ class LayerBody:
             full = list(values)
             for i, value in zip(wanted, differentiated):
                 full[i] = value
+            if self.remat == "offload":  # the value its policy moves to host memory
+                full[self.n_states] = checkpoint_name(full[self.n_states],
+                                                      remat_regions.LAYER_INPUT)
             return self.run(full[:self.n_states], full[self.n_states:], constrain)
 
         # Not checkpointed: keep the projections' products, recompute the elementwise rest in
@@ -280,6 +292,48 @@ def _layer_slice(stacked, layer: int):
     return stacked[layer]
 
 
+def _backward_count(b: "LayerBody", tensors: Sequence) -> int:
+    """How many layers a ``layer_scan_backward`` of ``b`` over ``tensors`` runs."""
+    return (len(tensors) - b.n_inputs - len(b.layout().computed) - 2 * b.n_outputs) // b.n_states
+
+
+def _is_zeros(node) -> bool:
+    aten = torch.ops.aten
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if node.target in (aten.zeros.default, aten.zeros_like.default):
+        return True
+    return node.target is aten.full.default and node.args[1] == 0
+
+
+def pass_last_layer_cotangents(gm: torch.fx.GraphModule) -> int:
+    """Where the cotangent of a stack's stacked output is zeros but for the last layer's slice
+    (the step reads the stack only at its end: the next op takes the last layer's output),
+    give the backward that slice alone: it adds it to the last layer's cotangent instead of
+    reading ``N`` layers of zeros made for it (at 32,768 tokens of the 1B, 2 GiB). Returns how
+    many cotangents were replaced."""
+    aten, replaced = torch.ops.aten, 0
+    for node in gm.graph.nodes:
+        if node.target is not LAYER_SCAN_BACKWARD:
+            continue
+        b, tensors = body(node.args[0]), list(node.args[1])
+        n, before = _backward_count(b, tensors), replaced
+        for k in range(b.n_outputs):
+            position = len(tensors) - b.n_outputs + k
+            cot = tensors[position]
+            if isinstance(cot, torch.fx.Node) and cot.target is aten.select_scatter.default \
+                    and _is_zeros(cot.args[0]) and cot.args[2] == 0 \
+                    and cot.args[3] in (n - 1, -1):
+                tensors[position] = cot.args[1]
+                replaced += 1
+        if replaced != before:
+            node.args = (node.args[0], tensors)
+    if replaced:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return replaced
+
+
 def scanned_layer_count(gm: torch.fx.GraphModule) -> int:
     """How many layers the gradient graph ``gm`` runs inside ``layer_scan`` loops."""
     return sum(_count(body(node.args[0]), node.args[1]) for node in gm.graph.nodes
@@ -310,7 +364,7 @@ def _(body_id, tensors):
 def _(body_id, tensors):
     b = body(body_id)
     device = tensors[0].device
-    n = (len(tensors) - b.n_inputs - len(b.layout().computed) - 2 * b.n_outputs) // b.n_states
+    n = _backward_count(b, tensors)
     grads = [_empty(m, device) for _ in range(n) for m in b.state_metas]
     return grads + [_empty(m if m.dtype.is_floating_point else Meta((0,), torch.float32), device)
                     for m in b.input_metas]
@@ -431,13 +485,22 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
     computed = list(tensors[cursor:cursor + n_computed])
     cursor += n_computed
     cotangents = list(tensors[cursor:cursor + n_out])
-    # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after.
-    carries = jnp.concatenate([inputs[0][None], outputs[0][:-1]])
+    # A cotangent of one layer's shape is the last layer's alone (pass_last_layer_cotangents).
+    last_only = [c.ndim == len(m.shape) for c, m in zip(cotangents, b.output_metas)]
+    stacked_cotangents = [c for c, last in zip(cotangents, last_only) if not last]
     differentiable = b.differentiable()
     wanted = [i for i, d in enumerate(differentiable) if d]
+    # Layer j's carry input: the stack's input for j = 0, layer j - 1's output after; not
+    # read where the residuals hold it (``offload``: in host memory).
+    carries = jnp.concatenate([inputs[0][None], outputs[0][:-1]]) \
+        if any(kind == "carry" for kind, _ in layout.sources) else None
 
     def one_layer(carry_grad, xs):
-        layer_states, layer_computed, layer_carry, layer_cotangents = xs
+        layer_states, layer_computed, layer_carry, layer, layer_cotangents = xs
+        stacked_cot = iter(layer_cotangents)
+        layer_cotangents = [
+            jnp.where(layer == n - 1, c, 0) if last else next(stacked_cot)
+            for c, last in zip(cotangents, last_only)]
         layer_states = _read(layer_states, state_uses)
         values = list(layer_states) + [layer_carry] + inputs[1:]
         leaves = []
@@ -464,7 +527,8 @@ def lower_layer_scan_backward(body_id: int, tensors: Sequence,
 
     init = jnp.zeros(inputs[0].shape, inputs[0].dtype)
     carry_grad, (state_grads, input_grads) = jax.lax.scan(
-        one_layer, init, (states, computed, carries, cotangents), reverse=True)
+        one_layer, init, (states, computed, carries, jnp.arange(n), stacked_cotangents),
+        reverse=True)
     result = []
     grads_by_slot = iter(state_grads)
     stacked = [next(grads_by_slot) if differentiable[s] else None for s in range(b.n_states)]

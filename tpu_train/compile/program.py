@@ -110,7 +110,8 @@ def compiled_analysis(compiled) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if mem is not None:
         for key in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                    "temp_size_in_bytes", "generated_code_size_in_bytes"):
+                    "temp_size_in_bytes", "generated_code_size_in_bytes",
+                    "host_temp_size_in_bytes"):
             out[key] = int(getattr(mem, key, 0) or 0)
         out["bytes_peak_estimate"] = (out["argument_size_in_bytes"] + out["temp_size_in_bytes"]
                                       + out["output_size_in_bytes"] - out["alias_size_in_bytes"])

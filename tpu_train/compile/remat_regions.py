@@ -71,11 +71,32 @@ optimization_barrier = OPTIMIZATION_BARRIER
 # What a checkpointed layer keeps for its backward (``trainer.remat``): ``full`` nothing but
 # its inputs; ``save_dots`` the results of its projections (matmuls without batch dimensions);
 # ``save_qkv_proj`` only the outputs of its attention's q, k and v projections, marked with
-# :data:`CHECKPOINT_NAME`. The policy travels with the ``checkpoint`` call itself, as the
-# ``context_fn`` PyTorch's selective checkpointing uses (:class:`RematContext`), so that the
-# compiled step reads it where it finds the call and eager mode honours it through PyTorch.
-REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj")
+# :data:`CHECKPOINT_NAME`; ``offload`` what ``full`` keeps, with each scanned layer's input
+# (the activation it is called with, :data:`LAYER_INPUT`) moved to the host's memory
+# (:data:`HOST_MEMORY_KIND`) in the forward and back to the chip in the backward. The policy
+# travels with the ``checkpoint`` call itself, as the ``context_fn`` PyTorch's selective
+# checkpointing uses (:class:`RematContext`), so that the compiled step reads it where it
+# finds the call and eager mode honours it through PyTorch.
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "offload")
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+LAYER_INPUT = "layer_input"
+# JAX's memory kind of page-locked host memory, which a TPU's DMA engines read and write.
+HOST_MEMORY_KIND = "pinned_host"
+
+
+def host_offload_problem(devices) -> str | None:
+    """Why ``trainer.remat=offload`` cannot run on ``devices`` (None: it can): each needs
+    :data:`HOST_MEMORY_KIND` among the memories it addresses."""
+    for device in devices:
+        try:
+            kinds = {memory.kind for memory in device.addressable_memories()}
+        except Exception:  # noqa: BLE001 - a client without memory kinds has no host memory
+            kinds = set()
+        if HOST_MEMORY_KIND not in kinds:
+            return (f"trainer.remat=offload moves each layer's input to host memory, which "
+                    f"{device.platform} device {device.id} does not address ({HOST_MEMORY_KIND} "
+                    f"is not among its memory kinds {sorted(kinds)}); use trainer.remat=full")
+    return None
 
 _LIBRARY.define("checkpoint_name(Tensor x, str name) -> Tensor")
 
@@ -122,8 +143,9 @@ class RematContext:
     """The ``context_fn`` of a checkpointed layer's ``checkpoint`` call: carries the policy
     (``remat``) for the compiled step and, called by PyTorch in eager mode, returns its
     selective checkpointing contexts: ``save_dots`` keeps the outputs of ``mm``/``addmm``;
-    ``full`` and ``save_qkv_proj`` keep nothing (op by op, the q/k/v projections are matmuls
-    like the others: eager recomputes the whole layer)."""
+    ``full``, ``save_qkv_proj`` and ``offload`` keep nothing (op by op, the q/k/v projections
+    are matmuls like the others: eager recomputes the whole layer; its inputs stay where they
+    are)."""
 
     _SAVED_OPS = {"save_dots": ("mm", "addmm")}
 
@@ -182,6 +204,12 @@ def forward_remat(forward) -> str | None:
 
 class UnsupportedCheckpointError(NotImplementedError):
     """A checkpointed region the compiled step cannot recompute faithfully."""
+
+
+OFFLOAD_UNSCANNED = ("trainer.remat=offload moves the inputs of scanned layers to host memory, "
+                     "and a checkpointed layer of this step is not scanned: set "
+                     "trainer.scan_layers=true (layers with random ops are never scanned), or "
+                     "use trainer.remat=full")
 
 
 def _owner_module(function: Callable, root: torch.nn.Module | None):
@@ -321,6 +349,8 @@ _CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "context_fn", "det
 
 def _traced_checkpoint(function, *args, **kwargs):
     """``torch.utils.checkpoint.checkpoint`` while a compiled step is traced."""
+    if remat_of_call(kwargs) == "offload":
+        raise UnsupportedCheckpointError(OFFLOAD_UNSCANNED)
     for option in _CHECKPOINT_OPTIONS:
         kwargs.pop(option, None)
     if not torch.is_grad_enabled():

@@ -76,6 +76,8 @@ def _lower_layer_call(body_id: int, tensors: Sequence, constrain=None, uses=None
         # Inside the checkpoint: a recomputation reads (gathers) the stored weights again.
         return list(jitted(*[t if use is None else use(t) for t, use in zip(values, uses)]))
 
+    if body.remat == "offload":
+        raise checkpointing.UnsupportedCheckpointError(checkpointing.OFFLOAD_UNSCANNED)
     if body.remat is not None:
         policy = layer_scan.jax_policy(body.remat)
         call = _recomputed(call, policy) if _FENCED.get() \

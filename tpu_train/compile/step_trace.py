@@ -135,6 +135,7 @@ def trace_step(step, st, scalars, stages, autodiff: str, natural: bool) -> Trace
                             st.group_sizes, st.state_counts, step.settings.max_grad_norm, fakes,
                             flat_param_fakes, grad_fakes, state_fakes, scalars_fake)
     grad_gm = traced.gm
+    layer_scan.pass_last_layer_cotangents(grad_gm)
     interpreter.check_lowerings(grad_gm.graph)
     interpreter.check_lowerings(update_gm.graph)
     stages.graph_nodes = interpreter.count_ops(grad_gm) + interpreter.count_ops(update_gm)

@@ -150,7 +150,8 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
     tpu_train.compile.layer_scan), plus one layer's full set while its backward runs.
     ``remat`` (``trainer.remat``; ``full`` is ``activation_checkpointing``): ``save_dots``
     keeps what a scanned layer keeps, ``save_qkv_proj`` the input and q, k, v (``dim +
-    (dim + 2 kv_dim) / t``), each plus one layer's full set during its recomputation.
+    (dim + 2 kv_dim) / t``), each plus one layer's full set during its recomputation;
+    ``offload`` only that set (the layers' inputs wait in host memory).
     Context parallelism (``shape.context``) divides every per-token figure's token count by
     its degree: each chip holds ``seq_len / context`` of each sequence; a token's scores still
     span the whole sequence (the keys are gathered), so the score terms keep ``seq_len``.
@@ -165,6 +166,8 @@ def activation_bytes(cfg: Any, shape: MeshShape, batch: int, seq_len: int, *,
         layers = tokens * (cfg.n_layers * (cfg.dim + (cfg.dim + 2 * kv) / t) + per_layer)
     elif activation_checkpointing or remat == "full":
         layers = tokens * (cfg.n_layers * cfg.dim + per_layer)
+    elif remat == "offload":  # each layer's input is in host memory
+        layers = tokens * per_layer
     elif scan_layers:
         layers = tokens * (cfg.n_layers * kept + per_layer)
     else:
@@ -366,7 +369,7 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     tokens = batch * seq_len * grad_accum_steps
     model_flops = family.flops_per_token(cfg, seq_len) * tokens
     # Checkpointing re-runs each layer's forward (1/3 of 6N): same work, fewer useful FLOPs.
-    recompute = remat in ("full", "save_qkv_proj")
+    recompute = remat in ("full", "save_qkv_proj", "offload")
     hardware_flops = model_flops * (4 / 3 if recompute else 1)
     if frozen_base is not None:
         # No gradients of the frozen weights: their matmuls cost 2 + 2 (+ 2 recomputed) of

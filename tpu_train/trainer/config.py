@@ -57,12 +57,15 @@ class Remat(Enum):
     """What each decoder layer keeps for its backward; the rest is recomputed there
     (``tpu_train.parallel.activation_checkpointing``, docs/compile.md). ``none``: everything
     (a scanned stack keeps its projections' outputs); ``full``: only the layer's input;
-    ``save_dots``: its projections' outputs; ``save_qkv_proj``: its q, k, v projections'."""
+    ``save_dots``: its projections' outputs; ``save_qkv_proj``: its q, k, v projections';
+    ``offload``: ``full`` with each layer's input in host memory (scanned layers of the
+    compiled step, ``trainer.scan_layers=true``)."""
 
     none = "none"
     full = "full"
     save_dots = "save_dots"
     save_qkv_proj = "save_qkv_proj"
+    offload = "offload"
 
 
 class ParamDtype(Enum):

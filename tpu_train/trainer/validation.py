@@ -311,6 +311,19 @@ def _validate_trainer(trainer) -> None:
              f"trainer.max_minutes must be > 0 or null (no limit), got {trainer.max_minutes}")
     _require(trainer.max_grad_norm is None or trainer.max_grad_norm > 0,
              f"trainer.max_grad_norm must be > 0 or null (no clipping), got {trainer.max_grad_norm}")
+    _validate_offload(trainer)
+
+
+def _validate_offload(trainer) -> None:
+    """``trainer.remat=offload`` moves the inputs of scanned layers in the compiled step."""
+    if getattr(trainer.remat, "value", trainer.remat) != Remat.offload.value:
+        return
+    _require(StepMode(trainer.mode) is StepMode.compiled,
+             f"trainer.remat=offload moves layer inputs to host memory in the compiled step; "
+             f"trainer.mode={StepMode(trainer.mode).value} does not: use trainer.remat=full")
+    _require(trainer.scan_layers is True,
+             "trainer.remat=offload moves the inputs of scanned layers to host memory: set "
+             "trainer.scan_layers=true")
 
 
 def _validate_trainer_for_the_runtime(trainer) -> None:
@@ -329,7 +342,13 @@ def _validate_trainer_for_the_runtime(trainer) -> None:
         _require(requested_world_size() == 1,
                  "trainer.max_minutes stops a job of one process; under a launcher set "
                  "trainer.max_steps instead (or stop the job with SIGTERM: it saves and resumes)")
-    remat_policy(trainer)
+    if remat_policy(trainer) == Remat.offload.value:
+        import jax
+
+        from tpu_train.compile.remat_regions import host_offload_problem
+
+        problem = host_offload_problem(jax.devices())
+        _require(problem is None, problem)
 
 
 def _validate_base_dtype(cfg: DictConfig) -> None:
