@@ -9,7 +9,8 @@ The step is the one ``tpu-train`` builds: AdamW, clipping to 1.0, skip-non-finit
 ``--size default`` is the bundled default job's model and batch (``model=debug_tiny``, 16 x
 128); ``w1``, ``350m``, ``1b`` are the sizes of ``scripts/jax_llama.py``; ``--seq``,
 ``--batch`` and ``--layers`` change that size's sequence length, batch and depth. Prints ONE
-JSON line: trace / lower / XLA compile seconds, the TPU compiler's bytes accessed, FLOPs and
+JSON line: trace / lower / XLA compile seconds (and the compile's CPU seconds, all threads:
+``xla_compile_cpu_s``, steadier than wall seconds on a loaded host), the TPU compiler's bytes accessed, FLOPs and
 peak memory per chip, the optimized program's fusion, dot and Pallas kernel counts, and its
 entry parameters against the arguments the step passes (they must be equal). Usage::
 
@@ -20,7 +21,7 @@ entry parameters against the arguments the step passes (they must be equal). Usa
                                   [--scan-layers auto|true|false] [--state-dtype param|bf16]
                                   [--param-dtype fp32|bf16]
                                   [--compile-log]
-                                  [--program ours|jax|jax_scan]
+                                  [--program ours|jax|jax_scan] [--hlo-dir DIR]
 
 ``--program jax`` compiles the hand-written JAX step of the same size instead
 (``scripts/jax_llama.py``, unrolled, no remat), ``jax_scan`` MaxText's shape of it
@@ -30,6 +31,9 @@ attention from seq 1,024), both at bf16 with optax AdamW and clipping.
 ``--compile-log`` adds ``compile_log``: the TPU compiler's own account of the compile (its
 stages' seconds, bundle count, executable fingerprint and slowest kernels, from libtpu's log;
 ``scripts/tpu_compile_log.py``). Equal fingerprints mean the same device program.
+``by_computation`` sums the kernels by part of the optimized program: the entry computation
+and each ``while`` loop (a scanned stack's forward and backward bodies are compiled once).
+``--hlo-dir DIR`` writes the program's input StableHLO and XLA's optimized HLO there.
 """
 
 from __future__ import annotations
@@ -101,6 +105,9 @@ def main(argv=None) -> dict:
                         help="report the TPU compiler's stages and slowest kernels")
     parser.add_argument("--program", choices=("ours", "jax", "jax_scan"), default="ours",
                         help="the trainer's step, or the JAX reference unrolled or scanned")
+    parser.add_argument("--hlo-dir", help="write the program's input StableHLO and XLA's "
+                                          "optimized HLO here (<program>.stablehlo.mlir, "
+                                          "<program>.optimized.hlo)")
     args = parser.parse_args(argv)
     log_dir = enable_compile_log(os.environ) if args.compile_log else None
     for name in ("seq", "batch", "layers"):
@@ -109,8 +116,10 @@ def main(argv=None) -> dict:
 
     if args.program != "ours":
         report = compile_reference(args)
+        compiled = report.pop("_compiled")
+        write_hlo(args, report.pop("_lowered"), compiled)
         if log_dir is not None:
-            report["compile_log"] = read_compile_log(log_dir)
+            report["compile_log"] = read_compile_log(log_dir, compiled.as_text())
         print(json.dumps(report))
         return report
 
@@ -118,6 +127,8 @@ def main(argv=None) -> dict:
 
     import tpu_train  # noqa: F401
     from tpu_train.compile import lower_train_step
+    from tpu_train.compile.cache import TimedStages
+    from tpu_train.compile.program import compile_program
     from tpu_train.compile.targets import TargetError, libtpu_available
     from tpu_train.ops.matmul import set_matmul_precision
     from tpu_train.models import LLAMA
@@ -145,10 +156,16 @@ def main(argv=None) -> dict:
         program = lower_train_step(model, optimizer, causal_lm_loss_sum_and_count, batch,
                                    max_grad_norm=1.0, skip_non_finite=True, target=args.target,
                                    autocast_dtype=bf16, compute_dtype=bf16,
-                                   scan_layers=scan_layers)
+                                   scan_layers=scan_layers, compile=False)
     except TargetError as error:
         parser.error(str(error))
+    # Compiled here (what compile=True does) to time the compile's CPU seconds on their own.
+    stages, cpu_started = TimedStages(), time.process_time()
+    compile_program(program, stages)
+    compile_cpu_s = time.process_time() - cpu_started
+    program.seconds = {**program.seconds, "compile": stages.seconds["compile"]}
     text = program.executable.as_text()
+    write_hlo(args, program.lowered, program.executable)
     tokens = batch["tokens"].shape
     report = {"size": args.size, "batch": tokens[0], "seq": tokens[1],
               "layers": model.config.n_layers, "precision": args.precision,
@@ -157,13 +174,14 @@ def main(argv=None) -> dict:
               "matmul_precision": args.matmul_precision, "target": args.target,
               "date": time.strftime("%Y-%m-%d"), "host_cores": os.cpu_count(),
               "seconds": {k: round(v, 2) for k, v in program.seconds.items()},
+              "xla_compile_cpu_s": round(compile_cpu_s, 1),
               "wall_s": round(time.perf_counter() - started, 2), **program.analysis(),
               "fusions": text.count(" fusion("),
               "dots": text.count(" convolution(") + text.count(" dot("),
               "pallas_kernels": text.count('custom_call_target="tpu_custom_call"'),
               **_parameter_counts(program, text)}
     if log_dir is not None:
-        report["compile_log"] = read_compile_log(log_dir)
+        report["compile_log"] = read_compile_log(log_dir, text)
     print(json.dumps(report))
     return report
 
@@ -199,9 +217,9 @@ def compile_reference(args) -> dict:
             cfg, jax_llama_scan.optimizer(params_args[0], hyper), precision="bf16",
             remat=remat, splash=jax_llama_scan.uses_splash("tpu", size.seq))
     lowered = step.lower(*params_args)
-    lowered_at = time.perf_counter()
+    lowered_at, cpu_started = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    done = time.perf_counter()
+    done, compile_cpu_s = time.perf_counter(), time.process_time() - cpu_started
     text = compiled.as_text()
     cost = compiled.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else cost
@@ -212,13 +230,26 @@ def compile_reference(args) -> dict:
             "host_cores": os.cpu_count(),
             "seconds": {"trace_lower": round(lowered_at - started, 2),
                         "xla_compile": round(done - lowered_at, 2)},
+            "xla_compile_cpu_s": round(compile_cpu_s, 1),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
             "flops": float(cost.get("flops", 0.0)),
             "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
             "fusions": text.count(" fusion("),
             "dots": text.count(" convolution(") + text.count(" dot("),
             "pallas_kernels": text.count('custom_call_target="tpu_custom_call"'),
-            "while_loops": text.count(" while(")}
+            "while_loops": text.count(" while("),
+            "_lowered": lowered, "_compiled": compiled}
+
+
+def write_hlo(args, lowered, compiled) -> None:
+    """With ``--hlo-dir``: the input StableHLO and the optimized HLO, named by program."""
+    if not args.hlo_dir:
+        return
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    for suffix, text in (("stablehlo.mlir", lowered.as_text()),
+                         ("optimized.hlo", compiled.as_text())):
+        with open(os.path.join(args.hlo_dir, f"{args.program}.{suffix}"), "w") as out:
+            out.write(text)
 
 
 def enable_compile_log(environ) -> str:
@@ -236,9 +267,12 @@ def enable_compile_log(environ) -> str:
     return log_dir
 
 
-def read_compile_log(log_dir: str, wait_s: float = 10.0) -> dict | None:
+def read_compile_log(log_dir: str, hlo_text: str | None = None,
+                     wait_s: float = 10.0) -> dict | None:
     """:func:`tpu_compile_log.summarize` of libtpu's INFO log in ``log_dir`` (None: no log),
-    once the compile's last line is there (at most ``wait_s`` seconds later)."""
+    once the compile's last line is there (at most ``wait_s`` seconds later); with the
+    optimized program's ``hlo_text``, also its kernels by part of the program
+    (``by_computation``: :func:`tpu_compile_log.kernels_by_computation`)."""
     import tpu_compile_log
 
     path = os.path.join(log_dir, "tpu_driver.INFO")
@@ -250,10 +284,15 @@ def read_compile_log(log_dir: str, wait_s: float = 10.0) -> dict | None:
         if os.path.exists(path):
             with open(path, errors="replace") as log:
                 text = log.read()
-        if text is not None and tpu_compile_log.FINAL_LINE in text:
-            return tpu_compile_log.summarize(text)
+        if text is not None and (tpu_compile_log.FINAL_LINE in text
+                                 or time.monotonic() > deadline):
+            summary = tpu_compile_log.summarize(text)
+            if hlo_text is not None:
+                summary["by_computation"] = tpu_compile_log.kernels_by_computation(text,
+                                                                                   hlo_text)
+            return summary
         if time.monotonic() > deadline:
-            return None if text is None else tpu_compile_log.summarize(text)
+            return None
         time.sleep(0.2)
 
 

@@ -78,6 +78,64 @@ def summarize(log: str, top: int = 10) -> dict:
             if total else None}
 
 
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_CALLED = re.compile(r"(?:body|condition|to_apply|branch_computations|calls)=\{?%?([\w.\-]+)")
+
+
+def _computations(hlo_text: str) -> tuple[dict, str | None]:
+    """``({computation: [instruction lines]}, the entry's name)`` of an HLO module's text."""
+    found: dict[str, list[str]] = {}
+    entry = current = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            header = _COMPUTATION.match(line)
+            if header is not None and " -> " in line:
+                current = header[2]
+                found[current] = []
+                entry = current if header[1] else entry
+        elif line == "}":
+            current = None
+        else:
+            found[current].append(line)
+    return found, entry
+
+
+def kernels_by_computation(log: str, hlo_text: str) -> dict:
+    """The kernels of libtpu's log, summed by where their instruction sits in the optimized
+    program (``hlo_text``): ``entry``, ``loop 1``, ``loop 2``... (each ``while`` of the entry
+    computation in program order, with whatever its body and condition call), ``other``:
+    ``{part: {"kernels", "llo_instructions", "backend_s"}}``. A scanned program's loop bodies
+    are compiled once however deep the stack; what grows with depth is in ``entry``."""
+    computations, entry = _computations(hlo_text)
+    owner: dict[str, str] = {}
+    if entry is not None:
+        owner[entry] = "entry"
+        loops = [line for line in computations[entry] if " while(" in line]
+        for number, line in enumerate(loops, 1):
+            pending = [name for name in _CALLED.findall(line)]
+            while pending:
+                name = pending.pop()
+                if name in owner or name not in computations:
+                    continue
+                owner[name] = f"loop {number}"
+                pending.extend(_CALLED.findall("\n".join(computations[name])))
+    part_of = {}
+    for name, lines in computations.items():
+        for line in lines:
+            if (instruction := _INSTRUCTION.match(line)) is not None:
+                part_of.setdefault(instruction[1], owner.get(name, "other"))
+    parts: dict[str, dict] = {}
+    for name, instructions, seconds in summarize(log, top=1 << 30)["top_kernels"]:
+        part = parts.setdefault(part_of.get(name, "other"),
+                                {"kernels": 0, "llo_instructions": 0, "backend_s": 0.0})
+        part["kernels"] += 1
+        part["llo_instructions"] += instructions
+        part["backend_s"] = round(part["backend_s"] + seconds, 2)
+    order = ["entry"] + [f"loop {n}" for n in range(1, len(parts) + 1)] + ["other"]
+    return {part: parts[part] for part in order if part in parts}
+
+
 def _finished(kernel: list, at: float) -> list:
     name, instructions, started = kernel
     return [name, instructions, max(0.0, at - started)]

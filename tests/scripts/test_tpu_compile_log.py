@@ -105,3 +105,65 @@ def test_the_log_is_read_once_the_compile_has_ended(tmp_path, monkeypatch):
     summary = tpu_compile.read_compile_log(str(tmp_path))
     assert len(sleeps) == 1 and summary["stages_s"]["end_to_end"] == 81.91
     assert summary["executable_fingerprint"].startswith("853cc074")
+
+
+# An optimized program's text (shortened): the entry computation, one while loop whose body
+# calls a fused computation, and a conditional branch inside the body.
+HLO = """\
+HloModule jit_program, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_computation.1 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %multiply.9 = f32[4]{0} multiply(%param_0, %param_0)
+}
+
+%branch (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %slice.56 = f32[4]{0} negate(%p)
+}
+
+%body (arg: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %arg = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%arg), index=1
+  %fusion.161 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation.1
+  %cond.1 = f32[4]{0} conditional(%i, %fusion.161), branch_computations={%branch}
+  ROOT %tuple = (s32[], f32[4]{0}) tuple(%i, %cond.1)
+}
+
+%condition (arg: (s32[], f32[4])) -> pred[] {
+  %arg = (s32[], f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main.9 (Arg_0.1: f32[4]) -> f32[4] {
+  %Arg_0.1 = f32[4]{0} parameter(0)
+  %multiply_reduce_fusion.32 = f32[4]{0} fusion(%Arg_0.1), kind=kLoop, calls=%fused_computation.1
+  %while.3 = (s32[], f32[4]{0}) while(%tuple.1), condition=%condition, body=%body
+  ROOT %bitcast_clamp_fusion = f32[4]{0} get-tuple-element(%while.3), index=1
+}
+"""
+
+
+def test_kernels_are_summed_by_part_of_the_program():
+    parts = tpu_compile_log.kernels_by_computation(LOG, HLO)
+    # multiply_reduce_fusion.32 and bitcast_clamp_fusion sit in the entry; fusion.161 in the
+    # loop's body, slice.56 in a branch the body calls.
+    assert list(parts) == ["entry", "loop 1"]
+    assert parts["entry"] == {"kernels": 2, "llo_instructions": 171288 + 31,
+                              "backend_s": pytest.approx(16.85 + 0.5, abs=0.01)}
+    assert parts["loop 1"]["kernels"] == 2
+    assert parts["loop 1"]["llo_instructions"] == 83411 + 25
+
+
+def test_hlo_dir_gets_the_input_and_the_optimized_program(tmp_path):
+    class Text:
+        def __init__(self, text):
+            self.text = text
+
+        def as_text(self):
+            return self.text
+
+    args = tpu_compile.argparse.Namespace(hlo_dir=str(tmp_path / "hlo"), program="jax_scan")
+    tpu_compile.write_hlo(args, Text("module @jit_step"), Text(HLO))
+    assert (tmp_path / "hlo" / "jax_scan.stablehlo.mlir").read_text() == "module @jit_step"
+    assert (tmp_path / "hlo" / "jax_scan.optimized.hlo").read_text() == HLO
