@@ -102,12 +102,14 @@ def test_the_trainer_names_settings_that_fit():
                               "has 15.75 GiB; settings that would fit (planner's estimate): "
                               "optim.state_dtype=bf16 (~"), message
     # Recomputing everything, one row at once: the bf16 storage of the moments, then of the
-    # weights (and so of their moments) is what is left to try.
+    # weights (and so of their moments) is what is left to try, and the layers' inputs in host
+    # memory beside the bf16 moments (offload needs the layers scanned).
     tight = ["model=llama3_2_1b", "data.batch_size=1", "data.seq_len=2048", "parallel.data=1",
              "trainer.remat=full"]
     assert out_of_memory_message(error, _config(*tight), 1).endswith(
         "settings that would fit (planner's estimate): optim.state_dtype=bf16 (~13.29 GiB), "
-        "trainer.param_dtype=bf16 (~10.05 GiB)")
+        "trainer.param_dtype=bf16 (~10.05 GiB), optim.state_dtype=bf16 trainer.remat=offload "
+        "trainer.scan_layers=true (~15.67 GiB)")
     # With both already in bf16, nothing smaller to try.
     narrow = _config(*tight, "trainer.param_dtype=bf16", "optim.state_dtype=bf16")
     assert "shard the model over more chips" in out_of_memory_message(error, narrow, 1)

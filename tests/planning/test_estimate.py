@@ -273,3 +273,38 @@ def test_offload_keeps_no_layer_input_on_the_chip():
     inputs = cfg.n_layers * 32768 * cfg.dim * 2
     assert full["bytes_activations"] - offload["bytes_activations"] == inputs
     assert offload["hardware_flops_per_chip"] == full["hardware_flops_per_chip"]
+
+
+def test_when_only_host_memory_makes_room_the_planner_offers_offload_with_scanned_layers():
+    """The 1B at 1 x 32,768 on one v5e (bf16 weights and moments): no remat policy on the chip
+    fits, each layer's input in host memory does; the candidate scans the layers, as offload
+    needs. An eager run is never offered it (the policy lives in the compiled step)."""
+    from omegaconf import OmegaConf
+
+    from tpu_train.planning.fit import fitting_candidates
+    from tpu_train.trainer.config import Config
+
+    config = OmegaConf.structured(Config)
+    config.data.path = None
+    config.model.name, config.model.max_seq_len, config.plan.chip = "llama_1b", 32768, "v5e"
+    config.parallel.data = 1
+    config.data.batch_size, config.data.seq_len = 1, 32768
+    config.trainer.precision, config.trainer.param_dtype = "bf16", "bf16"
+    config.optim.state_dtype = "bf16"
+    full = min(estimate_from_config(config, changes={"trainer.remat": "full",
+                                                     "trainer.scan_layers": scan})["bytes_total"]
+               for scan in (True, False))
+    offload = estimate_from_config(config, changes={"trainer.remat": "offload",
+                                                    "trainer.scan_layers": True})["bytes_total"]
+    assert offload < full
+    capacity = (offload + full) / 2  # room for offload's step, not for full's, scanned or not
+    needed = estimate_from_config(config)["bytes_total"]
+    found = fitting_candidates(config, needed, capacity, 1, more_chips=False, most=50)
+    assert found and all(c.predicted_bytes <= capacity for c in found)
+    offloaded = [c for c in found if c.changes.get("trainer.remat") == "offload"]
+    assert offloaded and all(c.changes["trainer.scan_layers"] is True for c in offloaded)
+    assert not any(c.changes.get("trainer.remat") == "full" for c in found)
+    config.trainer.mode = "eager"
+    assert not any(c.changes.get("trainer.remat") == "offload"
+                   for c in fitting_candidates(config, needed, capacity, 1, more_chips=False,
+                                               most=50))

@@ -60,6 +60,8 @@ def scans(scan_layers: bool | None, n_layers: int) -> bool:
     """Would a stack of ``n_layers`` identical layers be scanned under ``scan_layers``?"""
     least = min_scanned_layers(scan_layers)
     return least is not None and n_layers >= least
+
+
 _UNSCANNABLE = "unscannable"
 _BODIES: dict = {}  # call signature -> LayerBody or _UNSCANNABLE
 

@@ -267,8 +267,7 @@ def _key(override: str) -> str:
 def command_line(overrides: list[str], changes: dict[str, Any]) -> str:
     """``tpu-train plan`` with ``overrides``, those of ``changes``' keys replaced by it."""
     kept = [o for o in overrides if _key(o) not in changes]
-    added = [f"{key}={'null' if value is None else getattr(value, 'value', value)}"
-             for key, value in changes.items()]
+    added = [f"{key}={fit.override_value(value)}" for key, value in changes.items()]
     return shlex.join(["tpu-train", "plan", *kept, *added])
 
 

@@ -565,5 +565,6 @@ def estimate_from_config(config: Any, num_devices: int | None = None,
         act_bytes=compute_dtype.itemsize if compute_dtype else 4, grad_accum_steps=splits,
         param_bytes=param_bytes,
         state_bytes=stored_bytes(setting(config, "optim.state_dtype", changes)),
-        scan_layers=scans(config.trainer.get("scan_layers"), cfg.n_layers), frozen_base=base,
+        scan_layers=scans(setting(config, "trainer.scan_layers", changes), cfg.n_layers),
+        frozen_base=base,
         context=context)

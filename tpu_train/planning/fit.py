@@ -10,7 +10,8 @@ memory. Candidates change as little as possible, cheapest first: the same chips 
 chips, fewer changed settings before more, the weights' dtype kept before narrowed
 (``trainer.param_dtype=bf16`` loses small updates), fewer pieces a step is cut into
 (``trainer.micro_batch_size``) before more, less recomputation (``trainer.remat``) before
-more; so AdamW's moments in bf16 (``optim.state_dtype=bf16``: 2 bytes a value instead of 4,
+more, and the layers' inputs in host memory (``trainer.remat=offload``, with the layers scanned)
+last; so AdamW's moments in bf16 (``optim.state_dtype=bf16``: 2 bytes a value instead of 4,
 no slower) come before a smaller micro-batch or more recomputation. The chips can be laid out otherwise (``parallel.tensor`` splits each layer's
 activations, taken from ``fsdp``) or be more of them (``parallel.fsdp`` doubled or quadrupled, the global batch raised to split over
 them where it would not). The planner also offers a float32 step computed in bf16
@@ -29,9 +30,12 @@ from tpu_train.parallel.mesh import resolve_mesh_shape
 from .estimate import (compute_dtype_of, estimate_from_config, pieces, remat_of, setting,
                        stored_bytes)
 
-__all__ = ["Candidate", "fitting_candidates", "out_of_memory_message", "settings_that_fit"]
+__all__ = ["Candidate", "fitting_candidates", "out_of_memory_message", "override_value",
+           "settings_that_fit"]
 
-_POLICIES = ("none", "save_dots", "save_qkv_proj", "full")
+# Least recomputation first; ``offload`` (each scanned layer's input in host memory) last: it
+# recomputes as ``full`` does and adds the host transfers, and it needs the layers scanned.
+_POLICIES = ("none", "save_dots", "save_qkv_proj", "full", "offload")
 _TENSOR_FACTORS = (1, 2, 4, 8)
 _CHIP_FACTORS = (1, 2, 4)
 _MOST = 3
@@ -48,8 +52,17 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         """``["trainer.remat=full", ...]``: the changes as command-line overrides."""
-        return [f"{key}={'null' if value is None else value}"
-                for key, value in self.changes.items()]
+        return [f"{key}={override_value(value)}" for key, value in self.changes.items()]
+
+
+def override_value(value: Any) -> str:
+    """A config value as Hydra's override grammar writes it (``null``, ``true``, an enum's
+    value)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(getattr(value, "value", value))
 
 
 def _layouts(config: Any, num_devices: int,
@@ -121,12 +134,17 @@ def fitting_candidates(config: Any, needed_bytes: float, capacity_bytes: float,
     scale = needed_bytes / estimate_from_config(config, num_devices=num_devices)["bytes_total"]
     remat = remat_of(config)
     policies = _POLICIES[_POLICIES.index(remat):] if remat in _POLICIES else (remat,)
+    mode = setting(config, "trainer.mode")
+    if getattr(mode, "value", mode) not in (None, "compiled"):
+        policies = tuple(p for p in policies if p != "offload" or p == remat)
     found = []
     for chips, shards, layout in _layouts(config, num_devices, more_chips):
         for batch_changes, policy, narrower in itertools.product(
                 _batches(config, shards, layout), policies, _narrower(config, precision)):
             changes = {**batch_changes, **narrower,
                        **({"trainer.remat": policy} if policy != remat else {})}
+            if policy == "offload" and setting(config, "trainer.scan_layers") is not True:
+                changes["trainer.scan_layers"] = True  # offload moves scanned layers' inputs
             if not changes:
                 continue
             try:
@@ -135,7 +153,8 @@ def fitting_candidates(config: Any, needed_bytes: float, capacity_bytes: float,
                 continue
             predicted = figures["bytes_total"] * scale
             if predicted <= capacity_bytes:
-                cost = (chips, len(changes), "trainer.param_dtype" in changes,
+                cost = (chips, len(changes) - ("trainer.scan_layers" in changes),
+                        "trainer.param_dtype" in changes,
                         figures["grad_accum_steps"],
                         _POLICIES.index(policy) if policy in _POLICIES else 0, predicted)
                 found.append((cost, Candidate(changes, predicted, chips)))
