@@ -204,3 +204,35 @@ def test_the_compilers_total_is_read_from_its_log(tmp_path):
     env = compiler_log.log_env(str(tmp_path), {"LIBTPU_INIT_ARGS": "--xla_foo=1"})
     assert env["TPU_LOG_DIR"] == str(tmp_path) and env["TPU_MIN_LOG_LEVEL"] == "0"
     assert env["LIBTPU_INIT_ARGS"] == "--xla_foo=1 --logbuflevel=-1"
+
+
+@needs_libtpu
+def test_a_loop_nested_in_a_loop_body_is_counted_per_iteration_of_both():
+    """Two scans, one inside the other's body (blockwise attention inside a scanned layer has
+    this shape), compiled for a v5e: every matmul counted as often as it runs, 5 x (1 + 7)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    n = 256
+
+    def program(x, w):
+        def outer(c, _):
+            def inner(d, _):
+                return jnp.tanh(d @ w), None
+            d, _ = jax.lax.scan(inner, c, None, length=7)
+            return d @ w, None
+        return jax.lax.scan(outer, x, None, length=5)[0]
+
+    device = targets.resolve_target("v5e:1x1").devices[0]
+    spec = jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=SingleDeviceSharding(device))
+    compiled = jax.jit(program).lower(spec, spec).compile()
+    text = compiled.as_text()
+    assert sorted(trips for _, trips in while_loops(text)) == [5, 7]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    figures = loop_flops(text, cost["flops"])
+    matmuls = 5 * (1 + 7) * 2 * n ** 3
+    elementwise = 5 * 7 * n * n * 4  # tanh, at most a few FLOPs an element
+    assert matmuls <= figures["flops_per_device"] <= matmuls + elementwise
+    assert "1 loop(s) nested in them" in figures["flops_note"]

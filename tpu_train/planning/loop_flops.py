@@ -8,11 +8,16 @@ its condition states (``counter < N`` against a constant, as ``lax.scan`` lowers
 is made the entry computation of a module of its own and analysed by the same cost model
 (XLA's ``HloCostAnalysis`` through the CPU client: FLOPs are counted from the HLO, the
 same figure for any backend; checked against the TPU compiler's own count of the whole
-program in the tests). The program's FLOPs are then XLA's figure plus ``(N - 1)`` times each
-body's.
+program in the tests).
 
-Loops nested in a loop body are counted once per body run (XLA's rule again): a step's layer
-scans are not nested, so this is exact for them.
+A body's figure counts the loops nested in it once each (XLA's rule again), and a nested loop
+runs its trips on every iteration of the loops around it (the blockwise attention inside a
+scanned layer, for one). So each body's own FLOPs (its figure less its nested loops' figures)
+are counted once per iteration of every loop around it: a loop's FLOPs are
+``N x (own + the same for each nested loop)``, and the program's XLA's figure with each
+outermost loop's single count replaced by that. A loop of unknown trip count is counted as
+running once. A ``while`` inside a computation that no loop body contains directly (a
+``call``'s, say) is counted as an outermost loop.
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ def while_loops(text: str) -> list[tuple[str, int | None]]:
             for cond, body in _WHILE.findall(text)]
 
 
+def _nested_loops(computations: dict[str, str]) -> dict[str, list[tuple[str, int | None]]]:
+    """``{computation: [(body, trip count or None), ...]}``: the loops each computation runs
+    directly."""
+    return {name: [(body, _trip_count(computations.get(cond, "")))
+                   for cond, body in _WHILE.findall(block)]
+            for name, block in computations.items()}
+
+
 def _as_entry(header: str, computations: dict[str, str], entry: str) -> str:
     """The module's text with ``entry`` as its entry computation (the rest kept as is)."""
     # The first header line carries the old entry's layout and aliasing: keep only the
@@ -82,24 +95,44 @@ def _cost_model():
 def loop_flops(text: str, xla_flops: float) -> dict[str, Any]:
     """``flops_per_device`` with every loop body counted per iteration, XLA's own figure as
     ``flops_per_device_raw``, and ``flops_note`` saying what was done (module docstring)."""
-    loops = while_loops(text)
     out: dict[str, Any] = {"flops_per_device": xla_flops, "flops_per_device_raw": xla_flops}
-    if not loops:
+    if not while_loops(text):
         return out
     header, computations = _split(text)
-    flops = _cost_model()
+    nested = _nested_loops(computations)
+    bodies = {body for loops in nested.values() for body, _ in loops}
+    cost_model = _cost_model()
+    figure: dict[str, float] = {}  # a body's FLOPs as XLA counts them (nested loops once)
+
+    def xla_figure(body: str) -> float:
+        if body not in figure:
+            figure[body] = cost_model(_as_entry(header, computations, body))
+        return figure[body]
+
+    def every_iteration(body: str) -> float:
+        """One run of ``body`` with the loops in it counted per iteration."""
+        inner = nested.get(body, [])
+        own = xla_figure(body) - sum(xla_figure(b) for b, _ in inner)
+        return own + sum((trips or 1) * every_iteration(b) for b, trips in inner)
+
     added, counted, unknown = 0.0, [], 0
-    for body, trips in loops:
-        if trips is None:
-            unknown += 1
-            continue
-        body_flops = flops(_as_entry(header, computations, body))
-        added += (trips - 1) * body_flops
-        counted.append(f"{trips} x {body_flops:.3e}")
+    for container, loops in nested.items():
+        if container in bodies:
+            continue  # counted with the loop around it
+        for body, trips in loops:
+            unknown += trips is None
+            total = (trips or 1) * every_iteration(body)
+            added += total - xla_figure(body)
+            counted.append(f"{trips or 1} x {total / (trips or 1):.3e}")
+    unknown += sum(trips is None for c, loops in nested.items() if c in bodies
+                   for _, trips in loops)
     out["flops_per_device"] = xla_flops + added
+    inner = sum(len(loops) for c, loops in nested.items() if c in bodies)
     out["flops_note"] = (f"XLA counts a loop body once; {len(counted)} loop bodies counted per "
-                         f"iteration ({', '.join(counted) or 'none'}) add {added:.3e} to XLA's "
-                         f"{xla_flops:.3e}"
+                         f"iteration ({', '.join(counted) or 'none'})"
+                         + (f", {inner} loop(s) nested in them per iteration of theirs"
+                            if inner else "")
+                         + f" add {added:.3e} to XLA's {xla_flops:.3e}"
                          + (f"; {unknown} loop(s) of unknown trip count counted once"
                             if unknown else ""))
     return out
