@@ -278,3 +278,18 @@ def test_ctrl_c_stops_the_job_on_every_worker(fake_slice, checkout, tmp_path):
     for worker in range(2):
         pid = int((root / f"worker-{worker}" / "pid").read_text())
         assert process_gone(pid), f"worker {worker}'s command (pid {pid}) still runs"
+
+
+def test_slices_of_different_worker_counts_are_refused_before_anything_runs(monkeypatch):
+    from tpu_train.distributed import pod
+    endpoints = {"ms-0": "10.0.0.2;10.0.0.3", "ms-1": "10.0.1.2;10.0.1.3;10.0.1.4;10.0.1.5"}
+
+    def describe(argv, **_):
+        return subprocess.CompletedProcess(argv, 0, stdout=endpoints[argv[5]], stderr="")
+
+    monkeypatch.setattr(pod.subprocess, "run", describe)
+    args = pod.parse_args(["--no-sync", "ms-0,ms-1", "true"])
+    with pytest.raises(pod.LaunchError, match=r"different worker counts \[2, 4\]"):
+        pod.find_workers(args, pod.Commands(args, "bundle"))
+    endpoints["ms-1"] = "10.0.1.2;10.0.1.3"
+    assert pod.find_workers(args, pod.Commands(args, "bundle")) == ("10.0.0.2", 2)
