@@ -13,8 +13,13 @@ worker (``tpu_train/distributed/pod.py``, ``job_environment``): ``RANK`` the wor
 JobSet's name (the host names' domain), then replaces itself with the command. A variable
 already set wins, so ``MASTER_PORT`` or ``TPU_TRAIN_RUN_ID`` can be chosen in the pod's spec.
 
-One slice only: the hosts of other slices (``MEGASCALE_NUM_SLICES`` > 1) are not in
-``TPU_WORKER_HOSTNAMES``. Only the standard library is used.
+On a multi-slice workload (XPK's ``--num-slices=N``) each pod also has ``MEGASCALE_NUM_SLICES``,
+its ``MEGASCALE_SLICE_ID`` and ``MEGASCALE_COORDINATOR_ADDRESS`` (the host of slice 0's worker 0,
+which libtpu joins the slices through), while ``TPU_WORKER_ID`` and ``TPU_WORKER_HOSTNAMES``
+describe its own slice. The job then spans every slice: ``RANK`` is
+``slice id * hosts per slice + worker id``, ``WORLD_SIZE`` the hosts of all slices, and
+``MASTER_ADDR`` the MEGASCALE coordinator's host, whose domain (the JobSet's name) is the run id
+every slice shares. Only the standard library is used.
 """
 
 from __future__ import annotations
@@ -44,24 +49,44 @@ def launch_environment(environ: dict) -> dict:
             "TPU_WORKER_HOSTNAMES is not set: GKE sets it in the pods of a multi-host TPU slice "
             "(an indexed Job requesting google.com/tpu); elsewhere use scripts/launch_pod.sh or "
             "scripts/gke/render_jobset.py")
-    slices = environ.get("MEGASCALE_NUM_SLICES", "1")
-    if slices.strip() != "1":
-        raise MissingGkeVariable(f"MEGASCALE_NUM_SLICES={slices}: tpu_train runs on one slice; "
-                                f"submit the workload with --num-slices=1")
     worker = environ.get("TPU_WORKER_ID", "")
     if not worker.isdigit() or int(worker) >= len(hostnames):
         raise MissingGkeVariable(f"TPU_WORKER_ID={worker!r} must be a worker index below "
                                 f"{len(hostnames)} (the host names in TPU_WORKER_HOSTNAMES)")
-    coordinator = hostnames[0]
+    num_slices, slice_id, coordinator = _slice_of(environ, default_coordinator=hostnames[0])
     # <jobset>-<job>-<i>-<j>.<subdomain>: JobSet's subdomain is the JobSet's name.
     run_id = coordinator.split(".")[1] if "." in coordinator else coordinator
     port = environ.get("MASTER_PORT", str(pod.DEFAULT_PORT))
     if not port.isdigit() or not 0 < int(port) < 65535:
         raise MissingGkeVariable(f"MASTER_PORT={port!r} must be a port number below 65535")
-    values = {"RANK": worker, **pod.job_environment(num_workers=len(hostnames),
-                                                    coordinator=coordinator, port=int(port),
-                                                    run_id=run_id)}
+    rank = slice_id * len(hostnames) + int(worker)
+    values = {"RANK": str(rank), **pod.job_environment(
+        num_workers=num_slices * len(hostnames), coordinator=coordinator, port=int(port),
+        run_id=run_id)}
     return {key: value for key, value in values.items() if key not in environ}
+
+
+def _slice_of(environ: dict, default_coordinator: str) -> tuple[int, int, str]:
+    """``(number of slices, this pod's slice id, the job's coordinator host)`` from the
+    MEGASCALE variables of a multi-slice workload; one slice without them."""
+    slices = environ.get("MEGASCALE_NUM_SLICES", "1").strip()
+    if not slices.isdigit() or int(slices) < 1:
+        raise MissingGkeVariable(f"MEGASCALE_NUM_SLICES={slices!r} must be a positive integer "
+                                f"(the workload's slice count)")
+    if int(slices) == 1:
+        return 1, 0, default_coordinator
+    slice_id = environ.get("MEGASCALE_SLICE_ID", "").strip()
+    if not slice_id.isdigit() or int(slice_id) >= int(slices):
+        raise MissingGkeVariable(f"MEGASCALE_SLICE_ID={slice_id!r} must be a slice index below "
+                                f"{slices} (MEGASCALE_NUM_SLICES)")
+    address = environ.get("MEGASCALE_COORDINATOR_ADDRESS", "").strip()
+    host, colon, port = address.rpartition(":")
+    host = host if colon and port.isdigit() else address  # the address may carry a port
+    if not host or any(c in host for c in " /,:"):
+        raise MissingGkeVariable(
+            f"MEGASCALE_COORDINATOR_ADDRESS={address!r} must name slice 0's worker 0 (a host, "
+            f"optionally with :port); XPK and JobSet set it on multi-slice workloads")
+    return int(slices), int(slice_id), host
 
 
 def main(argv=None) -> int:

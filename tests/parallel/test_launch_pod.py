@@ -105,6 +105,45 @@ def test_dry_run_without_addresses_prints_the_lookup():
     assert "WORLD_SIZE=N" in proc.stdout and "sync" not in proc.stdout
 
 
+def test_dry_run_over_two_slices_of_two_workers_numbers_them_as_one_job():
+    proc = _launch("--dry-run", "--num-workers", "2", "--coordinator-ip", "10.0.0.2", "--run-id",
+                   "ms", "--workdir", "/opt/tt", "my-ms-0,my-ms-1", "tpu-train recipe=x")
+    assert proc.returncode == 0, proc.stderr
+    steps = _dry_run_steps(proc.stdout)
+    assert set(steps) == {(w, s) for w in range(4)
+                          for s in ("sync", "setup", "launch", "teardown")}
+    for rank in range(4):
+        tpu, worker = f"my-ms-{rank // 2}", rank % 2
+        for step in ("sync", "setup", "launch", "teardown"):
+            for argv in steps[rank, step]:
+                assert f"--worker={worker}" in argv
+                assert tpu in argv or f"{tpu}:.tpu_train-ms.tar.gz" in argv
+        (launch,) = steps[rank, "launch"]
+        exports = _exports(_remote(launch))
+        assert {k: exports[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TPU_TRAIN_RUN_ID",
+                                        "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT",
+                                        "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")} == {
+            "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.2",
+            "TPU_TRAIN_RUN_ID": "ms", "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8081",
+            "MEGASCALE_PORT": "8081", "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": str(rank // 2)}
+
+
+def test_one_slice_gets_no_megascale_variables():
+    proc = _launch(*V5E_16)
+    assert "MEGASCALE" not in proc.stdout
+
+
+def test_dry_run_over_two_slices_without_addresses_looks_up_both():
+    proc = _launch("--dry-run", "--no-sync", "ms-0,ms-1", "hostname")
+    assert proc.returncode == 0, proc.stderr
+    described = [shlex.split(line)[5] for line in proc.stdout.splitlines()
+                 if line.startswith("gcloud compute tpus tpu-vm describe")]
+    assert described == ["ms-0", "ms-1"]
+    (launch,) = _dry_run_steps(proc.stdout)[0, "launch"]
+    assert _exports(_remote(launch))["WORLD_SIZE"] == "2*N"
+
+
 @pytest.mark.parametrize("args, message", [
     (("pod",), "the following arguments are required: command"),
     (("--bogus", "pod", "cmd"), "unrecognized arguments: --bogus"),
@@ -116,6 +155,8 @@ def test_dry_run_without_addresses_prints_the_lookup():
     (("--run-id", "a b", "pod", "cmd"), "--run-id may hold only"),
     (("--source", "/", "pod", "cmd"), "is not a tpu_train checkout"),
     (("pod", "  "), "the command is empty"),
+    (("ms-0,ms-0", "cmd"), "several distinct ones, comma-separated"),
+    (("ms-0,", "cmd"), "several distinct ones, comma-separated"),
 ])
 def test_bad_arguments_fail_with_one_line(args, message):
     proc = _launch("--dry-run", *args)
@@ -237,3 +278,18 @@ def test_ctrl_c_stops_the_job_on_every_worker(fake_slice, checkout, tmp_path):
     for worker in range(2):
         pid = int((root / f"worker-{worker}" / "pid").read_text())
         assert process_gone(pid), f"worker {worker}'s command (pid {pid}) still runs"
+
+
+def test_slices_of_different_worker_counts_are_refused_before_anything_runs(monkeypatch):
+    from tpu_train.distributed import pod
+    endpoints = {"ms-0": "10.0.0.2;10.0.0.3", "ms-1": "10.0.1.2;10.0.1.3;10.0.1.4;10.0.1.5"}
+
+    def describe(argv, **_):
+        return subprocess.CompletedProcess(argv, 0, stdout=endpoints[argv[5]], stderr="")
+
+    monkeypatch.setattr(pod.subprocess, "run", describe)
+    args = pod.parse_args(["--no-sync", "ms-0,ms-1", "true"])
+    with pytest.raises(pod.LaunchError, match=r"different worker counts \[2, 4\]"):
+        pod.find_workers(args, pod.Commands(args, "bundle"))
+    endpoints["ms-1"] = "10.0.1.2;10.0.1.3"
+    assert pod.find_workers(args, pod.Commands(args, "bundle")) == ("10.0.0.2", 2)

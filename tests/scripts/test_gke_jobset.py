@@ -199,10 +199,36 @@ def test_tpu_env_gives_an_xpk_pod_the_environment_a_rendered_jobset_gives():
     ({}, "TPU_WORKER_HOSTNAMES is not set"),
     ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "2"}, "TPU_WORKER_ID='2' must be a worker "
      "index below 2"),
-    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "2"},
-     "MEGASCALE_NUM_SLICES=2: tpu_train runs on one slice"),
+    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "two"},
+     "MEGASCALE_NUM_SLICES='two' must be a positive integer"),
+    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "2",
+      "MEGASCALE_SLICE_ID": "2", "MEGASCALE_COORDINATOR_ADDRESS": "a"},
+     "MEGASCALE_SLICE_ID='2' must be a slice index below 2"),
+    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "2",
+      "MEGASCALE_SLICE_ID": "1"}, "MEGASCALE_COORDINATOR_ADDRESS='' must name slice 0's worker 0"),
 ])
 def test_tpu_env_outside_a_tpu_slice_pod_fails_with_one_line(env, message):
     done = _tpu_env(env, "true")
     assert done.returncode == 2 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_tpu_env_numbers_the_hosts_of_two_slices_as_one_job():
+    """XPK's variables for a 2-slice workload of 2-host slices named ms: each slice's pods see
+    their own host names; the job has ranks 0..3, one coordinator (slice 0's worker 0) and one
+    run id."""
+    coordinator = "ms-slice-job-0-0.ms"
+    got = []
+    for slice_id in range(2):
+        hosts = ",".join(f"ms-slice-job-{slice_id}-{i}.ms" for i in range(2))
+        for worker in range(2):
+            done = _tpu_env({"TPU_WORKER_ID": str(worker), "TPU_WORKER_HOSTNAMES": hosts,
+                             "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": str(slice_id),
+                             "MEGASCALE_COORDINATOR_ADDRESS": f"{coordinator}:8080"}, "env")
+            assert done.returncode == 0, done.stderr
+            got.append(dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line))
+    assert [env["RANK"] for env in got] == ["0", "1", "2", "3"]
+    assert {env["WORLD_SIZE"] for env in got} == {"4"}
+    assert {env["MASTER_ADDR"] for env in got} == {coordinator}
+    assert {env["TPU_TRAIN_JAX_COORDINATOR"] for env in got} == {f"{coordinator}:8477"}
+    assert {env["TPU_TRAIN_RUN_ID"] for env in got} == {"ms"}

@@ -30,6 +30,14 @@ records its process group on each worker, and one more ssh per worker sends that
 SIGTERM, then SIGKILL after ``--grace`` seconds (closing ssh alone leaves the remote processes
 running). ``--dry-run`` prints every command, per worker, and runs none.
 
+**Several slices** (multislice, joined over the data-centre network): name every slice's TPU,
+comma-separated and in slice order (``my-tpu-0,my-tpu-1``: a multislice queued resource names
+its nodes ``<id>-0 ... <id>-<N-1>``; separately created slices of one type work the same way).
+The workers of all slices form one job: ``RANK`` is ``slice * workers per slice + worker``,
+``MASTER_ADDR`` slice 0's worker 0, and each worker also gets the variables libtpu joins slices
+with: ``MEGASCALE_COORDINATOR_ADDRESS`` (slice 0's worker 0 and ``MEGASCALE_PORT``),
+``MEGASCALE_NUM_SLICES`` and its ``MEGASCALE_SLICE_ID``. Logs are numbered by rank.
+
 Only the standard library is imported, so ``scripts/launch_pod.sh`` runs this file on a
 workstation that has gcloud and python3 but not torch or JAX.
 """
@@ -52,12 +60,24 @@ from pathlib import Path
 
 PROG = "launch_pod"
 DEFAULT_PORT = 8476
+MEGASCALE_PORT = 8081  # libtpu's port for joining slices (the value Ray and XPK use)
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 STATE_DIR = ".tpu_train_pod"  # in the work directory: each run's process-group file
 SETUP_STAMP = ".venv/tpu_train-setup.sha256"
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SKIPPED_WITHOUT_GIT = {".git", ".venv", "runs", "__pycache__", ".pytest_cache"}
+
+
+def slice_environment(*, num_slices: int, slice_id: int, coordinator: str) -> dict:
+    """What libtpu reads on a TPU VM to join ``num_slices`` slices over the data-centre
+    network (GKE's multi-slice workloads set these themselves)."""
+    return {
+        "MEGASCALE_COORDINATOR_ADDRESS": f"{coordinator}:{MEGASCALE_PORT}",
+        "MEGASCALE_PORT": str(MEGASCALE_PORT),
+        "MEGASCALE_NUM_SLICES": str(num_slices),
+        "MEGASCALE_SLICE_ID": str(slice_id),
+    }
 
 
 def job_environment(*, num_workers: int, coordinator: str, port: int, run_id: str) -> dict:
@@ -88,15 +108,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = _Parser(prog=PROG, description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("tpu_name", help="the TPU VM slice (gcloud compute tpus tpu-vm list)")
+    add("tpu_name", help="the TPU VM slice (gcloud compute tpus tpu-vm list); several "
+        "slices of one job: their names, comma-separated, in slice order")
     add("command", help="the command every worker runs, one quoted string")
     add("--zone", help="gcloud zone (default: gcloud's compute/zone)")
     add("--project", help="gcloud project (default: gcloud's project)")
     add("--internal-ip", action="store_true", help="reach the workers by internal IP")
     add("--port", type=int, default=DEFAULT_PORT, help="MASTER_PORT on worker 0 (port+1: JAX's)")
     add("--run-id", help="the job's id (default: UTC time and the launcher's process id)")
-    add("--coordinator-ip", help="worker 0's internal IP (skips the gcloud look-up)")
-    add("--num-workers", type=int, help="the slice's worker count (skips the look-up)")
+    add("--coordinator-ip", help="(slice 0's) worker 0's internal IP (skips the gcloud look-up)")
+    add("--num-workers", type=int, help="the worker count of each slice (skips the look-up)")
     add("--workdir", default="tpu_train", help="work directory on every worker, relative to "
         "the login directory or absolute (default: tpu_train)")
     add("--source", default=".", help="the checkout to sync (default: the current directory)")
@@ -120,6 +141,11 @@ def _validate(parser, args) -> None:
         parser.error(f"--port must be 1-65534, got {args.port}")
     if args.num_workers is not None and args.num_workers < 1:
         parser.error(f"--num-workers must be a positive integer, got {args.num_workers}")
+    args.tpu_names = [name.strip() for name in args.tpu_name.split(",")]
+    bad = [name for name in args.tpu_names if not _NAME.fullmatch(name)]
+    if bad or len(set(args.tpu_names)) != len(args.tpu_names):
+        parser.error(f"TPU_NAME must be one TPU name or several distinct ones, comma-separated "
+                     f"(one per slice), got {args.tpu_name!r}")
     args.run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + \
         f"-{os.getpid() % 0x10000:04x}"
     if not _NAME.fullmatch(args.run_id):
@@ -160,9 +186,15 @@ class Commands:
         self.args, self.bundle = args, bundle
         self.remote_bundle = f".tpu_train-{args.run_id}.tar.gz"  # in the login directory
         self.pid_file = f"{STATE_DIR}/{args.run_id}.pgid"
+        self.workers_per_slice = 1  # set once the slices are known
 
-    def _gcloud(self, verb: str, worker: int, *rest: str) -> list[str]:
+    def host(self, rank: int) -> tuple[str, int]:
+        """The TPU name and worker index of the job's worker ``rank`` (slice after slice)."""
+        return self.args.tpu_names[rank // self.workers_per_slice], rank % self.workers_per_slice
+
+    def _gcloud(self, verb: str, rank: int, *rest: str) -> list[str]:
         args = self.args
+        worker = self.host(rank)[1]
         command = ["gcloud", "compute", "tpus", "tpu-vm", verb, *rest, f"--worker={worker}"]
         command += [f"--zone={args.zone}"] if args.zone else []
         command += [f"--project={args.project}"] if args.project else []
@@ -170,11 +202,11 @@ class Commands:
         return command
 
     def ssh(self, worker: int, script: str) -> list[str]:
-        return self._gcloud("ssh", worker, self.args.tpu_name, "--command", script)
+        return self._gcloud("ssh", worker, self.host(worker)[0], "--command", script)
 
-    def describe(self) -> list[str]:
+    def describe(self, tpu_name: str) -> list[str]:
         args = self.args
-        command = ["gcloud", "compute", "tpus", "tpu-vm", "describe", args.tpu_name,
+        command = ["gcloud", "compute", "tpus", "tpu-vm", "describe", tpu_name,
                    "--format=value(networkEndpoints[].ipAddress)"]
         command += [f"--zone={args.zone}"] if args.zone else []
         return command + ([f"--project={args.project}"] if args.project else [])
@@ -184,7 +216,7 @@ class Commands:
         unpack = (f"mkdir -p {workdir} && tar -xzf {self.remote_bundle} -C {workdir} && "
                   f"rm -f {self.remote_bundle}")
         return [self._gcloud("scp", worker, self.bundle,
-                             f"{self.args.tpu_name}:{self.remote_bundle}"),
+                             f"{self.host(worker)[0]}:{self.remote_bundle}"),
                 self.ssh(worker, unpack)]
 
     def setup_command(self) -> str:
@@ -241,8 +273,14 @@ class Commands:
 
 
 def worker_env(args, rank: int, num_workers: int, coordinator: str) -> dict:
+    """Worker ``rank``'s variables; ``num_workers`` counts the workers of every slice."""
     env = {"RANK": str(rank), **job_environment(num_workers=num_workers, coordinator=coordinator,
                                                  port=args.port, run_id=args.run_id)}
+    num_slices = len(args.tpu_names)
+    if num_slices > 1:
+        per_slice = num_workers // num_slices if isinstance(num_workers, int) else 1
+        env |= slice_environment(num_slices=num_slices, slice_id=rank // per_slice,
+                                 coordinator=coordinator)
     env.update(item.split("=", 1) for item in args.env)
     return env
 
@@ -282,22 +320,35 @@ def pack(source: Path, files: list[str], bundle: str) -> None:
 
 
 def find_workers(args, commands: Commands) -> tuple[str, int]:
-    """Worker 0's internal IP (the coordinator) and the worker count, from the TPU's network
-    endpoints (one per worker) unless both were given."""
+    """Slice 0's worker 0's internal IP (the coordinator) and the worker count of each slice,
+    from the TPUs' network endpoints (one per worker) unless both were given."""
     if args.coordinator_ip and args.num_workers:
         return args.coordinator_ip, args.num_workers
+    counts, coordinator = [], None
+    for name in args.tpu_names:
+        ips = _worker_ips(name, commands)
+        counts.append(len(ips))
+        coordinator = coordinator or ips[0]
+    if len(set(counts)) > 1:
+        raise LaunchError(f"the slices {args.tpu_name!r} have different worker counts {counts}: "
+                          f"one job needs slices of one type")
+    return args.coordinator_ip or coordinator, args.num_workers or counts[0]
+
+
+def _worker_ips(tpu_name: str, commands: Commands) -> list[str]:
     try:
-        done = subprocess.run(commands.describe(), capture_output=True, text=True, timeout=300)
+        done = subprocess.run(commands.describe(tpu_name), capture_output=True, text=True,
+                              timeout=300)
     except FileNotFoundError:
         raise LaunchError("gcloud is not installed or not on PATH (the Google Cloud CLI)") from None
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise LaunchError(f"could not describe TPU {args.tpu_name!r} (check the name, --zone and "
+        raise LaunchError(f"could not describe TPU {tpu_name!r} (check the name, --zone and "
                           f"--project): {reason}")
     ips = [ip for ip in re.split(r"[;,\s]+", done.stdout.strip()) if ip]
     if not ips:
-        raise LaunchError(f"TPU {args.tpu_name!r} reports no workers")
-    return args.coordinator_ip or ips[0], args.num_workers or len(ips)
+        raise LaunchError(f"TPU {tpu_name!r} reports no workers")
+    return ips
 
 
 # --- running the steps --------------------------------------------------------------------
@@ -408,8 +459,9 @@ def print_dry_run(args, commands: Commands, coordinator, num_workers, log_dir: P
     lines = []
     workers = range(num_workers) if isinstance(num_workers, int) else [0]
     if not isinstance(num_workers, int):
-        lines += ["# look-up of worker 0's IP and the worker count N", shlex.join(commands.describe()),
-                  "# worker 0 stands for all N below (--coordinator-ip and --num-workers skip "
+        lines += ["# look-up of worker 0's IP and the worker count N of each slice",
+                  *(shlex.join(commands.describe(name)) for name in args.tpu_names),
+                  "# worker 0 stands for all below (--coordinator-ip and --num-workers skip "
                   "the look-up and list every worker)"]
     lines.append(f"# {PROG}: run {args.run_id} on {num_workers} worker(s) of {args.tpu_name}, "
                  f"coordinator {coordinator}:{args.port}; logs in {log_dir}")
@@ -423,7 +475,8 @@ def print_dry_run(args, commands: Commands, coordinator, num_workers, log_dir: P
                 ("setup", args.no_setup, lambda: commands.setup(worker)),
                 ("launch", False, lambda: commands.launch(worker, env))):
             if not skip:
-                lines.append(f"# worker {worker}: {step}")
+                tpu, index = commands.host(worker)
+                lines.append(f"# worker {worker}: {step} ({tpu} worker {index})")
                 lines += [shlex.join(c) for c in step_commands()]
     for worker in workers:
         lines.append(f"# worker {worker}: teardown (on Ctrl-C or when a worker fails)")
@@ -483,12 +536,16 @@ def main(argv=None) -> int:
     commands = Commands(args, bundle)
     log_dir = Path(args.log_dir or Path("runs", "pod", args.run_id, "workers"))
     try:
+        num_slices = len(args.tpu_names)
         if args.dry_run:
             known = args.coordinator_ip and args.num_workers
+            commands.workers_per_slice = args.num_workers if known else 1
+            unknown = "N" if num_slices == 1 else f"{num_slices}*N"
             print_dry_run(args, commands, args.coordinator_ip or "WORKER0_IP",
-                          args.num_workers if known else "N", log_dir)
+                          num_slices * args.num_workers if known else unknown, log_dir)
             return 0
-        coordinator, num_workers = find_workers(args, commands)
+        coordinator, commands.workers_per_slice = find_workers(args, commands)
+        num_workers = num_slices * commands.workers_per_slice
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
