@@ -79,6 +79,16 @@ class _Timed:
             wait_for_loss(loss)
 
 
+def compile_stages(records) -> dict:
+    """Trace, lower and XLA seconds summed over a compiled step's compilation records."""
+    if not records:
+        return {}
+    return {"trace_s": round(sum(r.trace_s for r in records), 3),
+            "lower_s": round(sum(r.lower_s for r in records), 3),
+            "xla_compile_s": round(sum(r.compile_s for r in records), 3),
+            "compilations": len(records)}
+
+
 class TrainerMode(_Timed):
     """The step as ``tpu-train`` builds it for ``cfg`` (its ``trainer.mode``: compiled, eager or
     fused), on a copy of ``cpu_model``. With ``batches_ahead`` its batches are placed as the
@@ -123,13 +133,7 @@ class TrainerMode(_Timed):
     def stages(self) -> dict:
         # Read when the report is made, not in each timed step (the reference keeps none per
         # step either).
-        records = getattr(self.train_step.compiled, "compilations", [])
-        if not records:
-            return {}
-        return {"trace_s": round(sum(r.trace_s for r in records), 3),
-                "lower_s": round(sum(r.lower_s for r in records), 3),
-                "xla_compile_s": round(sum(r.compile_s for r in records), 3),
-                "compilations": len(records)}
+        return compile_stages(getattr(self.train_step.compiled, "compilations", []))
 
     @property
     def compile_s(self) -> float:
@@ -175,18 +179,9 @@ class UserLoopMode(_Timed):
 
     @property
     def stages(self) -> dict:
-        records = self.step_fn.compilations
-        if not records:
-            return {}
-        return {"trace_s": round(sum(r.trace_s for r in records), 3),
-                "lower_s": round(sum(r.lower_s for r in records), 3),
-                "xla_compile_s": round(sum(r.compile_s for r in records), 3),
-                "compilations": len(records)}
+        return compile_stages(self.step_fn.compilations)
 
-    @property
-    def compile_s(self) -> float:
-        return sum(v for k, v in self.stages.items() if k.endswith("_s"))
-
+    compile_s = TrainerMode.compile_s
     ready = TrainerMode.ready
 
 
