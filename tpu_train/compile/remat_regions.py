@@ -224,31 +224,38 @@ def _owner_module(function: Callable, root: torch.nn.Module | None):
     return root
 
 
-def _parameter_slots(module: torch.nn.Module | None) -> list[tuple[torch.nn.Module, str]]:
-    """``(submodule, name)`` of every distinct floating-point parameter under ``module``."""
+def _tensor_slots(module: torch.nn.Module | None) -> list[tuple[dict, str]]:
+    """``(container, name)`` of every distinct tensor (parameter or buffer, of any dtype) under
+    ``module``, ``container`` being the submodule's ``_parameters`` or ``_buffers``.
+
+    All of them go into the recomputed function as its inputs: the trace passes the module's
+    tensors as arguments of the gradient transform, so each one is a wrapper of that level, and
+    one merely captured by the region (an int8 frozen weight, a buffer) would reach the level
+    below it, where such a wrapper is dead (functorch's "wrapper == nullptr")."""
     if module is None:
         return []
     slots, seen = [], set()
     for submodule in module.modules():
-        for name, value in submodule._parameters.items():
-            if value is None or id(value) in seen or not value.is_floating_point():
-                continue
-            seen.add(id(value))
-            slots.append((submodule, name))
+        for container in (submodule._parameters, submodule._buffers):
+            for name, value in container.items():
+                if value is None or id(value) in seen:
+                    continue
+                seen.add(id(value))
+                slots.append((container, name))
     return slots
 
 
 @contextlib.contextmanager
-def _parameters_set_to(slots, values):
-    """Temporarily make ``values`` the parameters in ``slots`` (as functional_call does)."""
-    previous = [submodule._parameters[name] for submodule, name in slots]
-    for (submodule, name), value in zip(slots, values):
-        submodule._parameters[name] = value
+def _tensors_set_to(slots, values):
+    """Temporarily make ``values`` the tensors in ``slots`` (as functional_call does)."""
+    previous = [container[name] for container, name in slots]
+    for (container, name), value in zip(slots, values):
+        container[name] = value
     try:
         yield
     finally:
-        for (submodule, name), value in zip(slots, previous):
-            submodule._parameters[name] = value
+        for (container, name), value in zip(slots, previous):
+            container[name] = value
 
 
 class _RejectRandomOps(TorchDispatchMode):
@@ -277,12 +284,12 @@ class _Region:
         self.flat_args, self.args_spec = tree_flatten((args, kwargs))
         self.tensor_positions = [i for i, a in enumerate(self.flat_args)
                                  if isinstance(a, torch.Tensor)]
-        self.slots = _parameter_slots(_owner_module(function, root))
+        self.slots = _tensor_slots(_owner_module(function, root))
         self.out_spec = None
 
     def inputs(self) -> list[torch.Tensor]:
         return ([self.flat_args[i] for i in self.tensor_positions]
-                + [submodule._parameters[name] for submodule, name in self.slots])
+                + [container[name] for container, name in self.slots])
 
     def run(self, tensors) -> list[torch.Tensor]:
         flat = list(self.flat_args)
@@ -292,7 +299,7 @@ class _Region:
         args, kwargs = tree_unflatten(flat, self.args_spec)
         _REGION_DEPTH[0] += 1
         try:
-            with _parameters_set_to(self.slots, tensors[n_args:]):
+            with _tensors_set_to(self.slots, tensors[n_args:]):
                 out = self.function(*args, **kwargs)
         finally:
             _REGION_DEPTH[0] -= 1
