@@ -154,9 +154,11 @@ class UserLoopMode(_Timed):
     the device, ``torch.optim.AdamW`` with ``hyper``'s settings, and
     ``compile_train_step(model, optimizer, loss_fn, max_grad_norm=..., **dtype)``. ``dtype`` is
     ``{"autocast_dtype": torch.bfloat16}`` (torch.autocast's meaning: float32 operands stay
-    float32) or ``{"compute_dtype": torch.bfloat16}`` (the trainer's bf16)."""
+    float32) or ``{"compute_dtype": torch.bfloat16}`` (the trainer's bf16). ``place_batch``:
+    each batch moved by ``.to(device)`` as a PyTorch loop does; False: handed to the step as
+    CPU tensors, which the step places itself."""
 
-    def __init__(self, cpu_model, hyper, loss_fn, **dtype):
+    def __init__(self, cpu_model, hyper, loss_fn, place_batch: bool = True, **dtype):
         import torch
 
         import tpu_train
@@ -168,14 +170,16 @@ class UserLoopMode(_Timed):
                                       weight_decay=hyper.weight_decay)
         self.step_fn = compile_train_step(self.model, optimizer, loss_fn,
                                           max_grad_norm=hyper.max_grad_norm, **dtype)
-        self.device = tpu_train.device(0)
+        self.device = tpu_train.device(0) if place_batch else None
 
     def step(self, batch: dict):
         import torch
 
-        placed = {key: torch.from_numpy(np.asarray(value, dtype=np.int64)).to(self.device)
-                  for key, value in batch.items()}
-        return self.step_fn(placed)["loss"]
+        tensors = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
+                   for key, value in batch.items()}
+        if self.device is not None:
+            tensors = {key: value.to(self.device) for key, value in tensors.items()}
+        return self.step_fn(tensors)["loss"]
 
     @property
     def stages(self) -> dict:
