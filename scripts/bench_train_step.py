@@ -430,7 +430,7 @@ def run_interleaved(modes: dict, results: dict, batches: list) -> None:
 
 
 SIZED_MODES = ("eager", "fused", "compiled", "compiled_scan", "jax", "jax_ahead", "jax_scan",
-               "user_autocast", "user_compute", "user_host_batch")
+               "user_autocast", "user_compute", "user_autocast_ahead")
 SIZED_DEFAULT = ("compiled", "jax")
 
 
@@ -494,11 +494,10 @@ def sized(parser, args) -> dict:
                         ("user_compute", {"compute_dtype": torch.bfloat16})):
         build[name] = functools.partial(tsm.UserLoopMode, cpu_model,
                                         tsm.hyper_from(configs["compiled"]), lm_loss, **dtype)
-    # The same loop with its batch handed to the step as CPU tensors (the step places it in one
-    # transfer, as the trainer's does), not moved by `.to(device)` first.
-    build["user_host_batch"] = functools.partial(
+    # The autocast loop placing its next batch with step.put_batch while a step runs.
+    build["user_autocast_ahead"] = functools.partial(
         tsm.UserLoopMode, cpu_model, tsm.hyper_from(configs["compiled"]), lm_loss,
-        place_batch=False, compute_dtype=torch.bfloat16)
+        placement="ahead", autocast_dtype=torch.bfloat16)
     modes, results, memory = {}, {}, {}
     for name in names:
         modes[name] = build[name]()
@@ -547,7 +546,8 @@ def sized(parser, args) -> dict:
         c, j = report["modes"]["compiled"], report["modes"]["jax_ahead"]
         report["compiled_over_jax_ahead"] = {"fastest": round(c["fastest_s"] / j["fastest_s"], 3),
                                              "median": round(c["median_s"] / j["median_s"], 3)}
-    for a, b in (("user_autocast", "jax"), ("user_compute", "jax"), ("user_host_batch", "jax"),
+    for a, b in (("user_autocast", "jax"), ("user_compute", "jax"),
+                 ("user_autocast_ahead", "jax"),
                  ("user_autocast", "compiled"), ("compiled_scan", "compiled"),
                  ("compiled_scan", "jax_scan"),
                  ("compiled", "jax_scan"), ("jax_scan", "jax")):

@@ -154,32 +154,48 @@ class UserLoopMode(_Timed):
     the device, ``torch.optim.AdamW`` with ``hyper``'s settings, and
     ``compile_train_step(model, optimizer, loss_fn, max_grad_norm=..., **dtype)``. ``dtype`` is
     ``{"autocast_dtype": torch.bfloat16}`` (torch.autocast's meaning: float32 operands stay
-    float32) or ``{"compute_dtype": torch.bfloat16}`` (the trainer's bf16). ``place_batch``:
-    each batch moved by ``.to(device)`` as a PyTorch loop does; False: handed to the step as
-    CPU tensors, which the step places itself."""
+    float32) or ``{"compute_dtype": torch.bfloat16}`` (the trainer's bf16). ``placement``:
+    ``"to"``: each batch moved by ``.to(device)`` at its step, as a plain PyTorch loop does;
+    ``"ahead"``: the next batch placed by ``step.put_batch`` while this step runs, as
+    docs/compile.md shows (what the trainer's loop does)."""
 
-    def __init__(self, cpu_model, hyper, loss_fn, place_batch: bool = True, **dtype):
+    def __init__(self, cpu_model, hyper, loss_fn, placement: str = "to", **dtype):
         import torch
 
         import tpu_train
         from tpu_train.compile import compile_train_step
 
+        if placement not in ("to", "ahead"):
+            raise ValueError(f"placement {placement!r}: 'to' or 'ahead'")
         self.model = copy.deepcopy(cpu_model).to(tpu_train.device(0))
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=hyper.lr,
                                       betas=(hyper.b1, hyper.b2), eps=hyper.eps,
                                       weight_decay=hyper.weight_decay)
         self.step_fn = compile_train_step(self.model, optimizer, loss_fn,
                                           max_grad_norm=hyper.max_grad_norm, **dtype)
-        self.device = tpu_train.device(0) if place_batch else None
+        self.device = tpu_train.device(0)
+        self.placement = placement
+        self._ahead = None  # (the NumPy batch, as put_ahead placed it)
 
-    def step(self, batch: dict):
+    @staticmethod
+    def _tensors(batch: dict) -> dict:
         import torch
 
-        tensors = {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
-                   for key, value in batch.items()}
-        if self.device is not None:
-            tensors = {key: value.to(self.device) for key, value in tensors.items()}
-        return self.step_fn(tensors)["loss"]
+        return {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
+                for key, value in batch.items()}
+
+    def step(self, batch: dict):
+        if self._ahead is not None and self._ahead[0] is batch:
+            placed, self._ahead = self._ahead[1], None
+        elif self.placement == "ahead":
+            placed = self.step_fn.put_batch(self._tensors(batch))
+        else:
+            placed = {key: value.to(self.device) for key, value in self._tensors(batch).items()}
+        return self.step_fn(placed)["loss"]
+
+    def put_ahead(self, batch: dict) -> None:
+        if self.placement == "ahead":
+            self._ahead = (batch, self.step_fn.put_batch(self._tensors(batch)))
 
     @property
     def stages(self) -> dict:
