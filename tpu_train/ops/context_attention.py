@@ -13,7 +13,9 @@ position (``tpu_train.parallel.context``); the model's causal attention then arr
 each shard all-gathers the keys and values over the axis (their gradients are reduce-scattered
 back), keeps its own queries, and masks by the tokens' true positions, one block of keys at a
 time (:func:`blockwise_attention`): ``[b, h, S / 2N, KEY_BLOCK]`` score tiles, never the
-``[S / N, S]`` scores of the shard whole, so that sequences of 10^5 tokens fit.
+``[S / N, S]`` scores of the shard whole, so that sequences of 10^5 tokens fit. Lowered for a
+TPU, ``tpu_train.ops.context_attention_tpu`` gives :func:`attention` the shard's computation
+as the splash kernels instead.
 """
 
 from __future__ import annotations
