@@ -9,6 +9,7 @@ import pytest
 import torch
 from jax.sharding import Mesh
 
+from tpu_train.compile import targets
 from tpu_train.compile.context_parallel import ContextParallelError, sequence_split, zigzag_batch
 from tpu_train.compile.spmd import PlanError, activation_constraint
 from tpu_train.ops.context_attention import zigzag_positions
@@ -58,3 +59,39 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused():
         sequence_split(mesh, [(4, 16)], window=8)
     with sequence_split(mesh, [(4, 16)], window=16):  # the window cuts nothing
         pass
+
+
+@pytest.mark.skipif(not targets.libtpu_available(),
+                    reason="libtpu is not installed (pip install tpu_train[tpu])")
+def test_a_v5e_step_runs_each_devices_share_on_the_kernels():
+    """Compiled for a v5e:2x2 (compile-only) with context=2 x fsdp=2, a bf16 step at 1024
+    tokens runs each device's share of attention on the splash kernels: forward, dQ and dK/dV
+    kernels, on the device's 512 queries against the 1024 gathered keys, and no blockwise
+    loop over blocks of keys."""
+    from tpu_train.compile import lower_train_step
+    from tpu_train.models import LLAMA, Llama, LlamaConfig
+    from tpu_train.parallel import sharding_plan
+
+    seq = 1024
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                  ffn_hidden_dim=256, max_seq_len=seq))
+        tokens = torch.empty(2, seq, dtype=torch.int64)
+    mesh = targets.resolve_target("v5e:2x2").mesh((1, 2, 2, 1),
+                                                  ("data", "fsdp", "context", "tensor"))
+    program = lower_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               lambda m, b: m(b["tokens"]).float().mean(),
+                               {"tokens": tokens}, mesh=mesh, plan=sharding_plan(LLAMA),
+                               target="v5e:2x2", autocast_dtype=torch.bfloat16,
+                               compute_dtype=torch.bfloat16)
+    text = program.executable.as_text()
+    kernels = {line.split("=", 1)[0].strip(): line for line in text.splitlines()
+               if 'custom_call_target="tpu_custom_call"' in line}
+    names = " ".join(kernels)
+    assert all(f"splash_mqa_{kind}" in names for kind in ("fwd", "dq", "dkv")), names
+    # Per device: one row (fsdp=2), both kv heads vmapped, 2 query heads each, 512 queries.
+    forward = next(line for name, line in kernels.items() if "fwd" in name)
+    assert "bf16[2,2,512,64]" in forward, forward[:300]
+    dkv = next(line for name, line in kernels.items() if "dkv" in name)
+    assert "bf16[2,1024,64]" in dkv, dkv[:300]  # dK over the 1024 gathered keys
+    assert " while(" not in text  # no blockwise loop

@@ -174,6 +174,28 @@ def test_attention_kernel_flops_from_its_shapes(results, operands, products):
     assert step_time.attention_kernel_flops(inst, shapes) == products * causal_product
 
 
+@pytest.mark.parametrize("results, operands, products", [
+    # A context-parallel shard's kernels (one row: XLA drops its dimension): 2 kv heads x 4
+    # query heads, the shard's 1024 queries against 2048 gathered keys, the tables first.
+    ("(f32[2,512,128], f32[2,512,128], f32[2,512,64], bf16[2,4,1024,64], f32[2,4,1024,128])",
+     ["s8[1,2,4]", "s8[1,2,4]", "bf16[2,4,1024,64]", "bf16[2,2048,64]", "bf16[2,2048,64]",
+      "s32[1024,128]"], 2),
+    ("(f32[2,512,64], bf16[2,4,1024,64])",
+     ["s8[1,2,4]", "s8[1,2,4]", "bf16[2,4,1024,64]", "bf16[2,2048,64]", "bf16[2,2048,64]",
+      "f32[2,4,1,1024]", "bf16[2,4,1024,64]", "f32[2,4,1,1024]", "s32[1024,128]"], 3),
+    ("(f32[2,512,64], f32[2,512,64], bf16[2,2048,64], bf16[2,2048,64])",
+     ["s8[1,2,4]", "s8[1,2,4]", "bf16[2,4,1024,64]", "bf16[2,2048,64]", "bf16[2,2048,64]",
+      "f32[2,4,8,1024]", "bf16[2,4,1024,64]", "f32[2,4,8,1024]", "s32[8,1024]"], 4),
+])
+def test_attention_kernel_flops_of_a_shard_against_longer_keys(results, operands, products):
+    """The shapes of a v5e step's kernels under context=2 (compiled for v5e:2x2)."""
+    inst = hlo_program.Instruction("k", "custom-call", results,
+                                   [f"x{i}" for i in range(len(operands))], "")
+    shapes = {f"x{i}": s for i, s in enumerate(operands)}
+    causal_product = 2 * 2 * 4 * 1024 * 2048 * 64 * step_time.CAUSAL_FRACTION
+    assert step_time.attention_kernel_flops(inst, shapes) == products * causal_product
+
+
 def test_an_unknown_chip_is_a_one_line_error():
     with pytest.raises(ValueError, match="no step-time rates for TPU generation 'v9'"):
         step_time.get_rates("v9:2x2")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy
 from jax import lax
 
-from tpu_train.ops import attention_tpu, context_attention
+from tpu_train.ops import attention_tpu, context_attention, context_attention_tpu
 from tpu_train.ops.matmul import dot_general
 from tpu_train.ops.registry import aten, lowers
 
@@ -180,7 +180,7 @@ def scaled_dot_product_fused_attention(query, key, value, attn_bias=None, dropou
     seed = jnp.zeros((), jnp.int32)
     offset = jnp.zeros((), jnp.int32)
     if context_attention.applies(query, key, attn_bias, is_causal, dropout_p):
-        out, logsumexp = context_attention.attention(query, key, value, scale)
+        out, logsumexp = context_attention_tpu.attention(query, key, value, scale)
         return out, logsumexp, None, None, sq, sk, seed, offset, None
     if not _has_dropout(dropout_p):
         out, logsumexp = attention(query, key, value, attn_bias, bool(is_causal), scale)
@@ -209,7 +209,7 @@ def scaled_dot_product_fused_attention_backward(grad_out, query, key, value, att
     if context_attention.applies(query, key, attn_bias, is_causal, dropout_p):
         # PyTorch's backward traced (not JAX's): the split forward's derivative, recomputed.
         _, pullback = jax.vjp(
-            lambda q, k, v: context_attention.attention(q, k, v, scale)[0],
+            lambda q, k, v: context_attention_tpu.attention(q, k, v, scale)[0],
             query, key, value)
         grads = pullback(grad_out.astype(out.dtype))
         return tuple(g if wanted else None for g, wanted in zip(grads, grad_input_mask)) + (None,)

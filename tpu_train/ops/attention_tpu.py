@@ -197,20 +197,29 @@ def is_interpreted() -> bool:
 
 def supported(query, key, value, attn_bias, is_causal, dropout_p=0.0) -> bool:
     """Does the rule of the module docstring send this call to the kernels (on a TPU)?"""
-    if _XLA_FORM.get():
-        return False
     override = _OVERRIDE.get()
     least = MIN_SEQUENCE if override is None else override[0]
     b, h, sq, d = query.shape
-    kv_heads, sk = key.shape[1], key.shape[2]
-    dtypes = (query.dtype, key.dtype, value.dtype)
-    allowed = (jnp.bfloat16,) if override is None else (jnp.bfloat16, jnp.float32)
+    sk = key.shape[2]
     return ((attn_bias is None or (not is_causal and may_be_document_mask(attn_bias, b, sq)))
             and not _may_drop(dropout_p) and sq == sk and sq >= least
-            and sq % _LANES == 0 and d % _HEAD_DIM_MULTIPLE == 0 and value.shape[-1] == d
-            and value.shape[1] == kv_heads and h % kv_heads == 0
-            and len(set(dtypes)) == 1 and dtypes[0] in allowed
+            and sq % _LANES == 0 and kernels_take(query, key, value)
             and (_PER_SHARD.get() is None or _shard_specs(query, key) is not None))
+
+
+def kernels_take(query, key, value) -> bool:
+    """The part of :func:`supported`'s rule on heads and dtypes, whatever the lengths: the
+    XLA form not forced, head_dim a multiple of 64 and the values' the same, whole groups of
+    query heads per kv head, one dtype, bfloat16 (float32 too under :func:`kernels`)."""
+    if _XLA_FORM.get():
+        return False
+    h, d = query.shape[1], query.shape[-1]
+    kv_heads = key.shape[1]
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    allowed = (jnp.bfloat16,) if _OVERRIDE.get() is None else (jnp.bfloat16, jnp.float32)
+    return (d % _HEAD_DIM_MULTIPLE == 0 and value.shape[-1] == d
+            and value.shape[1] == kv_heads and h % kv_heads == 0
+            and len(set(dtypes)) == 1 and dtypes[0] in allowed)
 
 
 def kernels_would_run(sequence: int, head_dim: int, *, bf16: bool) -> bool:
@@ -322,7 +331,24 @@ def _for_call(query, key, is_causal, window):
     return kv_heads, _kernel(s, h // kv_heads, bool(is_causal), is_interpreted(), window)
 
 
-def _kernel_precision(dtype):
+def kernel_grads(kernel, query, key, value, out, logsumexp, grad_out, segment_ids=None):
+    """``(dq, dk, dv)`` of one multi-query ``kernel`` call (``query`` ``[group, S, D]``, already
+    scaled) by the kernel library's own backward rule, given what its forward rule saves: q,
+    k, v, segment ids, sinks, out, logsumexp and the kernel's dq and dkv mask tables."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib)
+
+    settings = kernel.kwargs
+    residuals = (query, key, value, segment_ids, None, out, logsumexp, kernel.dq_mask_info,
+                 kernel.dkv_mask_info)
+    grads = kernel_lib._splash_attention_bwd(
+        False, settings["mask_value"], settings["is_mqa"], settings["block_sizes"], None,
+        settings["mask_function"], settings["attn_logits_soft_cap"], settings["interpret"],
+        residuals, grad_out)
+    return grads[3:6]
+
+
+def kernel_precision(dtype):
     """The precision of the kernels' own dots. bf16 operands (float32 accumulation: exact in
     one pass) at the default precision, whatever ``trainer.matmul_precision`` set for float32
     dots: a dot traced at ``highest`` becomes Mosaic's fp32 contract precision, which it cannot
@@ -365,7 +391,7 @@ def _forward(query, key, value, is_causal, scale, segments, window):
         return kernel(q, k, v, segment_ids=_segment_ids(row_segments))
 
     per_row = None if segments is None else 0
-    with _kernel_precision(query.dtype):
+    with kernel_precision(query.dtype):
         out, (logsumexp,) = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)),
                                      in_axes=(0, 0, 0, per_row))(
             _grouped(scaled, kv_heads), key, value, segments)
@@ -385,28 +411,16 @@ def backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segm
 
 def _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale, segments, window):
     """:func:`backward` on whole arrays."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as kernel_lib)
-
     b, h, s, d = query.shape
     kv_heads, kernel = _for_call(query, key, is_causal, window)
     scale_value = _scale(query, scale)
-    settings = kernel.kwargs
-    dq_info, dkv_info = kernel.dq_mask_info, kernel.dkv_mask_info
 
     def one(q, k, v, o, lse, do, row_segments):
-        # The kernel's own backward rule, given what its forward rule saves (q, k, v, segment
-        # ids, sinks, out, logsumexp, the dq and dkv mask tables).
-        residuals = (q, k, v, _segment_ids(row_segments), None, o, lse, dq_info, dkv_info)
-        grads = kernel_lib._splash_attention_bwd(
-            False, settings["mask_value"], settings["is_mqa"], settings["block_sizes"], None,
-            settings["mask_function"], settings["attn_logits_soft_cap"], settings["interpret"],
-            residuals, do)
-        return grads[3:6]
+        return kernel_grads(kernel, q, k, v, o, lse, do, _segment_ids(row_segments))
 
     scaled = (query.astype(jnp.float32) * scale_value).astype(query.dtype)
     lse = logsumexp.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, s)
-    with _kernel_precision(query.dtype):
+    with kernel_precision(query.dtype):
         grad_scaled, grad_key, grad_value = jax.vmap(
             jax.vmap(one, in_axes=(0,) * 6 + (None,)),
             in_axes=(0,) * 6 + (None if segments is None else 0,))(

@@ -13,7 +13,9 @@ position (``tpu_train.parallel.context``); the model's causal attention then arr
 each shard all-gathers the keys and values over the axis (their gradients are reduce-scattered
 back), keeps its own queries, and masks by the tokens' true positions, one block of keys at a
 time (:func:`blockwise_attention`): ``[b, h, S / 2N, KEY_BLOCK]`` score tiles, never the
-``[S / N, S]`` scores of the shard whole, so that sequences of 10^5 tokens fit.
+``[S / N, S]`` scores of the shard whole, so that sequences of 10^5 tokens fit. Lowered for a
+TPU, ``tpu_train.ops.context_attention_tpu`` gives :func:`attention` the shard's computation
+as the splash kernels instead.
 """
 
 from __future__ import annotations
@@ -107,10 +109,12 @@ def _divisible_axes(mesh, axes: tuple[str, ...], size: int):
     return kept if kept and ways > 1 and size % ways == 0 else None
 
 
-def attention(query, key, value, scale):
+def attention(query, key, value, scale, local=None):
     """``(out, logsumexp)`` of causal attention over the active split's sequence, computed per
     shard: its ``[b, h, S / N, d]`` queries against the ``[b, h_kv, S, d]`` keys and values
-    gathered over the axis (:func:`blockwise_attention`)."""
+    gathered over the axis (in the layout's order), by :func:`shard_attention` or by
+    ``local(queries, keys, values, shard)`` (``shard``: the device's index on the axis; the
+    TPU kernels, ``tpu_train.ops.context_attention_tpu``)."""
     split = _SPLIT.get()
     mesh, axis, shards = split.mesh, split.axis, split.shards
     positions = jnp.asarray(zigzag_positions(split.seq_len, shards), jnp.int32)
@@ -125,7 +129,10 @@ def attention(query, key, value, scale):
     def per_shard(q, k, v):
         keys = lax.all_gather(k, axis, axis=2, tiled=True)
         values = lax.all_gather(v, axis, axis=2, tiled=True)
-        mine = lax.dynamic_slice_in_dim(positions, lax.axis_index(axis) * local_len, local_len)
+        shard = lax.axis_index(axis)
+        if local is not None:
+            return local(q, keys, values, shard)
+        mine = lax.dynamic_slice_in_dim(positions, shard * local_len, local_len)
         return shard_attention(q, keys, values, mine, positions, scale)
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec),

@@ -317,8 +317,8 @@ def estimate(cfg: Any, *, num_devices: int, data: int = -1, fsdp: int = 1, tenso
     """
     remat = remat or ("full" if activation_checkpointing else "none")
     activation_checkpointing = remat == "full"
-    # Context-parallel attention runs blockwise and keeps per-row statistics, as a fused
-    # kernel does (tpu_train.ops.context_attention).
+    # Context-parallel attention runs blockwise or as the splash kernels and keeps per-row
+    # statistics, as a fused kernel does (tpu_train.ops.context_attention{,_tpu}).
     flash_attention = flash_attention or context > 1
     shape = resolve_mesh_shape(num_devices, data, fsdp, tensor, num_slices=num_slices,
                                expert=expert, context=context)

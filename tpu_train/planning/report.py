@@ -35,7 +35,7 @@ def _setting_line(result: dict[str, Any]) -> str:
 
 def _scores(result: dict[str, Any]) -> str:
     if result["mesh"].get("context", 1) > 1:
-        return "not kept (blockwise, context parallel)"
+        return "not kept (context parallel: per shard, the kernels on a TPU, else blockwise)"
     return "not kept (fused kernel)" if result["flash_attention"] else "materialized"
 
 

@@ -183,21 +183,24 @@ def collective_wire_bytes(kind: str, operand_bytes: float, result_bytes: float,
 
 def attention_kernel_flops(inst: Instruction, shapes: dict[str, str]) -> float:
     """FLOPs of a Pallas attention kernel from its operands' shapes: ``q`` is the largest
-    operand of 4 or more dimensions (``[batch, heads..., seq, head_dim]``; grouped-query
-    kernels split the heads as ``kv_heads, group``), ``k`` one with the same ``head_dim`` and
-    fewer elements. Each product of ``q`` with a ``[.., seq_k, head_dim]`` operand over the
-    causal part of the score square is ``2 batch heads seq seq_k head_dim x``
-    :data:`CAUSAL_FRACTION`; a forward kernel does two (scores, then values), a dK/dV kernel
-    (two results shaped like ``k``) four, a dQ kernel (``q`` and the output's gradient among
-    its operands) three, recomputing the scores. 0 for a kernel with no such operands."""
+    operand of the highest rank, 4 or more (``[batch, heads..., seq, head_dim]``; grouped-query
+    kernels split the heads as ``kv_heads, group``, and their ``k`` has one dimension fewer),
+    ``k`` another operand of ``q``'s dtype and ``head_dim`` (its length ``seq_k`` may differ
+    from ``q``'s: a context-parallel shard's queries against the whole sequence's keys). Each
+    product of ``q`` with a ``[.., seq_k, head_dim]`` operand over the causal part of the score
+    rectangle is ``2 batch heads seq seq_k head_dim x`` :data:`CAUSAL_FRACTION`; a forward
+    kernel does two (scores, then values), a dK/dV kernel (two results shaped like ``k``)
+    four, a dQ kernel (``q`` and the output's gradient among its operands) three, recomputing
+    the scores. 0 for a kernel with no such operands."""
     operands = [a for name in inst.operands for a in arrays(shapes.get(name, ""))[:1]]
     candidates = [a for a in operands if len(a.dims) >= 4]
     if not candidates:
         return 0.0
-    q = max(candidates, key=lambda a: math.prod(a.dims))
+    rank = max(len(a.dims) for a in candidates)
+    q = max((a for a in candidates if len(a.dims) == rank), key=lambda a: math.prod(a.dims))
     head_dim, seq = q.dims[-1], q.dims[-2]
-    keys = [a for a in candidates if a.dims[-1] == head_dim and
-            math.prod(a.dims) < math.prod(q.dims)]
+    keys = [a for a in operands if len(a.dims) >= 3 and a.dims[-1] == head_dim and
+            a.dtype == q.dtype and a.dims != q.dims]
     seq_k = keys[0].dims[-2] if keys else seq
     heads = math.prod(q.dims[1:-2])
     product = 2.0 * q.dims[0] * heads * seq * seq_k * head_dim * CAUSAL_FRACTION
