@@ -3,8 +3,9 @@
 on an int8 base (``model.base_dtype=int8``), interleaved.
 
 Each mode is the compiled step as ``tpu-train`` builds it (the trainer's own blocks:
-``start``, the recipe's adapters, ``store_frozen_base``, ``parallelize``, ``build_optimizer``,
-the layout's ``build_step``), from one initialization and on the same random-token batches:
+``start``, ``build_model`` with the recipe's adapters (an int8 base quantized a tensor at a
+time as it is drawn), ``parallelize``, ``build_optimizer``, the layout's ``build_step``), from
+one initialization (``trainer.seed``) and on the same random-token batches:
 
 * ``full``: every weight trains (``recipe=llama_finetune``'s step);
 * ``lora``: ``recipe=llama_lora``, adapters of ``--rank`` on ``--targets``, the base frozen
@@ -18,11 +19,17 @@ the *frozen model's* FLOPs ((6 N_matmul + 12 layers seq dim) per token, whicheve
 train: a LoRA step skips the base's weight gradients, a third of them), its ratio to
 ``full``'s, compile seconds, first / last loss, and the device's memory after its set-up;
 ``lora_int8`` also reports how far its first logits are from the float base's (max and RMS
-over one batch, and the logits' RMS). Usage::
+over one batch, and the logits' RMS). ``host_peak_gb``: the process's peak resident memory
+(GB) at the start (resident then), and while each mode is built on the host (``.build``:
+initialized, adapted, an int8 base quantized), placed on the device with its step built
+(``.place``) and takes its first step (``.first_step``); each phase's own peak where Linux
+lets it be reset (``host_peak_per_phase``), else the peak so far. On the CPU client the
+device's arrays and the step's buffers are host memory too. Usage::
 
     python scripts/bench_lora.py [--size w1|350m|1b|llama3_2_1b|llama3_2_3b|llama3_1_8b]
         [--n-layers N] [--batch B] [--seq S] [--steps N] [--only full,lora,lora_int8]
         [--rank 16] [--targets wq,wk,wv,wo] [--precision bf16|fp32] [--remat full|...]
+        [--scan-layers true|false]
 
 ``--size`` takes a size of ``scripts/jax_llama.py`` (its batch and length) or a Llama 3
 preset (batch 1 x 2048 unless given); ``--n-layers`` shortens the model. Modes whose weights
@@ -72,7 +79,9 @@ def compose(args, option: str, mode: str, batch: int, seq: int):
     from train_step_modes import trainer_config
 
     extra = [f"data.batch_size={batch}", f"data.seq_len={seq}", "data=synthetic_tokens",
-             "trainer.micro_batch_size=null"]
+             "trainer.micro_batch_size=null", f"model.max_seq_len={seq}"]
+    if args.n_layers:
+        extra.append(f"model.n_layers={args.n_layers}")
     if mode != "full":
         extra += ["recipe=llama_lora", f"recipe.lora.rank={args.rank}",
                   f"recipe.lora.targets=[{args.targets}]"]
@@ -80,6 +89,8 @@ def compose(args, option: str, mode: str, batch: int, seq: int):
         extra.append("model.base_dtype=int8")
     if args.remat:
         extra.append(f"trainer.remat={args.remat}")
+    if args.scan_layers is not None:
+        extra.append(f"trainer.scan_layers={args.scan_layers}")
     return trainer_config(args.precision, model=option, mode="compiled", extra=tuple(extra))
 
 
@@ -93,11 +104,57 @@ def build_model(config, seed: int, dtype):
     return model.init_weights(seed=seed, device="cpu")
 
 
-class Mode:
-    """One mode's compiled step, built by the trainer's blocks from a fresh initialization."""
+class HostPeak:
+    """The peak resident memory of this process over one phase, in GB: Linux's ``VmHWM``,
+    reset when a phase starts (``/proc/self/clear_refs``); where that cannot be reset, the
+    peak since the process started. On the CPU client the device's arrays are host memory too."""
 
-    def __init__(self, args, config, option: str, mode: str, batch: int, seq: int):
-        import torch
+    def __init__(self):
+        self.peaks: dict[str, float] = {}
+        self.resettable = _reset_peak()
+
+    def phase(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def measured():
+            _reset_peak()
+            try:
+                yield
+            finally:
+                self.peaks[name] = round(_status_kb("VmHWM") / 2**20, 3)
+
+        return measured()
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(field: str) -> int:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    import resource  # ru_maxrss: kilobytes on Linux
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+class Mode:
+    """One mode's compiled step, built by the trainer's blocks from a fresh initialization;
+    ``host`` records the host's peak memory while it is built and placed."""
+
+    def __init__(self, args, option: str, mode: str, batch: int, seq: int, host: HostPeak):
+        import types
 
         from tpu_train.trainer import setup
         from tpu_train.trainer.lora import apply_lora
@@ -105,17 +162,23 @@ class Mode:
 
         cfg = compose(args, option, mode, batch, seq)
         job = setup.start(cfg)
-        # The int8 base is quantized from bfloat16 weights, as the trainer loads it.
-        model = build_model(config, 0, torch.bfloat16 if mode == "lora_int8" else torch.float32)
+        vocab = types.SimpleNamespace(vocab_size=setup.builders.model_config(cfg).vocab_size)
+        adapt = None
         if mode != "full":
             lora = cfg.recipe.lora
-            apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-        model = setup.store_frozen_base(cfg, model)
-        layout = setup.parallelize(job, model)
-        optimizer = setup.build_optimizer(model, cfg)
-        self.step_fn = layout.build_step(job, model, optimizer,
-                                         setup.build_scheduler(optimizer, cfg))
-        self.step_fn.place()
+
+            def adapt(model):
+                apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
+                return model
+        # As tpu-train builds it: an int8 base is quantized a tensor at a time as drawn.
+        with host.phase(f"{mode}.build"):
+            model = setup.build_model(job, vocab, adapt=adapt)
+        with host.phase(f"{mode}.place"):
+            layout = setup.parallelize(job, model)
+            optimizer = setup.build_optimizer(model, cfg)
+            self.step_fn = layout.build_step(job, model, optimizer,
+                                             setup.build_scheduler(optimizer, cfg))
+            self.step_fn.place()
         self.model, self.memory = model, device_memory()
 
     def step(self, batch: dict) -> float:
@@ -162,6 +225,9 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", default="wq,wk,wv,wo")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--remat", default=None)
+    parser.add_argument("--scan-layers", default=None, choices=("true", "false"),
+                        help="trainer.scan_layers (default: the trainer's, on from 20 layers; "
+                             "an 8B on one 16 GB chip runs unrolled)")
     parser.add_argument("--logits-gap", action="store_true",
                         help="also compare the int8 base's logits with the float base's on "
                              "the host (memory: two copies of the model there)")
@@ -182,19 +248,26 @@ def main(argv=None) -> None:
         t = rng.integers(0, config.vocab_size, size=(batch, seq + 1), dtype=np.int64)
         batches.append({"tokens": t[:, :-1].copy(), "labels": t[:, 1:].copy()})
     facts = device_facts()
-    built = {m: Mode(args, config, option, m, batch, seq) for m in modes}
+    host = HostPeak()
+    host.peaks["start"] = round(_status_kb("VmRSS") / 2**20, 3)
+    built = {m: Mode(args, option, m, batch, seq, host) for m in modes}
     times: dict[str, list] = {m: [] for m in modes}
     losses: dict[str, list] = {m: [] for m in modes}
     for i, data in enumerate(batches):
         for m in modes[i % len(modes):] + modes[:i % len(modes)]:
             start = time.perf_counter()
-            losses[m].append(built[m].step(data))
+            if i == 0:
+                with host.phase(f"{m}.first_step"):
+                    losses[m].append(built[m].step(data))
+            else:
+                losses[m].append(built[m].step(data))
             times[m].append(time.perf_counter() - start)
     flops = flops_per_token(config, seq) * batch * seq
     peak = facts["peak_bf16_tflops"]
     report = {"size": args.size, "n_layers": config.n_layers, "batch": batch, "seq": seq,
               "rank": args.rank, "targets": args.targets, "precision": args.precision,
-              "remat": args.remat, "steps": args.steps, **facts, "modes": {}}
+              "remat": args.remat, "steps": args.steps, **facts,
+              "host_peak_gb": host.peaks, "host_peak_per_phase": host.resettable, "modes": {}}
     for m in modes:
         steady = times[m][1:] or times[m]
         median = statistics.median(steady)

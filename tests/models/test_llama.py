@@ -164,3 +164,28 @@ def test_init_weights_refuses_to_move_a_materialized_model():
     init_weights(model, seed=0, device="cpu")  # already there: fine
     with pytest.raises(ValueError, match=r"model\.to"):
         init_weights(model, seed=0, device="meta")
+
+
+def test_initial_values_drawn_in_pieces_are_those_drawn_whole():
+    """An initialization drawn a piece of rows at a time (as an 8B's embedding table is) gives
+    the values of drawing each weight whole: the pieces are multiples of the 16 values torch's
+    CPU ``normal_`` fills at a time, so the generator's stream is consumed the same way."""
+    import math
+
+    from tpu_train.models import get_config
+    from tpu_train.models.llama.model import initial_values
+
+    config = get_config("debug_tiny")
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in Llama(config).named_parameters()]
+
+    def values(piece_elements):
+        whole = {}
+        for name, rows, value in initial_values(config, shapes, 3, piece_elements):
+            whole.setdefault(name, []).append(value)
+        return {name: torch.cat(parts) for name, parts in whole.items()}
+
+    pieces, whole = values(1000), values(2**30)
+    assert any(name for name, shape in shapes if math.prod(shape) > 1000)
+    assert pieces.keys() == whole.keys()
+    assert all(torch.equal(pieces[name], whole[name]) for name in whole)

@@ -27,10 +27,28 @@ from torch import nn
 INT8_MAX = 127
 
 
+# The most values quantized at once (64 MiB of float32 per temporary): a vocabulary-sized
+# output head is quantized in row blocks, not converted to float32 whole.
+QUANTIZE_PIECE_ELEMENTS = 2**24
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``weight`` ``[out, in]`` as int8 with one float32 scale per output row,
     ``weight ~= q * scale[:, None]`` within ``scale / 2`` per value. A row of zeros gets scale
-    1 (its values stay exactly zero)."""
+    1 (its values stay exactly zero). Rows are independent, so a large weight is quantized a
+    block of rows at a time (the same values)."""
+    rows = max(1, QUANTIZE_PIECE_ELEMENTS // max(1, weight.shape[1]))
+    if weight.shape[0] <= rows:
+        return _quantize_block(weight)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows):
+        q[start:start + rows], scale[start:start + rows] = _quantize_block(
+            weight[start:start + rows])
+    return q, scale
+
+
+def _quantize_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().to(torch.float32)
     scale = w.abs().amax(dim=1) / INT8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -106,9 +124,17 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / rank
         factory = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, **factory))
-        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, **factory))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, **factory))
+        self.reset_parameters()
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def reset_parameters(self) -> None:
+        """The adapters' initial values (``A`` Kaiming-uniform from torch's global generator,
+        ``B`` zero), as at construction: what a layer wrapped on the ``meta`` device is given
+        once it is materialized (:func:`tpu_train.models.streaming.materialize_quantized`)."""
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        with torch.no_grad():
+            self.lora_b.zero_()
 
     def quantize_base(self) -> None:
         """Store the frozen weight in int8 with per-output-channel scales (once)."""

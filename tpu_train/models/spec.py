@@ -5,7 +5,9 @@ ask its :class:`ModelFamily`:
 
 * **configs and building**: the named configurations (``config_class`` instances), ``build``
   (the module, on the current default device: ``meta`` for a cheap skeleton) and
-  ``init_weights`` (seeded initialization, materializing it on a device);
+  ``init_weights`` (seeded initialization, materializing it on a device), and optionally
+  ``initial_values`` (the same values piece by piece, for a caller that stores each as it
+  comes);
 * **the Hugging Face format** (:class:`HfFormat`): which ``config.json`` model types it reads,
   and how it loads and saves such a directory;
 * **the blocks**: the repeated decoder blocks (FSDP's units, the stack the compiled step scans,
@@ -79,13 +81,17 @@ class HfFormat:
     ``model_types``: the ``config.json`` ``model_type`` values it reads. ``read_config(dir)``
     gives ``(the config.json dict, the family's config)``; ``load(dir, dtype=, device=,
     max_seq_len=)`` the model with its weights (``max_seq_len``: None, the checkpoint's own); ``save(model, dir, bos_token_id=, eos_token_id=, pad_token_id=,
-    state_dict=)`` writes a directory ``transformers`` loads.
+    state_dict=)`` writes a directory ``transformers`` loads. ``read_weights(dir, params)``
+    (optional) yields its tensors one at a time, ``(parameter name, index along the first
+    dimension or None, tensor)``, checked against ``params`` (name -> tensor of the expected
+    shape): for a caller that stores each as it is read (an int8 base quantizes them).
     """
 
     model_types: tuple[str, ...]
     read_config: Callable[..., tuple[dict, Any]]
     load: Callable[..., Any]
     save: Callable[..., None]
+    read_weights: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +115,9 @@ class ModelFamily:
     qkv_projections: tuple[str, str, str] | None = None
     localize_tensor_parallel: Callable[[Any, int], None] | None = None
     hf: HfFormat | None = None
+    # ``initial_values(config, [(name, shape)], seed)``: what ``init_weights`` writes, one piece
+    # at a time as ``(name, rows slice or None, float32 value)`` (optional).
+    initial_values: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name or ""):

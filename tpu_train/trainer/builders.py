@@ -279,36 +279,20 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True,
 
     ``model.checkpoint`` may be a Hugging Face directory or one of our ``step_N`` checkpoints
     (of the ``model.name`` architecture); either way only the parameters are loaded.
-    ``dtype``: the weights' (float32; bfloat16 for a base about to be quantized).
+    ``dtype``: the weights'.
     """
     family = model_family(cfg)
     config = model_config(cfg)
     directory = hf_checkpoint(cfg)
-    if vocab_size > config.vocab_size:
-        model = (f"model.checkpoint ({directory / 'config.json'})" if directory is not None
-                 else f"model {cfg.model.name}")
-        raise ConfigError(
-            f"the tokenizer has {vocab_size} tokens but {model} has vocab_size "
-            f"{config.vocab_size}; use a matching data.tokenizer or model"
-        )
+    _check_vocab(cfg, vocab_size, config, directory)
     checkpoint = cfg.model.checkpoint if allow_checkpoint else None
     if checkpoint is not None and directory is not None:
-        try:
-            model = family.hf.load(directory, dtype=dtype, device="cpu",
-                                   max_seq_len=cfg.model.get("max_seq_len"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
-        if cfg.model.get("moe_impl") is not None:  # the checkpoint's config has its own
-            model.use_moe_impl(config.moe_impl)
-        return model
+        return _load_hf(cfg, dtype=dtype, device="cpu")
     with torch.device("meta"):
         model = family.build(config).to(dtype)
     model = family.init_weights(model, cfg.trainer.seed, "cpu")
     if checkpoint is not None:
-        try:
-            state = read_model_state(checkpoint)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"model.checkpoint: {exc}") from None
+        state = _read_step_checkpoint(checkpoint)
         try:
             model.load_state_dict(state, strict=False)
         except RuntimeError as exc:
@@ -317,6 +301,93 @@ def build_model(cfg: DictConfig, vocab_size: int, allow_checkpoint: bool = True,
                 f"{str(exc).splitlines()[0]}"
             ) from exc
     return model
+
+
+def build_quantized_model(cfg: DictConfig, vocab_size: int, prepare,
+                          allow_checkpoint: bool = True):
+    """The model :func:`build_model` builds, laid out by ``prepare`` (adapted, its frozen
+    linear weights made int8: run on the model while it is on the ``meta`` device) and then
+    filled on the CPU a tensor at a time (:func:`tpu_train.models.streaming.materialize_quantized`):
+    the whole model never exists in a float dtype, from a seeded initialization or a Hugging
+    Face checkpoint alike. A family without ``initial_values`` (or, for a checkpoint,
+    ``hf.read_weights``) is built whole in bfloat16 and then given to ``prepare``."""
+    from tpu_train.models.streaming import materialize_quantized
+
+    family = model_family(cfg)
+    config = model_config(cfg)
+    directory = hf_checkpoint(cfg)
+    _check_vocab(cfg, vocab_size, config, directory)
+    checkpoint = cfg.model.checkpoint if allow_checkpoint else None
+    from_hf = checkpoint is not None and directory is not None
+    if family.initial_values is None or (from_hf and family.hf.read_weights is None):
+        return prepare(build_model(cfg, vocab_size, allow_checkpoint, dtype=torch.bfloat16))
+    if from_hf:
+        skeleton = _load_hf(cfg, dtype=torch.float32, device="meta")
+    else:
+        with torch.device("meta"):
+            skeleton = family.build(config)
+    base = {name: param for name, param in skeleton.named_parameters()}
+    model = prepare(skeleton)
+    if from_hf:
+        values = family.hf.read_weights(directory, base)
+    else:
+        shapes = [(name, tuple(param.shape)) for name, param in base.items()]
+        values = family.initial_values(skeleton.config, shapes, cfg.trainer.seed)
+    try:
+        model = materialize_quantized(model, base, values)
+    except (OSError, ValueError) as exc:  # the checkpoint's, found as it is read
+        if not from_hf:
+            raise
+        raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
+    if checkpoint is not None and not from_hf:
+        # Our own checkpoint overrides the initialization where it has the parameter.
+        _write_step_checkpoint(model, base, _read_step_checkpoint(checkpoint), cfg)
+    return model
+
+
+def _write_step_checkpoint(model, base: dict, state: dict, cfg: DictConfig) -> None:
+    """Write the parameters of ``state`` (a ``step_N`` checkpoint's) that ``base`` names into
+    an int8-base ``model``, as ``load_state_dict(strict=False)`` would into the float one."""
+    from tpu_train.models.streaming import QuantizedWriter
+
+    writer = QuantizedWriter(model)
+    for name, value in state.items():
+        if name not in base:
+            continue
+        if tuple(value.shape) != tuple(base[name].shape):
+            raise ConfigError(
+                f"model.checkpoint={cfg.model.checkpoint!r} does not fit model={cfg.model.name}: "
+                f"{name} has shape {list(value.shape)}, the model's {list(base[name].shape)}")
+        writer.write(name, None, value)
+
+
+def _check_vocab(cfg: DictConfig, vocab_size: int, config, directory) -> None:
+    if vocab_size > config.vocab_size:
+        model = (f"model.checkpoint ({directory / 'config.json'})" if directory is not None
+                 else f"model {cfg.model.name}")
+        raise ConfigError(
+            f"the tokenizer has {vocab_size} tokens but {model} has vocab_size "
+            f"{config.vocab_size}; use a matching data.tokenizer or model"
+        )
+
+
+def _load_hf(cfg: DictConfig, *, dtype, device):
+    """The Hugging Face ``model.checkpoint`` (on ``meta``: its skeleton, nothing read)."""
+    try:
+        model = model_family(cfg).hf.load(hf_checkpoint(cfg), dtype=dtype, device=device,
+                                          max_seq_len=cfg.model.get("max_seq_len"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.checkpoint: {str(exc).splitlines()[0]}") from None
+    if cfg.model.get("moe_impl") is not None:  # the checkpoint's config has its own
+        model.use_moe_impl(model_config(cfg).moe_impl)
+    return model
+
+
+def _read_step_checkpoint(checkpoint) -> dict:
+    try:
+        return read_model_state(checkpoint)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.checkpoint: {exc}") from None
 
 
 def export_pretrained(model, directory: Path, tokenizer, state_dict: dict | None = None) -> None:

@@ -28,7 +28,7 @@ from .layouts import Layout
 from .rng import restore_rng_state
 from .schedules import continue_schedule
 from .setup import (Data, Job, build_data, build_model, build_optimizer, build_scheduler,
-                    build_tokenizer, describe_source, parallelize, store_frozen_base)
+                    build_tokenizer, describe_source, parallelize)
 from .step import TrainStep
 
 ModelChange = Callable[[torch.nn.Module], torch.nn.Module]
@@ -60,8 +60,7 @@ class Run:
 
     def fresh_model(self) -> torch.nn.Module:
         """A new CPU model of the same architecture (validation runs on such a host copy)."""
-        model = build_model(self.job, self.tokenizer, from_checkpoint=False)
-        return store_frozen_base(self.job.cfg, self.adapt(model) if self.adapt else model)
+        return build_model(self.job, self.tokenizer, from_checkpoint=False, adapt=self.adapt)
 
     def model_to_export(self) -> torch.nn.Module:
         return self.export(self.model) if self.export else self.model
@@ -78,10 +77,9 @@ def assemble(job: Job, bundled: str = "tasks", adapt: ModelChange | None = None,
     cfg = job.cfg
     tokenizer = build_tokenizer(cfg)
     data = build_data(job, tokenizer, bundled)
-    model = build_model(job, tokenizer)  # on the CPU, from model.checkpoint when set
-    if adapt is not None:
-        model = adapt(model)
-    model = store_frozen_base(cfg, model)  # model.base_dtype=int8: the frozen weights' int8
+    # On the CPU, from model.checkpoint when set, adapted; with model.base_dtype=int8 its
+    # frozen linear weights quantized as they are read.
+    model = build_model(job, tokenizer, adapt=adapt)
     layout = parallelize(job, model)
     optimizer = build_optimizer(model, cfg)  # the trainable parameters only
     scheduler = build_scheduler(optimizer, cfg)

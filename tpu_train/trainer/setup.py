@@ -4,7 +4,7 @@ calls them:
     job = start(cfg)                                     # checks, processes, seed, device
     tokenizer = build_tokenizer(cfg)
     data = build_data(job, tokenizer)
-    model = build_model(job, tokenizer)                  # on the CPU
+    model = build_model(job, tokenizer, adapt=...)       # on the CPU (adapters, int8 base)
     layout = parallelize(job, model)                     # mesh + plan, or FSDP2/TP; on device
     optimizer, scheduler = build_optimizer(...), build_scheduler(...)
     step = layout.build_step(job, model, optimizer, scheduler)
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -148,13 +148,27 @@ def _data_notes(cfg: DictConfig, train, val) -> list[str]:
     return notes
 
 
-def build_model(job: Job, tokenizer, from_checkpoint: bool = True) -> torch.nn.Module:
-    """The configured model on the CPU (``model.checkpoint`` loaded when set). With an int8
-    base (``model.base_dtype=int8``) it is built in bfloat16, so that an 8B's weights take
-    16 GB of host memory until :func:`store_frozen_base` quantizes them."""
-    dtype = torch.bfloat16 if int8_base(job.cfg) else torch.float32
-    return builders.build_model(job.cfg, tokenizer.vocab_size, allow_checkpoint=from_checkpoint,
-                                dtype=dtype)
+def build_model(job: Job, tokenizer, from_checkpoint: bool = True,
+                adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+                ) -> torch.nn.Module:
+    """The configured model on the CPU (``model.checkpoint`` loaded when set), changed by
+    ``adapt`` (the recipe's adapters) and stored as :func:`store_frozen_base` stores it.
+
+    With an int8 base (``model.base_dtype=int8``) ``adapt`` and :func:`store_frozen_base` run
+    on the model while it is on the ``meta`` device (``adapt`` must not read weights), and the
+    model is then filled a tensor at a time, each frozen linear weight quantized as it is
+    drawn or read (:func:`~tpu_train.trainer.builders.build_quantized_model`): the host holds
+    the int8 model and one tensor, never the whole model in bfloat16 (16 GB for an 8B)."""
+    cfg = job.cfg
+    if not int8_base(cfg):
+        model = builders.build_model(cfg, tokenizer.vocab_size, allow_checkpoint=from_checkpoint)
+        return adapt(model) if adapt is not None else model
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        return store_frozen_base(cfg, adapt(model) if adapt is not None else model)
+
+    return builders.build_quantized_model(cfg, tokenizer.vocab_size, prepare,
+                                          allow_checkpoint=from_checkpoint)
 
 
 def int8_base(cfg: DictConfig) -> bool:

@@ -7,7 +7,8 @@ projection biases and Mistral a sliding attention window, which :class:`LlamaCon
 
 Loading builds the model on the meta device, allocates it once on the target device and dtype,
 then copies the checkpoint in tensor by tensor, so at most one checkpoint tensor is held on
-the CPU besides the model. Saving goes shard by shard for the same reason.
+the CPU besides the model (:func:`read_weights` streams them to a caller that stores each
+its own way: an int8 base quantizes them as they come). Saving goes shard by shard for the same reason.
 
 A family built on this decoder whose checkpoints name tensors differently (Mixtral) passes
 its own :class:`TensorNames` to :func:`read_config`, :func:`from_pretrained` and
@@ -34,6 +35,7 @@ __all__ = [
     "from_pretrained",
     "hf_name",
     "read_config",
+    "read_weights",
     "save_pretrained",
     "TensorNames",
 ]
@@ -355,11 +357,11 @@ def _dtype_from_hf(hf: dict, source: Path) -> torch.dtype:
     return dtype
 
 
-@torch.no_grad()
-def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
-                    config_path: Path, names: TensorNames) -> None:
-    """Copy the tensors of one safetensors file into ``params`` (checked by name, shape and
-    finiteness), recording their names in ``loaded``."""
+def _file_tensors(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
+                  config_path: Path, names: TensorNames):
+    """The tensors of one safetensors file as ``(parameter name, index or None, tensor)``,
+    each checked by name, shape and finiteness before it is yielded, its name recorded in
+    ``loaded``."""
     with safe_open(str(file), framework="pt", device="cpu") as reader:
         for hf_key in reader.keys():
             located = names.locate(hf_key)
@@ -379,50 +381,35 @@ def _load_file_into(file: Path, params: dict, loaded: set, cfg: LlamaConfig,
                     f"(num_hidden_layers={cfg.n_layers}, "
                     f"tie_word_embeddings={cfg.tie_embeddings})"
                 )
-            param = params[ours] if index is None else params[ours][index]
+            expected = params[ours].shape if index is None else params[ours].shape[1:]
             shape = tuple(reader.get_slice(hf_key).get_shape())
-            if shape != tuple(param.shape):
+            if shape != tuple(expected):
                 raise ValueError(
                     f"{file}: tensor {hf_key!r} has shape {list(shape)} but the config in "
-                    f"{config_path} requires {list(param.shape)}"
+                    f"{config_path} requires {list(expected)}"
                 )
-            param.copy_(reader.get_tensor(hf_key))
-            loaded.add(hf_key)
-            if not bool(torch.isfinite(param).all()):
+            tensor = reader.get_tensor(hf_key)
+            if not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"{file}: tensor {hf_key!r} holds NaN or inf values")
+            loaded.add(hf_key)
+            yield ours, index, tensor
 
 
-@torch.no_grad()
-def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None, *,
-                    max_seq_len: int | None = None, names: TensorNames | None = None) -> Llama:
-    """Load a Hugging Face Llama, Qwen2 or Mistral directory (config.json + safetensors,
-    single or sharded).
-
-    ``dtype`` defaults to the dtype recorded in config.json (float32 if absent); ``device``
-    defaults to the CPU. ``max_seq_len`` replaces the checkpoint's max_position_embeddings
-    (131072 for Llama 3.1), which only sizes the RoPE tables, with the length actually
-    used. Raises ``FileNotFoundError``/``ValueError`` naming the file (and
-    tensor) at fault for a missing config or weights, a missing or unexpected tensor, a shape
-    mismatch, or an unsupported architecture.
-    """
+def read_weights(path: str | Path, params: dict, *, names: TensorNames | None = None):
+    """The weights of a Hugging Face directory, one tensor at a time as it is read: ``(our
+    parameter name, index along its first dimension or None, CPU tensor in the file's
+    dtype)``, checked against ``params`` (our name -> a tensor of the expected shape, e.g. a
+    ``meta`` model's parameters). Raises the errors of :func:`from_pretrained` (a tensor
+    ``params`` lacks or of another shape, NaN or inf values, a damaged file, and at the end a
+    tensor missing)."""
     directory = Path(path)
-    config_path = directory / CONFIG_FILE
     names = names or TensorNames()
-    hf, cfg = read_config(directory, names)
-    if max_seq_len is not None:
-        cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
-    dtype = dtype if dtype is not None else _dtype_from_hf(hf, config_path)
+    _, cfg = read_config(directory, names)
     weight_map, files, blame = _weight_locations(directory)
-
-    with torch.device("meta"):
-        model = names.model_class(cfg)
-    model.to(dtype=dtype).to_empty(device=device if device is not None else "cpu")
-    params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
         try:
-            _load_file_into(file, params, loaded, cfg, config_path, names)
+            yield from _file_tensors(file, params, loaded, cfg, directory / CONFIG_FILE, names)
         except SafetensorError as err:
             raise ValueError(f"{file}: not a readable safetensors file ({err}): it is truncated "
                              "or damaged; copy or download it again") from None
@@ -436,11 +423,46 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
             f"{where}: missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    model.reset_rope_tables()
+
+
+@torch.no_grad()
+def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None, *,
+                    max_seq_len: int | None = None, names: TensorNames | None = None) -> Llama:
+    """Load a Hugging Face Llama, Qwen2 or Mistral directory (config.json + safetensors,
+    single or sharded).
+
+    ``dtype`` defaults to the dtype recorded in config.json (float32 if absent); ``device``
+    defaults to the CPU; ``device="meta"`` gives the model without its weights (nothing is
+    read but the configs: :func:`read_weights` then streams them). ``max_seq_len`` replaces
+    the checkpoint's max_position_embeddings (131072 for Llama 3.1), which only sizes the RoPE
+    tables, with the length actually used. Raises ``FileNotFoundError``/``ValueError`` naming
+    the file (and tensor) at fault for a missing config or weights, a missing or unexpected
+    tensor, a shape mismatch, or an unsupported architecture.
+    """
+    directory = Path(path)
+    config_path = directory / CONFIG_FILE
+    names = names or TensorNames()
+    hf, cfg = read_config(directory, names)
+    if max_seq_len is not None:
+        cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
+    dtype = dtype if dtype is not None else _dtype_from_hf(hf, config_path)
+    _weight_locations(directory)  # no weights at all: the same error with device="meta"
+
+    with torch.device("meta"):
+        model = names.model_class(cfg)
+    model.to(dtype=dtype)
     # Kept so that save_pretrained of a fine-tuned model writes the same special tokens.
     model.hf_special_tokens = {k: hf[k] for k in _SPECIAL_TOKEN_KEYS if hf.get(k) is not None}
     generation = directory / GENERATION_CONFIG_FILE
     model.hf_generation_config = _read_json(generation) if generation.is_file() else None
+    if device is not None and torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device if device is not None else "cpu")
+    params = dict(model.named_parameters())
+    for ours, index, tensor in read_weights(directory, params, names=names):
+        (params[ours] if index is None else params[ours][index]).copy_(tensor)
+    model.reset_rope_tables()
     return model
 
 

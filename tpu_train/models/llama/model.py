@@ -17,7 +17,7 @@ from .kv_cache import KVCache
 from .rope import apply_rotary, rope_tables
 
 __all__ = ["Attention", "FeedForward", "Llama", "RMSNorm", "TransformerBlock", "document_mask",
-           "init_weights", "local_causal_mask"]
+           "init_weights", "initial_values", "local_causal_mask"]
 
 # Hugging Face's initializer_range for Llama.
 _INIT_STD = 0.02
@@ -292,6 +292,45 @@ def _same_device(requested: torch.device, actual: torch.device) -> bool:
     return requested.type == actual.type and requested.index in (None, actual.index)
 
 
+# The most elements of one weight drawn at once (64 MiB of float32): an 8B's embedding table is
+# not drawn whole (2 GiB) beside the model.
+INIT_PIECE_ELEMENTS = 2**24
+
+
+def _row_pieces(shape: tuple[int, ...], limit: int):
+    """Slices of the first dimension of a weight of ``shape``, each of at most ``limit``
+    elements (at least one row); ``[None]`` (whole) where it is smaller. A piece is a multiple
+    of 16 elements, the block torch's CPU ``normal_`` fills at a time, so that drawing the
+    pieces one after the other gives the values of drawing the whole."""
+    row = math.prod(shape[1:])
+    if not shape or math.prod(shape) <= limit or row % 16:
+        return [None]
+    step = max(1, limit // row)
+    return [slice(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
+def initial_values(config: LlamaConfig, shapes, seed: int = 0,
+                   piece_elements: int | None = None):
+    """The seeded initial values of the parameters ``shapes`` (``[(name, shape)]`` in
+    ``named_parameters`` order), one piece at a time: ``(name, rows, float32 value)``, where
+    ``rows`` is a slice of the parameter's first dimension or None for all of it. What
+    :func:`init_weights` writes; a caller that stores each piece as it comes (quantized, say)
+    never holds the whole model in float32."""
+    limit = INIT_PIECE_ELEMENTS if piece_elements is None else piece_elements
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, shape in shapes:
+        if name.endswith(".bias"):  # q/k/v biases start at zero, as Hugging Face's
+            yield name, None, torch.zeros(shape)
+            continue
+        std = _init_std(name, config)
+        if std is None:
+            yield name, None, torch.ones(shape)
+            continue
+        for rows in _row_pieces(shape, limit):
+            size = shape if rows is None else (rows.stop - rows.start, *shape[1:])
+            yield name, rows, torch.empty(size).normal_(mean=0.0, std=std, generator=generator)
+
+
 def init_weights(model: Llama, seed: int = 0,
                  device: torch.device | str | None = None) -> Llama:
     """Materialize (if on the meta device) and initialize ``model`` deterministically.
@@ -314,18 +353,10 @@ def init_weights(model: Llama, seed: int = 0,
             f"init_weights(device={device!r}) on a model already on "
             f"{model.tok_embeddings.weight.device}; move it with model.to(...) instead"
         )
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    params = dict(model.named_parameters())
+    shapes = [(name, tuple(param.shape)) for name, param in params.items()]
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):  # q/k/v biases start at zero, as Hugging Face's
-                param.zero_()
-                continue
-            std = _init_std(name, model.config)
-            if std is None:
-                param.fill_(1.0)
-                continue
-            value = torch.empty(param.shape, dtype=torch.float32)
-            value.normal_(mean=0.0, std=std, generator=generator)
-            param.copy_(value)
+        for name, rows, value in initial_values(model.config, shapes, seed):
+            (params[name] if rows is None else params[name][rows]).copy_(value)
     model.reset_rope_tables()
     return model

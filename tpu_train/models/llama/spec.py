@@ -53,6 +53,12 @@ def _init_weights(model, seed: int = 0, device: Any = None):
     return init_weights(model, seed, device)
 
 
+def _initial_values(config: LlamaConfig, shapes, seed: int = 0):
+    from .model import initial_values
+
+    return initial_values(config, shapes, seed)
+
+
 def _blocks(model):
     return model.layers
 
@@ -86,6 +92,12 @@ def _load(directory, dtype=None, device=None, max_seq_len=None):
     return from_pretrained(directory, dtype=dtype, device=device, max_seq_len=max_seq_len)
 
 
+def _read_weights(directory, params):
+    from .hf import read_weights
+
+    return read_weights(directory, params)
+
+
 def _save(model, directory, **options):
     from .hf import save_pretrained
 
@@ -98,6 +110,7 @@ LLAMA = ModelFamily(
     configs=CONFIGS,
     build=_build,
     init_weights=_init_weights,
+    initial_values=_initial_values,
     blocks=_blocks,
     param_roles=PARAM_ROLES,
     split_sizes=split_sizes,
@@ -106,5 +119,5 @@ LLAMA = ModelFamily(
     qkv_projections=("attention.wq", "attention.wk", "attention.wv"),
     localize_tensor_parallel=localize_heads,
     hf=HfFormat(model_types=tuple(HF_MODEL_TYPES), read_config=_read_config, load=_load,
-                save=_save),
+                save=_save, read_weights=_read_weights),
 )

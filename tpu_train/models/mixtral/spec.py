@@ -59,6 +59,13 @@ def _load(directory, dtype=None, device=None, max_seq_len=None):
     return from_pretrained(directory, dtype=dtype, device=device, max_seq_len=max_seq_len)
 
 
+def _read_weights(directory, params):
+    from .hf import MixtralTensorNames
+    from ..llama.hf import read_weights
+
+    return read_weights(directory, params, names=MixtralTensorNames())
+
+
 def _save(model, directory, **options):
     from .hf import save_pretrained
 
@@ -75,6 +82,7 @@ MIXTRAL = ModelFamily(
     configs=CONFIGS,
     build=_build,
     init_weights=_init_weights,
+    initial_values=LLAMA.initial_values,
     blocks=LLAMA.blocks,
     param_roles=PARAM_ROLES,
     split_sizes=split_sizes,
@@ -82,5 +90,6 @@ MIXTRAL = ModelFamily(
     flops_per_token=flops_per_token,
     qkv_projections=LLAMA.qkv_projections,
     localize_tensor_parallel=LLAMA.localize_tensor_parallel,
-    hf=HfFormat(model_types=("mixtral",), read_config=_read_config, load=_load, save=_save),
+    hf=HfFormat(model_types=("mixtral",), read_config=_read_config, load=_load, save=_save,
+                read_weights=_read_weights),
 )
