@@ -211,12 +211,14 @@ def torchrun_run(tmp_path_factory):
     # As from a user's shell: importing jax in this test process set TF_CPP_MIN_LOG_LEVEL=1
     # in its environment, which tpu-train would respect.
     env = {k: v for k, v in _env(4).items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     return run_dir, done
 
 
+# The timeouts count the fixtures' child processes where a test is the first to need them
+# (run alone, or picked with -k): the one-device run and the launch, up to 300 s each.
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_torchrun_two_processes_one_run_dir(one_device, torchrun_run):
     run_dir, done = torchrun_run
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
@@ -227,7 +229,7 @@ def test_torchrun_two_processes_one_run_dir(one_device, torchrun_run):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)
 def test_a_sharded_checkpoint_resumes_on_one_device(one_device, torchrun_run, tmp_path):
     """Two processes (tensor=2 x fsdp=4) write sharded checkpoints; one process on ONE device
     resumes from the step-2 one and replays steps 3-6 with the losses of a run on one device
