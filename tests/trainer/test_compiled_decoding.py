@@ -23,7 +23,11 @@ def _after_model_line(out: str) -> list[str]:
     return [line for line in out.splitlines()[1:] if not line.startswith("decoding:")]
 
 
-def test_generate_on_tpu_is_compiled_and_matches_the_cpu(one_thread):
+def test_generate_on_tpu_is_compiled_and_matches_the_cpu(one_thread, monkeypatch):
+    """Greedy and sampled generation, compiled on the tpu device at the default
+    trainer.precision=fp32: its decoding program's matmuls run in float32 (bf16's in
+    test_generate_decodes_in_trainer_precision)."""
+    dtypes = _decoding_dot_dtypes(monkeypatch)
     prompts = "recipe.generate.prompts=[add 12+30, what is 7 times 6, hello]"
     runs = {device: run_in_process("recipe=generate", *BASE, f"trainer.device={device}",
                                    prompts, "recipe.generate.max_new_tokens=10")
@@ -40,6 +44,7 @@ def test_generate_on_tpu_is_compiled_and_matches_the_cpu(one_thread):
     first, again = run_in_process(*sampled), run_in_process(*sampled)
     assert first[0] == 0 and COMPILED_MARK in first[1], first[2]
     assert _after_model_line(first[1]) == _after_model_line(again[1])  # seeded by trainer.seed
+    assert dtypes and all(dtype == torch.float32 for dtype in dtypes), dtypes
 
 
 def test_eval_on_tpu_is_compiled_and_matches_the_cpu(one_thread, monkeypatch):
@@ -110,16 +115,15 @@ def _decoding_dot_dtypes(monkeypatch) -> list:
     return dtypes
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_generate_decodes_in_trainer_precision(precision, monkeypatch, one_thread):
+def test_generate_decodes_in_trainer_precision(monkeypatch, one_thread):
     """recipe=generate with trainer.precision=bf16 runs its compiled decoding program's
-    matmuls in bf16 (as validation and the training step do); with fp32, in fp32."""
+    matmuls in bf16 (as validation and the training step do); fp32's run in float32
+    (test_generate_on_tpu_is_compiled_and_matches_the_cpu, the same command at fp32)."""
     dtypes = _decoding_dot_dtypes(monkeypatch)
     code, out, err = run_in_process("recipe=generate", *BASE, "trainer.device=tpu",
-                                    f"trainer.precision={precision}",
+                                    "trainer.precision=bf16",
                                     "recipe.generate.prompts=[add 12+30]",
                                     "recipe.generate.max_new_tokens=4")
     assert code == 0, err
     assert COMPILED_MARK in out
-    want = torch.bfloat16 if precision == "bf16" else torch.float32
-    assert dtypes and all(dtype == want for dtype in dtypes), dtypes
+    assert dtypes and all(dtype == torch.bfloat16 for dtype in dtypes), dtypes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,21 +198,48 @@ def test_two_processes_train_one_model_then_resume_on_one(one_device, tmp_path):
     assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(500)
-def test_a_sharded_checkpoint_resumes_on_one_device(one_device, tmp_path):
-    """Two processes write sharded checkpoints; one process on ONE device resumes from the
-    step-2 one and replays steps 3-6 with the losses of a run on one device throughout. The
-    eager step cannot hold a sharded checkpoint: one line names the setting to change."""
-    run_dir = tmp_path / "run"
-    common = [*COMMON, "checkpoint.every_n_steps=2", "checkpoint.keep_last=3", f"run.dir={run_dir}"]
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """(run directory, finished process) of ``torchrun`` training one model in two processes of
+    4 devices each, a sharded checkpoint every 2 steps. One launch serves the run's own checks
+    and the one-device resume from its step-2 checkpoint (a launch is ~1 minute on 2 cores)."""
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "tpu_train.cli", *COMMON,
+               *LAYOUTS["tp2_fsdp4_scanned"][:3],  # layers unrolled
+               "checkpoint.every_n_steps=2", "checkpoint.keep_last=3", f"run.dir={run_dir}"]
     # As from a user's shell: importing jax in this test process set TF_CPP_MIN_LOG_LEVEL=1
     # in its environment, which tpu-train would respect.
     env = {k: v for k, v in _env(4).items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    done = subprocess.run([sys.executable, "-m", "tpu_train.launch", "--nproc", "2", "-m",
-                           "tpu_train.cli", *common, *LAYOUTS["fsdp8"]], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return run_dir, done
+
+
+# The timeouts count the fixtures' child processes where a test is the first to need them
+# (run alone, or picked with -k): the one-device run and the launch, up to 300 s each.
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_torchrun_two_processes_one_run_dir(one_device, torchrun_run):
+    run_dir, done = torchrun_run
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "(8 devices, 2 processes)" in done.stdout
+    assert [p.name for p in run_dir.parent.iterdir()] == ["run"]
+    _assert_one_writer(run_dir)
+    assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_sharded_checkpoint_resumes_on_one_device(one_device, torchrun_run, tmp_path):
+    """Two processes (tensor=2 x fsdp=4) write sharded checkpoints; one process on ONE device
+    resumes from the step-2 one and replays steps 3-6 with the losses of a run on one device
+    throughout. The eager step cannot hold a sharded checkpoint: one line names the setting to
+    change."""
+    launched, done = torchrun_run
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    run_dir = tmp_path / "run"
+    shutil.copytree(launched, run_dir)  # the launch's own directory stays as it wrote it
+    common = [*COMMON, "checkpoint.every_n_steps=2", "checkpoint.keep_last=3", f"run.dir={run_dir}"]
     checkpoint = run_dir / "checkpoints" / "step_00000002"
     assert json.loads((checkpoint / "meta.json").read_text())["layout"] == "sharded"
     # The processes' library noise stays off the console (logging.verbose=false), their own
@@ -230,21 +258,6 @@ def test_a_sharded_checkpoint_resumes_on_one_device(one_device, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh data=1 fsdp=1 tensor=1 (1 device, 1 process)" in done.stdout
     assert "(resumed from step_00000002)" in done.stdout
-    assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_torchrun_two_processes_one_run_dir(one_device, tmp_path):
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "tpu_train.cli", *COMMON,
-               *LAYOUTS["tp2_fsdp4_scanned"][:3], f"run.dir={run_dir}"]  # layers unrolled
-    done = subprocess.run(command, env=_env(4), capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
-    assert "(8 devices, 2 processes)" in done.stdout
-    assert [p.name for p in tmp_path.iterdir()] == ["run"]
-    _assert_one_writer(run_dir)
     assert _losses(run_dir) == pytest.approx(one_device[0], rel=REL)
 
 
