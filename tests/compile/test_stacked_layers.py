@@ -181,3 +181,30 @@ def test_reads_alone_keep_the_stacks(monkeypatch):
         p.detach().cpu() for p in model.parameters()] + [
         t.cpu() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
     assert len(calls) == 2 * 2, len(calls)  # the first call and after the first compile
+
+
+def test_a_scanned_run_resumes_from_its_checkpoint(tmp_path):
+    """``tpu-train`` with scanned layers: a run stopped at step 2 and resumed from its
+    checkpoint (written from the layers' deferred slices, read back into per-layer tensors
+    and stacked again) trains steps 3 and 4 as the uninterrupted run does."""
+    from tests.trainer.cli_helpers import read_metrics, run_in_process
+
+    common = ["recipe=llama_pretrain", "model=debug_tiny", "data.batch_size=4",
+              "data.seq_len=32", "trainer.val_every_n_steps=0", "logging.progress_bar=false",
+              "logging.every_n_steps=1", "checkpoint.export_hf=false",
+              "scheduler.name=constant", "scheduler.warmup_steps=0", "scheduler.extend=true",
+              "trainer.mode=compiled", "trainer.device=tpu", "trainer.scan_layers=true",
+              "checkpoint.every_n_steps=2"]
+    losses = {}
+    for name, runs in (("whole", [4]), ("resumed", [2, 4])):
+        run_dir = tmp_path / name
+        for steps in runs:
+            code, out, err = run_in_process(*common, f"trainer.max_steps={steps}",
+                                            f"run.dir={run_dir}")
+            assert code == 0, err[-3000:]
+            assert "layers scanned" in out, out
+        metrics = read_metrics(run_dir)
+        losses[name] = [metrics[step]["train/loss"] for step in range(1, 5)]
+    assert "(resumed from step_00000002)" in out, out
+    assert losses["resumed"] == pytest.approx(losses["whole"], rel=RTOL)
+    assert losses["whole"][3] != losses["whole"][2]  # it trained

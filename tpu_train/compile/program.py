@@ -214,8 +214,7 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     param_args = described(st.params, [layout(p) for p in st.params], params)
     state_args = described(st.states, [layout(t) for t in st.states], states)
     if stacking is not None:
-        param_args = _stacked_structs(param_args, stacking.param_slots, stacking.loose_params)
-        state_args = _stacked_structs(state_args, stacking.state_slots, stacking.loose_states)
+        param_args, state_args = stacking.structs(param_args), stacking.structs(state_args, True)
     args = [param_args, state_args,
             described(st.consts, [tuple(c.shape) for c in st.consts], consts),
             described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves], batch),
@@ -224,26 +223,6 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     if random:
         args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=scalar))
     return args
-
-
-def _stacked_structs(structs: list, slots: tuple, loose: tuple) -> list:
-    def stacked(slot):
-        first = structs[slot[0]]
-        return jax.ShapeDtypeStruct((len(slot),) + tuple(first.shape), first.dtype,
-                                    sharding=first.sharding)
-
-    return [structs[i] for i in loose] + [stacked(slot) for slot in slots]
-
-
-def _whole_flags(st, values) -> tuple:
-    """Per param and state: passed whole (as the train step's call plan decides), or for
-    tensors that are not on the ``tpu`` device (a step lowered from ``meta`` tensors) whole."""
-    from tpu_train.device.tensor import TpuTensor, owns_whole_storage
-
-    if values is not None and values.get("whole") is not None:
-        return tuple(values["whole"])
-    return tuple(owns_whole_storage(t) if isinstance(t, TpuTensor) else True
-                 for t in st.params + st.states)
 
 
 def _gathered_tables(gm, n_params: int, at_use) -> frozenset:
@@ -341,20 +320,11 @@ class _StepFunction:
 
     def packed(self, values, states: bool = False) -> list:
         """Per-tensor values as the program passes them (stacked slots stacked)."""
-        k = self.stacking
-        if k is None:
-            return list(values)
-        return k.pack(values, k.state_slots, k.loose_states) if states \
-            else k.pack(values, k.param_slots, k.loose_params)
+        return list(values) if self.stacking is None else self.stacking.pack(values, states)
 
     def expanded(self, values, states: bool = False) -> list:
         """The program's values per tensor (a stacked slot's layers as its views)."""
-        k = self.stacking
-        if k is None:
-            return list(values)
-        if states:
-            return k.expand(values, k.state_slots, k.loose_states, len(self.state_shapes))
-        return k.expand(values, k.param_slots, k.loose_params, self.n_params)
+        return list(values) if self.stacking is None else self.stacking.expand(values, states)
 
     def __call__(self, param_flat, state_flat, consts, batch, scalars_in, key):
         with stacked_layers.views():
@@ -579,7 +549,7 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
     platform = (mesh.devices.flat[0] if mesh is not None else device).platform
     step_function = _StepFunction(step, st, traced, layout, natural, platform,
-                                  _whole_flags(st, values))
+                                  stacked_layers.whole_flags(st, values))
 
     def program(param_flat, state_flat, consts, batch, scalars_in, layer_index, key=None):
         with layer_scan.layer_indices(layer_index):

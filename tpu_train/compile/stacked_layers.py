@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import torch
 
 __all__ = ["StackLayout", "LayerSlice", "plan_stacks", "views", "view", "restack", "lift",
-           "stack_slots"]
+           "stack_slots", "whole_flags"]
 
 # id(value) -> (value, stacked, layer) while a program is traced (None otherwise).
 _views: dict | None = None
@@ -134,9 +134,11 @@ class StackLayout:
     loose_params: tuple
     loose_states: tuple
 
-    def expand(self, program_values: Sequence, slots: tuple, loose: tuple, count: int) -> list:
-        """Per-tensor values (views for the stacked ones) from the program's arguments."""
-        out: list = [None] * count
+    def expand(self, program_values: Sequence, states: bool = False) -> list:
+        """Per-tensor values (views for the stacked ones) from the program's parameter (or
+        with ``states`` state) arguments."""
+        slots, loose = self._of(states)
+        out: list = [None] * (len(loose) + sum(map(len, slots)))
         for position, value in zip(loose, program_values):
             out[position] = value
         for slot, stacked in zip(slots, program_values[len(loose):]):
@@ -144,10 +146,26 @@ class StackLayout:
                 out[position] = view(stacked, layer)
         return out
 
-    def pack(self, values: Sequence, slots: tuple, loose: tuple) -> list:
-        """The program's arguments (or results) from per-tensor values."""
+    def pack(self, values: Sequence, states: bool = False) -> list:
+        """The program's parameter (or state) arguments, or results, from per-tensor values."""
+        slots, loose = self._of(states)
         return [values[i] for i in loose] + [restack([values[i] for i in slot])
                                              for slot in slots]
+
+    def structs(self, structs: Sequence, states: bool = False) -> list:
+        """The arguments' ``jax.ShapeDtypeStruct`` from the per-tensor ones."""
+        slots, loose = self._of(states)
+
+        def stacked(slot):
+            first = structs[slot[0]]
+            return jax.ShapeDtypeStruct((len(slot),) + tuple(first.shape), first.dtype,
+                                        sharding=first.sharding)
+
+        return [structs[i] for i in loose] + [stacked(slot) for slot in slots]
+
+    def _of(self, states: bool) -> tuple:
+        return (self.state_slots, self.loose_states) if states \
+            else (self.param_slots, self.loose_params)
 
 
 def stack_slots(arrays: Sequence, slots: tuple, loose: tuple) -> list:
@@ -184,6 +202,18 @@ class LayerSlice:
     @staticmethod
     def done() -> bool:
         return True
+
+
+def whole_flags(st, values: dict | None) -> tuple:
+    """Per parameter and state of the step inputs ``st``: passed whole, as the train step's
+    call plan decided (``values["whole"]``), else as the tensor is stored (a tensor not on
+    the ``tpu`` device, as a step lowered from ``meta`` tensors has, counts as whole)."""
+    from tpu_train.device.tensor import TpuTensor, owns_whole_storage
+
+    if values is not None and values.get("whole") is not None:
+        return tuple(values["whole"])
+    return tuple(owns_whole_storage(t) if isinstance(t, TpuTensor) else True
+                 for t in st.params + st.states)
 
 
 def plan_stacks(grad_gm: torch.fx.GraphModule, n_params: int, state_counts: Sequence[int],
