@@ -187,7 +187,15 @@ def test_a_scanned_run_resumes_from_its_checkpoint(tmp_path):
     """``tpu-train`` with scanned layers: a run stopped at step 2 and resumed from its
     checkpoint (written from the layers' deferred slices, read back into per-layer tensors
     and stacked again) trains steps 3 and 4 as the uninterrupted run does."""
-    from tests.trainer.cli_helpers import read_metrics, run_in_process
+    import subprocess
+    import sys
+
+    from tests.platforms import cpu_child_env
+    from tests.trainer.cli_helpers import read_metrics
+
+    # A process of one device: the stacked step (an SPMD step keeps per-tensor arguments).
+    env = cpu_child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                        XLA_FLAGS="--xla_force_host_platform_device_count=1")
 
     common = ["recipe=llama_pretrain", "model=debug_tiny", "data.batch_size=4",
               "data.seq_len=32", "trainer.val_every_n_steps=0", "logging.progress_bar=false",
@@ -199,9 +207,12 @@ def test_a_scanned_run_resumes_from_its_checkpoint(tmp_path):
     for name, runs in (("whole", [4]), ("resumed", [2, 4])):
         run_dir = tmp_path / name
         for steps in runs:
-            code, out, err = run_in_process(*common, f"trainer.max_steps={steps}",
-                                            f"run.dir={run_dir}")
-            assert code == 0, err[-3000:]
+            done = subprocess.run([sys.executable, "-m", "tpu_train.cli", *common,
+                                   f"trainer.max_steps={steps}", f"run.dir={run_dir}"],
+                                  env=env, capture_output=True, text=True, timeout=300)
+            out = done.stdout
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "(1 device, 1 process)" in out, out
             assert "layers scanned" in out, out
         metrics = read_metrics(run_dir)
         losses[name] = [metrics[step]["train/loss"] for step in range(1, 5)]
