@@ -12,7 +12,7 @@ The step is the one ``tpu-train`` builds: AdamW, clipping to 1.0, skip-non-finit
 JSON line: trace / lower / XLA compile seconds (and the compile's CPU seconds, all threads:
 ``xla_compile_cpu_s``, steadier than wall seconds on a loaded host), the TPU compiler's bytes accessed, FLOPs and
 peak memory per chip, the optimized program's fusion, dot and Pallas kernel counts, and its
-entry parameters against the arguments the step passes (they must be equal). Usage::
+entry parameters against the arguments the step passes (never more: XLA drops unread ones). Usage::
 
     python scripts/tpu_compile.py [--size default|w1|350m|1b] [--precision fp32|bf16]
                                   [--matmul-precision highest|high|medium] [--target v5e]

@@ -38,12 +38,13 @@ from typing import Any
 import torch
 
 from tpu_train.compile import cache as cache_mod
+from tpu_train.compile import stacked_layers
 from tpu_train.compile.lowering import StepInputs
 from tpu_train.device import storage as storage_mod
 from tpu_train.device import tensor as tensor_mod
 from tpu_train.device.tensor import TpuTensor, owns_whole_storage, storage_of
 
-__all__ = ["CallPlan", "structure_generation"]
+__all__ = ["CallPlan", "StackedCall", "structure_generation"]
 
 _generation = 0
 _hooks_lock = threading.Lock()
@@ -270,3 +271,69 @@ def donatable(inputs: StepInputs) -> tuple:
             uses[id(storage)] = uses.get(id(storage), 0) + 1
     return tuple(owns_whole_storage(t) and uses[id(storage_of(t))] == 1
                  for t in inputs.params + inputs.states)
+
+
+def _holds_slice(storage, layer_slice) -> bool:
+    pending = storage._pending
+    return pending is layer_slice or (
+        pending is None and layer_slice.produced is not None
+        and storage._buffer is layer_slice.produced)
+
+
+@dataclasses.dataclass
+class StackedCall:
+    """What a call of a program with stacked slots (:mod:`.stacked_layers`) left in the user's
+    storages: each stacked layer's storage reads its element of the stacked output when first
+    read (:class:`.stacked_layers.LayerSlice`), the other tensors' storages hold their outputs.
+    While that still holds, the stacked outputs are the next call's arguments as they are."""
+
+    plan: CallPlan
+    stacking: Any  # the program's StackLayout
+    arguments: tuple  # (param arrays, state arrays) as the program takes them
+    storages: list  # each stacked layer's storage,
+    slices: list  # and the LayerSlice it was left
+    loose_storages: list
+    loose_written: list
+
+    @classmethod
+    def write(cls, plan: CallPlan, stacking, new_params: list,
+              new_states: list) -> "StackedCall | None":
+        """Write a call's results (in the program's argument order) into the user's tensors;
+        the record of it, or None where some tensor is not passed whole (no reuse then)."""
+        st = plan.inputs
+        n_params = len(st.params)
+        loose = ([(st.params[i], plan.whole[i]) for i in stacking.loose_params]
+                 + [(st.states[i], plan.whole[n_params + i]) for i in stacking.loose_states])
+        loose_values = (new_params[:len(stacking.loose_params)]
+                        + new_states[:len(stacking.loose_states)])
+        for (tensor, whole), value in zip(loose, loose_values):
+            if whole:
+                storage_of(tensor).buffer = value
+            else:
+                tensor_mod.write_elements(tensor, value.reshape(tuple(tensor.shape)))
+        storages, slices = [], []
+        slots = ([(st.params, slot) for slot in stacking.param_slots]
+                 + [(st.states, slot) for slot in stacking.state_slots])
+        stacked = (new_params[len(stacking.loose_params):]
+                   + new_states[len(stacking.loose_states):])
+        for (tensors, slot), array in zip(slots, stacked):
+            for layer, position in enumerate(slot):
+                storage = storage_of(tensors[position])
+                layer_slice = stacked_layers.LayerSlice(array, layer)
+                storage.defer(layer_slice)
+                storages.append(storage)
+                slices.append(layer_slice)
+        plan.written = None
+        if not all(whole for _, whole in loose):
+            return None
+        return cls(plan, stacking, (new_params, new_states), storages, slices,
+                   [storage_of(t) for t, _ in loose], loose_values)
+
+    def reusable(self, plan: CallPlan) -> tuple | None:
+        """``(param arrays, state arrays)`` of the latest call where ``plan`` is its plan and
+        every storage still holds what it wrote (read, not replaced), else None."""
+        if plan is not self.plan or any(map(_PENDING, self.loose_storages)) \
+                or not _all_same(map(_BUFFER, self.loose_storages), self.loose_written) \
+                or not all(map(_holds_slice, self.storages, self.slices)):
+            return None
+        return self.arguments

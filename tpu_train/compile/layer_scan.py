@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import torch
 from jax.ad_checkpoint import checkpoint_name
 
-from tpu_train.compile import interpreter, remat_regions
+from tpu_train.compile import interpreter, remat_regions, stacked_layers
 from tpu_train.ops import attention_tpu
 from tpu_train.ops.dtypes import storage_dtype, torch_dtype
 
@@ -287,9 +287,13 @@ def layer_indices(values: Sequence):
 
 
 def _layer_slice(stacked, layer: int):
+    """Layer ``layer`` of ``stacked``, a view of it (:mod:`.stacked_layers`): a step that
+    holds the stack's parameters stacked updates them with ``stacked`` itself."""
     if _layer_index_inputs is not None and layer < len(_layer_index_inputs):
-        return jax.lax.dynamic_index_in_dim(stacked, _layer_index_inputs[layer], keepdims=False)
-    return stacked[layer]
+        value = jax.lax.dynamic_index_in_dim(stacked, _layer_index_inputs[layer], keepdims=False)
+    else:
+        value = stacked[layer]
+    return stacked_layers.register(value, stacked, layer)
 
 
 def _backward_count(b: "LayerBody", tensors: Sequence) -> int:
@@ -411,7 +415,9 @@ remat_regions.FORWARD_UNDER_FUNCTIONALIZE.add(LayerScan)
 
 
 def _stacked_states(b: LayerBody, flat: Sequence, n: int) -> list:
-    return [jnp.stack([flat[layer * b.n_states + s] for layer in range(n)])
+    """Each slot's ``n`` layers stacked: the program's stacked argument itself where they are
+    its views (:mod:`.stacked_layers`)."""
+    return [stacked_layers.restack([flat[layer * b.n_states + s] for layer in range(n)])
             for s in range(b.n_states)]
 
 

@@ -38,7 +38,7 @@ import numpy
 import torch
 
 from tpu_train.compile import (context_parallel, interpreter, layer_scan, loss_graph, memory_errors,
-                               shared_layers)
+                               shared_layers, stacked_layers)
 from tpu_train.compile.remat_regions import OPTIMIZATION_BARRIER
 from tpu_train.compile.spmd import (BATCH_AXES, PlacingExecutable, activation_constraint,
                                     flat_storage_sharding, step_shardings)
@@ -76,6 +76,8 @@ class Program:
     autodiff: str = "torch"
     autodiff_note: str = ""
     compiler_options: dict | None = None  # the XLA options it is (to be) compiled with
+    # Which parameters and states go in and out stacked (None: every one on its own).
+    stacking: stacked_layers.StackLayout | None = None
 
     def layer_index_values(self, device) -> list:
         """The ``layer_indices`` argument: ``j`` at position ``j`` (made once per placement)."""
@@ -154,8 +156,8 @@ def _cast_for_compute(params: list, compute, gathered: frozenset = frozenset()) 
     rows it gathers from them."""
     if compute is None:
         return list(params)
-    return [p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != compute
-            and i not in gathered else p for i, p in enumerate(params)]
+    return stacked_layers.lift(params, lambda i, p: p.astype(compute) if jnp.issubdtype(
+        p.dtype, jnp.floating) and p.dtype != compute and i not in gathered else p)
 
 
 def natural_layout(platform: str) -> bool:
@@ -196,10 +198,11 @@ def _layer_index_values(count: int, placement) -> tuple:
 
 
 def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, scalar,
-                     layer_indices: int, natural: bool = False) -> list:
+                     layer_indices: int, natural: bool = False, stacking=None) -> list:
     """The step's arguments as shapes, dtypes and the given shardings only: nothing is
     allocated to lower and compile. Parameters and states go in as their flat storages, or
-    in their natural shapes (:func:`natural_layout`)."""
+    in their natural shapes (:func:`natural_layout`); with ``stacking`` (a
+    :class:`.stacked_layers.StackLayout`) a stacked slot as one ``[L, ...]`` array."""
 
     def described(tensors, shapes, shardings):
         return [jax.ShapeDtypeStruct(tuple(shape), storage_dtype(t.dtype), sharding=s)
@@ -208,8 +211,11 @@ def _abstract_inputs(st, scalars, random: bool, params, states, consts, batch, s
     def layout(t):
         return tuple(t.shape) if natural else (t.numel(),)
 
-    args = [described(st.params, [layout(p) for p in st.params], params),
-            described(st.states, [layout(t) for t in st.states], states),
+    param_args = described(st.params, [layout(p) for p in st.params], params)
+    state_args = described(st.states, [layout(t) for t in st.states], states)
+    if stacking is not None:
+        param_args, state_args = stacking.structs(param_args), stacking.structs(state_args, True)
+    args = [param_args, state_args,
             described(st.consts, [tuple(c.shape) for c in st.consts], consts),
             described(st.batch_leaves, [tuple(b.shape) for b in st.batch_leaves], batch),
             jax.ShapeDtypeStruct(tuple(scalars.shape), jnp.float32, sharding=scalar),
@@ -294,8 +300,13 @@ class _StepFunction:
     micro-batches), then the optimizer update; the program's body (module docstring)."""
 
     def __init__(self, step, st, traced: TracedStep, layout: _SpmdLayout | None,
-                 natural: bool, platform: str):
+                 natural: bool, platform: str, whole: tuple):
         self.traced, self.layout, self.natural = traced, layout, natural
+        # A scanned stack's slots go in and out stacked (one device; an SPMD step's
+        # parameters keep their own arrays, each split by the plan).
+        self.stacking = None if layout is not None else stacked_layers.plan_stacks(
+            traced.grad_gm, len(st.params), st.state_counts,
+            [(tuple(t.shape), t.dtype) for t in st.states], whole)
         self.k = step.settings.grad_accum_steps
         self.skip = step.settings.skip_non_finite
         self.own_norm = traced.grad_norm_dtype != torch.float32
@@ -307,13 +318,27 @@ class _StepFunction:
         compute = step.settings.compute_dtype
         self.compute = None if compute is None else storage_dtype(compute)
 
+    def packed(self, values, states: bool = False) -> list:
+        """Per-tensor values as the program passes them (stacked slots stacked)."""
+        return list(values) if self.stacking is None else self.stacking.pack(values, states)
+
+    def expanded(self, values, states: bool = False) -> list:
+        """The program's values per tensor (a stacked slot's layers as its views)."""
+        return list(values) if self.stacking is None else self.stacking.expand(values, states)
+
     def __call__(self, param_flat, state_flat, consts, batch, scalars_in, key):
+        with stacked_layers.views():
+            return self._step(self.expanded(param_flat), self.expanded(state_flat, True),
+                              consts, batch, scalars_in, key)
+
+    def _step(self, param_flat, state_flat, consts, batch, scalars_in, key):
         traced, layout, mutated = self.traced, self.layout, self.traced.mutated
         # A tpu batch tensor comes as its storage is kept (flat): reshaped here, not by a
         # program of its own before each call.
         batch = [b if tuple(b.shape) == s else b.reshape(s)
                  for b, s in zip(batch, self.batch_shapes)]
-        params = [a.reshape(s) for a, s in zip(param_flat, self.param_shapes)]
+        shapes = self.param_shapes
+        params = stacked_layers.lift(param_flat, lambda i, a: a.reshape(shapes[i]))
         if layout is not None:
             params = [_pin(p, s) for p, s in zip(params, layout.shardings.params)]
             if layout.at_use is None:  # gathered once, at the top
@@ -332,31 +357,42 @@ class _StepFunction:
         elif self.natural:
             update_in = (params, list(grads), list(state_flat))
         else:
-            update_in = (list(param_flat), [g.reshape(-1) for g in grads], list(state_flat))
+            update_in = (list(param_flat), stacked_layers.lift(grads, lambda i, g: g.reshape(-1)),
+                         list(state_flat))
         changed = [new_consts[p] for p in mutated]
+        # The update's operands and results as the program passes them (stacked slots
+        # stacked), so that a conditional's branches get whole stacks too.
+        packed_in = (self.packed(update_in[0]), self.packed(update_in[1]),
+                     self.packed(update_in[2], True))
 
         def update(operands):
-            p, g, s = operands
+            p, g, s = self.expanded(operands[0]), self.expanded(operands[1]), \
+                self.expanded(operands[2], True)
             outputs, _ = interpreter.run_graph(traced.update_gm, p + g + s + [scalars_in])
-            return outputs[:self.n_params], outputs[self.n_params:-1], outputs[-1]
+            return (self.packed(outputs[:self.n_params]),
+                    self.packed(outputs[self.n_params:-1], True), outputs[-1])
 
         if not self.skip:
-            new_params, new_states, grad_norm = update(update_in)
+            new_params, new_states, grad_norm = update(packed_in)
         elif self.skip_by_select:
-            new_params, new_states, grad_norm = update(update_in)
+            new_params, new_states, grad_norm = update(packed_in)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            new_params = [jnp.where(finite, n, o) for n, o in zip(new_params, update_in[0])]
-            new_states = [jnp.where(finite, n, o) for n, o in zip(new_states, update_in[2])]
+            new_params = [jnp.where(finite, n, o) for n, o in zip(new_params, packed_in[0])]
+            new_states = [jnp.where(finite, n, o) for n, o in zip(new_states, packed_in[2])]
             changed = [jnp.where(finite, n, consts[p]) for n, p in zip(changed, mutated)]
         else:
             # The gradient norm decides; only it is kept from this run of the update graph
             # (XLA drops the rest). The update itself runs in a conditional, so that a skipped
             # step passes the donated buffers through (skips_by_select).
-            grad_norm = update(update_in)[2]
+            grad_norm = update(packed_in)[2]
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+            def applied(operands):
+                with stacked_layers.views():
+                    return update(operands)[:2]
+
             new_params, new_states = jax.lax.cond(
-                finite, lambda operands: update(operands)[:2],
-                lambda operands: (operands[0], operands[2]), update_in)
+                finite, applied, lambda operands: (operands[0], operands[2]), packed_in)
             changed = [jnp.where(finite, n, consts[p]) for n, p in zip(changed, mutated)]
         if layout is not None:  # back to the flat storage layout (the out_shardings split it)
             new_params = [o.reshape(-1) for o in new_params]
@@ -381,7 +417,7 @@ class _StepFunction:
             + consts + batch,
             rng_key=key, constrain=constrain, at_use=at_use)
         new_consts = [mutations.get(self.n_params + i, consts[i]) for i in range(self.n_consts)]
-        grads = [g.astype(p.dtype) for g, p in zip(outputs[:-2], params)]
+        grads = stacked_layers.lift(outputs[:-2], lambda i, g: g.astype(params[i].dtype))
         return grads, outputs[-2], outputs[-1], new_consts
 
     def normalise(self, grads, loss, total):
@@ -391,9 +427,10 @@ class _StepFunction:
         if not self.traced.weighted:
             if k == 1:
                 return list(grads), loss
-            return [(g / k).astype(g.dtype) for g in grads], loss / k
+            return stacked_layers.lift(grads, lambda i, g: (g / k).astype(g.dtype)), loss / k
         total = jnp.where(total > 0, total, 1.0)
-        return [(g / total.astype(g.dtype)).astype(g.dtype) for g in grads], loss / total
+        return stacked_layers.lift(
+            grads, lambda i, g: (g / total.astype(g.dtype)).astype(g.dtype)), loss / total
 
     def accumulate(self, params, consts, batch, key):
         """Gradients summed over ``k`` micro-batches by ``lax.scan``, then normalised."""
@@ -409,37 +446,43 @@ class _StepFunction:
             micro_key = None if key is None else jax.random.fold_in(key, i)
             grads, loss, weight, new_consts = self.gradients(params, current,
                                                              list(micro_batch), micro_key)
-            grad_sum = [a + g.astype(a.dtype) for a, g in zip(grad_sum, grads)]
+            # Summed as the program passes them: a stacked slot's gradients as one array.
+            grad_sum = [a + g.astype(a.dtype) for a, g in zip(grad_sum, self.packed(grads))]
             return (grad_sum, loss_sum + loss, weight_sum + weight,
                     [new_consts[p] for p in mutated]), None
 
-        init = ([jnp.zeros_like(p) for p in params], jnp.zeros((), jnp.float32),
+        init = (self.packed([jnp.zeros_like(p) for p in params]), jnp.zeros((), jnp.float32),
                 jnp.zeros((), jnp.float32), [consts[p] for p in mutated])
         (grad_sum, loss_sum, weight_sum, carried), _ = jax.lax.scan(
             body, init, (micro, jnp.arange(k)))
         new_consts = list(consts)
         for position, value in zip(mutated, carried):
             new_consts[position] = value
-        grads, loss = self.normalise(grad_sum, loss_sum, weight_sum)
+        grads, loss = self.normalise(self.expanded(grad_sum), loss_sum, weight_sum)
         return grads, loss, new_consts
 
 
 def _jitted_with_arguments(program, step, st, traced: TracedStep, layout: _SpmdLayout | None,
-                           values, scalars, device, own_norm: bool):
+                           values, scalars, device, own_norm: bool, stacking=None):
     """``(jitted program, its arguments to lower with, in_shardings)``."""
     donate = (0, 1) if step.settings.donate else ()
     n_indices, random = traced.layer_indices, traced.random
     if layout is None:
         jitted = jax.jit(program, donate_argnums=donate)
         one = jax.sharding.SingleDeviceSharding(device)
+        described = _abstract_inputs(st, scalars, random, [one] * len(st.params),
+                                     [one] * len(st.states), [one] * len(st.consts),
+                                     [one] * len(st.batch_leaves), one, n_indices,
+                                     natural=natural_layout(device.platform), stacking=stacking)
         if values is None:
-            args = _abstract_inputs(st, scalars, random, [one] * len(st.params),
-                                    [one] * len(st.states), [one] * len(st.consts),
-                                    [one] * len(st.batch_leaves), one, n_indices,
-                                    natural=natural_layout(device.platform))
+            args = described
         else:
-            args = [values["params"], values["states"], values["consts"], values["batch"],
-                    jax.device_put(scalars, device), list(_layer_index_values(n_indices, device))]
+            # Stacked slots: the call's per-tensor arrays are not the program's arguments.
+            stacked = stacking is not None or values["params"] is None
+            args = [described[0] if stacked else values["params"],
+                    described[1] if stacked else values["states"], values["consts"],
+                    values["batch"], jax.device_put(scalars, device),
+                    list(_layer_index_values(n_indices, device))]
             if random:
                 args.append(jax.ShapeDtypeStruct((), _key_dtype(), sharding=one))
         return jitted, args, None
@@ -505,7 +548,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                              autodiff or step.settings.autodiff, natural)
     layout = None if mesh is None else _spmd_layout(step, st, plan, mesh, traced)
     platform = (mesh.devices.flat[0] if mesh is not None else device).platform
-    step_function = _StepFunction(step, st, traced, layout, natural, platform)
+    step_function = _StepFunction(step, st, traced, layout, natural, platform,
+                                  stacked_layers.whole_flags(st, values))
 
     def program(param_flat, state_flat, consts, batch, scalars_in, layer_index, key=None):
         with layer_scan.layer_indices(layer_index):
@@ -513,7 +557,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
 
     jitted, args, in_shardings = _jitted_with_arguments(program, step, st, traced, layout,
                                                         values, scalars, device,
-                                                        own_norm=step_function.own_norm)
+                                                        own_norm=step_function.own_norm,
+                                                        stacking=step_function.stacking)
     try:
         with _attention_form(mesh, batch_shapes, model=step.model), \
                 shared_layers.recomputation_fenced(platform == "cpu"):
@@ -534,7 +579,8 @@ def build_program(step, st, values, scalars, device, stages, *, mesh=None, plan=
                       traced.grad_gm, traced.update_gm, lowered=lowered, in_shardings=in_shardings,
                       layer_indices=traced.layer_indices,
                       autodiff="jax" if traced.jax_autodiff else "torch",
-                      autodiff_note=traced.autodiff_note, compiler_options=compiler_options)
+                      autodiff_note=traced.autodiff_note, compiler_options=compiler_options,
+                      stacking=step_function.stacking)
     return compile_program(program, stages) if compile else program
 
 

@@ -32,8 +32,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from tpu_train.compile import cache as cache_mod
-from tpu_train.compile import context_parallel
-from tpu_train.compile.call_plan import CallPlan, donatable, structure_generation
+from tpu_train.compile import context_parallel, stacked_layers
+from tpu_train.compile.call_plan import CallPlan, StackedCall, donatable, structure_generation
 from tpu_train.compile.functional_optim import adapter_for
 from tpu_train.compile.lowering import (ScalarsAhead, StepInputs, batch_structure,
                                         collect_step_inputs, flatten_batch, host_scalars,
@@ -127,6 +127,7 @@ class CompiledTrainStep:
         # its counts were advanced, and go back in settle() if the flag says so.
         self._unsettled: tuple | None = None
         self._scalars_ahead = ScalarsAhead()
+        self._stacked: StackedCall | None = None  # the latest call's, where it had stacks
         if settings.skip_non_finite:
             # Whatever reads, replaces or advances the counts on the optimizer settles first.
             hook = _settle_hook(weakref.ref(self))
@@ -237,6 +238,22 @@ class CompiledTrainStep:
         return (_step_arrays(st.params, whole[:n_params], natural),
                 _step_arrays(st.states, whole[n_params:], natural))
 
+    def _stacked_arguments(self, plan: CallPlan, stacking, device, arrays: tuple,
+                           stacked: tuple | None) -> tuple[list, list]:
+        """The param and state arguments of a program with ``stacking`` (None: per tensor):
+        the latest call's stacked outputs where they stand for the storages (``stacked``),
+        else the storages' arrays (``arrays``, read now if not yet) with the slots stacked."""
+        if stacked is not None and self._stacked.stacking == stacking:
+            return stacked
+        if arrays[0] is None:
+            arrays = self._param_and_state_arrays(plan, natural_layout(device.platform))
+        if stacking is None:
+            return arrays
+        return (stacked_layers.stack_slots(arrays[0], stacking.param_slots,
+                                           stacking.loose_params),
+                stacked_layers.stack_slots(arrays[1], stacking.state_slots,
+                                           stacking.loose_states))
+
     def _batch_arrays(self, names, leaves) -> list:
         arrays = []
         accum = self.settings.grad_accum_steps
@@ -270,7 +287,11 @@ class CompiledTrainStep:
         device = runtime.jax_device(index)
         mesh = self.settings.mesh
         natural = mesh is None and natural_layout(device.platform)
-        param_arrays, state_arrays = self._param_and_state_arrays(plan, natural)
+        # A stacked layer's storage is read (and its layer made) only where the latest
+        # call's stacked outputs no longer stand for it.
+        stacked = None if self._stacked is None else self._stacked.reusable(plan)
+        param_arrays, state_arrays = (None, None) if stacked is not None \
+            else self._param_and_state_arrays(plan, natural)
         const_arrays = plan.const_arrays()
         batch_arrays = self._batch_arrays(names, leaves)
         autocast_dtype = step_autocast_dtype(self.settings.autocast_dtype)
@@ -289,7 +310,7 @@ class CompiledTrainStep:
                                    runtime_options=True, compile=compile)
 
         arguments = (param_arrays, state_arrays, const_arrays, batch_arrays,
-                     self._scalars_ahead.take(scalars), steps)
+                     self._scalars_ahead.take(scalars), steps, stacked)
         return plan, device, arguments, signature, build
 
     def put_batch(self, batch):
@@ -409,8 +430,12 @@ class CompiledTrainStep:
         until the call returned, it came after the call's wait for its flag, with the device
         idle (docs/benchmarks.md, W1 on the chip)."""
         plan, device, arguments, signature, build = self._prepared(batch)
-        param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps = arguments
+        param_arrays, state_arrays, const_arrays, batch_arrays, scalars, steps, stacked = \
+            arguments
         entry = self.cache.get_or_build(signature, build)
+        if entry.stacking is not None or stacked is not None:
+            param_arrays, state_arrays = self._stacked_arguments(
+                plan, entry.stacking, device, (param_arrays, state_arrays), stacked)
         args = [param_arrays, state_arrays, const_arrays, batch_arrays, scalars,
                 entry.layer_index_values(device)]
         if entry.random:
@@ -422,7 +447,10 @@ class CompiledTrainStep:
         the scheduler's step, the result. Nothing here waits for the program."""
         new_params, new_states, new_consts, metrics, *own_norm = outputs
         st, index = plan.inputs, plan.device_index
-        if not plan.write_whole(new_params + new_states):
+        self._stacked = None
+        if entry.stacking is not None:
+            self._stacked = StackedCall.write(plan, entry.stacking, new_params, new_states)
+        elif not plan.write_whole(new_params + new_states):
             n_params = len(st.params)
             self._write_back(st.params, plan.whole[:n_params], new_params)
             self._write_back(st.states, plan.whole[n_params:], new_states)

@@ -39,7 +39,7 @@ from typing import Sequence
 import jax
 import torch
 
-from tpu_train.compile import interpreter, remat_regions, tracing
+from tpu_train.compile import interpreter, remat_regions, stacked_layers, tracing
 
 _LIBRARY = torch.library.Library(remat_regions.BARRIER_NAMESPACE, "FRAGMENT")
 _LIBRARY.define("template_map(int template, Tensor[] tensors) -> Tensor[]")
@@ -157,10 +157,50 @@ def _shape_free(gm: torch.fx.GraphModule) -> tuple | None:
 def _lower_template_map(template_id: int, tensors: Sequence, constrain=None, uses=None):
     t = template(template_id)
     function = t.lowered()
-    outputs = []
-    for start in range(0, len(tensors), t.n_inputs):
-        outputs.extend(function(*tensors[start:start + t.n_inputs]))
-    return outputs
+    calls = [list(tensors[start:start + t.n_inputs])
+             for start in range(0, len(tensors), t.n_inputs)]
+    results: list = [None] * len(calls)
+    for positions in _stacked_calls(calls):
+        _vmapped(function, calls, positions, results)
+    return [value for position, call in enumerate(calls)
+            for value in (results[position] or function(*call))]
+
+
+def _stacked_calls(calls: Sequence[list]) -> list[list[int]]:
+    """Groups of calls that are one stack's layers (:mod:`.stacked_layers`), in layer order:
+    each call's views are of the same stacks at one layer, its other inputs the very values
+    of the group's other calls."""
+    groups: dict[tuple, dict[int, int]] = {}
+    for position, call in enumerate(calls):
+        key, layers = [], set()
+        for value in call:
+            found = stacked_layers.source(value)
+            key.append(("value", id(value)) if found is None else ("stack", id(found[0])))
+            if found is not None:
+                layers.add(found[1])
+        if len(layers) == 1:
+            groups.setdefault(tuple(key), {}).setdefault(layers.pop(), position)
+    complete = []
+    for by_layer in groups.values():
+        positions = [by_layer.get(layer) for layer in range(len(by_layer))]
+        first = calls[positions[0]] if None not in positions else None
+        if first is not None and len(positions) > 1 and all(
+                stacked_layers.source(v) is None
+                or stacked_layers.source(v)[0].shape[0] == len(positions) for v in first):
+            complete.append(positions)
+    return complete
+
+
+def _vmapped(function, calls: Sequence[list], positions: list[int], results: list) -> None:
+    """One ``vmap`` of ``function`` over the stacks of the calls at ``positions`` (one per
+    layer); each call's results are views of the stacked results."""
+    first = calls[positions[0]]
+    sources = [stacked_layers.source(v) for v in first]
+    args = [v if found is None else found[0] for v, found in zip(first, sources)]
+    axes = [None if found is None else 0 for found in sources]
+    stacked = jax.vmap(function, in_axes=axes)(*args)
+    for layer, position in enumerate(positions):
+        results[position] = [stacked_layers.view(out, layer) for out in stacked]
 
 
 interpreter.GRAPH_OPS[TEMPLATE_MAP] = _lower_template_map

@@ -189,6 +189,17 @@ class Storage:
         array of this size) when it is first read: an asynchronous host-to-device copy."""
         self._pending = future
 
+    def defer(self, source) -> None:
+        """Replace the whole buffer with ``source.result()`` (an object with ``result()`` and
+        ``done()``, as :meth:`fill_later`'s futures), made when first read; the current buffer
+        is dropped now. A compiled step that holds a scanned stack's layers in one stacked
+        array leaves each layer's storage its element of it this way."""
+        numel = self.numel
+        self._pending = source
+        self._buffer = None
+        self._numel = numel
+        self._unusual = True
+
     @property
     def ready(self) -> bool:
         """False while a copy started by :meth:`fill_later` has not finished."""
