@@ -177,12 +177,7 @@ class UserLoopMode(_Timed):
         self.placement = placement
         self._ahead = None  # (the NumPy batch, as put_ahead placed it)
 
-    @staticmethod
-    def _tensors(batch: dict) -> dict:
-        import torch
-
-        return {key: torch.from_numpy(np.asarray(value, dtype=np.int64))
-                for key, value in batch.items()}
+    _tensors = TrainerMode._tensors
 
     def step(self, batch: dict):
         if self._ahead is not None and self._ahead[0] is batch:

@@ -155,6 +155,13 @@ def test_an_asynchronous_collective_overlaps_the_kernels_between_its_halves():
     assert around["ici_bytes_per_chip"] == apart["ici_bytes_per_chip"] == 0.75 * 1024 * 256 * 4
 
 
+def _kernel_flops(results: str, operands: list[str]) -> float:
+    """``attention_kernel_flops`` of a custom call with these result and operand shapes."""
+    inst = hlo_program.Instruction("k", "custom-call", results,
+                                   [f"x{i}" for i in range(len(operands))], "")
+    return step_time.attention_kernel_flops(inst, {f"x{i}": s for i, s in enumerate(operands)})
+
+
 @pytest.mark.parametrize("results, operands, products", [
     # splash attention's three kernels for 8 x 16 heads (8 kv heads) x 1024 x 64
     ("(bf16[8,8,2,1024,64], f32[8,8,2,1024,128])",
@@ -167,11 +174,8 @@ def test_an_asynchronous_collective_overlaps_the_kernels_between_its_halves():
       "bf16[8,8,2,1024,64]"], 4),
 ])
 def test_attention_kernel_flops_from_its_shapes(results, operands, products):
-    inst = hlo_program.Instruction("k", "custom-call", results,
-                                   [f"x{i}" for i in range(len(operands))], "")
-    shapes = {f"x{i}": s for i, s in enumerate(operands)}
     causal_product = 2 * 8 * 16 * 1024 * 1024 * 64 * step_time.CAUSAL_FRACTION
-    assert step_time.attention_kernel_flops(inst, shapes) == products * causal_product
+    assert _kernel_flops(results, operands) == products * causal_product
 
 
 @pytest.mark.parametrize("results, operands, products", [
@@ -189,11 +193,8 @@ def test_attention_kernel_flops_from_its_shapes(results, operands, products):
 ])
 def test_attention_kernel_flops_of_a_shard_against_longer_keys(results, operands, products):
     """The shapes of a v5e step's kernels under context=2 (compiled for v5e:2x2)."""
-    inst = hlo_program.Instruction("k", "custom-call", results,
-                                   [f"x{i}" for i in range(len(operands))], "")
-    shapes = {f"x{i}": s for i, s in enumerate(operands)}
     causal_product = 2 * 2 * 4 * 1024 * 2048 * 64 * step_time.CAUSAL_FRACTION
-    assert step_time.attention_kernel_flops(inst, shapes) == products * causal_product
+    assert _kernel_flops(results, operands) == products * causal_product
 
 
 def test_an_unknown_chip_is_a_one_line_error():
