@@ -20,6 +20,7 @@ from tpu_train.ops import attention_tpu
 
 from .helpers import (DEVICE, OPTIMIZERS, _llama, lm_batches, lm_functions, lm_loss,
                       run_reference, to_device)
+from tests.markers import needs_libtpu
 
 SEQ = 128  # one 128-token tile: the smallest the kernels take
 # Longest reduction of a step: SwiGLU hidden 256 (dim 128, head_dim 64, 128 tokens, vocab 128).
@@ -49,8 +50,6 @@ def test_two_signatures_on_the_kernels_run_and_match_cpu(kernel_calls):
         assert abs(got - want) <= rtol * abs(want), (i, got, want)
 
 
-needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
-                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
 KERNEL_CALL = 'custom_call_target="tpu_custom_call"'
 
 

@@ -13,6 +13,7 @@ from tpu_train.compile import targets
 from tpu_train.compile.context_parallel import ContextParallelError, sequence_split, zigzag_batch
 from tpu_train.compile.spmd import PlanError, activation_constraint
 from tpu_train.ops.context_attention import zigzag_positions
+from tests.markers import needs_libtpu
 
 
 def test_the_batch_is_permuted_and_keeps_its_positions():
@@ -61,8 +62,7 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused():
         pass
 
 
-@pytest.mark.skipif(not targets.libtpu_available(),
-                    reason="libtpu is not installed (pip install tpu_train[tpu])")
+@needs_libtpu
 def test_a_v5e_step_runs_each_devices_share_on_the_kernels():
     """Compiled for a v5e:2x2 (compile-only) with context=2 x fsdp=2, a bf16 step at 1024
     tokens runs each device's share of attention on the splash kernels: forward, dQ and dK/dV

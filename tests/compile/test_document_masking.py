@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpu_train.compile import compile_train_step, lower_train_step, targets
+from tpu_train.compile import compile_train_step, lower_train_step
 from tpu_train.compile.evaluation import CompiledLoss
 from tpu_train.data.packing import IGNORE_INDEX, segments_and_positions
 
@@ -21,6 +21,7 @@ from tests.platforms import PLATFORM
 from tests.tolerances import CROSS_ENTROPY_FUNCTIONS, llama_functions, loss_rtol
 
 from .helpers import DEVICE, OPTIMIZERS, run_reference, tiny_llama, to_device
+from tests.markers import needs_libtpu
 
 LENGTHS = (5, 11, 3, 13)  # one 32-token row (the tiny model's max_seq_len)
 
@@ -151,8 +152,6 @@ def test_a_compiled_step_on_packed_rows_follows_eager_pytorch(model, scan_layers
     assert abs(losses[0] - float(alone.mean())) <= 1e-5 * float(alone.mean())
 
 
-needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
-                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
 
 
 @needs_libtpu

@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpu_train.compile import ProgramOutOfMemoryError, lower_train_step, targets
+from tpu_train.compile import ProgramOutOfMemoryError, lower_train_step
 from tpu_train.compile.memory_errors import out_of_memory
 from tpu_train.models import Llama, LlamaConfig
+from tests.markers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
-                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
 GiB = 2**30
 # XLA:TPU's message (jax 0.10.2's libtpu), compiling 350m-sized layers for 160 x 1024 tokens.
 TEMPORARIES = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "

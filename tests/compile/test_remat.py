@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpu_train.compile import lower_train_step, targets
+from tpu_train.compile import lower_train_step
 from tpu_train.models import LLAMA
 from tpu_train.parallel.activation_checkpointing import (apply_activation_checkpointing,
                                                          remat_setting)
@@ -29,6 +29,7 @@ from tests.platforms import PLATFORM
 from tests.tolerances import assert_rel_close, update_rtol
 
 from .helpers import DEVICE, TINY_LLAMA_FUNCTIONS, lm_batches, lm_loss, tiny_llama, to_device
+from tests.markers import needs_libtpu
 
 F32 = torch.float32
 POLICIES = ("none", "save_dots", "save_qkv_proj", "full")
@@ -192,8 +193,7 @@ def test_save_qkv_proj_needs_projections():
         apply_activation_checkpointing(Model(), "save_qkv_proj")
 
 
-@pytest.mark.skipif(not targets.libtpu_available(),
-                    reason="libtpu is not installed (pip install tpu_train[tpu])")
+@needs_libtpu
 def test_for_a_tpu_full_is_a_recomputed_layer_call():
     """For a TPU (compiled without a chip, and on a chip's own platform) a ``full`` layer is a
     body differentiated by JAX through ``jax.checkpoint``; on the CPU client it is PyTorch's

@@ -14,13 +14,14 @@ import re
 import pytest
 import torch
 
-from tpu_train.compile import compile_train_step, lower_train_step, remat_regions, targets
+from tpu_train.compile import compile_train_step, lower_train_step, remat_regions
 from tpu_train.models import LLAMA
 from tpu_train.parallel.activation_checkpointing import apply_activation_checkpointing
 
 from tests.tolerances import assert_rel_close
 
 from .helpers import DEVICE, lm_batches, lm_loss, tiny_llama, to_device
+from tests.markers import needs_libtpu
 
 STEPS = 3
 
@@ -50,8 +51,7 @@ def test_offload_trains_as_full():
         assert_rel_close(value, full_weights[name], 1e-5, name)
 
 
-@pytest.mark.skipif(not targets.libtpu_available(),
-                    reason="libtpu is not installed (pip install tpu_train[tpu])")
+@needs_libtpu
 def test_for_a_tpu_layer_inputs_are_in_host_memory():
     """Compiled for a v5e (no chip): the stacked layer inputs live in host memory (XLA's
     memory space 5, ``S(5)`` in a shape's layout) where ``full`` keeps them on the chip. The

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.models.hf_reference import MISTRAL_WINDOW, hf_mistral, random_tokens
-from tpu_train.compile import compile_train_step, lower_train_step, targets
+from tpu_train.compile import compile_train_step, lower_train_step
 from tpu_train.compile.evaluation import CompiledLoss
 from tpu_train.models import Llama, from_pretrained
 from tpu_train.ops import attention_tpu
 
 from .helpers import DEVICE, OPTIMIZERS, lm_loss, run_reference, to_device
+from tests.markers import needs_libtpu
 
 SEQ = 32  # more than two windows
 assert SEQ > 2 * MISTRAL_WINDOW
@@ -93,8 +94,6 @@ def test_a_compiled_step_follows_eager_pytorch(pair):
     assert abs(losses[0] - first) <= 1e-5 * first
 
 
-needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
-                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
 
 
 @needs_libtpu

@@ -13,9 +13,8 @@ from tpu_train.compile import lower_train_step
 from tpu_train.compile import targets
 from tpu_train.compile.targets import TargetError, resolve_target
 from tpu_train.models import Llama, LlamaConfig
+from tests.markers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
-                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
 TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
                    ffn_hidden_dim=128, max_seq_len=32)
 

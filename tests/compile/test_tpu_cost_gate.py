@@ -24,15 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from tpu_train.compile import targets
 from tpu_train.ops.matmul import get_matmul_precision
+from tests.markers import needs_libtpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
-    pytest.mark.skipif(not targets.libtpu_available(),
-                       reason="libtpu (XLA's TPU compiler) is not installed: "
-                              'pip install -c constraints.txt -e ".[test,tpu]" (CI does)'),
+    needs_libtpu,
     # The module's compiles run in the first test's setup.
     pytest.mark.timeout(1800),
 ]

@@ -14,9 +14,8 @@ from tpu_train.planning import command, pod_topology
 from tpu_train.planning.analysis import compiled_step_analysis
 from tpu_train.planning import tpu_dump
 from tpu_train.planning.loop_flops import loop_flops, while_loops
+from tests.markers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not targets.libtpu_available(),
-                                  reason="libtpu is not installed (pip install tpu_train[tpu])")
 # Large enough that matmuls are most of the FLOPs, small enough to compile in seconds.
 SMALL = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
          "ffn_hidden_dim": 768}
